@@ -1,0 +1,527 @@
+// zen_ds CPU kernels. Each op touches its data once where it can, splits work into one contiguous
+// chunk per thread (at::parallel_for over chunk ids, so it follows torch's thread pool), and keeps
+// per-thread state in small arrays instead of atomics. Sizes and indices are 64-bit throughout.
+#include "zen_ops.h"
+#include "zen_permute.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace zen {
+namespace cpu {
+namespace {
+
+// Number of chunks for `work` items: one per thread, none smaller than `grain` items.
+int64_t num_chunks(int64_t work, int64_t grain)
+{
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    return std::max<int64_t>(1, std::min<int64_t>(threads, work / std::max<int64_t>(grain, 1)));
+}
+
+inline int64_t chunk_begin(int64_t chunk, int64_t chunks, int64_t work)
+{
+    return static_cast<int64_t>((static_cast<unsigned __int128>(chunk) * work) / chunks);
+}
+
+// Run fn(chunk, begin, end) for every chunk, one chunk per task.
+template <typename Fn>
+void for_each_chunk(int64_t chunks, int64_t work, const Fn& fn)
+{
+    at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t c = lo; c < hi; ++c)
+            fn(c, chunk_begin(c, chunks, work), chunk_begin(c + 1, chunks, work));
+    });
+}
+
+Permutation make_perm(const PermArgs& a, int64_t world_size)
+{
+    return make_permutation(static_cast<uint64_t>(a.num_rows), static_cast<uint64_t>(a.multiplier),
+                            static_cast<uint64_t>(a.inverse), static_cast<uint64_t>(a.offset),
+                            static_cast<uint64_t>(world_size));
+}
+
+void check_ids(const at::Tensor& t, const char* what)
+{
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), what,
+                " must be a contiguous int64 CPU tensor");
+}
+
+// Copy one row of `bytes` bytes; fixed small widths become single loads/stores (1-D tensors).
+inline void copy_row(char* dst, const char* src, int64_t bytes)
+{
+    switch (bytes) {
+        case 2: std::memcpy(dst, src, 2); break;
+        case 4: std::memcpy(dst, src, 4); break;
+        case 8: std::memcpy(dst, src, 8); break;
+        case 16: std::memcpy(dst, src, 16); break;
+        default: std::memcpy(dst, src, static_cast<size_t>(bytes));
+    }
+}
+
+// Element-wise "!= 0" on the raw bits: everything but the sign bit. NaN and denormals count as
+// non-zero, -0.0 as zero, exactly like IEEE comparison, and immune to fast-math flags.
+template <typename Bits>
+int64_t nonzero_rows_chunk(const Bits* data, int64_t width, int64_t begin, int64_t end,
+                           std::vector<int64_t>& found)
+{
+    constexpr Bits mask = static_cast<Bits>(~(Bits(1) << (sizeof(Bits) * 8 - 1)));
+    constexpr int64_t kBlock = 64;
+    if (width == 1) {
+        int64_t i = begin;
+        for (; i + kBlock <= end; i += kBlock) {
+            Bits any = 0;
+#pragma omp simd reduction(| : any)
+            for (int64_t j = 0; j < kBlock; ++j) any |= data[i + j] & mask;
+            if (any == 0) continue;
+            for (int64_t j = 0; j < kBlock; ++j)
+                if (data[i + j] & mask) found.push_back(i + j);
+        }
+        for (; i < end; ++i)
+            if (data[i] & mask) found.push_back(i);
+        return static_cast<int64_t>(found.size());
+    }
+    for (int64_t r = begin; r < end; ++r) {
+        const Bits* row = data + r * width;
+        bool nonzero = false;
+        for (int64_t j0 = 0; j0 < width && !nonzero; j0 += kBlock) {
+            const int64_t j1 = std::min(width, j0 + kBlock);
+            Bits any = 0;
+#pragma omp simd reduction(| : any)
+            for (int64_t j = j0; j < j1; ++j) any |= row[j] & mask;
+            nonzero = any != 0;
+        }
+        if (nonzero) found.push_back(r);
+    }
+    return static_cast<int64_t>(found.size());
+}
+
+template <typename Bits>
+at::Tensor nonzero_rows_impl(const at::Tensor& values)
+{
+    const int64_t rows = values.size(0);
+    const int64_t width = values.dim() == 1 ? 1 : values.size(1);
+    const Bits* data = reinterpret_cast<const Bits*>(values.const_data_ptr());
+    const int64_t chunks = num_chunks(rows * std::max<int64_t>(width, 1), 1 << 16);
+    // Per-chunk result buffers are kept across calls (clear() keeps capacity): no per-call
+    // allocation proportional to the number of non-zero rows.
+    // (thread_local names resolve per executing thread, so the workers get a plain reference.)
+    thread_local std::vector<std::vector<int64_t>> found_cache;
+    std::vector<std::vector<int64_t>>& found = found_cache;
+    if (static_cast<int64_t>(found.size()) < chunks) found.resize(chunks);
+    for (int64_t c = 0; c < chunks; ++c) found[c].clear();
+    if (width > 0) {
+        for_each_chunk(chunks, rows, [&](int64_t c, int64_t b, int64_t e) {
+            nonzero_rows_chunk<Bits>(data, width, b, e, found[c]);
+        });
+    }
+    std::vector<int64_t> starts(chunks + 1, 0);
+    for (int64_t c = 0; c < chunks; ++c) starts[c + 1] = starts[c] + found[c].size();
+    at::Tensor out = at::empty({starts[chunks]}, values.options().dtype(at::kLong));
+    int64_t* dst = out.data_ptr<int64_t>();
+    at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t c = lo; c < hi; ++c)
+            if (!found[c].empty())
+                std::memcpy(dst + starts[c], found[c].data(), found[c].size() * sizeof(int64_t));
+    });
+    return out;
+}
+
+// Sum rows `src` into `dst` (row width `width`) in accumulation type Acc.
+template <typename T, typename Acc>
+inline void add_row(Acc* __restrict dst, const T* __restrict src, int64_t width)
+{
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) dst[j] += static_cast<Acc>(src[j]);
+}
+
+template <typename T, typename Acc>
+std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, const at::Tensor& values,
+                                                  at::ScalarType accum_dtype)
+{
+    const int64_t k = offsets.numel();
+    const int64_t width = values.size(1);
+    const int64_t* off = offsets.const_data_ptr<int64_t>();
+    const T* val = values.const_data_ptr<T>();
+    auto id_opts = offsets.options().dtype(at::kLong);
+    auto acc_opts = values.options().dtype(accum_dtype);
+    if (k == 0) return {at::empty({0}, id_opts), at::zeros({0, width}, acc_opts)};
+
+    // Bounds of the offsets (they are shard-relative, so usually small).
+    const int64_t chunks = num_chunks(k, 1 << 14);
+    std::vector<int64_t> lo(chunks, INT64_MAX), hi(chunks, INT64_MIN);
+    for_each_chunk(chunks, k, [&](int64_t c, int64_t b, int64_t e) {
+        int64_t mn = INT64_MAX, mx = INT64_MIN;
+        for (int64_t i = b; i < e; ++i) {
+            mn = std::min(mn, off[i]);
+            mx = std::max(mx, off[i]);
+        }
+        lo[c] = mn;
+        hi[c] = mx;
+    });
+    const int64_t min_off = *std::min_element(lo.begin(), lo.end());
+    const int64_t max_off = *std::max_element(hi.begin(), hi.end());
+    TORCH_CHECK(min_off >= 0, "zen_ds aggregate: offsets must be >= 0, got ", min_off);
+
+    at::Tensor unique;
+    std::vector<int64_t> order;  // sort path: input indices grouped by offset, stable
+    std::vector<int64_t> group;  // sort path: start of each output slot in `order`
+    const int64_t nwords = max_off / 64 + 1;
+    // Sort-free path when the offsets' range is not much sparser than k: a bitset over [0, max]
+    // plus a per-word rank table gives every offset its output slot. The O(max/64) scratch is
+    // reused across calls (no per-call allocation, no page faults).
+    const bool bitset = nwords <= 4 * k + 4096;
+    // thread_local names resolve per executing thread: workers only see the raw pointers below.
+    thread_local std::vector<uint64_t> bits_cache;
+    thread_local std::vector<int64_t> rank_cache;
+    std::vector<uint64_t>& bits = bits_cache;
+    std::vector<int64_t>& rank = rank_cache;
+    int64_t u = 0;
+    if (bitset) {
+        bits.assign(nwords, 0);
+        rank.resize(nwords + 1);
+        rank[0] = 0;
+        // Each chunk owns a range of words and scans every offset: no atomics, no races.
+        const int64_t set_chunks = num_chunks(k, 1 << 16);
+        uint64_t* bset = bits.data();
+        for_each_chunk(set_chunks, nwords, [&](int64_t, int64_t wb, int64_t we) {
+            for (int64_t i = 0; i < k; ++i) {
+                const int64_t w = off[i] >> 6;
+                if (w >= wb && w < we) bset[w] |= 1ull << (off[i] & 63);
+            }
+        });
+        for (int64_t w = 0; w < nwords; ++w) rank[w + 1] = rank[w] + __builtin_popcountll(bset[w]);
+        u = rank[nwords];
+        unique = at::empty({u}, id_opts);
+        int64_t* uq = unique.data_ptr<int64_t>();
+        const int64_t* rnk = rank.data();
+        for_each_chunk(num_chunks(nwords, 1 << 14), nwords, [&](int64_t, int64_t wb, int64_t we) {
+            int64_t d = rnk[wb];
+            for (int64_t w = wb; w < we; ++w)
+                for (uint64_t v = bset[w]; v; v &= v - 1) uq[d++] = w * 64 + __builtin_ctzll(v);
+        });
+    } else {
+        order.resize(k);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(),
+                         [off](int64_t a, int64_t b) { return off[a] < off[b]; });
+        for (int64_t j = 0; j < k; ++j)
+            if (j == 0 || off[order[j]] != off[order[j - 1]]) group.push_back(j);
+        u = static_cast<int64_t>(group.size());
+        group.push_back(k);
+        unique = at::empty({u}, id_opts);
+        int64_t* uq = unique.data_ptr<int64_t>();
+        for (int64_t s = 0; s < u; ++s) uq[s] = off[order[group[s]]];
+    }
+
+    const uint64_t* bw = bits.data();
+    const int64_t* rk = rank.data();
+    at::Tensor sums = at::zeros({u, width}, acc_opts);
+    Acc* out = sums.data_ptr<Acc>();
+    // Each thread owns a contiguous range of output slots and adds its inputs in input order, so
+    // the result is deterministic and independent of the thread count.
+    // Every chunk scans all k inputs, so splitting only pays when rows are wide (embeddings);
+    // for scalar rows (top-k tensors) the scan would be duplicated for little work each.
+    const int64_t out_chunks = width < 16 ? 1 : num_chunks(k * width, 1 << 16);
+    for_each_chunk(out_chunks, u, [&](int64_t, int64_t sb, int64_t se) {
+        if (bitset) {
+            for (int64_t i = 0; i < k; ++i) {
+                const int64_t w = off[i] >> 6;
+                const int64_t s = rk[w] + __builtin_popcountll(bw[w] & ((1ull << (off[i] & 63)) - 1));
+                if (s >= sb && s < se) add_row<T, Acc>(out + s * width, val + i * width, width);
+            }
+        } else {
+            for (int64_t s = sb; s < se; ++s)
+                for (int64_t j = group[s]; j < group[s + 1]; ++j)
+                    add_row<T, Acc>(out + s * width, val + order[j] * width, width);
+        }
+    });
+    return {unique, sums};
+}
+
+}  // namespace
+
+at::Tensor permute(const at::Tensor& rows, const PermArgs& perm, bool inverse)
+{
+    check_ids(rows, "permute input");
+    const Permutation p = make_perm(perm, 1);
+    const int64_t n = rows.numel();
+    at::Tensor out = at::empty_like(rows);
+    const uint64_t* src = reinterpret_cast<const uint64_t*>(rows.const_data_ptr<int64_t>());
+    uint64_t* dst = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
+    std::atomic<bool> bad{false};
+    at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
+        bool local_bad = false;
+        for (int64_t i = b; i < e; ++i) {
+            const uint64_t x = src[i];  // negative ids wrap to >= num_rows and are caught
+            local_bad |= x >= p.rows.d;
+            dst[i] = inverse ? unpermute_one(x < p.rows.d ? x : 0, p)
+                             : permute_one(x < p.rows.d ? x : 0, p);
+        }
+        if (local_bad) bad.store(true, std::memory_order_relaxed);
+    });
+    TORCH_CHECK(!bad.load(), "zen_ds ", inverse ? "unpermute" : "permute",
+                ": every id must lie in [0, num_rows=", perm.num_rows, ")");
+    return out;
+}
+
+at::Tensor nonzero_rows(const at::Tensor& values)
+{
+    TORCH_CHECK(values.device().is_cpu() && values.is_contiguous() && values.dim() <= 2 &&
+                    values.dim() >= 1,
+                "zen_ds nonzero_rows: expected a contiguous 1-D or 2-D CPU tensor");
+    switch (values.element_size()) {
+        case 2: return nonzero_rows_impl<uint16_t>(values);
+        case 4: return nonzero_rows_impl<uint32_t>(values);
+        case 8: return nonzero_rows_impl<uint64_t>(values);
+        default: TORCH_CHECK(false, "zen_ds nonzero_rows: unsupported dtype ", values.scalar_type());
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
+                                                         const at::Tensor& values,
+                                                         const PermArgs& perm,
+                                                         int64_t world_size,
+                                                         bool int32_ids)
+{
+    check_ids(rows, "partition rows");
+    TORCH_CHECK(values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 &&
+                    values.size(0) == rows.numel(),
+                "zen_ds partition: values must be a contiguous CPU tensor [k, row_numel]");
+    TORCH_CHECK(world_size >= 1, "zen_ds partition: world_size must be >= 1");
+    TORCH_CHECK(static_cast<unsigned __int128>(perm.num_rows) * world_size < (((unsigned __int128)1) << 64),
+                "zen_ds partition: num_rows * world_size must be < 2**64");
+    const Permutation p = make_perm(perm, world_size);
+    const int64_t k = rows.numel();
+    const int64_t n = world_size;
+    const int64_t row_bytes = values.size(1) * values.element_size();
+    const uint64_t* ids = reinterpret_cast<const uint64_t*>(rows.const_data_ptr<int64_t>());
+    const char* src = static_cast<const char*>(values.const_data_ptr());
+
+    at::Tensor counts = at::zeros({n}, rows.options());
+    at::Tensor out_off = at::empty({k}, rows.options().dtype(int32_ids ? at::kInt : at::kLong));
+    at::Tensor out_val = at::empty_like(values);
+    if (k == 0) return {counts, out_off, out_val};
+    if (int32_ids)
+        TORCH_CHECK(perm.num_rows / n + 1 <= INT32_MAX,
+                    "zen_ds partition: shard size exceeds int32; use id_dtype=torch.int64");
+
+    // Shard starts floor(r * N / n), exact in 128-bit, and a floating estimate of the owner that
+    // the starts table then corrects: no integer division per row.
+    std::vector<uint64_t> starts(n + 1);
+    for (int64_t r = 0; r <= n; ++r)
+        starts[r] = static_cast<uint64_t>((static_cast<unsigned __int128>(r) * p.rows.d) / n);
+    const double owner_scale = static_cast<double>(n) / static_cast<double>(p.rows.d);
+    const uint64_t* st = starts.data();
+    auto owner_from = [st, owner_scale, n](uint64_t q) -> uint64_t {
+        uint64_t o = static_cast<uint64_t>(static_cast<double>(q) * owner_scale);
+        if (o >= static_cast<uint64_t>(n)) o = n - 1;
+        while (q < st[o]) --o;
+        while (q >= st[o + 1]) ++o;
+        return o;
+    };
+
+    // Pass 1: permuted position and owner of every row into reusable scratch (O(k), kept across
+    // calls so repeated steps do not page-fault), plus per-chunk owner histograms.
+    const int64_t chunks = num_chunks(k, 1 << 14);
+    thread_local std::vector<uint64_t> pos_cache;
+    thread_local std::vector<uint32_t> owner_cache;
+    if (static_cast<int64_t>(pos_cache.size()) < k) {
+        pos_cache.resize(k);
+        owner_cache.resize(k);
+    }
+    uint64_t* pos = pos_cache.data();  // thread_local names resolve per thread: use raw pointers
+    uint32_t* own = owner_cache.data();
+    std::vector<int64_t> hist(chunks * n, 0);
+    std::atomic<bool> bad{false};
+    for_each_chunk(chunks, k, [&](int64_t c, int64_t b, int64_t e) {
+        int64_t* h = hist.data() + c * n;
+        bool local_bad = false;
+        for (int64_t i = b; i < e; ++i) {
+            const uint64_t x = ids[i];
+            local_bad |= x >= p.rows.d;
+            const uint64_t q = permute_one(x < p.rows.d ? x : 0, p);
+            const uint64_t o = owner_from(q);
+            pos[i] = q;
+            own[i] = static_cast<uint32_t>(o);
+            ++h[o];
+        }
+        if (local_bad) bad.store(true, std::memory_order_relaxed);
+    });
+    TORCH_CHECK(!bad.load(), "zen_ds partition: every row id must lie in [0, num_rows=",
+                perm.num_rows, ")");
+
+    // Exclusive scan in (owner, chunk) order -> write cursor of every chunk for every owner.
+    int64_t* cnt = counts.data_ptr<int64_t>();
+    int64_t running = 0;
+    for (int64_t o = 0; o < n; ++o) {
+        const int64_t before = running;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t h = hist[c * n + o];
+            hist[c * n + o] = running;
+            running += h;
+        }
+        cnt[o] = running - before;
+    }
+
+    // Pass 2: scatter offsets and rows to their cursors; one read and one write of every value.
+    char* dst = static_cast<char*>(out_val.data_ptr());
+    void* off_dst = out_off.data_ptr();
+    for_each_chunk(chunks, k, [&](int64_t c, int64_t b, int64_t e) {
+        int64_t* cur = hist.data() + c * n;
+        for (int64_t i = b; i < e; ++i) {
+            const uint32_t o = own[i];
+            const uint64_t so = pos[i] - st[o];
+            const int64_t d = cur[o]++;
+            if (int32_ids)
+                static_cast<int32_t*>(off_dst)[d] = static_cast<int32_t>(so);
+            else
+                static_cast<int64_t*>(off_dst)[d] = static_cast<int64_t>(so);
+            copy_row(dst + d * row_bytes, src + i * row_bytes, row_bytes);
+        }
+    });
+    return {counts, out_off, out_val};
+}
+
+std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
+                                             const at::Tensor& values,
+                                             at::ScalarType accum_dtype)
+{
+    check_ids(offsets, "aggregate offsets");
+    TORCH_CHECK(values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 &&
+                    values.size(0) == offsets.numel(),
+                "zen_ds aggregate: values must be a contiguous CPU tensor [k, row_numel]");
+    TORCH_CHECK(accum_dtype == at::kFloat || accum_dtype == at::kDouble,
+                "zen_ds aggregate: accum_dtype must be float32 or float64");
+    std::tuple<at::Tensor, at::Tensor> result;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "zen_aggregate", [&] {
+        if (accum_dtype == at::kFloat)
+            result = aggregate_impl<scalar_t, float>(offsets, values, accum_dtype);
+        else
+            result = aggregate_impl<scalar_t, double>(offsets, values, accum_dtype);
+    });
+    return result;
+}
+
+at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)
+{
+    check_ids(offsets, "bitmap_encode offsets");
+    TORCH_CHECK(universe >= 0, "zen_ds bitmap_encode: universe must be >= 0");
+    const int64_t k = offsets.numel();
+    const int64_t* off = offsets.const_data_ptr<int64_t>();
+    at::Tensor out = at::zeros({(universe + 7) / 8}, offsets.options().dtype(at::kByte));
+    uint8_t* bits = out.data_ptr<uint8_t>();
+    if (k == 0) return out;
+
+    // Validate range and detect sortedness in one parallel pass.
+    const int64_t chunks = num_chunks(k, 1 << 14);
+    std::vector<char> out_of_range(chunks, 0), unsorted(chunks, 0);
+    for_each_chunk(chunks, k, [&](int64_t c, int64_t b, int64_t e) {
+        bool bad = false, uns = false;
+        for (int64_t i = b; i < e; ++i) {
+            bad |= off[i] < 0 || off[i] >= universe;
+            uns |= i > 0 && off[i] < off[i - 1];
+        }
+        out_of_range[c] = bad;
+        unsorted[c] = uns;
+    });
+    for (int64_t c = 0; c < chunks; ++c)
+        TORCH_CHECK(!out_of_range[c], "zen_ds bitmap_encode: offsets must lie in [0, universe=",
+                    universe, ")");
+    const bool sorted = std::none_of(unsorted.begin(), unsorted.end(), [](char x) { return x; });
+    if (!sorted) {
+        for (int64_t i = 0; i < k; ++i) bits[off[i] >> 3] |= uint8_t(1u << (off[i] & 7));
+        return out;
+    }
+    // Sorted: move chunk borders so that no byte is shared between two threads.
+    for_each_chunk(chunks, k, [&](int64_t, int64_t b, int64_t e) {
+        // Both borders move to the first index whose byte differs from its predecessor's, so
+        // neighbouring chunks agree on the border and never overlap.
+        while (b > 0 && b < k && (off[b] >> 3) == (off[b - 1] >> 3)) ++b;
+        while (e < k && (off[e] >> 3) == (off[e - 1] >> 3)) ++e;
+        for (int64_t i = b; i < e; ++i) bits[off[i] >> 3] |= uint8_t(1u << (off[i] & 7));
+    });
+    return out;
+}
+
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe)
+{
+    TORCH_CHECK(bitmap.device().is_cpu() && bitmap.scalar_type() == at::kByte && bitmap.is_contiguous(),
+                "zen_ds bitmap_decode: bitmap must be a contiguous uint8 CPU tensor");
+    TORCH_CHECK(universe >= 0, "zen_ds bitmap_decode: universe must be >= 0");
+    const int64_t nbits = std::min<int64_t>(bitmap.numel() * 8, universe);
+    const int64_t nwords = (nbits + 63) / 64;
+    const uint8_t* bytes = bitmap.const_data_ptr<uint8_t>();
+    const int64_t nbytes = (nbits + 7) / 8;
+    // Word w holds bits [64w, 64w+64), little-endian, masked to nbits.
+    auto word = [&](int64_t w) -> uint64_t {
+        uint64_t v = 0;
+        const int64_t b0 = w * 8;
+        const int64_t take = std::min<int64_t>(8, nbytes - b0);
+        std::memcpy(&v, bytes + b0, static_cast<size_t>(take));
+        const int64_t valid = std::min<int64_t>(64, nbits - w * 64);
+        if (valid < 64) v &= (1ull << valid) - 1;
+        return v;
+    };
+    const int64_t chunks = num_chunks(nwords, 1 << 12);
+    std::vector<int64_t> start(chunks + 1, 0);
+    for_each_chunk(chunks, nwords, [&](int64_t c, int64_t b, int64_t e) {
+        int64_t n = 0;
+        for (int64_t w = b; w < e; ++w) n += __builtin_popcountll(word(w));
+        start[c + 1] = n;
+    });
+    for (int64_t c = 0; c < chunks; ++c) start[c + 1] += start[c];
+    at::Tensor out = at::empty({start[chunks]}, bitmap.options().dtype(at::kLong));
+    int64_t* dst = out.data_ptr<int64_t>();
+    for_each_chunk(chunks, nwords, [&](int64_t c, int64_t b, int64_t e) {
+        int64_t d = start[c];
+        for (int64_t w = b; w < e; ++w) {
+            uint64_t v = word(w);
+            while (v) {
+                dst[d++] = w * 64 + __builtin_ctzll(v);
+                v &= v - 1;
+            }
+        }
+    });
+    return out;
+}
+
+void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values)
+{
+    check_ids(rows, "scatter_rows rows");
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 &&
+                    values.is_contiguous() && values.dim() == 2 &&
+                    values.scalar_type() == out.scalar_type() && values.size(1) == out.size(1) &&
+                    values.size(0) == rows.numel(),
+                "zen_ds scatter_rows: expected contiguous out [R, W] and values [k, W] of one dtype");
+    const int64_t k = rows.numel();
+    const int64_t num_rows = out.size(0);
+    const int64_t row_bytes = out.size(1) * out.element_size();
+    const int64_t* ids = rows.const_data_ptr<int64_t>();
+    const char* src = static_cast<const char*>(values.const_data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    std::atomic<bool> bad{false};
+    at::parallel_for(0, k, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(row_bytes, 1)),
+                     [&](int64_t b, int64_t e) {
+                         bool local_bad = false;
+                         for (int64_t i = b; i < e; ++i) {
+                             const int64_t r = ids[i];
+                             if (r < 0 || r >= num_rows) {
+                                 local_bad = true;
+                                 continue;
+                             }
+                             copy_row(dst + r * row_bytes, src + i * row_bytes, row_bytes);
+                         }
+                         if (local_bad) bad.store(true, std::memory_order_relaxed);
+                     });
+    TORCH_CHECK(!bad.load(), "zen_ds scatter_rows: row ids must lie in [0, ", num_rows, ")");
+}
+
+}  // namespace cpu
+}  // namespace zen

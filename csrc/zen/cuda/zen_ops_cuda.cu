@@ -1,0 +1,532 @@
+// zen_ds CUDA kernels. Every launch goes to the current stream; sizes and indices are 64-bit.
+// The owner partition is a stable counting sort (per-block histogram, exclusive scan, scatter with
+// warp-match ranks): lossless by construction, no hash table and no "empty" marker.
+#include "zen_ops.h"
+#include "zen_permute.h"
+
+#include <ATen/Dispatch.h>
+// c10 stream/guard headers only: ATen/cuda/CUDAContext.h pulls in cuBLAS/cuSPARSE headers that a
+// bare nvcc toolkit lacks. c10::cuda::getCurrentCUDAStream is what at::cuda::getCurrentCUDAStream
+// resolves to.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+namespace zen {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int64_t kMaxGrid = 1 << 16;  // grid-stride kernels never need more blocks than this
+constexpr int64_t kMaxPartitionWorld = 1024;  // shared-memory histograms: kWarps * n ints
+
+int64_t grid_for(int64_t work)
+{
+    return std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, kMaxGrid));
+}
+
+Permutation make_perm(const PermArgs& a, int64_t world_size)
+{
+    return make_permutation(static_cast<uint64_t>(a.num_rows), static_cast<uint64_t>(a.multiplier),
+                            static_cast<uint64_t>(a.inverse), static_cast<uint64_t>(a.offset),
+                            static_cast<uint64_t>(world_size));
+}
+
+void check_ids(const at::Tensor& t, const char* what)
+{
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kLong && t.is_contiguous(), what,
+                " must be a contiguous int64 CUDA tensor");
+}
+
+// Reads a device-side error flag (one small synchronising copy) and raises with `message`.
+void raise_if_flagged(const at::Tensor& flag, const std::string& message)
+{
+    TORCH_CHECK(flag.item<int32_t>() == 0, message);
+}
+
+__device__ __forceinline__ int64_t global_thread() { return blockIdx.x * int64_t(blockDim.x) + threadIdx.x; }
+__device__ __forceinline__ int64_t grid_stride() { return int64_t(gridDim.x) * blockDim.x; }
+
+// ---------------------------------------------------------------- permute / unpermute
+
+__global__ void permute_kernel(const uint64_t* __restrict__ src, uint64_t* __restrict__ dst, int64_t n,
+                               Permutation p, bool inverse, int32_t* bad)
+{
+    for (int64_t i = global_thread(); i < n; i += grid_stride()) {
+        uint64_t x = src[i];
+        if (x >= p.rows.d) {
+            *bad = 1;
+            x = 0;
+        }
+        dst[i] = inverse ? unpermute_one(x, p) : permute_one(x, p);
+    }
+}
+
+// ---------------------------------------------------------------- nonzero rows
+
+// Raw-bit test (everything but the sign bit): NaN and denormals are non-zero, -0.0 is zero.
+template <typename Bits>
+__global__ void row_flags_kernel(const Bits* __restrict__ data, int64_t rows, int64_t width,
+                                 uint8_t* __restrict__ flags)
+{
+    constexpr Bits mask = static_cast<Bits>(~(Bits(1) << (sizeof(Bits) * 8 - 1)));
+    if (width == 1) {
+        for (int64_t i = global_thread(); i < rows; i += grid_stride())
+            flags[i] = (data[i] & mask) != 0;
+        return;
+    }
+    const int lane = threadIdx.x & 31;
+    const int64_t warp = global_thread() >> 5;
+    const int64_t warps = grid_stride() >> 5;
+    for (int64_t r = warp; r < rows; r += warps) {  // uniform per warp: __any_sync is safe
+        const Bits* row = data + r * width;
+        Bits any = 0;
+        for (int64_t j = lane; j < width; j += 32) any |= row[j] & mask;
+        const bool nonzero = __any_sync(0xffffffffu, any != 0);
+        if (lane == 0) flags[r] = nonzero;
+    }
+}
+
+__global__ void compact_kernel(const uint8_t* __restrict__ flags, const int64_t* __restrict__ inclusive,
+                               int64_t n, int64_t* __restrict__ out)
+{
+    for (int64_t i = global_thread(); i < n; i += grid_stride())
+        if (flags[i]) out[inclusive[i] - 1] = i;
+}
+
+// ---------------------------------------------------------------- partition
+
+// Pass 1: owner and shard offset of each row, per-block histogram written owner-major.
+__global__ void owner_hist_kernel(const uint64_t* __restrict__ ids, int64_t k, Permutation p,
+                                  int32_t* __restrict__ owner, int64_t* __restrict__ shard_off,
+                                  int64_t* __restrict__ hist, int32_t* bad)
+{
+    extern __shared__ int32_t block_hist[];  // [world_size]
+    const int64_t n = static_cast<int64_t>(p.world_size);
+    for (int64_t o = threadIdx.x; o < n; o += blockDim.x) block_hist[o] = 0;
+    __syncthreads();
+    const int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x;
+    if (i < k) {
+        uint64_t x = ids[i];
+        if (x >= p.rows.d) {
+            *bad = 1;
+            x = 0;
+        }
+        uint64_t so;
+        const uint64_t o = owner_of(permute_one(x, p), p, &so);
+        owner[i] = static_cast<int32_t>(o);
+        shard_off[i] = static_cast<int64_t>(so);
+        atomicAdd(&block_hist[o], 1);
+    }
+    __syncthreads();
+    for (int64_t o = threadIdx.x; o < n; o += blockDim.x)
+        hist[o * gridDim.x + blockIdx.x] = block_hist[o];
+}
+
+// Pass 2: stable destination of each row = scanned base of (owner, block) + rank inside the block
+// among rows with the same owner (warp match + per-warp counts), then write the shard offset.
+template <typename Id>
+__global__ void partition_scatter_kernel(const int32_t* __restrict__ owner,
+                                         const int64_t* __restrict__ shard_off, int64_t k,
+                                         int64_t n, const int64_t* __restrict__ base,
+                                         int64_t* __restrict__ dest, Id* __restrict__ out_off)
+{
+    extern __shared__ int32_t warp_hist[];  // [kWarps][n]
+    for (int64_t j = threadIdx.x; j < kWarps * n; j += blockDim.x) warp_hist[j] = 0;
+    __syncthreads();
+    const int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x;
+    const bool valid = i < k;
+    const int32_t o = valid ? owner[i] : static_cast<int32_t>(n);  // sentinel groups the tail
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const unsigned peers = __match_any_sync(0xffffffffu, o);
+    const int rank_in_warp = __popc(peers & ((1u << lane) - 1u));
+    if (valid && rank_in_warp == 0) warp_hist[warp * n + o] = __popc(peers);
+    __syncthreads();
+    if (!valid) return;
+    int64_t rank = rank_in_warp;
+    for (int w = 0; w < warp; ++w) rank += warp_hist[w * n + o];
+    const int64_t d = base[o * int64_t(gridDim.x) + blockIdx.x] + rank;
+    dest[i] = d;
+    out_off[d] = static_cast<Id>(shard_off[i]);
+}
+
+// Row copy dst[index[i]] = src[i] (or dst[i] = src[index[i]] when gather), `units` Units per row.
+template <typename Unit>
+__global__ void copy_rows_kernel(const Unit* __restrict__ src, Unit* __restrict__ dst,
+                                 const int64_t* __restrict__ index, int64_t k, int64_t units)
+{
+    const int64_t total = k * units;
+    for (int64_t t = global_thread(); t < total; t += grid_stride()) {
+        const int64_t i = t / units;
+        const int64_t u = t - i * units;
+        dst[index[i] * units + u] = src[t];
+    }
+}
+
+// Copy k rows of row_bytes with the widest unit the sizes and pointers allow.
+void copy_rows(const void* src, void* dst, const int64_t* index, int64_t k, int64_t row_bytes,
+               cudaStream_t stream)
+{
+    if (k == 0 || row_bytes == 0) return;
+    const uintptr_t align = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
+                            static_cast<uintptr_t>(row_bytes);
+    const int64_t grid = grid_for(k * row_bytes / 4);
+#define ZEN_COPY(Unit)                                                                            \
+    copy_rows_kernel<Unit><<<grid, kThreads, 0, stream>>>(static_cast<const Unit*>(src),         \
+                                                          static_cast<Unit*>(dst), index, k,       \
+                                                          row_bytes / int64_t(sizeof(Unit)))
+    if (align % 16 == 0) ZEN_COPY(uint4);
+    else if (align % 8 == 0) ZEN_COPY(uint2);
+    else if (align % 4 == 0) ZEN_COPY(uint32_t);
+    else if (align % 2 == 0) ZEN_COPY(uint16_t);
+    else ZEN_COPY(uint8_t);
+#undef ZEN_COPY
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---------------------------------------------------------------- aggregate
+
+__global__ void segment_heads_kernel(const int64_t* __restrict__ sorted, int64_t k,
+                                     int64_t* __restrict__ head)
+{
+    for (int64_t i = global_thread(); i < k; i += grid_stride())
+        head[i] = (i == 0 || sorted[i] != sorted[i - 1]) ? 1 : 0;
+}
+
+__global__ void segment_starts_kernel(const int64_t* __restrict__ sorted, const int64_t* __restrict__ head,
+                                      const int64_t* __restrict__ seg, int64_t k,
+                                      int64_t* __restrict__ starts, int64_t* __restrict__ unique)
+{
+    for (int64_t i = global_thread(); i < k; i += grid_stride()) {
+        if (head[i]) {
+            starts[seg[i] - 1] = i;
+            unique[seg[i] - 1] = sorted[i];
+        }
+        if (i == k - 1) starts[seg[i]] = k;
+    }
+}
+
+// Value -> accumulator like torch's values.to(accum_dtype): reduced floats widen exactly.
+template <typename Acc, typename T>
+__device__ __forceinline__ Acc to_acc(T v)
+{
+    if constexpr (std::is_same<T, double>::value) return static_cast<Acc>(v);
+    else return static_cast<Acc>(static_cast<float>(v));
+}
+
+// One thread per (segment, column): sums the segment's rows in input order (stable sort), so the
+// result is deterministic. A segment holds at most one row per rank.
+template <typename T, typename Acc>
+__global__ void segment_sum_kernel(const T* __restrict__ values, const int64_t* __restrict__ order,
+                                   const int64_t* __restrict__ starts, int64_t u, int64_t width,
+                                   Acc* __restrict__ sums)
+{
+    const int64_t total = u * width;
+    for (int64_t t = global_thread(); t < total; t += grid_stride()) {
+        const int64_t s = t / width;
+        const int64_t j = t - s * width;
+        Acc acc = 0;
+        for (int64_t m = starts[s]; m < starts[s + 1]; ++m)
+            acc += to_acc<Acc>(values[order[m] * width + j]);
+        sums[t] = acc;
+    }
+}
+
+// ---------------------------------------------------------------- bitmap codec
+
+// A little-endian uint8 bitmap and a little-endian uint32 bitmap have the same bytes, so bits
+// are set with 32-bit atomicOr (offsets may repeat or arrive unsorted).
+__global__ void bitmap_set_kernel(const int64_t* __restrict__ off, int64_t k, int64_t universe,
+                                  unsigned int* __restrict__ words, int32_t* bad)
+{
+    for (int64_t i = global_thread(); i < k; i += grid_stride()) {
+        const int64_t p = off[i];
+        if (p < 0 || p >= universe) {
+            *bad = 1;
+            continue;
+        }
+        atomicOr(words + (p >> 5), 1u << (p & 31));
+    }
+}
+
+__device__ __forceinline__ unsigned int masked_byte(const uint8_t* bytes, int64_t b, int64_t nbits)
+{
+    unsigned int v = bytes[b];
+    const int64_t valid = nbits - b * 8;
+    if (valid < 8) v &= (1u << valid) - 1u;
+    return v;
+}
+
+__global__ void byte_popcount_kernel(const uint8_t* __restrict__ bytes, int64_t nbytes, int64_t nbits,
+                                     int64_t* __restrict__ counts)
+{
+    for (int64_t b = global_thread(); b < nbytes; b += grid_stride())
+        counts[b] = __popc(masked_byte(bytes, b, nbits));
+}
+
+__global__ void bitmap_positions_kernel(const uint8_t* __restrict__ bytes, int64_t nbytes,
+                                        int64_t nbits, const int64_t* __restrict__ inclusive,
+                                        int64_t* __restrict__ out)
+{
+    for (int64_t b = global_thread(); b < nbytes; b += grid_stride()) {
+        unsigned int v = masked_byte(bytes, b, nbits);
+        int64_t d = inclusive[b] - __popc(v);
+        while (v) {
+            out[d++] = b * 8 + (__ffs(v) - 1);
+            v &= v - 1u;
+        }
+    }
+}
+
+__global__ void check_range_kernel(const int64_t* __restrict__ ids, int64_t k, int64_t limit, int32_t* bad)
+{
+    for (int64_t i = global_thread(); i < k; i += grid_stride())
+        if (ids[i] < 0 || ids[i] >= limit) *bad = 1;
+}
+
+at::Tensor error_flag(const at::Tensor& like)
+{
+    return at::zeros({1}, like.options().dtype(at::kInt));
+}
+
+}  // namespace
+
+at::Tensor permute(const at::Tensor& rows, const PermArgs& perm, bool inverse)
+{
+    check_ids(rows, "permute input");
+    const c10::cuda::OptionalCUDAGuard guard(rows.device());
+    const int64_t n = rows.numel();
+    at::Tensor out = at::empty_like(rows);
+    if (n == 0) return out;
+    at::Tensor bad = error_flag(rows);
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    permute_kernel<<<grid_for(n), kThreads, 0, stream>>>(
+        reinterpret_cast<const uint64_t*>(rows.const_data_ptr<int64_t>()),
+        reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>()), n, make_perm(perm, 1), inverse,
+        bad.data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    raise_if_flagged(bad, std::string("zen_ds permute: every id must lie in [0, num_rows=") +
+                              std::to_string(perm.num_rows) + ")");
+    return out;
+}
+
+at::Tensor nonzero_rows(const at::Tensor& values)
+{
+    TORCH_CHECK(values.is_cuda() && values.is_contiguous() && values.dim() >= 1 && values.dim() <= 2,
+                "zen_ds nonzero_rows: expected a contiguous 1-D or 2-D CUDA tensor");
+    const c10::cuda::OptionalCUDAGuard guard(values.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t rows = values.size(0);
+    const int64_t width = values.dim() == 1 ? 1 : values.size(1);
+    auto id_opts = values.options().dtype(at::kLong);
+    if (rows == 0) return at::empty({0}, id_opts);
+    if (width == 0) return at::empty({0}, id_opts);
+    at::Tensor flags = at::empty({rows}, values.options().dtype(at::kByte));
+    const int64_t grid = width == 1 ? grid_for(rows) : grid_for(rows * 32);
+    switch (values.element_size()) {
+#define ZEN_FLAGS(Bits)                                                                        \
+    row_flags_kernel<Bits><<<grid, kThreads, 0, stream>>>(                                     \
+        static_cast<const Bits*>(values.const_data_ptr()), rows, width, flags.data_ptr<uint8_t>())
+        case 2: ZEN_FLAGS(uint16_t); break;
+        case 4: ZEN_FLAGS(uint32_t); break;
+        case 8: ZEN_FLAGS(unsigned long long); break;
+        default: TORCH_CHECK(false, "zen_ds nonzero_rows: unsupported dtype ", values.scalar_type());
+#undef ZEN_FLAGS
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor inclusive = at::cumsum(flags, 0, at::kLong);
+    const int64_t total = inclusive[rows - 1].item<int64_t>();
+    at::Tensor out = at::empty({total}, id_opts);
+    if (total == 0) return out;
+    compact_kernel<<<grid_for(rows), kThreads, 0, stream>>>(
+        flags.data_ptr<uint8_t>(), inclusive.data_ptr<int64_t>(), rows, out.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
+                                                         const at::Tensor& values,
+                                                         const PermArgs& perm,
+                                                         int64_t world_size,
+                                                         bool int32_ids)
+{
+    check_ids(rows, "partition rows");
+    TORCH_CHECK(values.is_cuda() && values.is_contiguous() && values.dim() == 2 &&
+                    values.size(0) == rows.numel(),
+                "zen_ds partition: values must be a contiguous CUDA tensor [k, row_numel]");
+    TORCH_CHECK(world_size >= 1 && world_size <= kMaxPartitionWorld,
+                "zen_ds partition (CUDA): world_size must lie in [1, ", kMaxPartitionWorld, "]");
+    TORCH_CHECK(static_cast<unsigned __int128>(perm.num_rows) * world_size <
+                    (static_cast<unsigned __int128>(1) << 64),
+                "zen_ds partition: num_rows * world_size must be < 2**64");
+    if (int32_ids)
+        TORCH_CHECK(perm.num_rows / world_size + 1 <= INT32_MAX,
+                    "zen_ds partition: shard size exceeds int32; use id_dtype=torch.int64");
+    const c10::cuda::OptionalCUDAGuard guard(rows.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t k = rows.numel();
+    const int64_t n = world_size;
+    auto long_opts = rows.options();
+    at::Tensor out_off = at::empty({k}, long_opts.dtype(int32_ids ? at::kInt : at::kLong));
+    at::Tensor out_val = at::empty_like(values);
+    if (k == 0) return {at::zeros({n}, long_opts), out_off, out_val};
+
+    const int64_t blocks = (k + kThreads - 1) / kThreads;
+    TORCH_CHECK(blocks <= INT32_MAX, "zen_ds partition: too many rows for one launch");
+    at::Tensor owner = at::empty({k}, long_opts.dtype(at::kInt));
+    at::Tensor shard_off = at::empty({k}, long_opts);
+    at::Tensor hist = at::empty({n * blocks}, long_opts);
+    at::Tensor bad = error_flag(rows);
+    const Permutation p = make_perm(perm, n);
+    owner_hist_kernel<<<blocks, kThreads, n * sizeof(int32_t), stream>>>(
+        reinterpret_cast<const uint64_t*>(rows.const_data_ptr<int64_t>()), k, p,
+        owner.data_ptr<int32_t>(), shard_off.data_ptr<int64_t>(), hist.data_ptr<int64_t>(),
+        bad.data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor counts = hist.view({n, blocks}).sum(1);
+    at::Tensor base = at::cumsum(hist, 0) - hist;  // exclusive scan, owner-major then block
+    at::Tensor dest = at::empty({k}, long_opts);
+    const size_t shmem = kWarps * n * sizeof(int32_t);
+    if (int32_ids)
+        partition_scatter_kernel<int32_t><<<blocks, kThreads, shmem, stream>>>(
+            owner.data_ptr<int32_t>(), shard_off.data_ptr<int64_t>(), k, n, base.data_ptr<int64_t>(),
+            dest.data_ptr<int64_t>(), out_off.data_ptr<int32_t>());
+    else
+        partition_scatter_kernel<int64_t><<<blocks, kThreads, shmem, stream>>>(
+            owner.data_ptr<int32_t>(), shard_off.data_ptr<int64_t>(), k, n, base.data_ptr<int64_t>(),
+            dest.data_ptr<int64_t>(), out_off.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    copy_rows(values.const_data_ptr(), out_val.data_ptr(), dest.data_ptr<int64_t>(), k,
+              values.size(1) * values.element_size(), stream);
+    raise_if_flagged(bad, std::string("zen_ds partition: every row id must lie in [0, num_rows=") +
+                              std::to_string(perm.num_rows) + ")");
+    return {counts, out_off, out_val};
+}
+
+std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
+                                             const at::Tensor& values,
+                                             at::ScalarType accum_dtype)
+{
+    check_ids(offsets, "aggregate offsets");
+    TORCH_CHECK(values.is_cuda() && values.is_contiguous() && values.dim() == 2 &&
+                    values.size(0) == offsets.numel(),
+                "zen_ds aggregate: values must be a contiguous CUDA tensor [k, row_numel]");
+    TORCH_CHECK(accum_dtype == at::kFloat || accum_dtype == at::kDouble,
+                "zen_ds aggregate: accum_dtype must be float32 or float64");
+    const c10::cuda::OptionalCUDAGuard guard(offsets.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t k = offsets.numel();
+    const int64_t width = values.size(1);
+    auto long_opts = offsets.options();
+    if (k == 0) return {at::empty({0}, long_opts), at::zeros({0, width}, values.options().dtype(accum_dtype))};
+
+    auto sorted = at::sort(offsets, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    at::Tensor keys = std::get<0>(sorted);
+    at::Tensor order = std::get<1>(sorted);
+    TORCH_CHECK(keys[0].item<int64_t>() >= 0, "zen_ds aggregate: offsets must be >= 0");
+    at::Tensor head = at::empty({k}, long_opts);
+    segment_heads_kernel<<<grid_for(k), kThreads, 0, stream>>>(keys.data_ptr<int64_t>(), k,
+                                                               head.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor seg = at::cumsum(head, 0);
+    const int64_t u = seg[k - 1].item<int64_t>();
+    at::Tensor starts = at::empty({u + 1}, long_opts);
+    at::Tensor unique = at::empty({u}, long_opts);
+    segment_starts_kernel<<<grid_for(k), kThreads, 0, stream>>>(
+        keys.data_ptr<int64_t>(), head.data_ptr<int64_t>(), seg.data_ptr<int64_t>(), k,
+        starts.data_ptr<int64_t>(), unique.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor sums = at::empty({u, width}, values.options().dtype(accum_dtype));
+    if (u * width == 0) return {unique, sums};
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "zen_aggregate_cuda", [&] {
+        if (accum_dtype == at::kFloat)
+            segment_sum_kernel<scalar_t, float><<<grid_for(u * width), kThreads, 0, stream>>>(
+                values.const_data_ptr<scalar_t>(), order.data_ptr<int64_t>(),
+                starts.data_ptr<int64_t>(), u, width, sums.data_ptr<float>());
+        else
+            segment_sum_kernel<scalar_t, double><<<grid_for(u * width), kThreads, 0, stream>>>(
+                values.const_data_ptr<scalar_t>(), order.data_ptr<int64_t>(),
+                starts.data_ptr<int64_t>(), u, width, sums.data_ptr<double>());
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {unique, sums};
+}
+
+at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)
+{
+    check_ids(offsets, "bitmap_encode offsets");
+    TORCH_CHECK(universe >= 0, "zen_ds bitmap_encode: universe must be >= 0");
+    const c10::cuda::OptionalCUDAGuard guard(offsets.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t nbytes = (universe + 7) / 8;
+    const int64_t nwords = (nbytes + 3) / 4;
+    at::Tensor words = at::zeros({nwords * 4}, offsets.options().dtype(at::kByte));
+    const int64_t k = offsets.numel();
+    if (k > 0) {
+        at::Tensor bad = error_flag(offsets);
+        bitmap_set_kernel<<<grid_for(k), kThreads, 0, stream>>>(
+            offsets.data_ptr<int64_t>(), k, universe,
+            reinterpret_cast<unsigned int*>(words.data_ptr<uint8_t>()), bad.data_ptr<int32_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        raise_if_flagged(bad, std::string("zen_ds bitmap_encode: offsets must lie in [0, universe=") +
+                                  std::to_string(universe) + ")");
+    }
+    return words.narrow(0, 0, nbytes);
+}
+
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe)
+{
+    TORCH_CHECK(bitmap.is_cuda() && bitmap.scalar_type() == at::kByte && bitmap.is_contiguous(),
+                "zen_ds bitmap_decode: bitmap must be a contiguous uint8 CUDA tensor");
+    TORCH_CHECK(universe >= 0, "zen_ds bitmap_decode: universe must be >= 0");
+    const c10::cuda::OptionalCUDAGuard guard(bitmap.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t nbits = std::min<int64_t>(bitmap.numel() * 8, universe);
+    const int64_t nbytes = (nbits + 7) / 8;
+    auto long_opts = bitmap.options().dtype(at::kLong);
+    if (nbytes == 0) return at::empty({0}, long_opts);
+    at::Tensor counts = at::empty({nbytes}, long_opts);
+    const uint8_t* bytes = bitmap.const_data_ptr<uint8_t>();
+    byte_popcount_kernel<<<grid_for(nbytes), kThreads, 0, stream>>>(bytes, nbytes, nbits,
+                                                                    counts.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor inclusive = at::cumsum(counts, 0);
+    const int64_t total = inclusive[nbytes - 1].item<int64_t>();
+    at::Tensor out = at::empty({total}, long_opts);
+    if (total == 0) return out;
+    bitmap_positions_kernel<<<grid_for(nbytes), kThreads, 0, stream>>>(
+        bytes, nbytes, nbits, inclusive.data_ptr<int64_t>(), out.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+}
+
+void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values)
+{
+    check_ids(rows, "scatter_rows rows");
+    TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2 && values.is_contiguous() &&
+                    values.dim() == 2 && values.scalar_type() == out.scalar_type() &&
+                    values.size(1) == out.size(1) && values.size(0) == rows.numel(),
+                "zen_ds scatter_rows: expected contiguous out [R, W] and values [k, W] of one dtype");
+    const c10::cuda::OptionalCUDAGuard guard(out.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t k = rows.numel();
+    if (k == 0) return;
+    at::Tensor bad = error_flag(rows);
+    check_range_kernel<<<grid_for(k), kThreads, 0, stream>>>(rows.data_ptr<int64_t>(), k, out.size(0),
+                                                             bad.data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    raise_if_flagged(bad, std::string("zen_ds scatter_rows: row ids must lie in [0, ") +
+                              std::to_string(out.size(0)) + ")");
+    copy_rows(values.const_data_ptr(), out.data_ptr(), rows.data_ptr<int64_t>(), k,
+              out.size(1) * out.element_size(), stream);
+}
+
+}  // namespace cuda
+}  // namespace zen

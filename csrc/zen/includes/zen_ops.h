@@ -1,0 +1,55 @@
+// zen_ds ops: declarations shared by the binding, the CPU kernels and the CUDA kernels.
+//
+// Callers (zen_ds/ops/compiled.py) pass contiguous tensors: ids as int64, values viewed as
+// [k, row_numel]. Every size and index is 64-bit. Semantics are those of zen_ds/ops/torch_ops.py.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace zen {
+
+struct PermArgs {
+    int64_t num_rows;
+    int64_t multiplier;
+    int64_t inverse;
+    int64_t offset;
+};
+
+namespace cpu {
+at::Tensor permute(const at::Tensor& rows, const PermArgs& perm, bool inverse);
+at::Tensor nonzero_rows(const at::Tensor& values);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
+                                                         const at::Tensor& values,
+                                                         const PermArgs& perm,
+                                                         int64_t world_size,
+                                                         bool int32_ids);
+std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
+                                             const at::Tensor& values,
+                                             at::ScalarType accum_dtype);
+at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
+void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
+}  // namespace cpu
+
+#ifdef ZEN_WITH_CUDA
+namespace cuda {
+at::Tensor permute(const at::Tensor& rows, const PermArgs& perm, bool inverse);
+at::Tensor nonzero_rows(const at::Tensor& values);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
+                                                         const at::Tensor& values,
+                                                         const PermArgs& perm,
+                                                         int64_t world_size,
+                                                         bool int32_ids);
+std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
+                                             const at::Tensor& values,
+                                             at::ScalarType accum_dtype);
+at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
+void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
+}  // namespace cuda
+#endif
+
+}  // namespace zen

@@ -1,0 +1,98 @@
+// zen_ds ops: Python binding. Thin on purpose: validates the device and forwards to the CPU or
+// CUDA kernels (csrc/zen/cpu, csrc/zen/cuda); argument preparation lives in zen_ds/ops/compiled.py.
+#include <torch/extension.h>
+
+#include "zen_ops.h"
+
+namespace {
+
+using zen::PermArgs;
+
+#ifdef ZEN_WITH_CUDA
+#define ZEN_DISPATCH(tensor, fn, ...) \
+    ((tensor).is_cuda() ? zen::cuda::fn(__VA_ARGS__) : zen::cpu::fn(__VA_ARGS__))
+#else
+void require_cpu(const at::Tensor& t)
+{
+    TORCH_CHECK(t.device().is_cpu(), "zen_ds ops were built without CUDA but got a ", t.device(),
+                " tensor; rebuild them with a CUDA toolkit or set ZEN_DS_OPS=torch");
+}
+#define ZEN_DISPATCH(tensor, fn, ...) (require_cpu(tensor), zen::cpu::fn(__VA_ARGS__))
+#endif
+
+at::Tensor permute(const at::Tensor& rows, int64_t num_rows, int64_t multiplier, int64_t offset)
+{
+    const PermArgs perm{num_rows, multiplier, 0, offset};
+    return ZEN_DISPATCH(rows, permute, rows, perm, false);
+}
+
+at::Tensor unpermute(const at::Tensor& positions, int64_t num_rows, int64_t inverse, int64_t offset)
+{
+    const PermArgs perm{num_rows, 0, inverse, offset};
+    return ZEN_DISPATCH(positions, permute, positions, perm, true);
+}
+
+at::Tensor nonzero_rows(const at::Tensor& values) { return ZEN_DISPATCH(values, nonzero_rows, values); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
+                                                         const at::Tensor& values,
+                                                         int64_t num_rows,
+                                                         int64_t world_size,
+                                                         int64_t multiplier,
+                                                         int64_t offset,
+                                                         bool int32_ids)
+{
+    TORCH_CHECK(rows.device() == values.device(), "zen_ds partition: rows and values on different devices");
+    const PermArgs perm{num_rows, multiplier, 0, offset};
+    return ZEN_DISPATCH(rows, partition, rows, values, perm, world_size, int32_ids);
+}
+
+std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets, const at::Tensor& values,
+                                             bool accum_double)
+{
+    TORCH_CHECK(offsets.device() == values.device(), "zen_ds aggregate: offsets and values on different devices");
+    const at::ScalarType acc = accum_double ? at::kDouble : at::kFloat;
+    return ZEN_DISPATCH(values, aggregate, offsets, values, acc);
+}
+
+at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)
+{
+    return ZEN_DISPATCH(offsets, bitmap_encode, offsets, universe);
+}
+
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe)
+{
+    return ZEN_DISPATCH(bitmap, bitmap_decode, bitmap, universe);
+}
+
+void scatter_rows(at::Tensor out, const at::Tensor& rows, const at::Tensor& values)
+{
+    TORCH_CHECK(out.device() == rows.device() && out.device() == values.device(),
+                "zen_ds scatter_rows: out, rows and values must share a device");
+    ZEN_DISPATCH(out, scatter_rows, out, rows, values);
+}
+
+bool with_cuda()
+{
+#ifdef ZEN_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    m.doc() = "zen_ds sparse gradient sync ops (see zen_ds/ops/torch_ops.py for the semantics)";
+    m.def("permute", &permute, "pi(rows) of the seeded Weyl permutation (int64)");
+    m.def("unpermute", &unpermute, "pi^-1(positions) (int64)");
+    m.def("nonzero_rows", &nonzero_rows, "ids of rows with any element != 0 (NaN counts)");
+    m.def("partition", &partition, "stable counting sort of rows by owner rank");
+    m.def("aggregate", &aggregate, "sum rows sharing an offset, unique offsets ascending");
+    m.def("bitmap_encode", &bitmap_encode, "little-endian uint8 bitmap of offsets");
+    m.def("bitmap_decode", &bitmap_decode, "set bit positions of a bitmap (int64)");
+    m.def("scatter_rows", &scatter_rows, "out[rows] = values, in place");
+    m.def("with_cuda", &with_cuda, "whether the CUDA kernels were compiled in");
+}

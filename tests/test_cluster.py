@@ -1,0 +1,82 @@
+"""Emulated cluster: argument validation, the non-root error path, and (as root, if namespaces
+work here) a real 2-host run that checks env wiring and that teardown leaves nothing behind."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zen_ds import cluster as C
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zen_ds.cluster", *args], capture_output=True,
+                          text=True, timeout=60, **kw)
+
+
+@pytest.mark.parametrize("text,bits", [("1gbit", 1e9), ("100mbit", 1e8), ("2.5gbit", 2.5e9),
+                                       ("10mbps", 8e7), ("500", 500.0), ("none", None)])
+def test_parse_rate(text, bits):
+    assert C.parse_rate(text) == bits
+
+
+@pytest.mark.parametrize("text", ["fast", "1gbyte", "-1gbit", "0.0gbit"])
+def test_parse_rate_rejects(text):
+    with pytest.raises(ValueError):
+        C.parse_rate(text)
+
+
+def test_parse_delay():
+    assert C.parse_delay_ms("0ms") == 0 and C.parse_delay_ms("500us") == 0.5
+    assert C.parse_delay_ms("2") == 2 and C.parse_delay_ms("0.01s") == 10
+    with pytest.raises(ValueError):
+        C.parse_delay_ms("soon")
+
+
+@pytest.mark.parametrize("kw,msg", [({"hosts": 0}, "--hosts"), ({"hosts": 2, "subnet": "192.168.1"}, "--subnet"),
+                                    ({"hosts": 2, "mtu": 100}, "--mtu"), ({"hosts": 2, "delay_ms": -1}, "--delay")])
+def test_spec_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        C.ClusterSpec(**kw).validate()
+
+
+def test_cli_argument_errors_exit_2():
+    p = _cli("--hosts", "0", "--", "true")
+    assert p.returncode == 2 and "--hosts" in p.stderr
+    p = _cli("--hosts", "2")
+    assert p.returncode == 2 and "no command" in p.stderr
+    p = _cli("--rate", "lots", "--", "true")
+    assert p.returncode == 2 and "cannot parse rate" in p.stderr
+
+
+def test_non_root_gets_a_clear_message(monkeypatch, capsys):
+    monkeypatch.setattr(C.os, "geteuid", lambda: 1000)
+    assert C.main(["--hosts", "2", "--", "true"]) == 3
+    err = capsys.readouterr().err
+    assert "needs root" in err and "zen_ds.bench sync --local" in err
+
+
+def _namespaces_usable() -> bool:
+    if os.geteuid() != 0 or C.check_privileges() is not None:
+        return False
+    probe = subprocess.run(["ip", "netns", "add", f"{C.NS_PREFIX}probe{os.getpid()}"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", f"{C.NS_PREFIX}probe{os.getpid()}"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _namespaces_usable(), reason="needs root and network namespaces")
+def test_two_hosts_env_and_teardown():
+    code = ("import os; assert os.environ['WORLD_SIZE'] == '2'; "
+            "assert os.environ['MASTER_ADDR'] == '10.213.7.1'; "
+            "assert os.environ['ZEN_CLUSTER_RATE_BPS'] == '100000000'; "
+            "print('host', os.environ['RANK'], '{rank}')")
+    p = _cli("--hosts", "2", "--rate", "100mbit", "--subnet", "10.213.7", "--", sys.executable, "-c", code)
+    assert p.returncode == 0, p.stderr
+    assert "host 0 0" in p.stdout and "[h1] host 1 1" in p.stdout
+    mine = [ns for ns in C.list_namespaces() if ns.startswith(C.NS_PREFIX)]
+    assert not [ns for ns in mine if C._NS_RE.match(ns) and not C._pid_alive(int(C._NS_RE.match(ns).group(1)))]
+    # A failing rank fails the run (and still tears down).
+    p = _cli("--hosts", "2", "--rate", "none", "--", sys.executable, "-c", "import sys; sys.exit(5)")
+    assert p.returncode == 5

@@ -1,0 +1,341 @@
+"""Compiled zen_ds ops (csrc/zen) against the pure-torch reference on adversarial inputs.
+
+Integer outputs (ids, offsets, counts, bitmaps) must be exactly equal; reordered values exactly
+equal; sums equal to rounding. The CPU extension is JIT-built once per session (~50 s on a fresh
+TORCH_EXTENSIONS_DIR). CUDA tests run only where CUDA is available.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from zen_ds import ops
+from zen_ds.ops import torch_ops as ref
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+HUGE = [5_000_000_000, 2**48 - 1]  # ids and products beyond int32 / 2**64 intermediate
+NUM_ROWS = [1, 2, 7, 1000, 1003, 2**31 - 1, 2**31 + 11, 2**32, 2**32 + 1] + HUGE
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _deepspeed_missing() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:
+        return True
+    return False
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """The compiled ops, built (or loaded from the cache) once per session."""
+    if _deepspeed_missing():
+        pytest.skip("deepspeed not importable: the compiled ops cannot be built")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+    from zen_ds.ops.compiled import load_compiled_ops
+
+    impl = load_compiled_ops()  # a build failure fails every test that uses it
+    assert impl.NAME.startswith("cpp-cpu")
+    return impl
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _row_sets(num_rows: int, gen: torch.Generator):
+    """Adversarial id sets: empty, row 0, last row, both ends, every row (small), random."""
+    sets = [torch.empty(0, dtype=torch.int64), torch.tensor([0]), torch.tensor([num_rows - 1]),
+            torch.unique(torch.tensor([0, num_rows - 1]))]
+    if num_rows <= 4096:
+        sets.append(torch.arange(num_rows))
+    k = min(num_rows, 3000)
+    sets.append(torch.unique(torch.randint(0, num_rows, (k,), generator=gen)))
+    # clustered low ids (Zipf-like frequent tokens)
+    sets.append(torch.arange(min(num_rows, 257)))
+    return sets
+
+
+def _assert_same(a, b):
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.equal(a, b)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _assert_same_values(a, b):
+    """Bit-identical tensors (NaN == NaN): reordered values must be copied, not recomputed."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    bits = _BITS[a.element_size()]
+    assert torch.equal(a.contiguous().view(-1).view(bits), b.contiguous().view(-1).view(bits))
+
+
+# ---------------------------------------------------------------- permutation
+
+
+@pytest.mark.parametrize("num_rows", NUM_ROWS)
+def test_permute_unpermute_exact(compiled, num_rows):
+    gen = _gen(num_rows % 1000)
+    for seed in (0, 12345, 2**63 + 5):
+        for rows in _row_sets(num_rows, gen):
+            pos = compiled.permute(rows, num_rows, seed)
+            _assert_same(pos, ref.permute(rows, num_rows, seed))
+            back = compiled.unpermute(pos, num_rows, seed)
+            _assert_same(back, ref.unpermute(pos, num_rows, seed))
+            _assert_same(back, rows)
+
+
+def test_permute_keeps_shape_and_accepts_int32(compiled):
+    rows = torch.arange(12, dtype=torch.int32).view(3, 4)
+    _assert_same(compiled.permute(rows, 100, 3), ref.permute(rows, 100, 3))
+
+
+def test_permute_rejects_out_of_range_ids(compiled):
+    with pytest.raises(RuntimeError, match="num_rows"):
+        compiled.permute(torch.tensor([0, 10]), 10, 0)
+    with pytest.raises(RuntimeError, match="num_rows"):
+        compiled.unpermute(torch.tensor([-1]), 10, 0)
+    with pytest.raises(ValueError):
+        compiled.permute(torch.tensor([0]), 2**48 + 1, 0)
+
+
+# ---------------------------------------------------------------- partition
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 1003, 2**31 + 11] + HUGE)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_partition_matches_reference(compiled, num_rows, dtype):
+    gen = _gen(7)
+    for rows in _row_sets(num_rows, gen):
+        k = rows.numel()
+        for world_size in range(1, 9):
+            id_dtypes = [torch.int64] + ([torch.int32] if num_rows // world_size < 2**31 - 1 else [])
+            for id_dtype in id_dtypes:
+                for shape in ((k,), (k, 3), (k, 2, 5)):
+                    values = torch.randn(shape, generator=gen).to(dtype)
+                    got = compiled.partition(rows, values, num_rows, world_size, 11, id_dtype)
+                    want = ref.partition(rows, values, num_rows, world_size, 11, id_dtype)
+                    _assert_same(got[0], want[0])
+                    _assert_same(got[1], want[1])
+                    _assert_same_values(got[2], want[2])
+                    assert int(got[0].sum()) == k  # lossless
+
+
+def test_partition_keeps_nan_rows_and_int32_overflow_is_refused(compiled):
+    rows = torch.tensor([0, 5, 9])
+    values = torch.tensor([[float("nan"), 1.0], [1.0, -1.0], [0.0, -0.0]])
+    got = compiled.partition(rows, values, 10, 3, 0, torch.int32)
+    want = ref.partition(rows, values, 10, 3, 0, torch.int32)
+    _assert_same_values(got[2], want[2])
+    with pytest.raises(RuntimeError, match="int32"):
+        compiled.partition(torch.tensor([1]), torch.ones(1), 2**40, 2, 0, torch.int32)
+    with pytest.raises(RuntimeError, match="num_rows"):
+        compiled.partition(torch.tensor([10]), torch.ones(1), 10, 2, 0, torch.int64)
+
+
+# ---------------------------------------------------------------- nonzero rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 3, 64, 65, 200])
+def test_nonzero_rows_adversarial(compiled, dtype, width):
+    tiny = torch.finfo(dtype).tiny / 4 if dtype != torch.bfloat16 else 1e-39  # denormal
+    cases = []
+    x = torch.zeros(300, width, dtype=dtype)
+    cases.append(x.clone())                       # no row
+    y = x.clone(); y[0, width - 1] = 1; cases.append(y)        # row 0 only, last element
+    cases.append(torch.ones(300, width, dtype=dtype))          # every row
+    y = x.clone(); y[7, 0] = float("nan"); y[299, width // 2] = float("-inf"); cases.append(y)
+    y = x.clone(); y[3, 0] = -0.0; y[4, 0] = tiny; cases.append(y)  # -0 is zero, denormal is not
+    if width >= 2:
+        y = x.clone(); y[11, 0] = 1; y[11, 1] = -1; cases.append(y)  # sums to zero, not zero
+    y = (torch.rand(300, width, generator=_gen(1)) < 0.02).to(dtype); cases.append(y)
+    for values in cases:
+        _assert_same(compiled.nonzero_rows(values), ref.nonzero_rows(values))
+        flat = values.reshape(-1)
+        _assert_same(compiled.nonzero_rows(flat), ref.nonzero_rows(flat))
+    assert compiled.nonzero_rows(cases[4]).tolist() == [4]
+
+
+def test_nonzero_rows_large_1d_and_non_contiguous(compiled):
+    gen = _gen(3)
+    values = torch.zeros(1_000_003)
+    idx = torch.randint(0, values.numel(), (10_000,), generator=gen)
+    values[idx] = torch.randn(idx.numel(), generator=gen)
+    values[0] = float("nan")
+    values[-1] = 1e-45
+    _assert_same(compiled.nonzero_rows(values), ref.nonzero_rows(values))
+    grid = values[:1_000_000].view(1000, 1000)
+    _assert_same(compiled.nonzero_rows(grid.t()), ref.nonzero_rows(grid.t()))
+    ints = torch.tensor([[0, 1], [0, 0]])
+    _assert_same(compiled.nonzero_rows(ints), ref.nonzero_rows(ints))  # torch path
+
+
+# ---------------------------------------------------------------- aggregate
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("span", [50, 2**40])  # dense marker path and sort path
+def test_aggregate_matches_reference(compiled, dtype, span):
+    gen = _gen(5)
+    accums = [torch.float64] if dtype == torch.float64 else [torch.float32, torch.float64]
+    for k in (0, 1, 17, 5000):
+        offsets = torch.randint(0, span, (k,), generator=gen)
+        if k:
+            offsets[0] = 0
+        for shape in ((k,), (k, 4), (k, 2, 3)):
+            values = torch.randn(shape, generator=gen).to(dtype)
+            for accum in accums:
+                for off in (offsets, offsets.to(torch.int32)) if span < 2**31 else (offsets,):
+                    got = compiled.aggregate(off, values, accum)
+                    want = ref.aggregate(off, values, accum)
+                    _assert_same(got[0], want[0])
+                    assert got[1].dtype == accum and got[1].shape == want[1].shape
+                    torch.testing.assert_close(got[1], want[1])
+
+
+def test_aggregate_rejects_negative_offsets(compiled):
+    with pytest.raises(RuntimeError, match=">= 0"):
+        compiled.aggregate(torch.tensor([3, -1]), torch.ones(2), torch.float32)
+
+
+def test_aggregate_many_duplicates_row_sums_to_zero(compiled):
+    offsets = torch.tensor([4, 4, 0, 4])
+    values = torch.tensor([[1.0, -1.0], [-1.0, 1.0], [0.0, 0.0], [2.0, 2.0]])
+    unique, sums = compiled.aggregate(offsets, values, torch.float32)
+    assert unique.tolist() == [0, 4]
+    assert sums.tolist() == [[0.0, 0.0], [2.0, 2.0]]
+
+
+# ---------------------------------------------------------------- bitmap codec
+
+
+@pytest.mark.parametrize("universe", [0, 1, 7, 8, 9, 63, 64, 65, 1000, 123_457])
+def test_bitmap_roundtrip_matches_reference(compiled, universe):
+    gen = _gen(universe)
+    sets = [torch.empty(0, dtype=torch.int64)]
+    if universe:
+        sets += [torch.tensor([0]), torch.tensor([universe - 1]), torch.arange(universe),
+                 torch.unique(torch.randint(0, universe, (max(1, universe // 10),), generator=gen))]
+    for offsets in sets:
+        bitmap = compiled.bitmap_encode(offsets, universe)
+        _assert_same(bitmap, ref.bitmap_encode(offsets, universe))
+        _assert_same(compiled.bitmap_decode(bitmap, universe), ref.bitmap_decode(bitmap, universe))
+        _assert_same(compiled.bitmap_decode(bitmap, universe), offsets)
+
+
+def test_bitmap_unsorted_duplicates_and_padding(compiled):
+    offsets = torch.tensor([9, 3, 3, 0, 12])
+    _assert_same(compiled.bitmap_encode(offsets, 13), ref.bitmap_encode(offsets, 13))
+    full = torch.full((4,), 255, dtype=torch.uint8)  # bits past the universe are ignored
+    _assert_same(compiled.bitmap_decode(full, 13), ref.bitmap_decode(full, 13))
+    with pytest.raises(RuntimeError, match="universe"):
+        compiled.bitmap_encode(torch.tensor([13]), 13)
+
+
+def test_bitmap_universe_beyond_2_pow_32(compiled):
+    universe = 2**32 + 77  # 512 MiB bitmap: positions past int32 and uint32
+    offsets = torch.tensor([0, 2**31, 2**32 - 1, 2**32, universe - 1])
+    bitmap = compiled.bitmap_encode(offsets, universe)
+    assert bitmap.numel() == (universe + 7) // 8
+    assert int(bitmap.count_nonzero()) == 5  # 2**32 - 1 and 2**32 sit in different bytes
+    assert int(bitmap[2**29 - 1]) == 128 and int(bitmap[2**29]) == 1
+    _assert_same(compiled.bitmap_decode(bitmap, universe), offsets)
+    del bitmap
+
+
+# ---------------------------------------------------------------- scatter rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_rows_matches_reference(compiled, dtype):
+    gen = _gen(9)
+    rows = torch.tensor([0, 41, 7, 99])
+    for shape in ((100,), (100, 3), (100, 2, 5)):
+        values = torch.randn((rows.numel(),) + shape[1:], generator=gen)
+        got = compiled.scatter_rows(torch.zeros(shape, dtype=dtype), rows, values)
+        want = ref.scatter_rows(torch.zeros(shape, dtype=dtype), rows, values)
+        _assert_same(got, want)
+    out = torch.zeros(6, 100).t()  # non-contiguous out: torch path, same result
+    want = ref.scatter_rows(torch.zeros(6, 100).t(), rows, torch.ones(4, 6))
+    _assert_same(compiled.scatter_rows(out, rows, torch.ones(4, 6)), want)
+    with pytest.raises(RuntimeError, match="row ids"):
+        compiled.scatter_rows(torch.zeros(5, 2), torch.tensor([5]), torch.ones(1, 2))
+
+
+# ---------------------------------------------------------------- dispatcher
+
+
+def test_dispatcher_uses_compiled_ops(compiled):
+    previous = ops.backend()
+    try:
+        impl = ops.use("compiled")
+        assert impl.NAME.startswith("cpp-cpu")
+        info = ops.backend_info()
+        assert info["implementation"] == impl.NAME and "origin" in info
+        rows = torch.tensor([0, 5, 17])
+        values = torch.randn(3, 4)
+        got = ops.partition(rows, values, 20, 3, 1, torch.int32)
+        want = ref.partition(rows, values, 20, 3, 1, torch.int32)
+        for a, b in zip(got, want):
+            _assert_same(a, b)
+        assert ops.use("torch") is ref
+    finally:
+        ops._backend = previous
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_ops_match_reference(compiled, dtype):
+    if not compiled.with_cuda:
+        pytest.fail("CUDA is available but the CUDA kernels were not compiled in")
+    dev = torch.device("cuda")
+    gen = _gen(2)
+    for num_rows in (1003, 5_000_000_000, 2**48 - 1):
+        rows = torch.unique(torch.randint(0, num_rows, (2000,), generator=gen))
+        rows[0] = 0
+        for world_size in (1, 3, 8):
+            values = torch.randn(rows.numel(), 3, generator=gen).to(dtype)
+            got = compiled.partition(rows.to(dev), values.to(dev), num_rows, world_size, 4, torch.int64)
+            want = ref.partition(rows, values, num_rows, world_size, 4, torch.int64)
+            for a, b in zip(got[:2], want[:2]):
+                _assert_same(a.cpu(), b)
+            _assert_same_values(got[2].cpu(), want[2])
+        _assert_same(compiled.permute(rows.to(dev), num_rows, 9).cpu(), ref.permute(rows, num_rows, 9))
+        pos = ref.permute(rows, num_rows, 9)
+        _assert_same(compiled.unpermute(pos.to(dev), num_rows, 9).cpu(), rows)
+    dense = torch.zeros(500, 70, dtype=dtype)
+    dense[0, 69] = 1
+    dense[3, 0] = float("nan")
+    dense[9, 0], dense[9, 1] = 1, -1
+    dense[10, 0] = -0.0
+    for values in (dense, dense.reshape(-1)):
+        _assert_same(compiled.nonzero_rows(values.to(dev)).cpu(), ref.nonzero_rows(values))
+    offsets = torch.randint(0, 300, (4000,), generator=gen)
+    values = torch.randn(4000, 5, generator=gen).to(dtype)
+    got = compiled.aggregate(offsets.to(dev), values.to(dev), torch.float32)
+    want = ref.aggregate(offsets, values, torch.float32)
+    _assert_same(got[0].cpu(), want[0])
+    torch.testing.assert_close(got[1].cpu(), want[1])
+    for universe in (1, 13, 64, 1001):
+        offs = torch.unique(torch.randint(0, universe, (universe // 3 + 1,), generator=gen))
+        bitmap = compiled.bitmap_encode(offs.to(dev), universe)
+        _assert_same(bitmap.cpu(), ref.bitmap_encode(offs, universe))
+        _assert_same(compiled.bitmap_decode(bitmap, universe).cpu(), offs)
+    out = torch.zeros(100, 4, dtype=dtype, device=dev)
+    rows = torch.tensor([0, 50, 99], device=dev)
+    src = torch.randn(3, 4, device=dev)
+    compiled.scatter_rows(out, rows, src)
+    _assert_same(out.cpu(), ref.scatter_rows(torch.zeros(100, 4, dtype=dtype), rows.cpu(), src.cpu()))

@@ -1,0 +1,23 @@
+"""zen_ds: sparsity-driven gradient synchronisation for DeepSpeed (the ZEN approach, OSDI'25).
+
+Core API::
+
+    zen_ds.sparse_allreduce(x, group=None, scheme="auto", average=False)
+    zen_ds.last_sync_stats()
+    zen_ds.RowSparse, zen_ds.SCHEMES
+"""
+from __future__ import annotations
+
+from .api import INDEX_ENCODINGS, set_cost_model, sparse_allreduce
+from .partition import ShardLayout, owner
+from .planner import CostModel
+from .schemes import scheme_names
+from .sparse import RowSparse
+from .stats import SyncStats, last_sync_stats
+
+__version__ = "0.1.0"
+
+SCHEMES = scheme_names()
+
+__all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats",
+           "ShardLayout", "owner", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__"]

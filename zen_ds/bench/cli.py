@@ -1,0 +1,187 @@
+"""``zen-bench`` / ``python -m zen_ds.bench``: dispatch to the ``sync`` and ``ops`` benchmarks.
+
+Lives outside ``__main__`` so spawned ``--local`` ranks can unpickle the worker function.
+
+``sync`` examples::
+
+    zen-bench sync --local 4 --workload lm --schemes dense deepspeed balanced
+    python -m zen_ds.cluster --hosts 4 --rate 1gbit -- \\
+        python -m zen_ds.bench sync --json bench_out/c4.json --plot bench_out/c4.png
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def _sync_parser(p: argparse.ArgumentParser) -> None:
+    from .workloads import DEFAULT_SCALE, DEFAULT_WORKLOADS
+
+    p.add_argument("--workload", "-w", action="append", default=None,
+                   help=f"workload spec, repeatable (default: {' '.join(DEFAULT_WORKLOADS)}); "
+                        "see zen_ds.bench.workloads for synthetic:/lm:/dense:/file: specs")
+    p.add_argument("--grad-file", action="append", default=[],
+                   help="a torch.save'd gradient (dense, COO, RowSparse, or a list, one per rank); "
+                        "'{rank}' in the path is replaced by the rank")
+    p.add_argument("--schemes", "-s", nargs="+", default=["all"],
+                   help="schemes to run: names from zen_ds.SCHEMES, 'auto', 'deepspeed' "
+                        "(DeepSpeed's own reduction: its padded sparse all-gather = 'agsparse' for "
+                        "sparse grads, dense all-reduce for dense ones), or 'all' (default). The "
+                        "vs_ds column compares with the DeepSpeed-equivalent scheme of the run")
+    p.add_argument("--index-encoding", default="auto", choices=("auto", "coo", "bitmap"),
+                   help="index encoding of the pull phase (zen_ds.sparse_allreduce option)")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations (median reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=DEFAULT_SCALE,
+                   help="row scaling of the reference embedding workloads (1.0 = full size)")
+    p.add_argument("--rate", default=None,
+                   help="link rate for the bytes/rate bound, tc units (e.g. 1gbit); default: the "
+                        "emulated cluster's rate when run under zen_ds.cluster")
+    p.add_argument("--local", type=int, default=None, metavar="N",
+                   help="spawn N gloo ranks on loopback (no network: CPU-bound timings)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the correctness check against torch's dense all-reduce")
+    p.add_argument("--json", default=None, help="write all rows and the run context to this file")
+    p.add_argument("--plot", default=None, help="write a PNG bar chart (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: List[str],
+                 port: Optional[int]) -> None:
+    import torch.distributed as dist
+
+    from . import report, runner
+    from .workloads import parse_workload
+
+    import warnings
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format=f"[rank{rank}] %(name)s %(levelname)s %(message)s")
+    # torch 2.13 deprecates all_gather_into_tensor's name on every call; it is not actionable here.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+    if port is not None:  # --local: spawned ranks on loopback
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+    else:
+        runner.init_from_env()
+    try:
+        specs = list(args.workload or ([] if args.grad_file else None) or _default_workloads())
+        specs += [f"file:{p}" for p in args.grad_file]
+        workloads = [parse_workload(s, args.scale) for s in specs]
+        cfg = runner.SyncConfig(schemes=runner.resolve_schemes(args.schemes), iters=args.iters,
+                                warmup=args.warmup, seed=args.seed, check=not args.no_check,
+                                rate_bps=_rate(args.rate), progress=not args.no_progress,
+                                index_encoding=args.index_encoding)
+        rows = runner.run_sync(workloads, cfg)
+        if dist.get_rank() == 0:
+            ctx = report.context_info(dist.get_world_size(), cfg.rate_bps, cfg.iters, argv)
+            print(report.format_table(rows, ctx), flush=True)
+            if args.json:
+                report.write_json(args.json, rows, ctx)
+            if args.plot:
+                report.plot(args.plot, rows, ctx)
+        bad = [f"{r['workload']}/{r['scheme']}" for r in rows if r.get("correct") is False]
+        if bad:
+            raise SystemExit(f"results differ from torch's dense all-reduce for: {', '.join(bad)}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _default_workloads() -> List[str]:
+    from .workloads import DEFAULT_WORKLOADS
+
+    return list(DEFAULT_WORKLOADS)
+
+
+def _rate(text: Optional[str]) -> Optional[float]:
+    from ..cluster import RATE_ENV, parse_rate
+
+    if text is not None:
+        return parse_rate(text)
+    env = os.environ.get(RATE_ENV)
+    return float(env) if env and float(env) > 0 else None
+
+
+def _run_sync(args: argparse.Namespace, argv: List[str]) -> int:
+    # Validate cheap things before spawning or joining a group, so typos fail in one line.
+    from . import runner
+    from .workloads import parse_workload
+
+    try:
+        runner.resolve_schemes(args.schemes)
+        _rate(args.rate)
+        if args.iters < 1 or args.warmup < 0:
+            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+        for s in args.workload or []:
+            if not s.startswith("file:"):
+                parse_workload(s, args.scale)
+        for path in args.grad_file:
+            if not os.path.exists(path.replace("{rank}", "0")):
+                raise ValueError(f"--grad-file {path}: no such file")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.local is not None:
+        if args.local < 1:
+            print("error: --local needs N >= 1", file=sys.stderr)
+            return 2
+        import torch.multiprocessing as mp
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        mp.spawn(_sync_worker, args=(args.local, args, argv, runner.free_port()), nprocs=args.local,
+                 join=True)
+        return 0
+    if "RANK" not in os.environ:
+        print("error: no process group: pass --local N, or launch under `python -m zen_ds.cluster` "
+              "/ torchrun (which set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)", file=sys.stderr)
+        return 2
+    _sync_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, argv, None)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="zen-bench", description="zen_ds benchmarks")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _sync_parser(sub.add_parser("sync", help="sync schemes x workloads (wire bytes, time, ratios)"))
+    sub.add_parser("ops", help="op kernels (see `zen-bench ops --help`)", add_help=False)
+    rp = sub.add_parser("report", help="re-print tables (and a plot) from --json files")
+    rp.add_argument("files", nargs="+")
+    rp.add_argument("--plot", default=None, help="PNG of the first file's rows")
+    if argv[:1] == ["ops"]:
+        from . import ops  # owned by the ops benchmark; takes its own arguments
+
+        return int(ops.main(argv[1:]) or 0)
+    args = parser.parse_args(argv)
+    if args.cmd == "report":
+        return _report(args)
+    return _run_sync(args, ["zen-bench", *argv])
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    from . import report
+
+    for i, path in enumerate(args.files):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            rows, ctx = data["rows"], data["context"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: {path}: not a zen-bench --json file ({e})", file=sys.stderr)
+            return 2
+        print(f"## {path}  ({ctx.get('command', '')})")
+        print(report.format_table(rows, ctx))
+        if args.plot and i == 0:
+            report.plot(args.plot, rows, ctx)
+    return 0
+

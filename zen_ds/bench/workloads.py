@@ -1,0 +1,360 @@
+"""Gradient workloads for the sync benchmark: what each rank holds before synchronisation.
+
+Every workload is deterministic given ``(seed, rank, world_size)``, so every rank generates its own
+share without communication and reruns are comparable. Sparse workloads produce a row-sparse
+gradient (sorted unique row ids + the rows' values); ids come from Zipf-distributed token/id streams
+so the overlap between ranks is what real batches give (frequent ids are on every rank, rare ones
+on one), not an arbitrary knob.
+
+Reference workloads (DESIGN §5) keep each model's row width and gradient density and scale the
+number of rows by ``scale`` (default 1/16) so a dense all-reduce still fits this machine's time and
+memory. Spec strings (``--workload``)::
+
+    lstm | deepfm | nmt | topk1 | topk0.1 | lm | dense:mb=64
+    synthetic:rows=1000000,width=64,density=0.01,overlap=0.5,skew=1.0
+    lm:rows=200000,width=128,tokens=8192,zipf=1.0
+    file:/path/grad.pt            (dense / sparse COO / RowSparse / {indices,values,num_rows};
+                                   a list gives one per rank; '{rank}' in the path is substituted)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SCALE = 1.0 / 16
+DEFAULT_WORKLOADS = ("lstm", "deepfm", "nmt", "topk1", "topk0.1", "lm")
+
+
+@dataclasses.dataclass
+class RankGrad:
+    """One rank's gradient. ``indices is None`` means a dense gradient held in ``values``."""
+
+    indices: Optional[torch.Tensor]  # int64 [k], sorted, unique
+    values: torch.Tensor  # [k, *row_shape] or the dense tensor
+    num_rows: int
+
+    @property
+    def nnz(self) -> int:
+        return self.num_rows if self.indices is None else int(self.indices.numel())
+
+    def to_dense(self) -> torch.Tensor:
+        if self.indices is None:
+            return self.values
+        out = torch.zeros((self.num_rows, *self.values.shape[1:]), dtype=self.values.dtype)
+        out.index_copy_(0, self.indices, self.values)
+        return out
+
+
+@dataclasses.dataclass
+class Workload:
+    """A named gradient generator; ``make(rank, world_size, seed)`` returns that rank's RankGrad."""
+
+    name: str
+    num_rows: int
+    row_shape: Tuple[int, ...]
+    dtype: torch.dtype
+    description: str
+    make: Callable[[int, int, int], RankGrad]
+    sparse: bool = True
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.row_shape)
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the dense gradient: what a dense all-reduce moves (the algbw numerator)."""
+        return self.num_rows * self.row_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def generate(self, rank: int, world_size: int, seed: int = 0) -> RankGrad:
+        g = self.make(rank, world_size, seed)
+        if g.indices is not None:
+            if g.indices.numel() and int(g.indices.max()) >= self.num_rows:
+                raise AssertionError(f"workload {self.name} produced an id >= num_rows")
+        return g
+
+
+# -- generators ----------------------------------------------------------------------------------
+def _gen(seed: int, *salt: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + sum((i + 1) * 7919 * s for i, s in enumerate(salt))) % 2**63)
+    return g
+
+
+def _values(k: int, row_shape: Tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian rows: never an all-zero row, so nnz is exactly the number of ids."""
+    v = torch.randn((k, *row_shape), generator=gen, dtype=torch.float32)
+    return v.to(dtype)
+
+
+def zipf_cdf(num_rows: int, s: float) -> torch.Tensor:
+    """CDF of a finite Zipf law over ids ``0..num_rows-1`` (id 0 most frequent), float64."""
+    w = torch.arange(1, num_rows + 1, dtype=torch.float64).pow_(-s)
+    cdf = torch.cumsum(w, 0)
+    return cdf / cdf[-1]
+
+
+def expected_unique(num_rows: int, s: float, tokens: int) -> float:
+    """Expected number of distinct ids in ``tokens`` Zipf draws: sum_i 1 - (1 - p_i)^tokens."""
+    p = torch.arange(1, num_rows + 1, dtype=torch.float64).pow_(-s)
+    p /= p.sum()
+    return float((-torch.expm1(tokens * torch.log1p(-p.clamp(max=1 - 1e-12)))).sum())
+
+
+def tokens_for_density(num_rows: int, s: float, density: float) -> int:
+    """Tokens per rank whose expected distinct-id fraction is ``density`` (bisection on log scale)."""
+    target = density * num_rows
+    if target >= num_rows:
+        raise ValueError(f"density {density} >= 1 cannot be reached by sampling ids")
+    lo, hi = 1, 1
+    while expected_unique(num_rows, s, hi) < target:
+        lo, hi = hi, hi * 2
+        if hi > 2**40:
+            raise ValueError(f"cannot reach density {density} with Zipf exponent {s}")
+    while hi - lo > max(1, lo // 1000):
+        mid = (lo + hi) // 2
+        if expected_unique(num_rows, s, mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def zipf_ids(num_rows: int, s: float, tokens: int, gen: torch.Generator,
+             perm: Optional[torch.Tensor] = None, cdf: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sorted distinct ids touched by ``tokens`` Zipf draws (optionally relabelled by ``perm``)."""
+    cdf = zipf_cdf(num_rows, s) if cdf is None else cdf
+    u = torch.rand(tokens, generator=gen, dtype=torch.float64)
+    ids = torch.searchsorted(cdf, u).clamp_(max=num_rows - 1)
+    if perm is not None:
+        ids = perm[ids]
+    return torch.unique(ids)
+
+
+def zipf_workload(name: str, num_rows: int, width: int, *, density: Optional[float] = None,
+                  tokens: Optional[int] = None, s: float = 1.0, hashed_ids: bool = False,
+                  dtype: torch.dtype = torch.float32, description: str = "") -> Workload:
+    """Embedding gradient of a batch of Zipf tokens: rows touched by the rank's batch.
+
+    Give either ``density`` (tokens per rank calibrated so the expected per-rank density matches)
+    or ``tokens``. ``hashed_ids`` relabels ids by a seeded permutation shared by all ranks (hashed
+    CTR features); otherwise id 0 is the most frequent (BPE-ordered vocabularies).
+    """
+    if (density is None) == (tokens is None):
+        raise ValueError("give exactly one of density= or tokens=")
+    if tokens is None:
+        tokens = tokens_for_density(num_rows, s, float(density))
+    ntok = int(tokens)
+    cache: Dict[str, torch.Tensor] = {}
+
+    def make(rank: int, world_size: int, seed: int) -> RankGrad:
+        if "cdf" not in cache:
+            cache["cdf"] = zipf_cdf(num_rows, s)
+        perm = torch.randperm(num_rows, generator=_gen(seed, 1)) if hashed_ids else None
+        gen = _gen(seed, 2, rank)
+        ids = zipf_ids(num_rows, s, ntok, gen, perm=perm, cdf=cache["cdf"])
+        return RankGrad(ids, _values(ids.numel(), (width,), dtype, gen), num_rows)
+
+    desc = description or f"Zipf(s={s}) embedding grad, {ntok} tokens/rank"
+    return Workload(name, num_rows, (width,), dtype, desc, make)
+
+
+def synthetic_workload(rows: int, width: int = 64, density: float = 0.01, overlap: float = 0.5,
+                       skew: float = 0.0, dtype: torch.dtype = torch.float32,
+                       name: str = "synthetic") -> Workload:
+    """Controlled sparsity: each rank has ``density*rows`` rows, an ``overlap`` fraction of them
+    shared by all ranks and the rest private (disjoint across ranks).
+
+    ``skew`` > 0 concentrates the chosen ids near low ids (weights ``(id+1)^-skew``), the clustered
+    case that breaks contiguous-range partitioning; 0 picks ids uniformly. ``width`` 0 gives an
+    element-sparse (1-D) gradient.
+    """
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap}")
+    if skew < 0:
+        raise ValueError(f"skew must be >= 0, got {skew}")
+    m = max(1, round(density * rows))
+    shared = round(overlap * m)
+    row_shape: Tuple[int, ...] = (width,) if width > 0 else ()
+
+    def make(rank: int, world_size: int, seed: int) -> RankGrad:
+        private = m - shared
+        if shared + world_size * private > rows:
+            raise ValueError(f"synthetic: {world_size} ranks x {private} private rows + {shared} "
+                             f"shared exceed rows={rows}; lower density or raise overlap")
+        gen = _gen(seed, 3)
+        # Gumbel top-k: a weighted sample without replacement, identical on every rank.
+        keys = -torch.log(-torch.log(torch.rand(rows, generator=gen, dtype=torch.float64)))
+        if skew > 0:
+            keys -= skew * torch.log(torch.arange(1, rows + 1, dtype=torch.float64))
+        order = torch.topk(keys, shared + world_size * private).indices
+        mine = torch.cat([order[:shared], order[shared + rank::world_size][:private]])
+        ids = torch.sort(mine).values
+        return RankGrad(ids, _values(ids.numel(), row_shape, dtype, _gen(seed, 4, rank)), rows)
+
+    desc = f"synthetic density={density:g} overlap={overlap:g} skew={skew:g}"
+    return Workload(name, rows, row_shape, dtype, desc, make)
+
+
+def topk_workload(name: str, numel: int, ratio: float, correlation: float = 0.5,
+                  dtype: torch.dtype = torch.float32) -> Workload:
+    """Top-k compressed dense gradient (1-D element-sparse, ``row_shape == ()``).
+
+    Each rank's gradient is ``sqrt(c)*shared + sqrt(1-c)*own`` noise; it keeps its ``ratio*numel``
+    largest magnitudes. The shared component makes the top-k sets overlap partly across ranks, as
+    gradients of one model on different batches do.
+    """
+    if not 0 < ratio < 1:
+        raise ValueError(f"top-k ratio must be in (0, 1), got {ratio}")
+    k = max(1, int(numel * ratio))
+
+    def make(rank: int, world_size: int, seed: int) -> RankGrad:
+        common = torch.randn(numel, generator=_gen(seed, 5))
+        g = math.sqrt(correlation) * common
+        g += math.sqrt(1 - correlation) * torch.randn(numel, generator=_gen(seed, 6, rank))
+        idx = torch.topk(g.abs(), k, sorted=False).indices
+        idx = torch.sort(idx).values
+        return RankGrad(idx, g[idx].to(dtype), numel)
+
+    desc = f"top-{ratio:.2%} of a {numel / 1e6:.1f}M-element dense grad (corr {correlation})"
+    return Workload(name, numel, (), dtype, desc, make)
+
+
+def dense_workload(mb: float = 64.0, dtype: torch.dtype = torch.float32) -> Workload:
+    """A fully dense gradient: every scheme should fall back to (or match) dense all-reduce."""
+    numel = int(mb * 2**20) // torch.empty((), dtype=dtype).element_size()
+
+    def make(rank: int, world_size: int, seed: int) -> RankGrad:
+        return RankGrad(None, torch.randn(numel, generator=_gen(seed, 7, rank)).to(dtype), numel)
+
+    return Workload(f"dense{mb:g}MB", numel, (), dtype, f"dense {mb:g} MiB", make, sparse=False)
+
+
+def file_workload(path: str) -> Workload:
+    """A gradient captured from a real run (``torch.save``), optionally one file/entry per rank."""
+
+    def load(rank: int) -> object:
+        obj = torch.load(path.replace("{rank}", str(rank)), map_location="cpu", weights_only=False)
+        if isinstance(obj, (list, tuple)) and obj and not isinstance(obj[0], int):
+            obj = obj[rank % len(obj)]
+        return obj
+
+    first = _to_rankgrad(load(0))
+    row_shape = tuple(first.values.shape[1:]) if first.indices is not None else tuple(first.values.shape[1:])
+
+    def make(rank: int, world_size: int, seed: int) -> RankGrad:
+        return _to_rankgrad(load(rank))
+
+    dense = first.indices is None
+    return Workload(f"file:{path.rsplit('/', 1)[-1]}", first.num_rows, row_shape, first.values.dtype,
+                    f"captured gradient {path}", make, sparse=not dense)
+
+
+def _to_rankgrad(obj: object) -> RankGrad:
+    """Accept what people save: a dense/COO tensor, a zen_ds.RowSparse, or a dict of its fields."""
+    if isinstance(obj, dict) and {"indices", "values", "num_rows"} <= set(obj):
+        idx, val, n = obj["indices"], obj["values"], int(obj["num_rows"])
+    elif isinstance(obj, torch.Tensor) and obj.is_sparse:
+        c = obj.coalesce()
+        if c.sparse_dim() != 1:
+            raise ValueError("a sparse COO gradient must have sparse_dim 1 (row-sparse)")
+        idx, val, n = c.indices()[0], c.values(), c.shape[0]
+    elif isinstance(obj, torch.Tensor):
+        return RankGrad(None, obj.detach().cpu(), obj.shape[0])
+    elif all(hasattr(obj, a) for a in ("indices", "values", "num_rows")):
+        idx, val, n = obj.indices, obj.values, int(obj.num_rows)
+    else:
+        raise ValueError(f"unsupported gradient object {type(obj).__name__}: save a dense tensor, "
+                         "a sparse COO tensor, a zen_ds.RowSparse or {'indices','values','num_rows'}")
+    order = torch.argsort(idx)
+    return RankGrad(idx[order].long().cpu(), val[order].cpu(), n)
+
+
+# -- registry --------------------------------------------------------------------------------------
+def reference_workloads(scale: float = DEFAULT_SCALE) -> Dict[str, Callable[[], Workload]]:
+    """DESIGN §5 reference workloads, rows scaled by ``scale`` (row widths and density kept).
+
+    Full sizes: LSTM LM 406M params (793,470 x 512, 98.87% sparse), DeepFM 214M (13.4M x 16,
+    97.20%), NMT 112M (218,750 x 512, 97.53%), top-k 1% / 0.1% of a 25.6M-element dense model.
+    """
+    def rows(full: int) -> int:
+        return max(64, int(full * scale))
+
+    return {
+        "lstm": lambda: zipf_workload("lstm", rows(793_470), 512, density=1 - 0.9887, s=1.0,
+                                      description="LSTM LM embedding, 98.87% sparse, Zipf(1.0)"),
+        "deepfm": lambda: zipf_workload("deepfm", rows(13_375_000), 16, density=1 - 0.9720, s=1.1,
+                                        hashed_ids=True,
+                                        description="DeepFM id embedding, 97.20% sparse, hashed "
+                                                    "Zipf(1.1) ids"),
+        "nmt": lambda: zipf_workload("nmt", rows(218_750), 512, density=1 - 0.9753, s=1.0,
+                                     description="NMT embedding, 97.53% sparse, Zipf(1.0)"),
+        # The dense model (ResNet-50 sized) already fits: scaled only below the default scale.
+        "topk1": lambda: topk_workload("topk1", int(25_600_000 * min(1.0, 16 * scale)), 0.01),
+        "topk0.1": lambda: topk_workload("topk0.1", int(25_600_000 * min(1.0, 16 * scale)),
+                                         0.001),
+        "lm": lambda: zipf_workload("lm", 200_000, 128, tokens=8192, s=1.0,
+                                    description="issue-2 LM embedding 200k x 128, 8192 Zipf(1.0) "
+                                                "tokens/rank"),
+    }
+
+
+def _kv(text: str) -> Dict[str, str]:
+    out = {}
+    for part in filter(None, text.split(",")):
+        if "=" not in part:
+            raise ValueError(f"expected key=value in workload options, got {part!r}")
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def parse_workload(spec: str, scale: float = DEFAULT_SCALE) -> Workload:
+    """Build a workload from a ``--workload`` spec string (see the module docstring)."""
+    name, _, opts = spec.partition(":")
+    refs = reference_workloads(scale)
+    try:
+        if name == "file":
+            if not opts:
+                raise ValueError("file: needs a path, e.g. file:/tmp/grad.pt")
+            return file_workload(opts)
+        kv = _kv(opts)
+        if name == "synthetic":
+            known = {"rows", "width", "density", "overlap", "skew"}
+            if set(kv) - known:
+                raise ValueError(f"unknown synthetic options {sorted(set(kv) - known)}; use {sorted(known)}")
+            return synthetic_workload(int(float(kv.get("rows", 1_000_000))), int(kv.get("width", 64)),
+                                      float(kv.get("density", 0.01)), float(kv.get("overlap", 0.5)),
+                                      float(kv.get("skew", 0.0)))
+        if name == "dense":
+            return dense_workload(float(kv.get("mb", 64)))
+        if name == "lm" and kv:
+            tokens = int(float(kv.get("tokens", 8192)))
+            return zipf_workload(f"lm-{tokens // 1024}k" if tokens % 1024 == 0 else f"lm-{tokens}",
+                                 int(float(kv.get("rows", 200_000))), int(kv.get("width", 128)),
+                                 tokens=tokens, s=float(kv.get("zipf", 1.0)))
+        if name in refs and not kv:
+            return refs[name]()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"bad workload spec {spec!r}: {e}") from e
+    raise ValueError(f"unknown workload {spec!r}; choose from {sorted(refs)}, synthetic:..., "
+                     "dense:mb=N, lm:rows=..,width=..,tokens=.., file:PATH")
+
+
+def measure_overlap(nnz: Sequence[int], union: int) -> float:
+    """0 when ranks' supports are disjoint, 1 when identical: (sum m - U) / (sum m - max m)."""
+    total, top = sum(nnz), max(nnz) if nnz else 0
+    return 0.0 if total == top else (total - union) / (total - top)
+
+
+def union_size(grads: List[RankGrad]) -> int:
+    """Distinct rows over several ranks' gradients (for single-process analysis and tests)."""
+    return int(torch.unique(torch.cat([g.indices for g in grads])).numel())

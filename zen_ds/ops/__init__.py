@@ -1,0 +1,113 @@
+"""The one door from the algorithms to the ops.
+
+Schemes call ``zen_ds.ops.<op>(...)`` and never know which implementation runs: the compiled
+C++/CUDA ops (``csrc/zen``, built through DeepSpeed's op builder) when they load, else the
+pure-torch reference in :mod:`zen_ds.ops.torch_ops`, with one warning saying why.
+The compiled facade routes each call by device and dtype: CPU tensors to the CPU kernels, CUDA
+tensors to the CUDA kernels when they were compiled in, anything else to the torch reference.
+
+Select explicitly with ``ZEN_DS_OPS=torch|compiled|auto`` (default ``auto``) or :func:`use`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+from typing import Dict, Optional
+
+from . import torch_ops
+
+logger = logging.getLogger(__name__)
+
+OP_NAMES = (
+    "permute", "unpermute", "nonzero_rows", "partition", "aggregate", "bitmap_encode",
+    "bitmap_decode", "scatter_rows",
+)
+
+_backend: Optional[ModuleType] = None
+_backend_reason: str = ""
+_warned = False
+
+
+def _load_compiled() -> ModuleType:
+    # Imported lazily: zen_ds must import (and fall back) without deepspeed or a compiler.
+    from .compiled import load_compiled_ops  # noqa: WPS433
+
+    return load_compiled_ops()
+
+
+def use(choice: str = "auto") -> ModuleType:
+    """Select the implementation: ``"torch"``, ``"compiled"`` (raise if it cannot load) or ``"auto"``."""
+    global _backend, _backend_reason, _warned
+    if choice not in ("torch", "compiled", "auto"):
+        raise ValueError(f"ops choice must be 'torch', 'compiled' or 'auto', got {choice!r}")
+    if choice == "torch":
+        _backend, _backend_reason = torch_ops, "selected explicitly"
+        return _backend
+    try:
+        _backend = _load_compiled()
+        _backend_reason = "compiled ops loaded"
+    except Exception as exc:  # any build/load failure falls back, loudly once
+        if choice == "compiled":
+            raise RuntimeError(
+                f"zen_ds compiled ops could not be loaded ({exc}); install a C++ compiler and "
+                "deepspeed, or set ZEN_DS_OPS=torch") from exc
+        _backend, _backend_reason = torch_ops, f"compiled ops unavailable: {exc}"
+        if not _warned:
+            logger.warning("zen_ds: using the pure-torch ops (%s)", exc)
+            _warned = True
+    return _backend
+
+
+def backend() -> ModuleType:
+    """The implementation in use, chosen on first call from ``ZEN_DS_OPS``."""
+    if _backend is None:
+        use(os.environ.get("ZEN_DS_OPS", "auto"))
+    return _backend
+
+
+def backend_info() -> Dict[str, str]:
+    """Which implementation runs and why (for ``python -m zen_ds.report``)."""
+    impl = backend()
+    info = {"implementation": getattr(impl, "NAME", impl.__name__), "reason": _backend_reason}
+    # The compiled facade routes per call (CUDA tensors without CUDA kernels, dtypes the kernels
+    # do not cover -> torch ops) and says which module it loaded and how.
+    if hasattr(impl, "info"):
+        info.update(impl.info())
+    return info
+
+
+def permute(rows, num_rows, seed):
+    return backend().permute(rows, num_rows, seed)
+
+
+def unpermute(positions, num_rows, seed):
+    return backend().unpermute(positions, num_rows, seed)
+
+
+def nonzero_rows(values):
+    return backend().nonzero_rows(values)
+
+
+def partition(rows, values, num_rows, world_size, seed, id_dtype):
+    return backend().partition(rows, values, num_rows, world_size, seed, id_dtype)
+
+
+def aggregate(offsets, values, accum_dtype):
+    return backend().aggregate(offsets, values, accum_dtype)
+
+
+def bitmap_encode(offsets, universe):
+    return backend().bitmap_encode(offsets, universe)
+
+
+def bitmap_decode(bitmap, universe):
+    return backend().bitmap_decode(bitmap, universe)
+
+
+def scatter_rows(out, rows, values):
+    return backend().scatter_rows(out, rows, values)
+
+
+shard_starts = torch_ops.shard_starts
+permutation_params = torch_ops.permutation_params

@@ -1,0 +1,191 @@
+"""DeepSpeed op builders for the zen_ds C++/CUDA ops (``csrc/zen``).
+
+DeepSpeed's ``OpBuilder.load()`` only imports prebuilt modules of DeepSpeed's own ops, resolves
+relative sources inside ``deepspeed/ops`` and cannot discover external builders, so the builders
+here give absolute paths, try their own prebuilt module first and are chosen by
+:func:`get_builder` from the accelerator. Importing this module never fails: without deepspeed the
+builder classes are absent and :func:`get_builder` raises :class:`OpBuilderUnavailable`.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+from typing import List, Optional
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CSRC = REPO_ROOT / "csrc" / "zen"
+CPU_NAME = "zen_ds_ops_cpu"
+CUDA_NAME = "zen_ds_ops_cuda"
+BUILD_ENV = "DS_BUILD_ZEN"
+
+
+class OpBuilderUnavailable(RuntimeError):
+    """The compiled ops cannot be built or loaded here (no deepspeed, no compiler, no sources)."""
+
+
+try:  # deepspeed is optional: the pure-torch ops work without it
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+    from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+    DEEPSPEED_IMPORT_ERROR: Optional[BaseException] = None
+except Exception as exc:  # ImportError, or a broken deepspeed/accelerator install
+    CUDAOpBuilder = CPUOpBuilder = None  # type: ignore[assignment,misc]
+    DEEPSPEED_IMPORT_ERROR = exc
+
+
+def _cpu_sources() -> List[str]:
+    return [str(CSRC / "zen_ops_binding.cpp"), str(CSRC / "cpu" / "zen_ops_cpu.cpp")]
+
+
+def _cuda_sources() -> List[str]:
+    return sorted(str(p) for p in (CSRC / "cuda").glob("*.cu"))
+
+
+def _include_paths() -> List[str]:
+    return [str(CSRC / "includes")]
+
+
+def _sources_exist() -> bool:
+    return all(os.path.isfile(s) for s in _cpu_sources())
+
+
+if CPUOpBuilder is not None:
+
+    class ZenCPUOpBuilder(CPUOpBuilder):
+        """Builds the CPU kernels (C++, OpenMP through torch's thread pool)."""
+
+        BUILD_VAR = BUILD_ENV
+        NAME = CPU_NAME
+
+        def __init__(self) -> None:
+            super().__init__(name=self.NAME)
+
+        def absolute_name(self) -> str:
+            return f"zen_ds.ops.{self.NAME}"
+
+        def sources(self) -> List[str]:
+            return _cpu_sources()
+
+        def include_paths(self) -> List[str]:
+            return _include_paths()
+
+        def is_compatible(self, verbose: bool = False) -> bool:
+            if not _sources_exist():
+                self.warning(f"{self.NAME}: sources not found under {CSRC}")
+                return False
+            if shutil.which(os.environ.get("CXX", "c++")) is None:
+                self.warning(f"{self.NAME}: no C++ compiler (set CXX or install g++)")
+                return False
+            return super().is_compatible(verbose)
+
+        def load(self, verbose: bool = False) -> ModuleType:
+            return _load_prebuilt_or_jit(self, verbose)
+
+    class ZenCUDAOpBuilder(CUDAOpBuilder):
+        """Builds CPU + CUDA kernels in one module; CPU-only when torch has no CUDA."""
+
+        BUILD_VAR = BUILD_ENV
+        NAME = CUDA_NAME
+
+        def __init__(self) -> None:
+            super().__init__(name=self.NAME)
+
+        def absolute_name(self) -> str:
+            return f"zen_ds.ops.{self.NAME}"
+
+        def sources(self) -> List[str]:
+            # On a CPU torch CUDAOpBuilder builds for the CPU: nvcc sources must then be left out.
+            return _cpu_sources() + ([] if self.build_for_cpu else _cuda_sources())
+
+        def include_paths(self) -> List[str]:
+            return _include_paths()
+
+        def cxx_args(self) -> List[str]:
+            # -fopenmp: at::parallel_for is an inline OpenMP region in torch's headers.
+            args = super().cxx_args() + ["-fopenmp"]
+            return args if self.build_for_cpu else args + ["-DZEN_WITH_CUDA"]
+
+        def nvcc_args(self) -> List[str]:
+            args = super().nvcc_args()
+            if self.build_for_cpu:
+                return args
+            # Element tests use raw bits, but keep IEEE semantics anyway (no FTZ of denormals).
+            return [a for a in args if a != "--use_fast_math"] + ["-DZEN_WITH_CUDA"]
+
+        def is_compatible(self, verbose: bool = False) -> bool:
+            if not _sources_exist():
+                self.warning(f"{self.NAME}: sources not found under {CSRC}")
+                return False
+            return super().is_compatible(verbose)
+
+        def load(self, verbose: bool = False) -> ModuleType:
+            return _load_prebuilt_or_jit(self, verbose)
+
+else:
+    ZenCPUOpBuilder = ZenCUDAOpBuilder = None  # type: ignore[assignment,misc]
+
+
+def _load_prebuilt_or_jit(builder, verbose: bool) -> ModuleType:
+    """Import the module installed by ``DS_BUILD_ZEN=1 pip install .``, else JIT-build it."""
+    try:
+        module = importlib.import_module(builder.absolute_name())
+        builder.prebuilt = True
+        logger.debug("zen_ds: loaded prebuilt %s", builder.absolute_name())
+        return module
+    except ImportError:
+        pass
+    builder.prebuilt = False
+    if not builder.is_compatible(verbose):
+        raise OpBuilderUnavailable(f"{builder.NAME} cannot be built here: {builder.error_log}")
+    return builder.jit_load(verbose)
+
+
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator device name ("cpu", "cuda", ...), or "cpu" when unknown."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        return str(get_accelerator().device_name())
+    except Exception:  # accelerator detection must not break the CPU fallback
+        return "cpu"
+
+
+def get_builder(device_name: Optional[str] = None):
+    """The builder for this machine: CUDA (CPU+CUDA kernels) on "cuda", else the CPU builder."""
+    if DEEPSPEED_IMPORT_ERROR is not None:
+        raise OpBuilderUnavailable(
+            f"deepspeed is not importable ({DEEPSPEED_IMPORT_ERROR!r}); `pip install deepspeed` "
+            "to build the compiled zen_ds ops")
+    device = device_name or accelerator_name()
+    return ZenCUDAOpBuilder() if device == "cuda" else ZenCPUOpBuilder()
+
+
+def prebuild_extensions() -> List:
+    """setuptools extensions for ``DS_BUILD_ZEN=1``: the CPU op, plus the CUDA op with a toolkit.
+
+    Sources are made relative to the repository root, where setup.py runs.
+    """
+    if DEEPSPEED_IMPORT_ERROR is not None:
+        raise OpBuilderUnavailable(
+            f"{BUILD_ENV}=1 needs deepspeed at build time ({DEEPSPEED_IMPORT_ERROR!r}); install it "
+            "first and build with `pip install --no-build-isolation .`")
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    builders = [ZenCPUOpBuilder()]
+    if torch.version.cuda is not None and CUDA_HOME is not None and _cuda_sources():
+        builders.append(ZenCUDAOpBuilder())
+    extensions = []
+    for builder in builders:
+        if not builder.is_compatible(verbose=True):
+            raise OpBuilderUnavailable(f"{BUILD_ENV}=1 but {builder.NAME} cannot be built: "
+                                       f"{builder.error_log}")
+        ext = builder.builder()
+        ext.sources = [os.path.relpath(s, REPO_ROOT) for s in ext.sources]
+        extensions.append(ext)
+    return extensions

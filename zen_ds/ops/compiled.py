@@ -1,0 +1,173 @@
+"""The compiled ops behind the :mod:`zen_ds.ops.torch_ops` interface.
+
+:func:`load_compiled_ops` builds or imports the extension through :mod:`zen_ds.ops.builder` and
+wraps it so that callers see exactly the torch_ops signatures and results. The wrapper does the
+argument preparation the kernels expect (int64 ids, contiguous ``[k, row_numel]`` values) and
+routes each call by device: CPU tensors to the CPU kernels, CUDA tensors to the CUDA kernels when
+they were compiled in, anything else (other devices, dtypes the kernels do not cover) to torch_ops.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from types import ModuleType
+from typing import Dict, Tuple
+
+import torch
+
+from . import torch_ops
+
+logger = logging.getLogger(__name__)
+
+_FLOAT_TYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_ACCUM_TYPES = (torch.float32, torch.float64)
+_CUDA_MAX_PARTITION_WORLD = 1024  # shared-memory histograms in csrc/zen/cuda
+
+MAX_NUM_ROWS = torch_ops.MAX_NUM_ROWS
+shard_starts = torch_ops.shard_starts
+
+
+@functools.lru_cache(maxsize=256)
+def permutation_params(num_rows: int, seed: int) -> Tuple[int, int, int]:
+    """Same parameters as torch_ops (cached: the ops need them on every call)."""
+    return torch_ops.permutation_params(num_rows, seed)
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) if t.dim() > 1 else 1
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[k, *row_shape]`` or ``[k]`` as a contiguous ``[k, row_numel]`` view or copy."""
+    return t.contiguous().view(t.shape[0], _row_numel(t))
+
+
+def _ids(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).to(torch.int64).contiguous()
+
+
+class CompiledOps:
+    """torch_ops-compatible facade over the loaded extension module."""
+
+    MAX_NUM_ROWS = MAX_NUM_ROWS
+    shard_starts = staticmethod(shard_starts)
+    permutation_params = staticmethod(permutation_params)
+
+    def __init__(self, module: ModuleType, builder_name: str, prebuilt: bool) -> None:
+        self.module = module
+        self.builder_name = builder_name
+        self.prebuilt = prebuilt
+        self.with_cuda = bool(module.with_cuda())
+        self.NAME = "cpp-cpu+cuda" if self.with_cuda else "cpp-cpu"
+        self.__name__ = f"zen_ds.ops.compiled[{self.NAME}]"
+
+    def info(self) -> Dict[str, str]:
+        return {
+            "module": self.builder_name,
+            "origin": "prebuilt (DS_BUILD_ZEN=1)" if self.prebuilt else "JIT (TORCH_EXTENSIONS_DIR)",
+            "cuda_kernels": str(self.with_cuda),
+            "file": str(getattr(self.module, "__file__", "?")),
+        }
+
+    def native(self, *tensors: torch.Tensor) -> bool:
+        """Whether the kernels handle tensors on these devices (else the torch ops run)."""
+        for t in tensors:
+            kind = t.device.type
+            if kind == "cpu":
+                continue
+            if kind == "cuda" and self.with_cuda:
+                continue
+            return False
+        return True
+
+    # -- ops, same signatures and results as torch_ops --------------------------------------
+
+    def permute(self, rows: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
+        if not self.native(rows):
+            return torch_ops.permute(rows, num_rows, seed)
+        multiplier, _, offset = permutation_params(num_rows, seed)
+        return self.module.permute(_ids(rows), num_rows, multiplier, offset).view(rows.shape)
+
+    def unpermute(self, positions: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
+        if not self.native(positions):
+            return torch_ops.unpermute(positions, num_rows, seed)
+        _, inverse, offset = permutation_params(num_rows, seed)
+        return self.module.unpermute(_ids(positions), num_rows, inverse, offset).view(positions.shape)
+
+    def nonzero_rows(self, values: torch.Tensor) -> torch.Tensor:
+        if values.dim() == 0 or values.dtype not in _FLOAT_TYPES or not self.native(values):
+            return torch_ops.nonzero_rows(values)
+        if values.dim() == 1:
+            return self.module.nonzero_rows(values.contiguous())
+        return self.module.nonzero_rows(_as_rows(values))
+
+    def partition(self, rows: torch.Tensor, values: torch.Tensor, num_rows: int, world_size: int,
+                  seed: int, id_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if (id_dtype not in (torch.int32, torch.int64) or values.dim() == 0
+                or not self.native(rows, values)
+                or (values.is_cuda and world_size > _CUDA_MAX_PARTITION_WORLD)):
+            return torch_ops.partition(rows, values, num_rows, world_size, seed, id_dtype)
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if values.shape[0] != rows.numel():
+            raise ValueError(f"partition: {rows.numel()} rows but values has {values.shape[0]} rows")
+        multiplier, _, offset = permutation_params(num_rows, seed)
+        counts, offsets, out = self.module.partition(
+            _ids(rows), _as_rows(values), num_rows, world_size, multiplier, offset,
+            id_dtype == torch.int32)
+        return counts, offsets, out.view(values.shape)
+
+    def aggregate(self, offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if (accum_dtype not in _ACCUM_TYPES or values.dtype not in _FLOAT_TYPES or values.dim() == 0
+                or not self.native(offsets, values)):
+            return torch_ops.aggregate(offsets, values, accum_dtype)
+        if values.shape[0] != offsets.numel():
+            raise ValueError(f"aggregate: {offsets.numel()} offsets but values has "
+                             f"{values.shape[0]} rows")
+        unique, sums = self.module.aggregate(_ids(offsets), _as_rows(values),
+                                             accum_dtype == torch.float64)
+        return unique, sums.view((unique.numel(),) + tuple(values.shape[1:]))
+
+    def bitmap_encode(self, offsets: torch.Tensor, universe: int) -> torch.Tensor:
+        if not self.native(offsets):
+            return torch_ops.bitmap_encode(offsets, universe)
+        return self.module.bitmap_encode(_ids(offsets), int(universe))
+
+    def bitmap_decode(self, bitmap: torch.Tensor, universe: int) -> torch.Tensor:
+        if bitmap.dtype != torch.uint8 or not self.native(bitmap):
+            return torch_ops.bitmap_decode(bitmap, universe)
+        return self.module.bitmap_decode(bitmap.reshape(-1).contiguous(), int(universe))
+
+    def scatter_rows(self, out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
+                     ) -> torch.Tensor:
+        if out.dim() == 0 or not out.is_contiguous() or not self.native(out, rows, values):
+            return torch_ops.scatter_rows(out, rows, values)
+        rows64 = _ids(rows)
+        width = _row_numel(out)
+        src = values.to(out.dtype).contiguous().view(rows64.numel(), width)
+        self.module.scatter_rows(out.view(out.shape[0], width), rows64, src)
+        return out
+
+
+def load_compiled_ops() -> CompiledOps:
+    """Build (JIT) or import (prebuilt) the extension for this accelerator and wrap it.
+
+    On a CUDA accelerator the CUDA module (CPU + CUDA kernels) is tried first; if it cannot be
+    built the CPU module is used and CUDA tensors take the torch path.
+    """
+    from .builder import OpBuilderUnavailable, accelerator_name, get_builder
+
+    device = accelerator_name()
+    builder = get_builder(device)
+    try:
+        module = builder.load(verbose=False)
+    except Exception as exc:
+        if device != "cuda":
+            raise OpBuilderUnavailable(f"building {builder.NAME} failed: {exc}") from exc
+        logger.warning("zen_ds: CUDA ops could not be built (%s); using the CPU ops, CUDA tensors "
+                       "will use the torch ops", exc)
+        builder = get_builder("cpu")
+        module = builder.load(verbose=False)
+    return CompiledOps(module, builder.NAME, getattr(builder, "prebuilt", False))

@@ -1,0 +1,152 @@
+"""Pure-torch implementation of every zen_ds op.
+
+This is the reference the compiled ops (``csrc/zen``) must match bit for bit on integer outputs and
+to rounding on sums, and the fallback used when no compiler is available. Every function works on
+any device torch supports and never allocates anything of size ``num_rows``.
+
+The owner permutation is a seeded multiplicative (Weyl) permutation of ``[0, num_rows)``; all
+intermediate values stay below 2**63 so int64 torch arithmetic and C++ arithmetic agree exactly.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+import torch
+
+NAME = "torch"
+
+MAX_NUM_ROWS = 1 << 48  # mulmod below stays inside int64 (12-bit limbs)
+_LIMB_BITS = 12
+_GOLDEN = 0.6180339887498949
+
+
+def _splitmix64(state: int) -> int:
+    z = (state + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def permutation_params(num_rows: int, seed: int) -> Tuple[int, int, int]:
+    """``(multiplier, inverse multiplier, offset)`` of the permutation of ``[0, num_rows)``.
+
+    ``pi(row) = (row * multiplier + offset) mod num_rows`` with the multiplier coprime to num_rows
+    and close to ``num_rows / golden ratio``: a Weyl sequence, so any contiguous block of ids (and a
+    Zipf-dense prefix) lands spread almost evenly over the contiguous shard slices (three-gap
+    theorem), far better than a random hash. The seed moves the offset.
+    """
+    if num_rows < 1:
+        raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+    if num_rows > MAX_NUM_ROWS:
+        raise ValueError(f"num_rows={num_rows} exceeds the supported 2**48 rows")
+    multiplier = max(1, int(num_rows * _GOLDEN))
+    while math.gcd(multiplier, num_rows) != 1:
+        multiplier += 1
+    multiplier %= num_rows
+    inverse = pow(multiplier, -1, num_rows) if num_rows > 1 else 0
+    offset = _splitmix64(seed & 0xFFFFFFFFFFFFFFFF) % num_rows
+    return multiplier, inverse, offset
+
+
+def mulmod(x: torch.Tensor, factor: int, modulus: int) -> torch.Tensor:
+    """``(x * factor) % modulus`` exactly in int64 for ``0 <= x, factor < modulus <= 2**48``."""
+    if modulus <= (1 << 31):
+        return (x * factor) % modulus
+    limbs = []
+    while factor:
+        limbs.append(factor & ((1 << _LIMB_BITS) - 1))
+        factor >>= _LIMB_BITS
+    acc = torch.zeros_like(x)
+    for limb in reversed(limbs):  # Horner over 12-bit limbs: every term < 2**61
+        acc = ((acc << _LIMB_BITS) + x * limb) % modulus
+    return acc
+
+
+def permute(rows: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
+    """Position of each row id in the seeded permutation of ``[0, num_rows)`` (int64)."""
+    multiplier, _, offset = permutation_params(num_rows, seed)
+    return (mulmod(rows.to(torch.int64), multiplier, num_rows) + offset) % num_rows
+
+
+def unpermute(positions: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
+    """Inverse of :func:`permute`: the row id at each permuted position (int64)."""
+    _, inverse, offset = permutation_params(num_rows, seed)
+    shifted = (positions.to(torch.int64) - offset) % num_rows
+    return mulmod(shifted, inverse, num_rows)
+
+
+def shard_starts(num_rows: int, world_size: int) -> List[int]:
+    """First permuted position of each rank's shard, plus ``num_rows`` at the end."""
+    return [(r * num_rows) // world_size for r in range(world_size)] + [num_rows]
+
+
+def nonzero_rows(values: torch.Tensor) -> torch.Tensor:
+    """Ids (int64, ascending) of rows with any element != 0; NaN counts as non-zero.
+
+    ``values`` is ``[num_rows, row_numel]`` (or 1-D for element-sparse tensors). The test is
+    element-wise: a row ``[1, -1]`` is non-zero.
+    """
+    if values.dim() == 1:
+        mask = values != 0
+    else:
+        mask = (values != 0).any(dim=1)
+    return mask.nonzero().flatten()
+
+
+def partition(
+    rows: torch.Tensor, values: torch.Tensor, num_rows: int, world_size: int, seed: int,
+    id_dtype: torch.dtype,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group local rows by owner rank with a stable counting sort.
+
+    Returns ``(counts[world_size] int64, shard_offsets[k] id_dtype, values[k, ...])`` ordered by
+    destination rank; ``shard_offsets`` are positions relative to the owner's shard start.
+    Lossless: every input row appears exactly once in the output.
+    """
+    positions = permute(rows, num_rows, seed)
+    owners = ((positions + 1) * world_size - 1) // num_rows
+    counts = torch.bincount(owners, minlength=world_size)
+    order = torch.argsort(owners, stable=True)
+    starts = torch.tensor(shard_starts(num_rows, world_size)[:-1], dtype=torch.int64,
+                          device=rows.device)
+    offsets = (positions - starts[owners])[order].to(id_dtype)
+    return counts.to(torch.int64), offsets, values[order]
+
+
+def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sum values that share an offset: ``(unique offsets ascending int64, sums in accum_dtype)``."""
+    offsets = offsets.to(torch.int64)
+    unique, inverse = torch.unique(offsets, sorted=True, return_inverse=True)
+    sums = torch.zeros((unique.numel(),) + tuple(values.shape[1:]), dtype=accum_dtype,
+                       device=values.device)
+    sums.index_add_(0, inverse, values.to(accum_dtype))
+    return unique, sums
+
+
+def bitmap_encode(offsets: torch.Tensor, universe: int) -> torch.Tensor:
+    """Little-endian bitmap (uint8, ``ceil(universe / 8)`` bytes) of sorted unique offsets.
+
+    O(k + universe / 8): unique offsets set distinct bits, so adding bit values is an OR.
+    """
+    offsets = offsets.to(torch.int64)
+    bitmap = torch.zeros((universe + 7) // 8, dtype=torch.uint8, device=offsets.device)
+    bits = torch.bitwise_left_shift(torch.ones_like(offsets), offsets & 7).to(torch.uint8)
+    return bitmap.index_add_(0, offsets >> 3, bits)
+
+
+def bitmap_decode(bitmap: torch.Tensor, universe: int) -> torch.Tensor:
+    """Set bit positions (int64, ascending) of a bitmap made by :func:`bitmap_encode`."""
+    byte_index = bitmap.nonzero().flatten()
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmap.device)
+    bits = (bitmap[byte_index].view(-1, 1) >> shifts) & 1
+    nz = bits.nonzero()
+    positions = byte_index[nz[:, 0]] * 8 + nz[:, 1]
+    return positions[positions < universe]
+
+
+def scatter_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Write unique ``rows`` of ``values`` into the dense ``out`` in place (cast to out's dtype)."""
+    out.index_copy_(0, rows.to(torch.int64), values.to(out.dtype))
+    return out

@@ -1,0 +1,37 @@
+"""Scheme registry: every scheme is a small module behind :class:`zen_ds.schemes.base.Scheme`."""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from .agsparse import AllGatherSparseScheme
+from .balanced import BalancedScheme
+from .base import ByteEstimate, Scheme, SyncContext, SyncShape
+from .dense import DenseScheme
+
+__all__ = ["get_scheme", "register_scheme", "scheme_names", "Scheme", "SyncContext", "SyncShape",
+           "ByteEstimate"]
+
+_REGISTRY: Dict[str, Scheme] = {}
+
+
+def register_scheme(scheme: Scheme) -> None:
+    """Add a scheme instance under its ``name`` (its ``sync``/``predict`` are then plannable)."""
+    if not scheme.name:
+        raise ValueError(f"{scheme!r} has no name")
+    _REGISTRY[scheme.name] = scheme
+
+
+def get_scheme(name: str) -> Scheme:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown zen_ds scheme {name!r}; choose one of {scheme_names()} or 'auto'"
+                         ) from None
+
+
+def scheme_names() -> Tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+for _scheme in (DenseScheme(), AllGatherSparseScheme(), BalancedScheme()):
+    register_scheme(_scheme)

@@ -1,0 +1,148 @@
+"""``balanced``: ZEN's balanced parallelism — hash-partitioned push, per-shard aggregation, pull.
+
+1. Each rank groups its non-zero rows by owner (seeded permutation, contiguous slices; see
+   :mod:`zen_ds.partition`) with a counting sort and pushes them with one ``all_to_all_single``
+   of exact splits: shard-relative ids (int32 when shards fit) and values, packed per row.
+2. Each owner sums what it received for its shard (fp32 accumulation for fp16/bf16).
+3. Each owner sends its aggregated shard to every rank, its index encoded as COO ids or as a bitmap
+   over the shard's universe, whichever is smaller; one small all-gather says which and how big.
+4. Every rank decodes the shards back to row ids and assembles the coalesced sum.
+
+Every owner aggregates an equal share however the rows are skewed, so per-rank bytes are
+``(n-1)/n * m * c`` for the push and ``(n-1)/n * U * c`` for the pull.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from .. import ops
+from ..partition import ShardLayout
+from ..sparse import RowSparse, accum_dtype
+from .base import ByteEstimate, Scheme, SyncContext, SyncShape
+
+ENCODING_COO = 0
+ENCODING_BITMAP = 1
+_PULL_META_FIELDS = 3  # unique rows, encoding, index bytes
+
+
+def choose_encoding(unique_rows: int, shard_size: int, id_bytes: int, preference: str) -> int:
+    """COO ids or bitmap for one shard: the smaller one under ``auto``."""
+    if preference == "coo":
+        return ENCODING_COO
+    if preference == "bitmap":
+        return ENCODING_BITMAP
+    return ENCODING_BITMAP if (shard_size + 7) // 8 < unique_rows * id_bytes else ENCODING_COO
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``[rows, bytes per row]`` uint8 view of a tensor of any dtype (rows may be 0)."""
+    row_bytes = tensor.element_size() * (tensor[0].numel() if tensor.shape[0] else
+                                         int(torch.Size(tensor.shape[1:]).numel()))
+    return tensor.contiguous().view(torch.uint8).reshape(tensor.shape[0], row_bytes)
+
+
+def _pad_to_alignment(payload: torch.Tensor, alignment: int = 8) -> torch.Tensor:
+    """Zero-pad a uint8 buffer so that what follows it stays aligned for any value dtype."""
+    pad = -payload.numel() % alignment
+    return torch.cat([payload, payload.new_zeros(pad)]) if pad else payload
+
+
+class BalancedScheme(Scheme):
+    name = "balanced"
+    needs_owner_counts = True
+
+    def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
+        n, rank = ctx.world_size, ctx.rank
+        layout = ShardLayout(x.num_rows, n, ctx.seed)
+        id_bytes = layout.id_dtype.itemsize
+        row_numel = x.row_numel
+
+        # Push: one all-to-all of (shard offset, values) rows with exact splits.
+        counts, offsets, values = ops.partition(x.indices, x.values_2d(), x.num_rows, n, ctx.seed,
+                                                layout.id_dtype)
+        send_splits = counts.tolist()
+        if ctx.owner_counts is not None:
+            recv_splits = ctx.owner_counts[:, rank].tolist()
+        else:  # called outside sparse_allreduce: exchange the counts here
+            recv = torch.empty_like(counts)
+            ctx.comm.all_to_all_single(recv, counts, [1] * n, [1] * n, "balanced.counts")
+            recv_splits = recv.tolist()
+        send = torch.cat([_as_bytes(offsets), _as_bytes(values)], dim=1)
+        received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8,
+                               device=x.device)
+        ctx.comm.all_to_all_single(received, send, recv_splits, send_splits, "balanced.push")
+        del send
+
+        # Aggregate my shard.
+        recv_offsets = received[:, :id_bytes].contiguous().view(layout.id_dtype).flatten()
+        recv_values = received[:, id_bytes:].contiguous().view(x.dtype).reshape(-1, row_numel)
+        shard_rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype))
+        del received, recv_offsets, recv_values
+        if ctx.scale is not None:
+            sums.mul_(ctx.scale)
+        shard_values = sums.to(x.dtype)
+
+        # Pull: every owner sends its shard to every other rank.
+        encoding = choose_encoding(shard_rows.numel(), layout.shard_size(rank), id_bytes,
+                                   ctx.index_encoding)
+        if encoding == ENCODING_BITMAP:
+            index_payload = ops.bitmap_encode(shard_rows, layout.shard_size(rank))
+        else:
+            index_payload = shard_rows.to(layout.id_dtype).view(torch.uint8)
+        index_payload = _pad_to_alignment(index_payload.flatten())
+        payload = torch.cat([index_payload.flatten(), shard_values.contiguous().view(torch.uint8)
+                             .flatten()])
+        meta = torch.tensor([shard_rows.numel(), encoding, index_payload.numel()],
+                            dtype=torch.int64, device=x.device)
+        all_meta = torch.empty(n * _PULL_META_FIELDS, dtype=torch.int64, device=x.device)
+        ctx.comm.all_gather_into_tensor(all_meta, meta, "balanced.pull_meta")
+        shard_meta = all_meta.view(n, _PULL_META_FIELDS).tolist()
+        row_bytes = row_numel * x.values.element_size()
+        sizes = [u * row_bytes + idx for u, _, idx in shard_meta]
+        send_splits = [0 if j == rank else payload.numel() for j in range(n)]
+        recv_splits = [0 if j == rank else sizes[j] for j in range(n)]
+        pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=x.device)
+        send = payload.repeat(n - 1) if n > 1 else payload[:0]
+        ctx.comm.all_to_all_single(pulled, send, recv_splits, send_splits, "balanced.pull")
+        del send
+
+        # Decode every shard to row ids.
+        parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        cursor = 0
+        for j, (unique_rows, shard_encoding, index_bytes) in enumerate(shard_meta):
+            if j == rank:
+                offsets_j, values_j = shard_rows, shard_values
+            else:
+                chunk = pulled[cursor: cursor + sizes[j]]
+                cursor += sizes[j]
+                index_chunk = chunk[:index_bytes]
+                if shard_encoding == ENCODING_BITMAP:
+                    bitmap_bytes = (layout.shard_size(j) + 7) // 8
+                    offsets_j = ops.bitmap_decode(index_chunk[:bitmap_bytes], layout.shard_size(j))
+                else:
+                    offsets_j = index_chunk[: unique_rows * id_bytes].view(layout.id_dtype)
+                    offsets_j = offsets_j.to(torch.int64)
+                values_j = chunk[index_bytes:].view(x.dtype).reshape(unique_rows, row_numel)
+            parts.append((offsets_j + layout.starts[j], values_j))
+        positions = torch.cat([p for p, _ in parts])
+        rows = ops.unpermute(positions, x.num_rows, ctx.seed)
+        order = torch.argsort(rows)
+        values_out = torch.cat([v for _, v in parts])[order]
+        return RowSparse(rows[order], values_out.reshape((rows.numel(),) + x.row_shape),
+                         x.num_rows, coalesced=True)
+
+    def predict(self, shape: SyncShape) -> ByteEstimate:
+        n, r = shape.world_size, shape.rank
+        layout = ShardLayout(shape.num_rows, n, 0)
+        id_bytes = layout.id_dtype.itemsize
+        entry = id_bytes + shape.row_bytes
+        push_sent = shape.nnz_per_rank[r] * (n - 1) / n * entry
+        push_received = sum(m for i, m in enumerate(shape.nnz_per_rank) if i != r) / n * entry
+        meta = (n - 1) * 8 * _PULL_META_FIELDS
+        shard_rows = shape.union_nnz / n
+        shard_size = shape.num_rows / n
+        index = min(shard_rows * id_bytes, (shard_size + 7) // 8) + 4  # + mean alignment pad
+        pull = (n - 1) * (index + shard_rows * shape.row_bytes)
+        return ByteEstimate(push_sent + meta + pull, push_received + meta + pull, 3 * (n - 1))

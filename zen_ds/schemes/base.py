@@ -1,0 +1,100 @@
+"""The interface every scheme implements, and what a scheme is handed.
+
+A scheme is a small object with two entry points: :meth:`Scheme.sync` moves the data and
+:meth:`Scheme.predict` models the bytes it moves. The planner only talks to ``predict``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, List, Optional, Sequence
+
+import torch
+
+from ..comm import Communicator
+from ..sparse import RowSparse
+
+__all__ = ["SyncShape", "ByteEstimate", "SyncContext", "Scheme", "HANDSHAKE_FIXED_FIELDS",
+           "SKETCH_SIZE", "handshake_bytes"]
+
+# Handshake layout (int64 per rank): fixed fields, then a KMV sketch of the support, then the
+# per-owner row counts of the balanced partition. See zen_ds/api.py.
+HANDSHAKE_FIXED_FIELDS = 10
+SKETCH_SIZE = 64
+
+
+def handshake_bytes(world_size: int) -> int:
+    """Bytes of one rank's handshake record."""
+    return 8 * (HANDSHAKE_FIXED_FIELDS + SKETCH_SIZE + world_size)
+
+
+@dataclass(frozen=True)
+class SyncShape:
+    """What the byte models need: sizes only, no data."""
+
+    world_size: int
+    nnz_per_rank: Sequence[int]
+    union_nnz: int
+    num_rows: int
+    row_numel: int
+    value_bytes: int  # bytes of one element on the wire
+    rank: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_numel * self.value_bytes
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class ByteEstimate:
+    """Predicted per-rank wire bytes and latency steps (the alpha term) of one sync."""
+
+    bytes_sent: float
+    bytes_received: float
+    latency_steps: int
+
+    @property
+    def wire_bytes(self) -> float:
+        return max(self.bytes_sent, self.bytes_received)
+
+
+@dataclass
+class SyncContext:
+    """Everything a scheme needs beyond the data; built once per sync by :mod:`zen_ds.api`."""
+
+    comm: Communicator
+    seed: int
+    scale: Optional[float]  # multiply the sum by this (average), applied in the accumulation dtype
+    index_encoding: str  # "auto" | "coo" | "bitmap"
+    nnz_per_rank: List[int] = field(default_factory=list)
+    owner_counts: Optional[torch.Tensor] = None  # [n, n] int64: row i = rank i's rows per owner
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+
+class Scheme:
+    """Base class: subclasses set ``name`` and implement ``sync`` and ``predict``."""
+
+    name: ClassVar[str] = ""
+    #: True when ``sync`` needs ``ctx.owner_counts`` (the balanced partition's counts).
+    needs_owner_counts: ClassVar[bool] = False
+
+    def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
+        """Return the group-wide sum (times ``ctx.scale``) of ``x``, coalesced, in x's dtype."""
+        raise NotImplementedError
+
+    def predict(self, shape: SyncShape) -> ByteEstimate:
+        """Per-rank wire bytes of :meth:`sync` for data of this shape (handshake excluded)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

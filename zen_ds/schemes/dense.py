@@ -1,0 +1,31 @@
+"""``dense``: the library all-reduce over the full tensor; the reference every scheme must equal."""
+from __future__ import annotations
+
+import torch
+
+from ..sparse import RowSparse, accum_dtype
+from .base import ByteEstimate, Scheme, SyncContext, SyncShape
+
+
+def dense_allreduce(tensor: torch.Tensor, ctx: SyncContext, name: str = "dense") -> torch.Tensor:
+    """Sum a dense tensor over the group (fp32 for fp16/bf16), scaled, in the input dtype."""
+    work = tensor.to(accum_dtype(tensor.dtype)).contiguous()
+    if work.data_ptr() == tensor.data_ptr():
+        work = work.clone()
+    ctx.comm.all_reduce(work, name)
+    if ctx.scale is not None:
+        work.mul_(ctx.scale)
+    return work.to(tensor.dtype)
+
+
+class DenseScheme(Scheme):
+    name = "dense"
+
+    def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
+        return RowSparse.from_dense(dense_allreduce(x.to_dense(), ctx))
+
+    def predict(self, shape: SyncShape) -> ByteEstimate:
+        n = shape.world_size
+        # fp16/bf16 travel as fp32 (accumulated in fp32 on the wire).
+        ring = 2 * (n - 1) * shape.num_rows * shape.row_numel * max(shape.value_bytes, 4) / n
+        return ByteEstimate(ring, ring, 2 * (n - 1))
