@@ -102,6 +102,12 @@ def case_bf16(rank: int, n: int):
     return case_zipf(rank, n, torch.bfloat16, "bf16")
 
 
+def case_fp16_odd_width(rank: int, n: int):
+    # 3 fp16 values = 6-byte rows: shard payloads that are not multiples of 8 bytes
+    gen = _gen("fp16_odd", rank)
+    return _dense_rows(700, (3,), torch.arange(rank, 700, 5), gen, torch.float16)
+
+
 def case_fp64(rank: int, n: int):
     return case_zipf(rank, n, torch.float64, "fp64")
 
@@ -146,7 +152,7 @@ CASES: Dict[str, Callable] = {
     "sum_zero_row": case_sum_zero_row, "one_empty": case_one_empty, "all_empty": case_all_empty,
     "fully_dense": case_fully_dense, "identical": case_identical, "disjoint": case_disjoint,
     "clustered_0.1pct": case_clustered, "element_sparse_1d": case_element_sparse,
-    "fp16": case_fp16, "bf16": case_bf16, "fp64": case_fp64, "uncoalesced_coo": case_uncoalesced_coo,
+    "fp16": case_fp16, "fp16_odd_width": case_fp16_odd_width, "bf16": case_bf16, "fp64": case_fp64, "uncoalesced_coo": case_uncoalesced_coo,
     "nan_inf": case_nan_inf, "row_shape_3d": case_row_shape_3d, "rowsparse_input": case_rowsparse_input,
     "huge_5e9_rows": case_huge,
 }
@@ -266,8 +272,8 @@ def check_mismatch_errors(rank: int, n: int) -> Dict[str, str]:
 def measure_balanced_bytes(rank: int, n: int) -> Dict[str, float]:
     """Measured vs modelled bytes of balanced on a large Zipf gradient; shard balance."""
     gen = _gen("bytes", rank)
-    num_rows = 200_000
-    rows = zipf_rows(num_rows, 40_000, gen)
+    num_rows = 1_000_000
+    rows = zipf_rows(num_rows, 200_000, gen)
     x = RowSparse(rows, torch.randn(rows.numel(), 8, generator=gen), num_rows)
     zen_ds.sparse_allreduce(x, scheme="balanced")
     stats = zen_ds.last_sync_stats()

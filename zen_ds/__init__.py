@@ -5,6 +5,11 @@ Core API::
     zen_ds.sparse_allreduce(x, group=None, scheme="auto", average=False)
     zen_ds.last_sync_stats()
     zen_ds.RowSparse, zen_ds.SCHEMES
+
+DeepSpeed plug-in::
+
+    engine, optimizer, _, _ = zen_ds.initialize(model=model, config=ds_config)  # reads "zen"
+    zen_ds.attach(engine)  # for engines built elsewhere
 """
 from __future__ import annotations
 
@@ -14,10 +19,13 @@ from .planner import CostModel
 from .schemes import scheme_names
 from .sparse import RowSparse
 from .stats import SyncStats, last_sync_stats
+from .config import ZenConfig, ZenConfigError
+from .engine import attach, initialize, state_of
 
 __version__ = "0.1.0"
 
 SCHEMES = scheme_names()
 
 __all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats",
-           "ShardLayout", "owner", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__"]
+           "ShardLayout", "owner", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
+           "initialize", "attach", "state_of", "ZenConfig", "ZenConfigError"]

@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from . import ops
 from .comm import Communicator
 from .partition import ShardLayout
 from .planner import CostModel, estimate_union, plan
@@ -103,12 +104,21 @@ def _check_agreement(table: torch.Tensor) -> None:
                              "every rank must sync the same tensor with the same options")
 
 
+def _wants_sorted(like: TensorLike) -> bool:
+    return isinstance(like, RowSparse) or like.is_sparse
+
+
 def _from_rowsparse(result: RowSparse, like: TensorLike) -> TensorLike:
     if isinstance(like, RowSparse):
         return result
     if like.is_sparse:
         return result.to_coo()
-    return result.to_dense().reshape(like.shape)
+    # Rows are unique (every scheme guarantees it), so scatter without sorting.
+    out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    if result.nnz:
+        ops.scatter_rows(out.view((result.num_rows,) + result.row_shape), result.indices,
+                         result.values)
+    return out
 
 
 def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, scheme: str = "auto",
@@ -144,7 +154,8 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, s
         result = RowSparse(rs.indices.clone(), rs.values.clone(), rs.num_rows, coalesced=True)
         if scale is not None:
             result.values.mul_(scale)
-        chosen, union, predicted = ("dense" if scheme == "auto" else scheme), rs.nnz, (0.0, 0.0)
+        # A group of one moves nothing; "local" says so when no scheme was asked for.
+        chosen, union, predicted = ("local" if scheme == "auto" else scheme), rs.nnz, (0.0, 0.0)
         nnz_per_rank = [rs.nnz]
     else:
         needs_layout = scheme == "auto" or get_scheme(scheme).needs_owner_counts
@@ -170,7 +181,8 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, s
         predicted = (estimate.bytes_sent + handshake, estimate.bytes_received + handshake)
         owner_counts = table[:, HANDSHAKE_FIXED_FIELDS + SKETCH_SIZE:].to(rs.device)
         ctx = SyncContext(comm, seed, scale, index_encoding, nnz_per_rank,
-                          owner_counts if layout is not None else None)
+                          owner_counts if layout is not None else None,
+                          sorted_output=_wants_sorted(x))
         result = get_scheme(chosen).sync(rs, ctx)
 
     out = _from_rowsparse(result, x)

@@ -15,6 +15,7 @@ class SyncStats:
 
     Byte counts come from the buffers handed to the collectives (see :mod:`zen_ds.comm`) and
     include the handshake; ``predicted_*`` is the chosen scheme's byte model plus the handshake.
+    ``scheme`` is the scheme that ran (``"local"`` for ``auto`` in a group of one, which moves nothing).
     """
 
     scheme: str

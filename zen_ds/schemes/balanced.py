@@ -43,6 +43,15 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.uint8).reshape(tensor.shape[0], row_bytes)
 
 
+def _view_as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret uint8 bytes (last dim) as ``dtype``; copies only if misaligned or strided."""
+    shape = tuple(buffer.shape[:-1]) + (buffer.shape[-1] // dtype.itemsize,)
+    flat = buffer.reshape(-1)  # a 1-D view when the bytes are dense, else a copy
+    if flat.storage_offset() % dtype.itemsize:
+        flat = flat.clone()
+    return flat.view(dtype).reshape(shape)
+
+
 def _pad_to_alignment(payload: torch.Tensor, alignment: int = 8) -> torch.Tensor:
     """Zero-pad a uint8 buffer so that what follows it stays aligned for any value dtype."""
     pad = -payload.numel() % alignment
@@ -76,8 +85,8 @@ class BalancedScheme(Scheme):
         del send
 
         # Aggregate my shard.
-        recv_offsets = received[:, :id_bytes].contiguous().view(layout.id_dtype).flatten()
-        recv_values = received[:, id_bytes:].contiguous().view(x.dtype).reshape(-1, row_numel)
+        recv_offsets = _view_as(received[:, :id_bytes], layout.id_dtype).flatten()
+        recv_values = _view_as(received[:, id_bytes:], x.dtype).reshape(-1, row_numel)
         shard_rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype))
         del received, recv_offsets, recv_values
         if ctx.scale is not None:
@@ -92,15 +101,15 @@ class BalancedScheme(Scheme):
         else:
             index_payload = shard_rows.to(layout.id_dtype).view(torch.uint8)
         index_payload = _pad_to_alignment(index_payload.flatten())
-        payload = torch.cat([index_payload.flatten(), shard_values.contiguous().view(torch.uint8)
-                             .flatten()])
+        payload = _pad_to_alignment(torch.cat([index_payload, shard_values.contiguous()
+                                               .view(torch.uint8).flatten()]))
         meta = torch.tensor([shard_rows.numel(), encoding, index_payload.numel()],
                             dtype=torch.int64, device=x.device)
         all_meta = torch.empty(n * _PULL_META_FIELDS, dtype=torch.int64, device=x.device)
         ctx.comm.all_gather_into_tensor(all_meta, meta, "balanced.pull_meta")
         shard_meta = all_meta.view(n, _PULL_META_FIELDS).tolist()
         row_bytes = row_numel * x.values.element_size()
-        sizes = [u * row_bytes + idx for u, _, idx in shard_meta]
+        sizes = [u * row_bytes + idx + (-(u * row_bytes + idx) % 8) for u, _, idx in shard_meta]
         send_splits = [0 if j == rank else payload.numel() for j in range(n)]
         recv_splits = [0 if j == rank else sizes[j] for j in range(n)]
         pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=x.device)
@@ -122,16 +131,18 @@ class BalancedScheme(Scheme):
                     bitmap_bytes = (layout.shard_size(j) + 7) // 8
                     offsets_j = ops.bitmap_decode(index_chunk[:bitmap_bytes], layout.shard_size(j))
                 else:
-                    offsets_j = index_chunk[: unique_rows * id_bytes].view(layout.id_dtype)
+                    offsets_j = _view_as(index_chunk[: unique_rows * id_bytes], layout.id_dtype)
                     offsets_j = offsets_j.to(torch.int64)
-                values_j = chunk[index_bytes:].view(x.dtype).reshape(unique_rows, row_numel)
+                values_j = _view_as(chunk[index_bytes: index_bytes + unique_rows * row_bytes],
+                                    x.dtype).reshape(unique_rows, row_numel)
             parts.append((offsets_j + layout.starts[j], values_j))
-        positions = torch.cat([p for p, _ in parts])
-        rows = ops.unpermute(positions, x.num_rows, ctx.seed)
-        order = torch.argsort(rows)
-        values_out = torch.cat([v for _, v in parts])[order]
-        return RowSparse(rows[order], values_out.reshape((rows.numel(),) + x.row_shape),
-                         x.num_rows, coalesced=True)
+        rows = ops.unpermute(torch.cat([p for p, _ in parts]), x.num_rows, ctx.seed)
+        values_out = torch.cat([v for _, v in parts])
+        if ctx.sorted_output:
+            order = torch.argsort(rows)
+            rows, values_out = rows[order], values_out[order]
+        return RowSparse(rows, values_out.reshape((rows.numel(),) + x.row_shape), x.num_rows,
+                         coalesced=ctx.sorted_output)
 
     def predict(self, shape: SyncShape) -> ByteEstimate:
         n, r = shape.world_size, shape.rank
@@ -143,6 +154,6 @@ class BalancedScheme(Scheme):
         meta = (n - 1) * 8 * _PULL_META_FIELDS
         shard_rows = shape.union_nnz / n
         shard_size = shape.num_rows / n
-        index = min(shard_rows * id_bytes, (shard_size + 7) // 8) + 4  # + mean alignment pad
+        index = min(shard_rows * id_bytes, (shard_size + 7) // 8) + 7  # + mean padding of index and payload to 8 bytes
         pull = (n - 1) * (index + shard_rows * shape.row_bytes)
         return ByteEstimate(push_sent + meta + pull, push_received + meta + pull, 3 * (n - 1))

@@ -71,6 +71,8 @@ class SyncContext:
     index_encoding: str  # "auto" | "coo" | "bitmap"
     nnz_per_rank: List[int] = field(default_factory=list)
     owner_counts: Optional[torch.Tensor] = None  # [n, n] int64: row i = rank i's rows per owner
+    # False when the caller scatters into a dense tensor: rows must be unique, need not be sorted.
+    sorted_output: bool = True
 
     @property
     def world_size(self) -> int:
@@ -89,7 +91,8 @@ class Scheme:
     needs_owner_counts: ClassVar[bool] = False
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
-        """Return the group-wide sum (times ``ctx.scale``) of ``x``, coalesced, in x's dtype."""
+        """Group-wide sum (times ``ctx.scale``) of ``x`` in x's dtype: unique rows, ascending
+        (``coalesced``) unless ``ctx.sorted_output`` is False."""
         raise NotImplementedError
 
     def predict(self, shape: SyncShape) -> ByteEstimate:

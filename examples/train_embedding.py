@@ -1,0 +1,125 @@
+"""Train a model with a large sparse embedding under DeepSpeed, with zen or with DeepSpeed's own
+gradient reduction, and report loss and per-step communication of the reduction.
+
+    deepspeed --num_gpus 4 examples/train_embedding.py --deepspeed --deepspeed_config configs/auto.json
+    deepspeed --num_gpus 4 examples/train_embedding.py --deepspeed --deepspeed_config configs/auto.json --no-zen
+
+Runs on CPU (gloo) and unchanged on GPUs (nccl). With ``--no-zen`` the ``"zen"`` block is ignored
+and ``deepspeed.initialize`` builds a stock engine. Per step, rank 0 records the loss and the time
+of the gradient reduction (``engine.allreduce_gradients``, ranks aligned by a barrier first), and the
+per-rank wire bytes of the embedding's sync: zen's exact byte counts (``SyncStats``) or, for
+DeepSpeed, its sparse all-gather (sizes, then indices and values padded to the largest rank:
+``(n-1) * max_nnz * (8 + 4*hidden)`` bytes sent = received). ``--out`` writes a JSON summary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zen_ds
+
+
+class EmbeddingModel(nn.Module):
+    """A big id embedding (sparse=True: only looked-up rows get gradients) + a small MLP."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden, sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.embed(ids).mean(1).to(self.mlp[0].weight.dtype)).squeeze(-1).float()
+
+
+def zipf_batch(step: int, rank: int, batch: int, context: int, vocab: int, device) -> tuple:
+    """Zipf-distributed ids (frequent ids are shared across ranks) and a learnable target."""
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+    probs = ranks.pow(-1.1)
+    ids = torch.multinomial(probs / probs.sum(), batch * context, replacement=True, generator=g)
+    ids = ids.view(batch, context)
+    target = ((ids % 7).float().mean(1) - 3.0) / 2.0
+    return ids.to(device), target.to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    parser.add_argument("--vocab", type=int, default=200_000)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--context", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--no-zen", action="store_true", help="stock DeepSpeed reduction")
+    parser.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    deepspeed.init_distributed()
+    torch.manual_seed(0)
+    model = EmbeddingModel(args.vocab, args.hidden)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    init = deepspeed.initialize if args.no_zen else zen_ds.initialize
+    engine, _, _, _ = init(args=args, model=model, optimizer=optimizer)
+    state = zen_ds.state_of(engine)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = engine.train_micro_batch_size_per_gpu()
+    emb_row_bytes = args.hidden * engine.module.embed.weight.element_size()
+
+    reduce_seconds = []
+    orig_allreduce = engine.allreduce_gradients
+
+    def timed_allreduce(*a, **k):  # measurement only: time the whole reduction of this step
+        if not engine.is_gradient_accumulation_boundary():
+            return orig_allreduce(*a, **k)
+        dist.barrier()
+        started = time.perf_counter()
+        out = orig_allreduce(*a, **k)
+        reduce_seconds.append(time.perf_counter() - started)
+        return out
+    engine.allreduce_gradients = timed_allreduce
+
+    dense_bytes = sum(p.numel() * p.element_size() for p in engine.module.mlp.parameters())
+    dense_wire = 2 * (world - 1) * dense_bytes // world  # ring all-reduce, per rank, each way
+    records = []
+    for step in range(args.steps):
+        ids, target = zipf_batch(step, rank, micro, args.context, args.vocab, engine.device)
+        loss = ((engine(ids) - target) ** 2).mean()
+        engine.backward(loss)
+        rows = torch.tensor([float(torch.unique(ids).numel())])
+        dist.all_reduce(rows, op=dist.ReduceOp.MAX)  # measurement side channel (not timed)
+        engine.step()
+        mean_loss = loss.detach().float().clone()
+        dist.all_reduce(mean_loss)
+        if state is not None:
+            st = state.reducer.last_stats["embed.weight"]
+            emb_wire, scheme = st.bytes_sent, st.scheme
+            density, agg = st.density, st.result_density
+        else:
+            n_max = int(rows)
+            emb_wire = (world - 1) * (8 + n_max * (8 + emb_row_bytes))
+            scheme, density, agg = "deepspeed-allgather", n_max / args.vocab, float("nan")
+        records.append({"step": step, "loss": float(mean_loss) / world, "seconds": reduce_seconds[-1],
+                        "embed_bytes_sent": emb_wire, "dense_bytes_sent": dense_wire, "scheme": scheme,
+                        "density": density, "aggregated_density": agg})
+        if rank == 0:
+            print(f"step {step:3d} loss {float(mean_loss) / world:.6f} reduce {1e3 * reduce_seconds[-1]:7.2f} ms "
+                  f"embed sent {emb_wire / 1e6:8.3f} MB ({scheme})", flush=True)
+    if rank == 0 and args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"zen": state is not None, "world": world, "vocab": args.vocab, "hidden": args.hidden,
+                       "micro_batch": micro, "context": args.context,
+                       "embed_dense_bytes": args.vocab * emb_row_bytes, "records": records}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,529 @@
+"""GPT-style LM with a large vocabulary: Megatron-core TP layers, DeepSpeed DP (+PP), zen sync.
+
+Why: the word-embedding gradient of a large-vocabulary LM is dense with mostly zero rows (only the
+tokens of the batch), vocab-sharded over tensor parallelism. zen syncs each TP rank's shard over its
+data-parallel group only; DeepSpeed alone all-reduces the whole table densely.
+
+Run (4 CPU ranks, TP=2 x DP=2)::
+
+    deepspeed --num_gpus 4 examples/train_lm.py --tp 2 --steps 20
+    torchrun --nproc_per_node 4 examples/train_lm.py --tp 2 --pp 2 --tied --no-zen
+
+Data: a seeded Zipf token stream (default) or ``--data FILE`` tokenized with a hashed-word
+(or byte-level) tokenizer that needs no download. Prints tokens/s, loss and per-step zen stats.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import time
+import zlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+logger = logging.getLogger("train_lm")
+
+try:
+    from megatron.core import parallel_state
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                               VocabParallelEmbedding,
+                                               copy_to_tensor_model_parallel_region,
+                                               vocab_parallel_cross_entropy)
+except ImportError as exc:  # keep --help working; main() explains what to install
+    parallel_state = None
+    _MEGATRON_ERROR: Optional[ImportError] = exc
+else:
+    _MEGATRON_ERROR = None
+
+
+# =============================================================================================
+# Data
+# =============================================================================================
+class ZipfStream:
+    """Seeded Zipf(s) tokens: frequent tokens are low ids, as with BPE vocabularies.
+
+    Each (data-parallel rank, step, micro-batch) draws from its own generator, so every rank can
+    regenerate any peer's batch (TP ranks and first/last pipeline stages must see the same data).
+    """
+
+    def __init__(self, vocab: int, exponent: float, seed: int) -> None:
+        ranks = np.arange(1, vocab + 1, dtype=np.float64)
+        weights = ranks ** (-exponent)
+        self.cdf = np.cumsum(weights / weights.sum())
+        self.cdf[-1] = 1.0
+        self.seed = seed
+
+    def sample(self, key: Tuple[int, ...], batch: int, length: int) -> torch.Tensor:
+        rng = np.random.default_rng((self.seed,) + tuple(key))
+        ids = np.searchsorted(self.cdf, rng.random((batch, length)), side="right")
+        return torch.from_numpy(ids.astype(np.int64))
+
+
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+def tokenize_file(path: str, vocab: int, tokenizer: str) -> torch.Tensor:
+    """Tokens of a text file. ``hash``: each word/punctuation to crc32(word) % vocab (stable across
+    runs and machines, no download); ``byte``: UTF-8 bytes (ids < 256)."""
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    if tokenizer == "byte":
+        ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+    else:
+        words = _WORD.findall(raw.decode("utf-8", errors="replace").lower())
+        ids = np.fromiter((zlib.crc32(w.encode()) % vocab for w in words), dtype=np.int64,
+                          count=len(words))
+    if ids.size < 2:
+        raise ValueError(f"--data {path}: fewer than 2 tokens after tokenization; give a larger file")
+    return torch.from_numpy(ids)
+
+
+class FileStream:
+    """Random windows of a tokenized file, seeded per (dp rank, step, micro-batch)."""
+
+    def __init__(self, tokens: torch.Tensor, seed: int) -> None:
+        self.tokens, self.seed = tokens, seed
+
+    def sample(self, key: Tuple[int, ...], batch: int, length: int) -> torch.Tensor:
+        n = self.tokens.numel()
+        if n <= length:
+            reps = math.ceil((length + 1) / n) + 1
+            tokens = self.tokens.repeat(reps)
+        else:
+            tokens = self.tokens
+        rng = np.random.default_rng((self.seed,) + tuple(key))
+        starts = rng.integers(0, tokens.numel() - length, size=batch)
+        return torch.stack([tokens[s: s + length] for s in starts.tolist()])
+
+
+def batches(stream: Any, dp_rank: int, micro_batch: int, seq: int, start_step: int = 0
+            ) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """Endless (tokens, labels) micro-batches for one data-parallel rank."""
+    micro = 0
+    while True:
+        window = stream.sample((dp_rank, start_step, micro), micro_batch, seq + 1)
+        micro += 1
+        yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+# =============================================================================================
+# Model: megatron-core tensor-parallel layers, [seq, batch, hidden] layout
+# =============================================================================================
+def _init(std: float):
+    def init_(weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(weight, mean=0.0, std=std)
+    return init_
+
+
+class WordEmbedding(torch.nn.Module):
+    """Vocab-sharded token embedding; its weight is the zen parameter."""
+
+    def __init__(self, vocab: int, hidden: int, config: "ModelParallelConfig") -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(vocab, hidden, init_method=_init(0.02),
+                                                      config=config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # [b, s] -> [s, b, h]; all-reduce over TP inside the layer
+        return self.word_embeddings(tokens.t().contiguous())
+
+
+class PositionEmbedding(torch.nn.Module):
+    """Learned absolute positions (replicated over TP; small and dense)."""
+
+    def __init__(self, seq: int, hidden: int) -> None:
+        super().__init__()
+        self.position_embeddings = torch.nn.Embedding(seq, hidden)
+        torch.nn.init.normal_(self.position_embeddings.weight, std=0.02)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[0], device=hidden.device)
+        return hidden + self.position_embeddings(positions).unsqueeze(1)
+
+
+class TransformerBlock(torch.nn.Module):
+    """Pre-LN block: causal self-attention and a GELU MLP, heads and MLP columns split over TP."""
+
+    def __init__(self, hidden: int, heads: int, config: "ModelParallelConfig", layers: int) -> None:
+        super().__init__()
+        tp = config.tensor_model_parallel_size
+        if heads % tp or hidden % heads:
+            raise ValueError(f"--heads {heads} must divide --hidden {hidden} and be divisible by "
+                             f"--tp {tp}")
+        self.local_heads, self.head_dim = heads // tp, hidden // heads
+        out_std = 0.02 / math.sqrt(2 * layers)
+        self.ln1 = torch.nn.LayerNorm(hidden)
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, config=config, init_method=_init(0.02),
+                                        bias=True, gather_output=False)
+        self.proj = RowParallelLinear(hidden, hidden, config=config, init_method=_init(out_std),
+                                      bias=True, input_is_parallel=True, skip_bias_add=False)
+        self.ln2 = torch.nn.LayerNorm(hidden)
+        self.fc1 = ColumnParallelLinear(hidden, 4 * hidden, config=config, init_method=_init(0.02),
+                                        bias=True, gather_output=False)
+        self.fc2 = RowParallelLinear(4 * hidden, hidden, config=config, init_method=_init(out_std),
+                                     bias=True, input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, _ = x.shape
+        qkv, _ = self.qkv(self.ln1(x))  # [s, b, 3h/tp], laid out per head as (q, k, v)
+        qkv = qkv.view(s, b, self.local_heads, 3 * self.head_dim).permute(1, 2, 0, 3)
+        q, k, v = qkv.split(self.head_dim, dim=-1)
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads/tp, s, d]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        attn, _ = self.proj(ctx)
+        x = x + attn
+        h, _ = self.fc1(self.ln2(x))
+        out, _ = self.fc2(F.gelu(h))
+        return x + out
+
+
+class FinalNorm(torch.nn.LayerNorm):
+    """Last LayerNorm (its own pipeline layer so partitioning balances blocks only)."""
+
+
+class OutputLayer(torch.nn.Module):
+    """Untied LM head: vocab-parallel logits [s, b, vocab/tp]."""
+
+    def __init__(self, vocab: int, hidden: int, config: "ModelParallelConfig") -> None:
+        super().__init__()
+        self.output = ColumnParallelLinear(hidden, vocab, config=config, init_method=_init(0.02),
+                                           bias=False, gather_output=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.output(hidden)
+        return logits
+
+
+def tied_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """LM head sharing the input embedding's [vocab/tp, h] shard: identity forward and TP
+    all-reduce backward on the input, then a local matmul gives vocab-parallel logits."""
+    hidden = copy_to_tensor_model_parallel_region(hidden)
+    return F.linear(hidden, embedding.word_embeddings.weight)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross entropy over vocab-parallel logits; labels [b, s]."""
+    return vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
+
+
+class GPT(torch.nn.Module):
+    """The model without pipeline parallelism (pp=1): same layers as the pipeline version."""
+
+    def __init__(self, args: argparse.Namespace, config: "ModelParallelConfig") -> None:
+        super().__init__()
+        self.embedding = WordEmbedding(args.vocab, args.hidden, config)
+        self.positions = PositionEmbedding(args.seq, args.hidden)
+        self.blocks = torch.nn.ModuleList(TransformerBlock(args.hidden, args.heads, config,
+                                                           args.layers)
+                                          for _ in range(args.layers))
+        self.final_norm = FinalNorm(args.hidden)
+        self.head = None if args.tied else OutputLayer(args.vocab, args.hidden, config)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.positions(self.embedding(tokens))
+        for block in self.blocks:
+            x = block(x)
+        x = self.final_norm(x)
+        logits = tied_logits(self.embedding, x) if self.head is None else self.head(x)
+        return lm_loss(logits, labels)
+
+
+def build_pipeline(args: argparse.Namespace, config: "ModelParallelConfig") -> Any:
+    """DeepSpeed PipelineModule over PipeModelDataParallelTopology (lines up with Megatron TP)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    dp = dist.get_world_size() // (args.tp * args.pp)
+    topology = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.tp, num_dp=dp)
+    if args.tied:
+        first = TiedLayerSpec("embed", WordEmbedding, args.vocab, args.hidden, config,
+                              tied_weight_attr="word_embeddings.weight")
+        last = TiedLayerSpec("embed", WordEmbedding, args.vocab, args.hidden, config,
+                             forward_fn=tied_logits, tied_weight_attr="word_embeddings.weight")
+    else:
+        first = LayerSpec(WordEmbedding, args.vocab, args.hidden, config)
+        last = LayerSpec(OutputLayer, args.vocab, args.hidden, config)
+    layers = ([first, LayerSpec(PositionEmbedding, args.seq, args.hidden)]
+              + [LayerSpec(TransformerBlock, args.hidden, args.heads, config, args.layers)
+                 for _ in range(args.layers)]
+              + [LayerSpec(FinalNorm, args.hidden), last])
+    return PipelineModule(layers=layers, topology=topology, loss_fn=lm_loss,
+                          partition_method="type:TransformerBlock", seed_layers=True,
+                          seed_fn=_seed_layer, base_seed=args.seed,
+                          activation_checkpoint_interval=0)
+
+
+def _seed_layer(seed: Any) -> None:
+    # DeepSpeed passes a numpy integer here with "type:" partitioning, which random.seed rejects.
+    torch.manual_seed(int(seed))
+
+
+# =============================================================================================
+# Engine
+# =============================================================================================
+def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
+    config: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0,
+                                                  "torch_adam": True}},
+        "gradient_clipping": args.clip,
+        "steps_per_print": 10 ** 9,
+        "zen": {"enabled": bool(args.zen), "scheme": args.scheme, "params": "auto",
+                "stats_interval": args.stats_interval},
+    }
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    if args.zero:
+        config["zero_optimization"] = {"stage": args.zero}
+    return config
+
+
+def initialize(model: torch.nn.Module, config: Dict[str, Any], mpu: Any) -> Any:
+    """zen_ds.initialize when zen is on, plain deepspeed.initialize otherwise (the baseline)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config["zen"]["enabled"]:
+        import zen_ds
+        init = getattr(zen_ds, "initialize", None)
+        if init is None:
+            raise RuntimeError("this zen_ds has no zen_ds.initialize (the DeepSpeed plug-in); "
+                               "update zen_ds or run with --no-zen")
+        engine, *_ = init(model=model, model_parameters=params, config=config, mpu=mpu)
+    else:
+        import deepspeed
+        cfg = {k: v for k, v in config.items() if k != "zen"}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, mpu=mpu)
+    return engine
+
+
+class GradProbe:
+    """Rows of the word-embedding gradient this rank produced before DP reduction (for stats).
+
+    A post-accumulate hook sees the gradient after the local backward and before any reduction.
+    """
+
+    def __init__(self, weight: Optional[torch.nn.Parameter]) -> None:
+        self.weight = weight
+        self.touched: Optional[torch.Tensor] = None
+        if weight is not None:
+            weight.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, param: torch.Tensor) -> None:
+        grad = param._hp_grad if getattr(param, "_hp_grad", None) is not None else param.grad
+        if grad is not None:
+            rows = grad.detach().reshape(grad.shape[0], -1).ne(0).any(dim=1)
+            self.touched = rows if self.touched is None else self.touched | rows
+
+    def take(self) -> Optional[torch.Tensor]:
+        touched, self.touched = self.touched, None
+        return touched
+
+
+def embedding_stats(touched: Optional[torch.Tensor], dp_group: Any) -> Dict[str, float]:
+    """Density per rank and cross-rank overlap over the DP group (diagnostic; one small
+    all-reduce of a row mask and of three counts, run outside the timed step)."""
+    if touched is None:
+        return {}
+    mask = touched.to(torch.int32)
+    local = int(mask.sum())
+    union_mask = mask.clone()
+    dist.all_reduce(union_mask, op=dist.ReduceOp.MAX, group=dp_group)
+    counts = torch.tensor([local, local], dtype=torch.int64)
+    sums = counts.clone()
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=dp_group)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp_group)
+    union, total, biggest = int(union_mask.sum()), int(sums[0]), int(counts[0])
+    rows = mask.numel()
+    overlap = (total - union) / (total - biggest) if total > biggest else 0.0
+    return {"rows": rows, "nnz": local, "density": local / rows, "union": union,
+            "union_density": union / rows, "overlap": overlap}
+
+
+# =============================================================================================
+# Main
+# =============================================================================================
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (Megatron-core)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (DeepSpeed PipelineModule)")
+    p.add_argument("--zen", action=argparse.BooleanOptionalAction, default=True,
+                   help="sync with zen (--no-zen: DeepSpeed's own reduction)")
+    p.add_argument("--scheme", default="auto", help="zen scheme (auto, balanced, agsparse, dense, ...)")
+    p.add_argument("--vocab", type=int, default=50304, help="vocabulary size (up to 262144)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch per rank")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0 = off)")
+    p.add_argument("--tied", action="store_true", help="tie input embedding and LM head")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (pp=1 only)")
+    p.add_argument("--data", default=None, help="text file (default: synthetic Zipf stream)")
+    p.add_argument("--tokenizer", choices=("hash", "byte"), default="hash",
+                   help="for --data: hashed words into the vocab, or UTF-8 bytes")
+    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the synthetic stream")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--stats-interval", type=int, default=5, help="print zen stats every N steps")
+    p.add_argument("--json", default=None, help="write per-step records here (rank 0)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not 2 <= args.vocab <= 262144:
+        p.error("--vocab must be in [2, 262144]")
+    if args.pp > 1 and args.zero > 1:
+        p.error("DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only")
+    return args
+
+
+def _zen_summary(engine: Any) -> Dict[str, Any]:
+    """This step's zen cost summed over zen's params (the plug-in's per-param stats)."""
+    import zen_ds
+    state = zen_ds.state_of(engine)
+    if state is None:
+        return {}
+    stats = state.reducer.last_stats
+    out: Dict[str, Any] = {"params": {name: dict(scheme=st.scheme, density=st.density,
+                                                 result_density=st.result_density,
+                                                 bytes_sent=st.bytes_sent,
+                                                 bytes_received=st.bytes_received,
+                                                 dense_bytes=st.dense_bytes, seconds=st.seconds)
+                                      for name, st in stats.items()}}
+    out["bytes_sent"] = sum(st.bytes_sent for st in stats.values())
+    out["bytes_received"] = sum(st.bytes_received for st in stats.values())
+    out["dense_bytes"] = sum(st.dense_bytes for st in stats.values())
+    out["scheme"] = "+".join(sorted({st.scheme for st in stats.values()})) or "-"
+    last = zen_ds.last_sync_stats()
+    out["group_size"] = last.world_size if last is not None else None
+    return out
+
+
+def _embedding_summary(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Means over the steps with stats: word-embedding density/overlap on this rank, zen's bytes
+    for it (DeepSpeed's dense all-reduce of it, ds_emb_bytes_sent, is added by main: ring,
+    2 (n-1)/n of the tensor each way, the convention of zen_ds.comm)."""
+    emb = [r["embedding"] for r in records if r.get("embedding")]
+    out: Dict[str, Any] = {}
+    if emb:
+        out["emb_rows"] = emb[0]["rows"]
+        for key in ("density", "union_density", "overlap"):
+            out[f"emb_{key}"] = float(np.mean([e[key] for e in emb]))
+    zen = [p for r in records for name, p in (r.get("zen") or {}).get("params", {}).items()
+           if "word_embeddings" in name]
+    if zen:
+        out["zen_emb_bytes_sent"] = float(np.mean([p["bytes_sent"] for p in zen]))
+        out["zen_emb_bytes_received"] = float(np.mean([p["bytes_received"] for p in zen]))
+        out["zen_emb_schemes"] = sorted({p["scheme"] for p in zen})
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if _MEGATRON_ERROR is not None:
+        raise SystemExit(f"examples/train_lm.py needs megatron-core: pip install 'zen_ds[megatron]' "
+                         f"({_MEGATRON_ERROR})")
+    import deepspeed
+    from zen_ds.megatron import initialize_megatron_parallel
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % (args.tp * args.pp):
+        raise SystemExit(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}")
+    dp = world // (args.tp * args.pp)
+    mpu = initialize_megatron_parallel(args.tp, args.pp)
+    # Pipeline stages are DeepSpeed's; megatron's layers only need the TP size.
+    config = ModelParallelConfig(tensor_model_parallel_size=args.tp,
+                                 use_cpu_initialization=not torch.cuda.is_available(),
+                                 params_dtype=torch.float32)
+
+    torch.manual_seed(args.seed)
+    if args.pp > 1:
+        model = build_pipeline(args, config)
+        engine = initialize(model, ds_config(args), mpu=None)  # the pipeline grid is the mpu
+    else:
+        model = GPT(args, config)
+        engine = initialize(model, ds_config(args), mpu=mpu)
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_group = parallel_state.get_data_parallel_group()
+    stream = (FileStream(tokenize_file(args.data, args.vocab, args.tokenizer), args.seed)
+              if args.data else ZipfStream(args.vocab, args.zipf, args.seed))
+    embeddings = [m for m in engine.module.modules() if isinstance(m, WordEmbedding)]
+    probe = GradProbe(embeddings[0].word_embeddings.weight if embeddings else None)
+    tokens_per_step = args.micro_batch * args.grad_accum * args.seq * dp
+
+    records: List[Dict[str, Any]] = []
+    first_stage = parallel_state.get_pipeline_model_parallel_rank() == 0
+    for step in range(args.steps):
+        data = batches(stream, dp_rank, args.micro_batch, args.seq, start_step=step)
+        dist.barrier()
+        started = time.perf_counter()
+        if args.pp > 1:
+            loss = engine.train_batch(data_iter=data)
+        else:
+            total = 0.0
+            for _ in range(args.grad_accum):
+                tokens, labels = next(data)
+                loss = engine(tokens, labels)
+                engine.backward(loss)
+                engine.step()
+                total += float(loss.detach())
+            loss = torch.tensor(total / args.grad_accum)
+        elapsed = time.perf_counter() - started
+        record: Dict[str, Any] = {"step": step, "loss": float(loss), "step_s": elapsed,
+                                  "tokens_per_s": tokens_per_step / elapsed}
+        if args.zen:
+            record["zen"] = _zen_summary(engine)
+        touched = probe.take()
+        if args.stats_interval and (step % args.stats_interval == 0 or step == args.steps - 1):
+            # every rank joins (same DP group, stage-local); ranks without the embedding skip
+            record["embedding"] = embedding_stats(touched, dp_group) if first_stage else {}
+        records.append(record)
+        if rank == 0 and (args.stats_interval and step % args.stats_interval == 0
+                          or step == args.steps - 1):
+            emb = record.get("embedding") or {}
+            zen = record.get("zen") or {}
+            print(f"step {step:4d} loss {record['loss']:.4f} step {elapsed * 1e3:8.1f} ms "
+                  f"{record['tokens_per_s']:9.0f} tok/s"
+                  + (f" | emb density {emb['density']:.4f} union {emb['union_density']:.4f} "
+                     f"overlap {emb['overlap']:.2f}" if emb else "")
+                  + (f" | zen {zen.get('scheme')} sent {zen.get('bytes_sent', 0) / 1e6:.2f} MB "
+                     f"(dense {zen.get('dense_bytes', 0) / 1e6:.2f} MB)" if zen else ""),
+                  flush=True)
+
+    timed = records[1:] or records
+    summary = {"world": world, "tp": args.tp, "pp": args.pp, "dp": dp, "vocab": args.vocab,
+               "zen": bool(args.zen), "tied": args.tied,
+               "tokens_per_rank_step": args.micro_batch * args.grad_accum * args.seq,
+               "median_step_s": float(np.median([r["step_s"] for r in timed])),
+               "final_loss": records[-1]["loss"], "losses": [r["loss"] for r in records]}
+    summary["tokens_per_s"] = tokens_per_step / summary["median_step_s"]
+    summary.update(_embedding_summary(records))
+    if probe.weight is not None:
+        dense = probe.weight.numel() * probe.weight.element_size()
+        summary["ds_emb_bytes_sent"] = 2 * (dp - 1) * dense // dp
+    if rank == 0:
+        print("summary " + json.dumps(summary), flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"args": vars(args), "summary": summary, "steps": records}, fh, indent=1,
+                          default=str)
+    return {"summary": summary, "engine": engine}
+
+
+if __name__ == "__main__":
+    main()
+    if dist.is_initialized():
+        dist.barrier()

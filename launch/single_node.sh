@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Single node: N ranks on this machine with the DeepSpeed launcher (GPUs, or N CPU ranks with the
+# CPU accelerator). DP = N / (tp * pp).
+#
+#   launch/single_node.sh 4 --tp 2                 # 4 ranks, TP=2 x DP=2, zen on
+#   launch/single_node.sh 4 --pp 2 --tied --no-zen # PP=2 x DP=2, DeepSpeed's own reduction
+#   SCRIPT=my_train.py launch/single_node.sh 8 ... # any other training script
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
+  echo "usage: $0 NUM_RANKS [train_lm.py options...]   (e.g. $0 4 --tp 2)" >&2
+  exit 2
+fi
+NUM="$1"; shift
+SCRIPT="${SCRIPT:-${REPO}/examples/train_lm.py}"
+PORT="${MASTER_PORT:-29500}"
+export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
+if ! python3 -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  # CPU: one thread per rank keeps N ranks from oversubscribing the cores.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
+exec deepspeed --num_gpus "${NUM}" --master_port "${PORT}" "${SCRIPT}" "$@"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# torchrun instead of the DeepSpeed launcher (the script calls deepspeed.init_distributed, which
+# picks up torchrun's RANK / WORLD_SIZE / MASTER_ADDR). Single node by default; for several nodes
+# set NNODES, NODE_RANK and MASTER_ADDR on each node.
+#
+#   launch/torchrun.sh 4 --tp 2 --pp 2 --tied
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/torchrun.sh 8 --tp 2   # 8 ranks per node
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
+  echo "usage: $0 RANKS_PER_NODE [train_lm.py options...]   (e.g. $0 4 --tp 2)" >&2
+  exit 2
+fi
+NPROC="$1"; shift
+SCRIPT="${SCRIPT:-${REPO}/examples/train_lm.py}"
+export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
+if ! python3 -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
+exec torchrun --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "${NPROC}" \
+  --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" "${SCRIPT}" "$@"

@@ -1,0 +1,164 @@
+"""Shared pieces of the DeepSpeed plug-in tests: a model with a sparse=True embedding, a dense-grad
+embedding and an MLP; deterministic per-rank data; DeepSpeed workers and a single-process reference
+that trains on the global batch.
+
+Workers run *many cases per spawn* (spawning 4 ranks costs seconds on 2 cores) and return
+``{case name: result}`` dicts; tests then compare.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+VOCAB_S, VOCAB_D, HIDDEN, MICRO = 64, 48, 8, 3
+
+
+class Net(nn.Module):
+    """sparse=True embedding + dense-grad embedding + MLP."""
+
+    def __init__(self, sparse: bool = True) -> None:
+        super().__init__()
+        self.emb_s = nn.Embedding(VOCAB_S, HIDDEN, sparse=sparse)
+        self.emb_d = nn.Embedding(VOCAB_D, HIDDEN)
+        self.mlp = nn.Sequential(nn.Linear(HIDDEN, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        x = self.emb_s(a).sum(1) + self.emb_d(b).sum(1)
+        return self.mlp(x.to(self.mlp[0].weight.dtype)).squeeze(-1)
+
+
+def make_model(sparse: bool = True, seed: int = 1234) -> Net:
+    torch.manual_seed(seed)
+    return Net(sparse)
+
+
+def batch(step: int, micro: int, rank: int, scale: float = 1.0):
+    """Rank's micro-batch: Zipf-ish ids (ranks overlap on frequent rows)."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    a = (torch.rand(MICRO, 4, generator=g).pow(3) * VOCAB_S).long()
+    b = (torch.rand(MICRO, 2, generator=g).pow(2) * VOCAB_D).long()
+    y = torch.randn(MICRO, generator=g) * scale
+    return a, b, y
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y) ** 2).mean()
+
+
+def ds_config(case: Dict[str, Any], world: int) -> Dict[str, Any]:
+    gas = case.get("gas", 1)
+    cfg: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": MICRO * gas * world,
+        "gradient_clipping": case.get("clip", 0.0),
+        "steps_per_print": 10_000,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": case.get("zero", 0)},
+    }
+    if case.get("dtype") == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if case.get("dtype") == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
+    if case.get("zen", True) is not None:
+        cfg["zen"] = dict({"enabled": case.get("zen", True)}, **case.get("zen_extra", {}))
+    cfg.update(case.get("ds_extra", {}))
+    return cfg
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def set_env(rank: int, world: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+
+
+def params_of(module: nn.Module) -> Dict[str, Any]:
+    """As numpy arrays: tensors through a multiprocessing queue would need their owner alive."""
+    return {k: v.detach().float().numpy().copy() for k, v in module.named_parameters()}
+
+
+def train_ds(rank: int, world: int, case: Dict[str, Any], steps: int = 5,
+             engine_fn=None) -> Dict[str, Any]:
+    """Train one case with DeepSpeed (zen_ds.initialize unless case['plain'])."""
+    import deepspeed
+    import zen_ds
+    model = make_model(case.get("sparse", True))
+    opt = make_optimizer(model.parameters())
+    init = deepspeed.initialize if case.get("plain") else zen_ds.initialize
+    engine, _, _, _ = init(model=model, optimizer=opt, config=ds_config(case, world))
+    losses = []
+    for step in range(steps):
+        for micro in range(case.get("gas", 1)):
+            a, b, y = batch(step, micro, rank, case.get("yscale", 1.0))
+            if case.get("inf_at") == (step, rank) and micro == 0:
+                y = y.clone()
+                y[0] = float("inf")
+            loss = loss_fn(engine(a, b), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+    out = {"params": params_of(engine.module), "losses": losses, "skipped": engine.skipped_steps}
+    if engine_fn is not None:
+        out.update(engine_fn(engine))
+    return out
+
+
+def reference(case: Dict[str, Any], world: int, steps: int = 5) -> Dict[str, torch.Tensor]:
+    """Single process, fp32, global batch per micro-step, same optimizer and clipping rule."""
+    model = make_model(case.get("sparse", True))
+    opt = make_optimizer(model.parameters())
+    gas, clip = case.get("gas", 1), case.get("clip", 0.0)
+    for step in range(steps):
+        skip = False
+        for micro in range(gas):
+            parts = [batch(step, micro, r, case.get("yscale", 1.0)) for r in range(world)]
+            for r, (a, b, y) in enumerate(parts):
+                if case.get("inf_at") == (step, r) and micro == 0:
+                    skip = True
+                # mean over ranks of per-rank means = what DP averaging computes
+                (loss_fn(model(a, b), y) / ((1 if case.get("sum") else world) * gas)).backward()
+        if skip:
+            opt.zero_grad(set_to_none=True)
+            continue
+        if clip > 0:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            total = torch.sqrt(sum((g.coalesce().values() if g.is_sparse else g).pow(2).sum() for g in grads))
+            coef = min(1.0, clip / (float(total) + 1e-6))
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = p.grad * coef
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return params_of(model)
+
+
+def max_rel_err(got: Dict[str, Any], want: Dict[str, Any]) -> Dict[str, float]:
+    """Per param: max |got - want| / max |want|."""
+    out = {}
+    for k in want:
+        g, w = torch.as_tensor(got[k]), torch.as_tensor(want[k])
+        out[k] = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
+    return out
+
+
+def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Worker: every case in this spawn; errors are returned per case (a raise would hang peers)."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    set_env(rank, world)
+    os.environ.setdefault("ZEN_DS_OPS", "auto")
+    results: Dict[str, Any] = {}
+    for case in cases:
+        try:
+            results[case["name"]] = train_ds(rank, world, case, case.get("steps", 5))
+        except Exception as exc:  # same exception on every rank (config errors are raised early)
+            results[case["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+    return results

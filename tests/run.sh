@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The README's test command: set up a fresh virtualenv (torch first: the CPU build, so no
+# multi-GB CUDA wheel is pulled), install zen_ds with its test extras, build the C++ ops once,
+# and run the whole suite. Re-running reuses the virtualenv and the JIT cache.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+venv="${ZEN_DS_VENV:-$repo/.venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+    echo "== creating virtualenv $venv"
+    "$python" -m venv "$venv"
+fi
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+if ! python -c "import torch, deepspeed, zen_ds, pytest, hypothesis, megatron.core" 2>/dev/null; then
+    echo "== installing torch (CPU build), then zen_ds[test,megatron,bench]"
+    pip install -q "torch==2.13.0"
+    pip install -q -e ".[test,megatron,bench]"
+fi
+
+# JIT-built ops (zen_ds and DeepSpeed's shm_comm) are cached inside the checkout.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$repo/.torch_extensions}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+echo "== building the zen_ds C++ ops (cached after the first run)"
+python -m zen_ds.report --build || echo "(compiled ops unavailable: the torch fallback is tested)"
+
+set +e
+python -m pytest tests "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+    echo "pytest collected no tests: treat as a failure (check the -k/-m filter or the tests folder)"
+    exit 1
+fi
+exit "$status"

@@ -1,0 +1,90 @@
+"""The "zen" ds_config block: validation messages, defaults, param selection, early failure."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch import nn
+
+import zen_ds
+from zen_ds.config import ZenConfig, ZenConfigError, load_zen_config
+from zen_ds.reducer import ScaleRule, select_params
+
+
+def test_defaults_and_absent_block():
+    assert load_zen_config({"train_batch_size": 8}) is None
+    cfg = load_zen_config({"zen": {}})
+    assert cfg.enabled and cfg.scheme == "auto" and cfg.params == "auto" and cfg.stats_interval == 0
+    assert load_zen_config({"zen": False}).enabled is False
+
+
+def test_unknown_key_is_named_with_valid_keys():
+    with pytest.raises(ZenConfigError) as err:
+        load_zen_config({"zen": {"schme": "balanced"}})
+    msg = str(err.value)
+    assert '"zen.schme"' in msg and "scheme" in msg and "density_threshold" in msg
+
+
+@pytest.mark.parametrize("block, needle", [
+    ({"scheme": "ring"}, "unknown scheme 'ring'"),
+    ({"density_threshold": 0.0}, "density_threshold"),
+    ({"density_threshold": 1.5}, "density_threshold"),
+    ({"index_encoding": "rle"}, "index_encoding"),
+    ({"stats_interval": -1}, "stats_interval"),
+    ({"params": []}, "empty list"),
+    ({"scheme": "dense", "index_encoding": "bitmap"}, "no effect"),
+    ({"enabled": "maybe"}, "enabled"),
+])
+def test_bad_values(block, needle):
+    with pytest.raises(ZenConfigError, match=needle):
+        load_zen_config({"zen": block})
+
+
+def test_every_scheme_accepted():
+    for scheme in ("auto",) + tuple(zen_ds.SCHEMES):
+        assert ZenConfig(scheme=scheme).scheme == scheme
+
+
+def test_json_path(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zen": {"scheme": "balanced", "seed": 3}}))
+    cfg = load_zen_config(str(path))
+    assert cfg.scheme == "balanced" and cfg.seed == 3
+
+
+def test_compression_block_validated():
+    if "compression" not in ZenConfig.model_fields:
+        pytest.skip("zen_ds.compression not available")
+    assert load_zen_config({"zen": {"compression": {"type": "topk", "density": 0.01}}}).compression.density == 0.01
+    with pytest.raises(ZenConfigError, match="compression"):
+        load_zen_config({"zen": {"compression": {"typo": 1}}})
+
+
+class _M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(10, 4, sparse=True)
+        self.bag = nn.EmbeddingBag(7, 4)
+        self.proj = nn.Linear(4, 4)
+
+
+def test_param_selection():
+    m = _M()
+    auto = select_params(m, ZenConfig())
+    assert [(n, s) for n, _, s in auto] == [("tok.weight", True), ("bag.weight", False)]
+    pat = select_params(m, ZenConfig(params=["proj.*"]))
+    assert [n for n, _, _ in pat] == ["proj.weight", "proj.bias"]
+    with pytest.raises(ValueError, match="match no parameter"):
+        select_params(m, ZenConfig(params=["nothing*"]))
+
+
+def test_scale_rule_matches_deepspeed():
+    assert ScaleRule(average=False).factors(4) == (1.0, 1.0)
+    assert ScaleRule(prescale=True).factors(4) == (0.25, 1.0)
+    assert ScaleRule(predivide_factor=2.0).factors(4) == (0.5, 0.5)
+
+
+def test_bad_block_fails_before_deepspeed_builds_anything():
+    """zen_ds.initialize raises on the block before touching DeepSpeed or torch.distributed."""
+    with pytest.raises(ZenConfigError, match="unknown key"):
+        zen_ds.initialize(model=_M(), config={"train_batch_size": 1, "zen": {"bogus": 1}})

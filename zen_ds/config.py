@@ -1,0 +1,128 @@
+"""The ``"zen"`` block of a DeepSpeed config, validated like DeepSpeed's own config sections.
+
+DeepSpeed accepts an unknown top-level ``"zen"`` block silently, so a typo would otherwise turn zen
+off without a word. :class:`ZenConfig` rejects unknown keys (naming them and listing the valid
+ones), checks every value, and is resolved once per engine.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, List, Literal, Mapping, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .api import INDEX_ENCODINGS
+from .schemes import scheme_names
+
+try:  # issue 6 (gradient compression); zen works without it
+    from .compression import CompressionConfig
+except ImportError:  # pragma: no cover - only when compression.py is absent
+    CompressionConfig = None  # type: ignore[assignment,misc]
+
+__all__ = ["ZenConfig", "ZenConfigError", "load_zen_config", "ZEN_KEY"]
+
+ZEN_KEY = "zen"
+
+
+class ZenConfigError(ValueError):
+    """A bad ``"zen"`` block: raised at initialize, before any training step."""
+
+
+class ZenConfig(BaseModel):
+    """Options of the ``"zen"`` ds_config block (see README, "Configuration")."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    enabled: bool = True
+    """Turn zen on. ``false`` leaves the engine exactly as plain DeepSpeed built it."""
+
+    scheme: str = "auto"
+    """Sync scheme for zen's params: ``auto`` (cost model picks per step) or one of
+    ``zen_ds.SCHEMES`` (``balanced``, ``agsparse``, ``dense``, ...)."""
+
+    params: Union[Literal["auto"], List[str]] = "auto"
+    """Which params zen syncs. ``auto``: every ``nn.Embedding`` / ``nn.EmbeddingBag`` weight and
+    every megatron-core ``VocabParallelEmbedding`` weight. Or a list of ``fnmatch`` patterns over
+    ``model.named_parameters()`` names (e.g. ``["*embed*.weight"]``)."""
+
+    density_threshold: float = Field(0.5, gt=0.0, le=1.0)
+    """When a param's row density (max over the data-parallel ranks) exceeds this, zen syncs it with
+    a dense all-reduce; ``1.0`` never forces dense (``auto`` may still pick it)."""
+
+    index_encoding: Literal["auto", "coo", "bitmap"] = "auto"
+    """Row-id encoding of the pull phase: ``auto`` (by size), ``coo`` (ids) or ``bitmap``."""
+
+    stats_interval: int = Field(0, ge=0)
+    """Every this many optimizer steps, rank 0 logs one line per zen param (density, aggregated
+    density, scheme, wire bytes vs dense bytes, time). ``0`` turns the lines off."""
+
+    seed: int = Field(0, ge=0, lt=2 ** 62)
+    """Seed of the row-ownership permutation (must be equal on every rank)."""
+
+    if CompressionConfig is not None:
+        compression: Optional[CompressionConfig] = None
+        """Top-k / DGC gradient compression of dense params (README, "Gradient compression");
+        ``null`` = off. Params zen already syncs as sparse are excluded from it."""
+
+    @field_validator("scheme")
+    @classmethod
+    def _check_scheme(cls, value: str) -> str:
+        allowed = ("auto",) + tuple(scheme_names())
+        if value not in allowed:
+            raise ValueError(f"unknown scheme {value!r}; choose one of {list(allowed)}")
+        return value
+
+    @field_validator("params")
+    @classmethod
+    def _check_params(cls, value: Union[str, List[str]]) -> Union[str, List[str]]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError('params is an empty list; use "auto" or give name patterns')
+            bad = [p for p in value if not isinstance(p, str) or not p.strip()]
+            if bad:
+                raise ValueError(f"params patterns must be non-empty strings, got {bad}")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ZenConfig":
+        assert self.index_encoding in INDEX_ENCODINGS
+        if self.scheme == "dense" and self.index_encoding != "auto":
+            raise ValueError(f'index_encoding={self.index_encoding!r} has no effect with scheme="dense"; '
+                             'remove it or pick a sparse scheme')
+        return self
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    valid = sorted(ZenConfig.model_fields)
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f'  unknown key "zen.{loc}" (valid keys: {", ".join(valid)})')
+        else:
+            lines.append(f'  "zen.{loc}": {e["msg"]} (got {e.get("input")!r})')
+    return "\n".join(lines)
+
+
+def load_zen_config(ds_config: Union[None, str, Mapping[str, Any]]) -> Optional[ZenConfig]:
+    """Resolve the ``"zen"`` block of a ds_config dict or JSON path; None when there is none."""
+    if ds_config is None:
+        return None
+    if isinstance(ds_config, (str, os.PathLike)):
+        with open(ds_config) as fh:
+            ds_config = json.load(fh)
+    if not isinstance(ds_config, Mapping):
+        raise ZenConfigError(f"ds_config must be a dict or a JSON path, got {type(ds_config).__name__}")
+    block = ds_config.get(ZEN_KEY)
+    if block is None:
+        return None
+    if isinstance(block, bool):  # "zen": true / false as a shorthand
+        block = {"enabled": block}
+    if not isinstance(block, Mapping):
+        raise ZenConfigError(f'the "zen" block must be a JSON object, got {type(block).__name__}')
+    try:
+        return ZenConfig(**block)
+    except ValidationError as err:
+        raise ZenConfigError("invalid \"zen\" block in the DeepSpeed config:\n" + _format_errors(err)
+                             + "\nFix the block (see README, \"Configuration\") and relaunch.") from None
