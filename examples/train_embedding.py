@@ -28,11 +28,13 @@ import zen_ds
 
 
 class EmbeddingModel(nn.Module):
-    """A big id embedding (sparse=True: only looked-up rows get gradients) + a small MLP."""
+    """A big id embedding + a small MLP. ``sparse=True`` gives COO grads (DeepSpeed: sparse
+    all-gather); the default ``sparse=False`` gives dense grads with zero rows (DeepSpeed: dense
+    all-reduce of the whole table), the usual case with Adam-style optimizers."""
 
-    def __init__(self, vocab: int, hidden: int) -> None:
+    def __init__(self, vocab: int, hidden: int, sparse: bool = True) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, hidden, sparse=True)
+        self.embed = nn.Embedding(vocab, hidden, sparse=sparse)
         self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, 1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -59,6 +61,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--no-zen", action="store_true", help="stock DeepSpeed reduction")
+    parser.add_argument("--embedding-grad", choices=("sparse", "dense"), default="sparse",
+                        help="nn.Embedding(sparse=True) COO grads, or dense grads with zero rows")
     parser.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
@@ -66,7 +70,7 @@ def main() -> None:
 
     deepspeed.init_distributed()
     torch.manual_seed(0)
-    model = EmbeddingModel(args.vocab, args.hidden)
+    model = EmbeddingModel(args.vocab, args.hidden, sparse=args.embedding_grad == "sparse")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     init = deepspeed.initialize if args.no_zen else zen_ds.initialize
     engine, _, _, _ = init(args=args, model=model, optimizer=optimizer)
@@ -104,10 +108,14 @@ def main() -> None:
             st = state.reducer.last_stats["embed.weight"]
             emb_wire, scheme = st.bytes_sent, st.scheme
             density, agg = st.density, st.result_density
-        else:
+        elif args.embedding_grad == "sparse":
             n_max = int(rows)
             emb_wire = (world - 1) * (8 + n_max * (8 + emb_row_bytes))
             scheme, density, agg = "deepspeed-allgather", n_max / args.vocab, float("nan")
+        else:  # DeepSpeed all-reduces the whole dense table (ring, per rank, each way)
+            n_max = int(rows)
+            emb_wire = 2 * (world - 1) * args.vocab * emb_row_bytes // world
+            scheme, density, agg = "deepspeed-allreduce", n_max / args.vocab, float("nan")
         records.append({"step": step, "loss": float(mean_loss) / world, "seconds": reduce_seconds[-1],
                         "embed_bytes_sent": emb_wire, "dense_bytes_sent": dense_wire, "scheme": scheme,
                         "density": density, "aggregated_density": agg})
@@ -118,6 +126,7 @@ def main() -> None:
         with open(args.out, "w") as fh:
             json.dump({"zen": state is not None, "world": world, "vocab": args.vocab, "hidden": args.hidden,
                        "micro_batch": micro, "context": args.context,
+                       "embedding_grad": args.embedding_grad,
                        "embed_dense_bytes": args.vocab * emb_row_bytes, "records": records}, fh, indent=1)
 
 

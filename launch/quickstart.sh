@@ -22,7 +22,7 @@ if ! "$PY" -c "import torch, deepspeed, zen_ds" >/dev/null 2>&1; then
   [ -x .venv-quickstart/bin/python ] || "$PY" -m venv .venv-quickstart
   PY=.venv-quickstart/bin/python
   "$PY" -m pip install -q --upgrade pip
-  "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
   "$PY" -m pip install -q -e .
 fi
 DS_LAUNCH=("$PY" -m deepspeed.launcher.runner)
@@ -37,17 +37,18 @@ run() {  # $1 = label, rest = extra args
       > "$OUT/$label.log" 2>&1 || { tail -40 "$OUT/$label.log"; exit 1; }
   grep -E "^step|zen step" "$OUT/$label.log" | tail -5
 }
-run zen
-run deepspeed --no-zen
-
-"$PY" - "$OUT/zen.json" "$OUT/deepspeed.json" <<'PYEOF'
+compare() {  # $1 = embedding grad kind (sparse | dense)
+run "zen-$1" --embedding-grad "$1"
+run "deepspeed-$1" --no-zen --embedding-grad "$1"
+"$PY" - "$OUT/zen-$1.json" "$OUT/deepspeed-$1.json" <<'PYEOF'
 import json, statistics, sys
 zen, ds = (json.load(open(p)) for p in sys.argv[1:3])
 zr, dr = zen["records"][1:], ds["records"][1:]  # step 0 includes one-time op loading
 lz, ld = [r["loss"] for r in zen["records"]], [r["loss"] for r in ds["records"]]
 worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(lz, ld))
 med = lambda rs, k: statistics.median(r[k] for r in rs)
-print(f"\nmodel: embedding {zen['vocab']} x {zen['hidden']} (sparse=True, "
+kind = "sparse=True" if zen.get("embedding_grad", "sparse") == "sparse" else "sparse=False, dense grads"
+print(f"\nmodel: embedding {zen['vocab']} x {zen['hidden']} ({kind}, "
       f"{zen['embed_dense_bytes'] / 1e6:.1f} MB) + MLP; {zen['world']} ranks, micro-batch "
       f"{zen['micro_batch']} x {zen['context']} Zipf ids; medians over steps 1..{len(zen['records']) - 1}")
 print(f"loss agreement: max relative difference over {len(lz)} steps = {worst:.2e} "
@@ -58,6 +59,12 @@ for name, rs in (("zen", zr), ("deepspeed", dr)):
           f"{1e3 * med(rs, 'seconds'):>15.2f} ms")
 print(f"zen schemes chosen: {sorted(set(r['scheme'] for r in zr))}; embedding bytes zen/deepspeed = "
       f"{med(zr, 'embed_bytes_sent') / med(dr, 'embed_bytes_sent'):.3f}")
-print("(bytes: zen = exact SyncStats per rank incl. handshake; deepspeed = its sparse all-gather, "
-      "(n-1) x (8 + max_nnz x (8 + 4 x hidden)); MLP = ring all-reduce 2(n-1)/n x size, both runs)")
+print("(bytes: zen = exact SyncStats per rank incl. handshake; deepspeed = its sparse all-gather "
+      "(n-1) x (8 + max_nnz x (8 + 4 x hidden)) for sparse=True, its ring all-reduce of the whole table "
+      "2(n-1)/n x size for dense grads; MLP = ring all-reduce 2(n-1)/n x size, both runs)")
 PYEOF
+}
+echo "== 1/2: nn.Embedding(sparse=False): dense grads with zero rows (DeepSpeed all-reduces the table)"
+compare dense
+echo "== 2/2: nn.Embedding(sparse=True): COO grads (DeepSpeed's sparse all-gather)"
+compare sparse
