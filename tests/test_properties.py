@@ -100,7 +100,7 @@ def _check_specs(rank: int, n: int, batch: List[Spec]) -> List[str]:
     return failures
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.integers(2, 5), st.lists(specs, min_size=4, max_size=8))
 def test_random_shapes_supports_and_world_sizes(n, batch) -> None:
     failures = run_ranks(n, _check_specs, batch)
