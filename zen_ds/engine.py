@@ -100,6 +100,19 @@ def _needs_owned(zero_stage: int, half: bool, any_sparse: bool) -> bool:
     return zero_stage in (1, 2) or (half and any_sparse)
 
 
+_FP16_COMPRESSION = ("fp16 with \"zen.compression\" is not supported: the error-feedback residual would be "
+                     "kept in loss-scaled units and be wrong whenever the dynamic loss scale changes. Use "
+                     "bf16 or fp32 with compression, or remove the \"compression\" block")
+_PIPE_OWNED = ("PipelineModule with ZeRO stage 1/2, or with fp16/bf16 and sparse=True embeddings, is not "
+               "supported with zen (zen would have to own those params' optimizer step inside the pipeline). "
+               "Use ZeRO stage 0 with fp32, or bf16 with dense-grad embeddings (sparse=False)")
+
+
+def _is_pipeline_module(model: Any) -> bool:
+    from deepspeed.pipe import PipelineModule
+    return isinstance(model, PipelineModule)
+
+
 def _refuse(msg: str) -> None:
     raise ZenConfigError("zen: " + msg)
 
@@ -292,10 +305,7 @@ class ZenEngineState:
         if self.reduced_this_step:
             return
         self.reduced_this_step = True
-        grads = self._read_grads()
-        if self.reducer.compressor is not None:
-            grads = [g if g is None or g.is_sparse else g for g in grads]
-        self._write_grads(self.reducer.sync(grads))
+        self._write_grads(self.reducer.sync(self._read_grads()))
 
     def ds_grads(self) -> List[Any]:
         """The gradients DeepSpeed should still reduce: everything that is not zen's."""
@@ -398,8 +408,7 @@ def _check_supported(engine: Any, owned: bool) -> None:
     if getattr(engine, "zenflow", False):
         _refuse("DeepSpeed's ZenFlow and zen_ds both take over the optimizer/reduction; enable one of them")
     if engine.pipeline_parallelism and owned:
-        _refuse("PipelineModule with ZeRO stage 1/2 (or fp16/bf16 with sparse=True embeddings) is not "
-                "supported with zen; use ZeRO stage 0 (fp32, or bf16 with dense-grad embeddings)")
+        _refuse(_PIPE_OWNED)
 
 
 def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None,
@@ -442,6 +451,8 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
                     "already inside DeepSpeed's optimizer. Build the engine with zen_ds.initialize(...) "
                     "(same arguments as deepspeed.initialize), which keeps them out")
 
+    if getattr(zcfg, "compression", None) is not None and engine.fp16_enabled():
+        _refuse(_FP16_COMPRESSION)
     compressor = None
     exclude = {name for name, _, _ in selected}
     if getattr(zcfg, "compression", None) is not None:
@@ -518,17 +529,21 @@ def _wrap(engine: Any, state: ZenEngineState) -> None:
         return out
 
     def clip_fp32_gradients() -> Any:
-        from deepspeed.runtime.utils import clip_grad_norm_
-        params = list(engine.module.parameters())
+        # DeepSpeed's clip_grad_norm_ leaves sparse grads unclipped (in-place .data.mul_ on COO) and,
+        # under a PipelineModule, counts only stage 0's params (the grid's "model parallel rank" is
+        # the stage) and a tied weight twice: zen computes the norm itself.
+        params = [p for p in engine.module.parameters() if p.grad is not None]
         max_norm = engine.gradient_clipping()
-        total = clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu)
-        coef = min(1.0, max_norm / (float(total) + 1e-6))
-        state.last_norm = float(total)
-        if coef < 1.0:  # DeepSpeed's in-place .data.mul_ does nothing to sparse grads
+        total = _fp32_grad_norm(engine, params)
+        coef = min(1.0, max_norm / (total + 1e-6))
+        state.last_norm = total
+        if coef < 1.0:
             for p in params:
-                if p.grad is not None and p.grad.is_sparse:
+                if p.grad.is_sparse:
                     p.grad = p.grad * coef
-        return total
+                else:
+                    p.grad.mul_(coef)
+        return torch.tensor(total)
 
     def save_checkpoint(save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
                         *args: Any, **kwargs: Any) -> Any:
@@ -631,32 +646,74 @@ def _wrap_norm(engine: Any, state: ZenEngineState) -> None:
         _refuse(f"zen cannot fold its gradient norm into {type(opt).__name__}; use ZeRO stage 1/2 or bf16")
 
 
-def _wrap_tied(engine: Any, state: ZenEngineState) -> None:
-    """PipelineModule tied weights: sum the tied grad across stages sparsely when it is a zen param."""
-    module = engine.module
-    if not hasattr(module, "allreduce_tied_weight_gradients") or not getattr(module, "tied_comms", None):
-        return
-    zen_ids = {id(p.param): p for p in state.reducer.params}
-    orig = module.allreduce_tied_weight_gradients
+def _fp32_grad_norm(engine: Any, params: Sequence[nn.Parameter]) -> float:
+    """Global L2 norm of the (synced) grads, each param counted once over the model.
 
-    def allreduce_tied_weight_gradients() -> None:
-        from .api import sparse_allreduce
-        for weight, group in module.get_tied_weights_and_groups():
-            zp = zen_ids.get(id(weight))
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
+    A param counts on tensor-parallel rank 0 (or everywhere if it is tensor-parallel), and not where
+    DeepSpeed marks it ``ds_pipe_replicated`` (the non-owning copy of a pipeline-tied weight); the
+    squares are summed over the engine's model-parallel group (all pipeline stages and TP ranks of
+    this data-parallel replica). Data-parallel replicas hold identical synced grads.
+    """
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    mpu = engine.mpu
+    tp_rank = 0
+    if mpu is not None:
+        get = getattr(mpu, "get_tensor_model_parallel_rank", None) or getattr(mpu, "get_model_parallel_rank")
+        tp_rank = get()
+    sq = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        if getattr(p, "ds_pipe_replicated", False) or (tp_rank != 0 and not is_model_parallel_parameter(p)):
+            continue
+        g = p.grad
+        vals = g.coalesce().values() if g.is_sparse else g
+        sq = sq + vals.detach().float().pow(2).sum().cpu()
+    if mpu is not None and dist.get_world_size(mpu.get_model_parallel_group()) > 1:
+        dist.all_reduce(sq, group=mpu.get_model_parallel_group())
+    return float(sq.sqrt())
+
+
+def _wrap_tied(engine: Any, state: ZenEngineState) -> None:
+    """PipelineModule tied weights that are zen params: sum their grads across stages sparsely.
+
+    PipelineEngine runs ``ReduceTiedGrads`` through ``self._INSTRUCTION_MAP`` (a class attribute
+    read through the instance), not through ``module.allreduce_tied_weight_gradients``; an
+    instance-level copy of the map is the only place to take it over. Its dense ``all_reduce`` also
+    cannot sum a sparse=True embedding grad on the first stage with the output projection's dense
+    grad on the last. Runs before the data-parallel reduction, as DeepSpeed's does.
+    """
+    if not getattr(engine, "pipeline_parallelism", False) or not getattr(engine.module, "tied_comms", None):
+        return
+    from deepspeed.runtime.pipe import schedule
+    from .api import sparse_allreduce
+    zen_by_id = {id(p.param): p for p in state.reducer.params}
+    if not any(id(w) in zen_by_id for w, _ in engine.module.get_tied_weights_and_groups()):
+        return
+    cfg = state.config
+
+    def reduce_tied_grads(self: Any) -> None:
+        if self.zero_optimization_partition_gradients():
+            self.optimizer.overlapping_partition_gradients_reduce_epilogue()
+        for weight, group in self.module.get_tied_weights_and_groups():
+            bf16 = self.using_bf16_optimizer
+            grad = weight._hp_grad if bf16 else weight.grad
+            zp = zen_by_id.get(id(weight))
             if zp is None:
-                dist.all_reduce(weight.grad, group=group)
+                if grad is not None:
+                    dist.all_reduce(grad, group=group)
                 continue
-            cfg = state.config
-            out = sparse_allreduce(weight.grad, group, cfg.scheme, seed=cfg.seed,
-                                   log_prefix=f"{zp.log_prefix}.tied")
-            if weight.grad.is_sparse:
+            if grad is None:  # every stage of the tie must join the collective
+                grad = torch.zeros_like(weight, dtype=torch.float32 if bf16 else weight.dtype)
+                if not bf16:
+                    weight.grad = grad
+            out = sparse_allreduce(grad, group, cfg.scheme, seed=cfg.seed, log_prefix=f"{zp.log_prefix}.tied")
+            if grad.is_sparse:
                 weight.grad = out
             else:
-                weight.grad.copy_(out)
-    del orig
-    module.allreduce_tied_weight_gradients = allreduce_tied_weight_gradients
+                grad.copy_(out.to_dense() if out.is_sparse else out)
+
+    instruction_map = dict(type(engine)._INSTRUCTION_MAP)
+    instruction_map[schedule.ReduceTiedGrads] = reduce_tied_grads
+    engine._INSTRUCTION_MAP = instruction_map
 
 
 # =============================================================================== initialize
@@ -689,8 +746,13 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     selected = select_params(model, zcfg)
     half = _flag(ds_dict, "fp16") or _flag(ds_dict, "bf16") or _flag(ds_dict, "bfloat16")
     any_sparse = any(s for _, _, s in selected)
+    if getattr(zcfg, "compression", None) is not None and _flag(ds_dict, "fp16"):
+        _refuse(_FP16_COMPRESSION)
+    needs_owned = _needs_owned(_zero_stage(ds_dict), half, any_sparse) and bool(selected)
+    if needs_owned and _is_pipeline_module(model):
+        _refuse(_PIPE_OWNED)
     plan = None
-    if _needs_owned(_zero_stage(ds_dict), half, any_sparse) and selected:
+    if needs_owned:
         if getattr(zcfg, "compression", None) is not None:
             _refuse("compression with ZeRO stage 1/2 is not supported yet; use ZeRO stage 0")
         zen_ids = {id(p): p for _, p, _ in selected}

@@ -184,6 +184,14 @@ class ZenReducer:
             return RowSparse.from_coo(grad)
         return RowSparse.from_dense(grad)
 
+    def _wire(self, p: ZenParam, grad: Optional[torch.Tensor], before: float) -> torch.Tensor:
+        """A dense gradient as it goes on the wire: times ``before``, in the communication dtype."""
+        dense = grad if grad is not None else torch.zeros_like(p.param)
+        comm_dtype = self.scale.comm_dtype or dense.dtype
+        if before != 1.0:
+            return (dense.float() * before).to(comm_dtype)
+        return dense.to(comm_dtype)
+
     # ---------------------------------------------------------------------- the step
     @torch.no_grad()
     def sync(self, grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
@@ -202,8 +210,9 @@ class ZenReducer:
         densities = torch.zeros(len(self.params), dtype=torch.float64)
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if p.compressed:
-                dense = g if g is not None else torch.zeros_like(p.param)
-                rs = self.compressor.compress(p.name, dense.float(), self.step)
+                # The compressor gets the gradient exactly as it goes on the wire (scaled, in the
+                # communication dtype), so the rounding of the sent values stays in its residual.
+                rs = self.compressor.compress(p.name, self._wire(p, g, before), self.step)
                 compressed.append(rs)
                 locals_.append(None)
                 densities[i] = 2.0 if rs is None else 0.0  # warmup: dense on every rank
@@ -223,14 +232,13 @@ class ZenReducer:
             comm_dtype = self.scale.comm_dtype or out_dtype
             if p.compressed:
                 rs_c = compressed[i]
-                dense = (g if g is not None else torch.zeros_like(p.param)).to(comm_dtype)
-                if rs_c is None:
-                    summed = sparse_allreduce(dense * before, self.group, "dense", log_prefix=p.log_prefix)
+                if rs_c is None:  # warmup: plain dense sync
+                    summed = sparse_allreduce(self._wire(p, g, before), self.group, "dense",
+                                              log_prefix=p.log_prefix)
                 else:
-                    flat = RowSparse(rs_c.indices, (rs_c.values * before).to(comm_dtype), rs_c.num_rows)
-                    summed = sparse_allreduce(flat, self.group, self.config.scheme, seed=self.config.seed,
+                    summed = sparse_allreduce(rs_c, self.group, self.config.scheme, seed=self.config.seed,
                                               index_encoding=self.config.index_encoding,
-                                              log_prefix=p.log_prefix).to_dense().view_as(dense)
+                                              log_prefix=p.log_prefix).to_dense()
                 result = (summed.to(torch.float32) * after).to(out_dtype).view_as(p.param)
             else:
                 rs = locals_[i]

@@ -126,11 +126,14 @@ def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dt
 
 
 def bitmap_encode(offsets: torch.Tensor, universe: int) -> torch.Tensor:
-    """Little-endian bitmap (uint8, ``ceil(universe / 8)`` bytes) of sorted unique offsets.
+    """Little-endian bitmap (uint8, ``ceil(universe / 8)`` bytes) of the given offsets.
 
-    O(k + universe / 8): unique offsets set distinct bits, so adding bit values is an OR.
+    O(k + universe / 8): unique offsets set distinct bits, so adding bit values is an OR; offsets
+    that are not strictly ascending (duplicates, any order) are deduplicated first.
     """
     offsets = offsets.to(torch.int64)
+    if offsets.numel() > 1 and not bool((offsets[1:] > offsets[:-1]).all()):
+        offsets = torch.unique(offsets)
     bitmap = torch.zeros((universe + 7) // 8, dtype=torch.uint8, device=offsets.device)
     bits = torch.bitwise_left_shift(torch.ones_like(offsets), offsets & 7).to(torch.uint8)
     return bitmap.index_add_(0, offsets >> 3, bits)

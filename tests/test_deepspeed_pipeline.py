@@ -1,0 +1,253 @@
+"""zen with DeepSpeed ``PipelineModule``, PP=2 x DP=2 on 4 gloo ranks.
+
+Models: (1) first stage = sparse=True embedding + dense embedding, second stage = MLP head;
+(2) tied weights (``TiedLayerSpec``): the input embedding and the output projection share one
+weight across the first and last stage. Parameters after 5 optimizer steps (accumulation 2) must
+match a single-process reference on the global batch (1e-5 relative, fp32) with clipping off and
+binding, and, without clipping, plain DeepSpeed's pipeline run. One spawn runs every case.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("deepspeed")
+
+from dist_utils import run_ranks  # noqa: E402
+import ds_cases as dc  # noqa: E402
+
+WORLD, STAGES, DP, GAS, STEPS = 4, 2, 2, 2, 5
+CLIP = 0.05  # binds on every step of both models
+
+
+# ----------------------------------------------------------------------------- models
+class EmbedIn(nn.Module):
+    """First stage: a sparse=True embedding and a dense-grad embedding, summed over positions."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.emb_s = nn.Embedding(dc.VOCAB_S, dc.HIDDEN, sparse=sparse)
+        self.emb_d = nn.Embedding(dc.VOCAB_D, dc.HIDDEN)
+
+    def forward(self, inputs: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, b = inputs
+        return self.emb_s(a).sum(1) + self.emb_d(b).sum(1)
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dc.HIDDEN, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x).squeeze(-1)
+
+
+class TiedEmb(nn.Module):
+    """Input embedding on the first stage; its weight is the output projection on the last."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(dc.VOCAB_S, dc.HIDDEN, sparse=sparse)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids).sum(1)
+
+
+def project(module: TiedEmb, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.emb.weight.t()
+
+
+def build_layers(seed: int = 1234, sparse: bool = True) -> List[nn.Module]:
+    torch.manual_seed(seed)
+    return [EmbedIn(sparse), Head()]
+
+
+def tied_init(seed: int = 4321, sparse: bool = True) -> Tuple[TiedEmb, nn.Module]:
+    torch.manual_seed(seed)
+    return TiedEmb(sparse), nn.Sequential(nn.Linear(dc.HIDDEN, dc.HIDDEN), nn.Tanh())
+
+
+def ce_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float(), target)
+
+
+def pipe_batch(step: int, micro: int, dp_rank: int, tied: bool):
+    a, b, y = dc.batch(step, micro, dp_rank)
+    if tied:
+        return a, (a[:, 0] * 7 + 3) % dc.VOCAB_S  # next-token-like target in the vocab
+    return (a, b), y
+
+
+# ----------------------------------------------------------------------------- reference
+class TiedRef(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.tied, self.mid = tied_init(sparse=sparse)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return project(self.tied, self.mid(self.tied(ids)))
+
+
+def reference(case: Dict[str, Any]) -> Dict[str, np.ndarray]:
+    """Single process, global batch per micro-step (DP mean, GAS mean), same SGD and clip rule."""
+    tied, clip = case.get("tied", False), case.get("clip", 0.0)
+    model = TiedRef(case.get("sparse", True)) if tied else nn.Sequential(*build_layers(sparse=case.get("sparse", True)))
+    loss_fn = ce_loss if tied else dc.loss_fn
+    opt = dc.make_optimizer(model.parameters())
+    for step in range(STEPS):
+        for micro in range(GAS):
+            for d in range(DP):
+                x, y = pipe_batch(step, micro, d, tied)
+                (loss_fn(model(x), y) / (DP * GAS)).backward()
+        if clip > 0:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            total = torch.sqrt(sum((g.coalesce().values() if g.is_sparse else g).pow(2).sum() for g in grads))
+            coef = min(1.0, clip / (float(total) + 1e-6))
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = p.grad * coef
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return dc.params_of(model)
+
+
+def _ref_name(name: str) -> str:
+    """PipelineModule param name -> reference name (tied model)."""
+    if name.startswith("tied_modules.emb."):
+        return "tied." + name[len("tied_modules.emb."):]
+    return "mid." + name.split(".", 1)[1]
+
+
+# ----------------------------------------------------------------------------- worker
+def _config(case: Dict[str, Any]) -> Dict[str, Any]:
+    cfg = {"train_micro_batch_size_per_gpu": dc.MICRO, "gradient_accumulation_steps": GAS,
+           "train_batch_size": dc.MICRO * GAS * DP, "gradient_clipping": case.get("clip", 0.0),
+           "steps_per_print": 10_000, "zero_allow_untested_optimizer": True,
+           "pipeline": {"activation_checkpoint_interval": 0}}
+    if case.get("zen") is not None:
+        cfg["zen"] = dict({"enabled": case["zen"]}, **case.get("zen_extra", {}))
+    if case.get("dtype") == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _train(rank: int, case: Dict[str, Any]) -> Dict[str, Any]:
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401
+    import zen_ds
+
+    tied, sparse = case.get("tied", False), case.get("sparse", True)
+    if tied:
+        init_tied, mid = tied_init(sparse=sparse)
+        layers = [TiedLayerSpec("emb", TiedEmb, sparse, tied_weight_attr=["emb.weight"]), mid,
+                  TiedLayerSpec("emb", TiedEmb, sparse, forward_fn=project, tied_weight_attr=["emb.weight"])]
+        module = PipelineModule(layers=layers, num_stages=STAGES, loss_fn=ce_loss, partition_method="uniform")
+        with torch.no_grad():  # the spec built its own init: use the reference's on both stages
+            module.tied_modules["emb"].emb.weight.copy_(init_tied.emb.weight)
+    else:
+        module = PipelineModule(layers=build_layers(sparse=sparse), num_stages=STAGES, loss_fn=dc.loss_fn,
+                                partition_method="uniform")
+    init = deepspeed.initialize if case.get("zen") is None else zen_ds.initialize
+    engine, *_ = init(model=module, optimizer=dc.make_optimizer(module.parameters()), config=_config(case))
+    dp_rank = engine.grid.get_data_parallel_id()
+    for step in range(STEPS):
+        data = iter([pipe_batch(step, m, dp_rank, tied) for m in range(GAS)])
+        engine.train_batch(data_iter=data)
+    state = zen_ds.state_of(engine)
+    return {"params": dc.params_of(engine.module), "stage": engine.stage_id, "dp": dp_rank,
+            "zen": None if state is None else state.route,
+            "zen_params": [] if state is None else [p.name for p in state.reducer.params]}
+
+
+def _worker(rank: int, world: int, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
+    import warnings
+    import torch.distributed as dist
+    warnings.filterwarnings("ignore")
+    dc.set_env(rank, world)
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule builds groups before initialize
+    out: Dict[str, Any] = {}
+    for case in cases:
+        try:
+            out[case["name"]] = _train(rank, case)
+        except Exception as exc:  # configuration errors are raised on every rank alike
+            out[case["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+        dist.barrier()
+    return out
+
+
+CASES = [
+    dict(name="zen"),
+    dict(name="zen_clip", clip=CLIP),
+    dict(name="plain_dense", zen=None, sparse=False),
+    dict(name="zen_dense", sparse=False),
+    dict(name="tied_zen", tied=True),
+    dict(name="tied_zen_clip", tied=True, clip=CLIP),
+    dict(name="tied_plain_dense", tied=True, zen=None, sparse=False),
+    dict(name="tied_zen_dense", tied=True, sparse=False, zen_extra={"scheme": "balanced"}),
+    dict(name="refused_bf16_sparse", dtype="bf16"),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(WORLD, _worker, CASES)
+
+
+def _merged(results, name: str) -> Dict[str, Any]:
+    """Params of the whole model (both stages of DP replica 0); replicas must agree exactly."""
+    for r in range(WORLD):
+        assert "error" not in results[r][name], results[r][name]["error"]
+    merged: Dict[str, Any] = {}
+    by_stage: Dict[Tuple[int, int], Dict[str, Any]] = {(res[name]["stage"], res[name]["dp"]): res[name]
+                                                       for res in results}
+    for stage in range(STAGES):
+        first, second = by_stage[(stage, 0)], by_stage[(stage, 1)]
+        for k, v in first["params"].items():
+            np.testing.assert_array_equal(second["params"][k], v)
+            if k in merged:  # a tied weight appears on both stages: it must be identical
+                np.testing.assert_array_equal(merged[k], v)
+            merged[k] = v
+    return merged
+
+
+def _case(name: str) -> Dict[str, Any]:
+    return next(c for c in CASES if c["name"] == name)
+
+
+@pytest.mark.parametrize("name", ["zen", "zen_clip", "zen_dense"])
+def test_pipeline_matches_reference(results, name):
+    got = _merged(results, name)
+    stage0 = next(res[name] for res in results if res[name]["stage"] == 0)
+    assert stage0["zen"] == "shared" and "0.emb_s.weight" in stage0["zen_params"]
+    errs = dc.max_rel_err(got, reference(_case(name)))
+    assert max(errs.values()) < 1e-5, errs
+
+
+@pytest.mark.parametrize("name", ["tied_zen", "tied_zen_clip", "tied_zen_dense"])
+def test_tied_pipeline_matches_reference(results, name):
+    got = _merged(results, name)
+    for res in results:  # the tied weight is a zen param on both stages
+        assert "tied_modules.emb.emb.weight" in res[name]["zen_params"], res[name]["zen_params"]
+    want = reference(_case(name))
+    errs = dc.max_rel_err({_ref_name(k): v for k, v in got.items()}, want)
+    assert max(errs.values()) < 1e-5, errs
+
+
+@pytest.mark.parametrize("zen_name, plain_name", [("zen_dense", "plain_dense"),
+                                                  ("tied_zen_dense", "tied_plain_dense")])
+def test_pipeline_matches_plain_deepspeed(results, zen_name, plain_name):
+    zen, plain = _merged(results, zen_name), _merged(results, plain_name)
+    errs = dc.max_rel_err(zen, plain)
+    assert max(errs.values()) < 1e-5, errs
+
+
+def test_pipeline_bf16_sparse_is_refused(results):
+    for res in results:
+        err = res["refused_bf16_sparse"].get("error", "")
+        assert "PipelineModule" in err and "sparse=True" in err, err
