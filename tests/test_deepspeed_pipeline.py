@@ -129,8 +129,8 @@ def _config(case: Dict[str, Any]) -> Dict[str, Any]:
            "train_batch_size": dc.MICRO * GAS * DP, "gradient_clipping": case.get("clip", 0.0),
            "steps_per_print": 10_000, "zero_allow_untested_optimizer": True,
            "pipeline": {"activation_checkpoint_interval": 0}}
-    if case.get("zen") is not None:
-        cfg["zen"] = dict({"enabled": case["zen"]}, **case.get("zen_extra", {}))
+    if case.get("zen", True) is not None:
+        cfg["zen"] = dict({"enabled": case.get("zen", True)}, **case.get("zen_extra", {}))
     if case.get("dtype") == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -152,7 +152,7 @@ def _train(rank: int, case: Dict[str, Any]) -> Dict[str, Any]:
     else:
         module = PipelineModule(layers=build_layers(sparse=sparse), num_stages=STAGES, loss_fn=dc.loss_fn,
                                 partition_method="uniform")
-    init = deepspeed.initialize if case.get("zen") is None else zen_ds.initialize
+    init = deepspeed.initialize if case.get("zen", True) is None else zen_ds.initialize
     engine, *_ = init(model=module, optimizer=dc.make_optimizer(module.parameters()), config=_config(case))
     dp_rank = engine.grid.get_data_parallel_id()
     for step in range(STEPS):

@@ -23,6 +23,9 @@ import torch.distributed as dist
 
 __all__ = ["Communicator", "CommRecord", "resolve_group"]
 
+# torch >= 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
 
 @dataclass
 class CommRecord:
@@ -96,7 +99,7 @@ class Communicator:
         if ds_comm is not None:
             ds_comm.all_gather_into_tensor(output, tensor, group=self.group, log_name=log_name)
         else:
-            dist.all_gather_into_tensor(output, tensor, group=self.group)
+            _all_gather_single(output, tensor, group=self.group)
 
     def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor,
                           output_splits: Sequence[int], input_splits: Sequence[int], name: str) -> None:
