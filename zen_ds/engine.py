@@ -113,6 +113,16 @@ def _is_pipeline_module(model: Any) -> bool:
     return isinstance(model, PipelineModule)
 
 
+def _any_rank(flag: bool) -> bool:
+    """True if ``flag`` holds on any rank: pipeline stages hold different params, so a refusal
+    decided on one stage must be raised on every rank (else the others hang in a collective)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _refuse(msg: str) -> None:
     raise ZenConfigError("zen: " + msg)
 
@@ -407,7 +417,7 @@ def _check_supported(engine: Any, owned: bool) -> None:
         _refuse("sequence parallelism (sequence_parallel_size > 1) is not supported with zen")
     if getattr(engine, "zenflow", False):
         _refuse("DeepSpeed's ZenFlow and zen_ds both take over the optimizer/reduction; enable one of them")
-    if engine.pipeline_parallelism and owned:
+    if engine.pipeline_parallelism and _any_rank(owned):
         _refuse(_PIPE_OWNED)
 
 
@@ -457,7 +467,9 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
     exclude = {name for name, _, _ in selected}
     if getattr(zcfg, "compression", None) is not None:
         if owned:
-            _refuse("compression with ZeRO stage 1/2 is not supported yet; use ZeRO stage 0")
+            _refuse("compression needs zen's shared route, but this config makes zen own its params (ZeRO "
+                    "stage 1/2, or fp16/bf16 with sparse=True embeddings); use ZeRO stage 0 and fp32, or bf16 "
+                    "with dense-grad embeddings (sparse=False)")
         from .compression import GradientCompressor
         compressor = GradientCompressor(zcfg.compression, list(engine.module.named_parameters()), exclude)
     zen_params = [ZenParam(name, p, sparse) for name, p, sparse in selected]
@@ -531,9 +543,19 @@ def _wrap(engine: Any, state: ZenEngineState) -> None:
     def clip_fp32_gradients() -> Any:
         # DeepSpeed's clip_grad_norm_ leaves sparse grads unclipped (in-place .data.mul_ on COO) and,
         # under a PipelineModule, counts only stage 0's params (the grid's "model parallel rank" is
-        # the stage) and a tied weight twice: zen computes the norm itself.
+        # the stage): there zen computes the norm itself (each tied weight once).
         params = [p for p in engine.module.parameters() if p.grad is not None]
         max_norm = engine.gradient_clipping()
+        if not engine.pipeline_parallelism:  # DeepSpeed's own rule (validated with TP), then sparse grads
+            from deepspeed.runtime.utils import clip_grad_norm_
+            total = float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu))
+            coef = min(1.0, max_norm / (total + 1e-6))
+            state.last_norm = total
+            if coef < 1.0:
+                for p in params:
+                    if p.grad.is_sparse:
+                        p.grad = p.grad * coef
+            return torch.tensor(total)
         total = _fp32_grad_norm(engine, params)
         coef = min(1.0, max_norm / (total + 1e-6))
         state.last_norm = total
@@ -749,12 +771,14 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if getattr(zcfg, "compression", None) is not None and _flag(ds_dict, "fp16"):
         _refuse(_FP16_COMPRESSION)
     needs_owned = _needs_owned(_zero_stage(ds_dict), half, any_sparse) and bool(selected)
-    if needs_owned and _is_pipeline_module(model):
+    if _is_pipeline_module(model) and _any_rank(needs_owned):
         _refuse(_PIPE_OWNED)
     plan = None
     if needs_owned:
         if getattr(zcfg, "compression", None) is not None:
-            _refuse("compression with ZeRO stage 1/2 is not supported yet; use ZeRO stage 0")
+            _refuse("compression needs zen's shared route, but this config makes zen own its params (ZeRO "
+                    "stage 1/2, or fp16/bf16 with sparse=True embeddings); use ZeRO stage 0 and fp32, or bf16 "
+                    "with dense-grad embeddings (sparse=False)")
         zen_ids = {id(p): p for _, p, _ in selected}
         masters = {id(p): (nn.Parameter(p.detach().clone().float()) if half else p) for _, p, _ in selected}
         ordered_masters = [masters[id(p)] for _, p, _ in selected]
