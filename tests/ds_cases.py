@@ -80,6 +80,16 @@ def set_env(rank: int, world: int) -> None:
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
 
 
+def clip_reference_grads(model: torch.nn.Module, clip: float) -> None:
+    """Global-norm clipping of a single-process reference, sparse grads included (as zen does)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.sqrt(sum((g.coalesce().values() if g.is_sparse else g).pow(2).sum() for g in grads))
+    coef = min(1.0, clip / (float(total) + 1e-6))
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad = p.grad * coef
+
+
 def params_of(module: nn.Module) -> Dict[str, Any]:
     """As numpy arrays: tensors through a multiprocessing queue would need their owner alive."""
     return {k: v.detach().float().numpy().copy() for k, v in module.named_parameters()}
@@ -129,12 +139,7 @@ def reference(case: Dict[str, Any], world: int, steps: int = 5) -> Dict[str, tor
             opt.zero_grad(set_to_none=True)
             continue
         if clip > 0:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            total = torch.sqrt(sum((g.coalesce().values() if g.is_sparse else g).pow(2).sum() for g in grads))
-            coef = min(1.0, clip / (float(total) + 1e-6))
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad = p.grad * coef
+            clip_reference_grads(model, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return params_of(model)

@@ -105,12 +105,7 @@ def reference(case: Dict[str, Any]) -> Dict[str, np.ndarray]:
                 x, y = pipe_batch(step, micro, d, tied)
                 (loss_fn(model(x), y) / (DP * GAS)).backward()
         if clip > 0:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            total = torch.sqrt(sum((g.coalesce().values() if g.is_sparse else g).pow(2).sum() for g in grads))
-            coef = min(1.0, clip / (float(total) + 1e-6))
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad = p.grad * coef
+            dc.clip_reference_grads(model, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return dc.params_of(model)

@@ -546,24 +546,21 @@ def _wrap(engine: Any, state: ZenEngineState) -> None:
         # the stage): there zen computes the norm itself (each tied weight once).
         params = [p for p in engine.module.parameters() if p.grad is not None]
         max_norm = engine.gradient_clipping()
-        if not engine.pipeline_parallelism:  # DeepSpeed's own rule (validated with TP), then sparse grads
-            from deepspeed.runtime.utils import clip_grad_norm_
+        if not engine.pipeline_parallelism:  # DeepSpeed's own rule (validated with TP): it clips
+            from deepspeed.runtime.utils import clip_grad_norm_  # dense grads, never sparse ones
+
             total = float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu))
-            coef = min(1.0, max_norm / (total + 1e-6))
-            state.last_norm = total
-            if coef < 1.0:
-                for p in params:
-                    if p.grad.is_sparse:
-                        p.grad = p.grad * coef
-            return torch.tensor(total)
-        total = _fp32_grad_norm(engine, params)
+            dense_left = False
+        else:
+            total = _fp32_grad_norm(engine, params)
+            dense_left = True
         coef = min(1.0, max_norm / (total + 1e-6))
         state.last_norm = total
         if coef < 1.0:
             for p in params:
                 if p.grad.is_sparse:
                     p.grad = p.grad * coef
-                else:
+                elif dense_left:
                     p.grad.mul_(coef)
         return torch.tensor(total)
 

@@ -20,6 +20,7 @@ megatron-core is optional: this module imports without it; the functions that ne
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Tuple
@@ -121,7 +122,7 @@ class _SingletonGroups:
         return cls._group
 
 
-class _MPUBase:
+class _MPUBase(ABC):
     """DeepSpeed's mpu protocol expressed over three getters (data, tensor, pipeline groups).
 
     DeepSpeed's "model parallel" means tensor slicing in its gradient-norm and overflow code
@@ -131,14 +132,17 @@ class _MPUBase:
     ``get_sequence_*`` calls (Ulysses, not Megatron's sequence parallelism).
     """
 
+    @abstractmethod
     def _data(self) -> Optional[dist.ProcessGroup]:
-        raise NotImplementedError
+        """The data group (None: the default group)."""
 
+    @abstractmethod
     def _tensor(self) -> Optional[dist.ProcessGroup]:
-        raise NotImplementedError
+        """The tensor group (None: the default group)."""
 
+    @abstractmethod
     def _pipeline(self) -> Optional[dist.ProcessGroup]:
-        raise NotImplementedError
+        """The pipeline group (None: the default group)."""
 
     # ---- data parallel: the only group zen reduces over
     def get_data_parallel_group(self) -> Optional[dist.ProcessGroup]:

@@ -5,6 +5,7 @@ A scheme is a small object with two entry points: :meth:`Scheme.sync` moves the 
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, List, Optional, Sequence
 
@@ -83,21 +84,21 @@ class SyncContext:
         return self.comm.rank
 
 
-class Scheme:
+class Scheme(ABC):
     """Base class: subclasses set ``name`` and implement ``sync`` and ``predict``."""
 
     name: ClassVar[str] = ""
     #: True when ``sync`` needs ``ctx.owner_counts`` (the balanced partition's counts).
     needs_owner_counts: ClassVar[bool] = False
 
+    @abstractmethod
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         """Group-wide sum (times ``ctx.scale``) of ``x`` in x's dtype: unique rows, ascending
         (``coalesced``) unless ``ctx.sorted_output`` is False."""
-        raise NotImplementedError
 
+    @abstractmethod
     def predict(self, shape: SyncShape) -> ByteEstimate:
         """Per-rank wire bytes of :meth:`sync` for data of this shape (handshake excluded)."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
