@@ -100,6 +100,9 @@ def _needs_owned(zero_stage: int, half: bool, any_sparse: bool) -> bool:
     return zero_stage in (1, 2) or (half and any_sparse)
 
 
+_PIPE_COMPRESSION = ("\"zen.compression\" with a DeepSpeed PipelineModule is not supported yet (untested: "
+                     "each stage would compress over its data-parallel group); remove the \"compression\" "
+                     "block or train without pipeline parallelism")
 _FP16_COMPRESSION = ("fp16 with \"zen.compression\" is not supported: the error-feedback residual would be "
                      "kept in loss-scaled units and be wrong whenever the dynamic loss scale changes. Use "
                      "bf16 or fp32 with compression, or remove the \"compression\" block")
@@ -463,6 +466,8 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
 
     if getattr(zcfg, "compression", None) is not None and engine.fp16_enabled():
         _refuse(_FP16_COMPRESSION)
+    if getattr(zcfg, "compression", None) is not None and getattr(engine, "pipeline_parallelism", False):
+        _refuse(_PIPE_COMPRESSION)
     compressor = None
     exclude = {name for name, _, _ in selected}
     if getattr(zcfg, "compression", None) is not None:
@@ -767,6 +772,8 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     any_sparse = any(s for _, _, s in selected)
     if getattr(zcfg, "compression", None) is not None and _flag(ds_dict, "fp16"):
         _refuse(_FP16_COMPRESSION)
+    if getattr(zcfg, "compression", None) is not None and _is_pipeline_module(model):
+        _refuse(_PIPE_COMPRESSION)
     needs_owned = _needs_owned(_zero_stage(ds_dict), half, any_sparse) and bool(selected)
     if _is_pipeline_module(model) and _any_rank(needs_owned):
         _refuse(_PIPE_OWNED)
