@@ -15,10 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .api import INDEX_ENCODINGS
 from .schemes import scheme_names
 
-try:  # issue 6 (gradient compression); zen works without it
-    from .compression import CompressionConfig
-except ImportError:  # pragma: no cover - only when compression.py is absent
-    CompressionConfig = None  # type: ignore[assignment,misc]
+from .compression import CompressionConfig
 
 __all__ = ["ZenConfig", "ZenConfigError", "load_zen_config", "ZEN_KEY"]
 
@@ -60,10 +57,9 @@ class ZenConfig(BaseModel):
     seed: int = Field(0, ge=0, lt=2 ** 62)
     """Seed of the row-ownership permutation (must be equal on every rank)."""
 
-    if CompressionConfig is not None:
-        compression: Optional[CompressionConfig] = None
-        """Top-k / DGC gradient compression of dense params (README, "Gradient compression");
-        ``null`` = off. Params zen already syncs as sparse are excluded from it."""
+    compression: Optional[CompressionConfig] = None
+    """Top-k / DGC gradient compression of dense params (README, "Gradient compression");
+    ``null`` = off. Params zen already syncs as sparse are excluded from it."""
 
     @field_validator("scheme")
     @classmethod

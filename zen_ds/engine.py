@@ -464,13 +464,13 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
                     "already inside DeepSpeed's optimizer. Build the engine with zen_ds.initialize(...) "
                     "(same arguments as deepspeed.initialize), which keeps them out")
 
-    if getattr(zcfg, "compression", None) is not None and engine.fp16_enabled():
+    if zcfg.compression is not None and engine.fp16_enabled():
         _refuse(_FP16_COMPRESSION)
-    if getattr(zcfg, "compression", None) is not None and getattr(engine, "pipeline_parallelism", False):
+    if zcfg.compression is not None and getattr(engine, "pipeline_parallelism", False):
         _refuse(_PIPE_COMPRESSION)
     compressor = None
     exclude = {name for name, _, _ in selected}
-    if getattr(zcfg, "compression", None) is not None:
+    if zcfg.compression is not None:
         if owned:
             _refuse("compression needs zen's shared route, but this config makes zen own its params (ZeRO "
                     "stage 1/2, or fp16/bf16 with sparse=True embeddings); use ZeRO stage 0 and fp32, or bf16 "
@@ -770,16 +770,16 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     selected = select_params(model, zcfg)
     half = _flag(ds_dict, "fp16") or _flag(ds_dict, "bf16") or _flag(ds_dict, "bfloat16")
     any_sparse = any(s for _, _, s in selected)
-    if getattr(zcfg, "compression", None) is not None and _flag(ds_dict, "fp16"):
+    if zcfg.compression is not None and _flag(ds_dict, "fp16"):
         _refuse(_FP16_COMPRESSION)
-    if getattr(zcfg, "compression", None) is not None and _is_pipeline_module(model):
+    if zcfg.compression is not None and _is_pipeline_module(model):
         _refuse(_PIPE_COMPRESSION)
     needs_owned = _needs_owned(_zero_stage(ds_dict), half, any_sparse) and bool(selected)
     if _is_pipeline_module(model) and _any_rank(needs_owned):
         _refuse(_PIPE_OWNED)
     plan = None
     if needs_owned:
-        if getattr(zcfg, "compression", None) is not None:
+        if zcfg.compression is not None:
             _refuse("compression needs zen's shared route, but this config makes zen own its params (ZeRO "
                     "stage 1/2, or fp16/bf16 with sparse=True embeddings); use ZeRO stage 0 and fp32, or bf16 "
                     "with dense-grad embeddings (sparse=False)")

@@ -28,11 +28,6 @@ from .config import ZenConfig
 from .sparse import RowSparse
 from .stats import last_sync_stats
 
-try:
-    from .compression import GradientCompressor
-except ImportError:  # pragma: no cover
-    GradientCompressor = None  # type: ignore[assignment,misc]
-
 logger = logging.getLogger(__name__)
 
 __all__ = ["ZenReducer", "ZenParam", "ScaleRule", "select_params", "embedding_param_names"]
