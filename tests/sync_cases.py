@@ -140,6 +140,17 @@ def case_rowsparse_input(rank: int, n: int):
     return RowSparse.from_dense(case_zipf(rank, n, name="rowsparse"))
 
 
+SKEWED_FRACTIONS = (0.43, 0.10, 0.90, 0.02, 0.15)
+
+
+def case_skewed_nnz(rank: int, n: int):
+    # Very different nnz per rank: a plan made from each rank's own bytes picks dense on the
+    # 90% rank and balanced elsewhere (n >= 3), and mismatched collectives then hang.
+    gen = _gen("skewed_nnz", rank)
+    rows = torch.randperm(5000, generator=gen)[: int(SKEWED_FRACTIONS[rank % 5] * 5000)]
+    return _dense_rows(5000, (32,), rows, gen)
+
+
 def case_huge(rank: int, n: int):
     gen = _gen("huge", rank)
     rows = torch.cat([torch.tensor([0, HUGE_ROWS - 1, 3_000_000_000 + rank]),
@@ -154,7 +165,7 @@ CASES: Dict[str, Callable] = {
     "clustered_0.1pct": case_clustered, "element_sparse_1d": case_element_sparse,
     "fp16": case_fp16, "fp16_odd_width": case_fp16_odd_width, "bf16": case_bf16, "fp64": case_fp64, "uncoalesced_coo": case_uncoalesced_coo,
     "nan_inf": case_nan_inf, "row_shape_3d": case_row_shape_3d, "rowsparse_input": case_rowsparse_input,
-    "huge_5e9_rows": case_huge,
+    "huge_5e9_rows": case_huge, "skewed_nnz": case_skewed_nnz,
 }
 
 # (scheme, index_encoding, average)

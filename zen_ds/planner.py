@@ -3,12 +3,16 @@
 Every rank sees the same handshake (per-rank nnz, a KMV sketch of each support), estimates the
 union size, asks each scheme's :meth:`~zen_ds.schemes.base.Scheme.predict` for its bytes, and picks
 the fastest under an alpha-beta model. Ties keep registry order, so the plan is deterministic.
+
+A scheme's cost is its cost on the *slowest* rank, never the calling rank's own: a collective ends
+when its last rank does, and a rank-local choice would let ranks with different nnz pick different
+schemes and deadlock in mismatched collectives.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Dict, Iterable, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
@@ -49,10 +53,33 @@ def estimate_union(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows
     return min(max(estimate, lower), upper)
 
 
+EVERY_RANK_UP_TO = 64
+
+
+def planning_ranks(shape: SyncShape) -> List[int]:
+    """The ranks whose costs bound a sync: every rank in groups up to 64, else the ranks with the
+    most and the fewest non-zeros (the largest sender and the largest receiver in every byte
+    model here). The list depends only on the handshake, so it is the same on every rank."""
+    n = shape.world_size
+    if n <= EVERY_RANK_UP_TO or not shape.nnz_per_rank:
+        return list(range(n))
+    nnz = list(shape.nnz_per_rank)
+    most = max(range(n), key=lambda r: (nnz[r], -r))
+    fewest = min(range(n), key=lambda r: (nnz[r], r))
+    return sorted({most, fewest})
+
+
 def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = CostModel()
          ) -> Tuple[str, Dict[str, ByteEstimate]]:
-    """Fastest scheme for ``shape`` and every candidate's estimate."""
+    """Fastest scheme for ``shape`` (by its slowest rank: the same answer on every rank) and each
+    candidate's estimate for ``shape.rank``."""
     names = tuple(candidates) or scheme_names()
+    ranks = planning_ranks(shape)
+
+    def slowest(name: str) -> float:
+        scheme = get_scheme(name)
+        return max(cost.seconds(scheme.predict(replace(shape, rank=r))) for r in ranks)
+
+    best = min(names, key=slowest)
     estimates = {name: get_scheme(name).predict(shape) for name in names}
-    best = min(names, key=lambda name: cost.seconds(estimates[name]))
     return best, estimates
