@@ -203,6 +203,33 @@ def test_aggregate_matches_reference(compiled, dtype, span):
                     torch.testing.assert_close(got[1], want[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aggregate_large_universe_buckets(compiled, dtype):
+    """Offsets spanning many 4096-word buckets (the 1-D top-k case): first/last offset of the
+    range, bucket borders, duplicates across buckets and NaN values; thread-count independent."""
+    gen = _gen(13)
+    span = 3 * (1 << 18) + 777  # 3 full buckets and a partial one
+    k = 60_000
+    offsets = torch.randint(0, span, (k,), generator=gen)
+    borders = torch.tensor([0, span - 1, (1 << 18) - 1, 1 << 18, 2 << 18, (2 << 18) - 1])
+    offsets = torch.cat([borders, offsets, borders])  # duplicates of the borders at both ends
+    for shape in ((offsets.numel(),), (offsets.numel(), 3)):
+        values = torch.randn(shape, generator=gen).to(dtype)
+        values[5] = float("nan")
+        for off in (offsets, offsets.to(torch.int32)):
+            got = compiled.aggregate(off, values, torch.float32)
+            want = ref.aggregate(off, values, torch.float32)
+            _assert_same(got[0], want[0])
+            torch.testing.assert_close(got[1], want[1], equal_nan=True)
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1)
+                single = compiled.aggregate(off, values, torch.float32)
+            finally:
+                torch.set_num_threads(threads)
+            _assert_same_values(single[1], got[1])
+
+
 def test_aggregate_rejects_negative_offsets(compiled):
     with pytest.raises(RuntimeError, match=">= 0"):
         compiled.aggregate(torch.tensor([3, -1]), torch.ones(2), torch.float32)
@@ -272,6 +299,101 @@ def test_scatter_rows_matches_reference(compiled, dtype):
         compiled.scatter_rows(torch.zeros(5, 2), torch.tensor([5]), torch.ones(1, 2))
 
 
+# ---------------------------------------------------------------- scatter shard (fused decode)
+
+
+def _shard_cases(num_rows, world_size, seed, gen):
+    """(shard j, its start, universe, ascending shard offsets) for every row set and shard."""
+    starts = ref.shard_starts(num_rows, world_size)
+    for rows in _row_sets(num_rows, gen):
+        positions = ref.permute(rows, num_rows, seed)
+        for j in range(world_size):
+            lo, hi = starts[j], starts[j + 1]
+            mine = positions[(positions >= lo) & (positions < hi)]
+            yield j, lo, hi - lo, torch.sort(mine - lo).values
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 1000, 1003, 4099])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_shard_matches_reference(compiled, num_rows, dtype):
+    gen = _gen(num_rows)
+    for world_size in range(1, 9):
+        for seed in (0, 2**63 + 5):
+            for j, start, universe, offsets in _shard_cases(num_rows, world_size, seed, gen):
+                k = offsets.numel()
+                for row_shape in ((), (3,), (2, 5)):
+                    values = torch.randn((k,) + row_shape, generator=gen).to(dtype)
+                    if k:
+                        values[0] = float("nan")  # NaN rows are copied, not dropped
+                    shape = (num_rows,) + row_shape
+                    # What balanced's RowSparse path produces: decode, unpermute, scatter.
+                    want = ref.scatter_rows(torch.zeros(shape, dtype=dtype),
+                                            ref.unpermute(offsets + start, num_rows, seed), values)
+                    bitmap = ref.bitmap_encode(offsets, universe)
+                    padded = torch.cat([bitmap, torch.full((3,), 255, dtype=torch.uint8)])
+                    if universe % 8:  # stray bits past the universe in the last byte: ignored
+                        padded[universe // 8] |= (0xFF << (universe % 8)) & 0xFF
+                    shuffled = torch.randperm(k, generator=gen)
+                    cases = [(bitmap, values, True), (padded, values, True),
+                             (offsets, values, False),
+                             (offsets[shuffled].to(torch.int32), values[shuffled], False)]
+                    for index, vals, is_bitmap in cases:
+                        args = (index, vals, is_bitmap, universe, start, num_rows, seed)
+                        got = compiled.scatter_shard(torch.zeros(shape, dtype=dtype), *args)
+                        _assert_same_values(got, want)
+                        _assert_same_values(ref.scatter_shard(torch.zeros(shape, dtype=dtype),
+                                                              *args), want)
+
+
+def test_scatter_shard_every_row_and_wide_rows(compiled):
+    num_rows, world_size, seed = 70_001, 3, 17
+    gen = _gen(3)
+    starts = ref.shard_starts(num_rows, world_size)
+    out_c = torch.zeros(num_rows, 33)
+    out_r = torch.zeros(num_rows, 33)
+    for j in range(world_size):
+        universe = starts[j + 1] - starts[j]
+        offsets = torch.arange(universe)  # every row: full bitmap words
+        values = torch.randn(universe, 33, generator=gen)
+        bitmap = ref.bitmap_encode(offsets, universe)
+        compiled.scatter_shard(out_c, bitmap, values, True, universe, starts[j], num_rows, seed)
+        ref.scatter_shard(out_r, bitmap, values, True, universe, starts[j], num_rows, seed)
+    _assert_same_values(out_c, out_r)
+    assert bool((out_c != 0).any(dim=1).all())  # every row written
+
+
+@pytest.mark.parametrize("num_rows", [2**31 + 11, 2**32 + 1] + HUGE)
+def test_scatter_shard_huge_num_rows_few_rows(compiled, num_rows):
+    # Zero-width rows: the dense output costs nothing, the ids, counts and ranges are still checked.
+    for world_size in (1, 3, 8):
+        gen = _gen(world_size)
+        for j, start, universe, offsets in _shard_cases(num_rows, world_size, 5, gen):
+            values = torch.empty(offsets.numel(), 0)
+            out = torch.zeros(num_rows, 0)
+            compiled.scatter_shard(out, offsets.to(torch.int64), values, False, universe, start,
+                                   num_rows, 5)
+            if universe <= 2**26:
+                bitmap = ref.bitmap_encode(offsets, universe)
+                compiled.scatter_shard(out, bitmap, values, True, universe, start, num_rows, 5)
+
+
+def test_scatter_shard_rejects_bad_input(compiled):
+    out = torch.zeros(100, 2)
+    with pytest.raises((RuntimeError, ValueError), match="set bits|positions"):
+        compiled.scatter_shard(out, torch.tensor([3], dtype=torch.uint8), torch.ones(1, 2), True,
+                               50, 0, 100, 0)
+    with pytest.raises((RuntimeError, ValueError), match="universe"):
+        compiled.scatter_shard(out, torch.tensor([50]), torch.ones(1, 2), False, 50, 0, 100, 0)
+    with pytest.raises((RuntimeError, ValueError), match="universe"):
+        compiled.scatter_shard(out, torch.tensor([-1], dtype=torch.int32), torch.ones(1, 2), False,
+                               50, 0, 100, 0)
+    with pytest.raises((RuntimeError, ValueError), match="outside"):
+        compiled.scatter_shard(out, torch.tensor([0]), torch.ones(1, 2), False, 60, 50, 100, 0)
+    with pytest.raises((RuntimeError, ValueError), match="num_rows"):
+        compiled.scatter_shard(torch.zeros(99, 2), torch.tensor([0]), torch.ones(1, 2), False, 50,
+                               0, 100, 0)
+
+
 # ---------------------------------------------------------------- dispatcher
 
 
@@ -339,3 +461,25 @@ def test_cuda_ops_match_reference(compiled, dtype):
     src = torch.randn(3, 4, device=dev)
     compiled.scatter_rows(out, rows, src)
     _assert_same(out.cpu(), ref.scatter_rows(torch.zeros(100, 4, dtype=dtype), rows.cpu(), src.cpu()))
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_scatter_shard_matches_reference(compiled, dtype):
+    if not compiled.with_cuda:
+        pytest.fail("CUDA is available but the CUDA kernels were not compiled in")
+    dev = torch.device("cuda")
+    gen = _gen(21)
+    for num_rows in (1, 1003, 70_001):
+        for world_size in (1, 3, 8):
+            for j, start, universe, offsets in _shard_cases(num_rows, world_size, 6, gen):
+                values = torch.randn(offsets.numel(), 3, generator=gen).to(dtype)
+                want = ref.scatter_shard(torch.zeros(num_rows, 3, dtype=dtype),
+                                         ref.bitmap_encode(offsets, universe), values, True,
+                                         universe, start, num_rows, 6)
+                for index, is_bitmap in ((ref.bitmap_encode(offsets, universe), True),
+                                         (offsets.to(torch.int32), False), (offsets, False)):
+                    out = torch.zeros(num_rows, 3, dtype=dtype, device=dev)
+                    compiled.scatter_shard(out, index.to(dev), values.to(dev), is_bitmap, universe,
+                                           start, num_rows, 6)
+                    _assert_same_values(out.cpu(), want)

@@ -108,17 +108,26 @@ def _wants_sorted(like: TensorLike) -> bool:
     return isinstance(like, RowSparse) or like.is_sparse
 
 
-def _from_rowsparse(result: RowSparse, like: TensorLike) -> TensorLike:
+def _from_rowsparse(result: RowSparse, like: TensorLike, out: Optional[torch.Tensor] = None
+                    ) -> TensorLike:
     if isinstance(like, RowSparse):
         return result
     if like.is_sparse:
         return result.to_coo()
     # Rows are unique (every scheme guarantees it), so scatter without sorting.
-    out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    if out is None:
+        out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
     if result.nnz:
         ops.scatter_rows(out.view((result.num_rows,) + result.row_shape), result.indices,
                          result.values)
     return out
+
+
+def _dense_result_buffer(like: TensorLike) -> Optional[torch.Tensor]:
+    """The zeroed result tensor when the caller gets a dense tensor back (else None)."""
+    if isinstance(like, RowSparse) or like.is_sparse:
+        return None
+    return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
 
 
 def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, scheme: str = "auto",
@@ -157,6 +166,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, s
         # A group of one moves nothing; "local" says so when no scheme was asked for.
         chosen, union, predicted = ("local" if scheme == "auto" else scheme), rs.nnz, (0.0, 0.0)
         nnz_per_rank = [rs.nnz]
+        dense = None
     else:
         needs_layout = scheme == "auto" or get_scheme(scheme).needs_owner_counts
         layout = ShardLayout(max(rs.num_rows, 1), n, seed) if needs_layout and rs.num_rows else None
@@ -180,15 +190,21 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, s
         handshake = (n - 1) * handshake_bytes(n)
         predicted = (estimate.bytes_sent + handshake, estimate.bytes_received + handshake)
         owner_counts = table[:, HANDSHAKE_FIXED_FIELDS + SKETCH_SIZE:].to(rs.device)
+        dense = _dense_result_buffer(x)
         ctx = SyncContext(comm, seed, scale, index_encoding, nnz_per_rank,
                           owner_counts if layout is not None else None,
-                          sorted_output=_wants_sorted(x))
+                          sorted_output=_wants_sorted(x),
+                          dense_out=None if dense is None else
+                          dense.view((rs.num_rows,) + rs.row_shape))
         result = get_scheme(chosen).sync(rs, ctx)
 
-    out = _from_rowsparse(result, x)
+    if result is None:  # the scheme wrote the sum into ctx.dense_out
+        out, nnz_result = dense, ctx.dense_nnz
+    else:
+        out, nnz_result = _from_rowsparse(result, x, dense), result.nnz
     record(SyncStats(
         scheme=chosen, bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
-        seconds=time.perf_counter() - started, nnz_local=rs.nnz, nnz_result=result.nnz,
+        seconds=time.perf_counter() - started, nnz_local=rs.nnz, nnz_result=nnz_result,
         num_rows=rs.num_rows, row_numel=rs.row_numel, world_size=n,
         dense_bytes=rs.num_rows * rs.row_numel * rs.values.element_size(), union_estimate=union,
         predicted_bytes_sent=predicted[0], predicted_bytes_received=predicted[1],

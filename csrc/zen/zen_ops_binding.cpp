@@ -72,6 +72,16 @@ void scatter_rows(at::Tensor out, const at::Tensor& rows, const at::Tensor& valu
     ZEN_DISPATCH(out, scatter_rows, out, rows, values);
 }
 
+void scatter_shard(at::Tensor out, const at::Tensor& index, const at::Tensor& values, bool bitmap,
+                   int64_t universe, int64_t shard_start, int64_t num_rows, int64_t inverse,
+                   int64_t offset)
+{
+    TORCH_CHECK(out.device() == index.device() && out.device() == values.device(),
+                "zen_ds scatter_shard: out, index and values must share a device");
+    const PermArgs perm{num_rows, 0, inverse, offset};
+    ZEN_DISPATCH(out, scatter_shard, out, index, values, bitmap, universe, shard_start, perm);
+}
+
 bool with_cuda()
 {
 #ifdef ZEN_WITH_CUDA
@@ -94,5 +104,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("bitmap_encode", &bitmap_encode, "little-endian uint8 bitmap of offsets");
     m.def("bitmap_decode", &bitmap_decode, "set bit positions of a bitmap (int64)");
     m.def("scatter_rows", &scatter_rows, "out[rows] = values, in place");
+    m.def("scatter_shard", &scatter_shard,
+          "out[pi^-1(shard_start + p)] = values for the shard's positions p (bitmap or COO)");
     m.def("with_cuda", &with_cuda, "whether the CUDA kernels were compiled in");
 }

@@ -14,6 +14,10 @@ Stages (bytes touched = bytes read + bytes written by the op, counted from the t
 * ``partition``: owner counting sort into push buffers (int32 shard offsets + reordered values).
 * ``encode``: owner side, ``aggregate`` of what the ranks pushed + ``bitmap_encode`` of the shard.
 * ``decode``: every shard's ``bitmap_decode`` + ``unpermute`` + ``scatter_rows`` into the dense output.
+* ``decode_union``: what balanced did for a dense caller before ``scatter_shard``: decode every
+  shard, concatenate the positions, one ``unpermute`` of the union, concatenate values, scatter.
+* ``decode_dense``: what balanced does now for a dense caller: one fused ``scatter_shard`` per
+  shard (bitmap -> pi^-1 -> dense row), no id list.
 
 For each stage: median (or ``--stat min``) time of the compiled ops and of torch_ops, GB/s of bytes touched, and the
 rate of ``Tensor.copy_`` moving the same number of bytes (half read, half written) in the same run.
@@ -164,6 +168,32 @@ class Workload:
             touched += _nbytes(bitmap) + 8 * k * 6 + 2 * _nbytes(sums)
         return run, touched
 
+    def decode_union(self, impl):
+        """balanced's RowSparse path for a dense caller (before the fused op): decode every shard,
+        concatenate positions, one unpermute of the union, concatenate values, scatter."""
+        def run():
+            positions = torch.cat([impl.bitmap_decode(bitmap, self.shard_sizes[owner]) + start
+                                   for owner, (bitmap, _, start) in enumerate(self.shards)])
+            rows = impl.unpermute(positions, self.num_rows, self.seed)
+            values = torch.cat([sums for _, sums, _ in self.shards])
+            impl.scatter_rows(self.out, rows, values)
+
+        union = sum(sums.shape[0] for _, sums, _ in self.shards)
+        value_bytes = sum(_nbytes(sums) for _, sums, _ in self.shards)
+        touched = sum(_nbytes(b) for b, _, _ in self.shards) + 8 * union * 8 + 4 * value_bytes
+        return run, touched
+
+    def decode_dense(self, impl):
+        """balanced's dense path: ``scatter_shard`` of every shard straight into the output."""
+        def run():
+            for owner, (bitmap, sums, start) in enumerate(self.shards):
+                impl.scatter_shard(self.out, bitmap, sums, True, self.shard_sizes[owner], start,
+                                   self.num_rows, self.seed)
+
+        # bitmap read, values read and written into the dense output
+        touched = sum(_nbytes(b) + 2 * _nbytes(sums) for b, sums, _ in self.shards)
+        return run, touched
+
 
 def make_embedding(args: argparse.Namespace) -> Workload:
     gen = torch.Generator().manual_seed(args.seed)
@@ -191,7 +221,7 @@ def make_dense1d(args: argparse.Namespace) -> Workload:
                     args.world_size, args.seed)
 
 
-STAGES = ("detect", "partition", "encode", "decode")
+STAGES = ("detect", "partition", "encode", "decode", "decode_union", "decode_dense")
 
 
 def run_workload(work: Workload, compiled, repeat: int) -> List[StageResult]:

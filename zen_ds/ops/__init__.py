@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 OP_NAMES = (
     "permute", "unpermute", "nonzero_rows", "partition", "aggregate", "bitmap_encode",
-    "bitmap_decode", "scatter_rows",
+    "bitmap_decode", "scatter_rows", "scatter_shard",
 )
 
 _backend: Optional[ModuleType] = None
@@ -107,6 +107,10 @@ def bitmap_decode(bitmap, universe):
 
 def scatter_rows(out, rows, values):
     return backend().scatter_rows(out, rows, values)
+
+
+def scatter_shard(out, index, values, bitmap, universe, shard_start, num_rows, seed):
+    return backend().scatter_shard(out, index, values, bitmap, universe, shard_start, num_rows, seed)
 
 
 shard_starts = torch_ops.shard_starts

@@ -150,6 +150,28 @@ class CompiledOps:
         self.module.scatter_rows(out.view(out.shape[0], width), rows64, src)
         return out
 
+    def scatter_shard(self, out: torch.Tensor, index: torch.Tensor, values: torch.Tensor, bitmap: bool,
+                      universe: int, shard_start: int, num_rows: int, seed: int) -> torch.Tensor:
+        args = (bitmap, universe, shard_start, num_rows, seed)
+        if (out.dim() == 0 or not out.is_contiguous() or not self.native(out, index, values)
+                or not hasattr(self.module, "scatter_shard")):
+            return torch_ops.scatter_shard(out, index, values, *args)
+        if bitmap:
+            if index.dtype != torch.uint8:
+                return torch_ops.scatter_shard(out, index, values, *args)
+            index = index.reshape(-1).contiguous()
+        elif index.dtype not in (torch.int32, torch.int64):
+            index = _ids(index)
+        else:
+            index = index.reshape(-1).contiguous()
+        width = _row_numel(out)
+        k = values.shape[0] if values.dim() else 0
+        src = values.to(out.dtype).contiguous().view(k, width)
+        _, inverse, offset = permutation_params(num_rows, seed)
+        self.module.scatter_shard(out.view(out.shape[0], width), index, src, bool(bitmap),
+                                  int(universe), int(shard_start), int(num_rows), inverse, offset)
+        return out
+
 
 def load_compiled_ops() -> CompiledOps:
     """Build (JIT) or import (prebuilt) the extension for this accelerator and wrap it.

@@ -153,3 +153,33 @@ def scatter_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) ->
     """Write unique ``rows`` of ``values`` into the dense ``out`` in place (cast to out's dtype)."""
     out.index_copy_(0, rows.to(torch.int64), values.to(out.dtype))
     return out
+
+
+def scatter_shard(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor, bitmap: bool,
+                  universe: int, shard_start: int, num_rows: int, seed: int) -> torch.Tensor:
+    """Write one pulled shard straight into the dense ``out`` (``[num_rows, ...]``) in place.
+
+    ``index`` is the shard's bitmap (uint8, see :func:`bitmap_encode`) when ``bitmap``, else its
+    shard-relative offsets (int32/int64, unique); ``values[i]`` belongs to the i-th set bit / offset.
+    Row ``pi^-1(shard_start + p)`` of ``out`` receives the values of position ``p`` (cast to out's
+    dtype). Equal to ``scatter_rows(out, unpermute(offsets + shard_start), values)``.
+    """
+    if out.shape[0] != num_rows:
+        raise ValueError(f"scatter_shard: out has {out.shape[0]} rows but num_rows={num_rows}")
+    if universe < 0 or shard_start < 0 or shard_start + universe > num_rows:
+        raise ValueError(f"scatter_shard: shard [{shard_start}, {shard_start + universe}) outside "
+                         f"[0, num_rows={num_rows})")
+    if bitmap:
+        offsets = bitmap_decode(index.reshape(-1), universe)
+    else:
+        offsets = index.reshape(-1).to(torch.int64)
+        if offsets.numel() and (int(offsets.min()) < 0 or int(offsets.max()) >= universe):
+            raise ValueError(f"scatter_shard: offsets must lie in [0, universe={universe})")
+    if offsets.numel() != values.shape[0]:
+        raise ValueError(f"scatter_shard: {offsets.numel()} positions but values has "
+                         f"{values.shape[0]} rows")
+    if offsets.numel() == 0:
+        return out
+    rows = unpermute(offsets + shard_start, num_rows, seed)
+    out.index_copy_(0, rows, values.reshape((rows.numel(),) + tuple(out.shape[1:])).to(out.dtype))
+    return out

@@ -6,14 +6,15 @@
 2. Each owner sums what it received for its shard (fp32 accumulation for fp16/bf16).
 3. Each owner sends its aggregated shard to every rank, its index encoded as COO ids or as a bitmap
    over the shard's universe, whichever is smaller; one small all-gather says which and how big.
-4. Every rank decodes the shards back to row ids and assembles the coalesced sum.
+4. Every rank decodes the shards back to row ids and assembles the coalesced sum, or, when the
+   caller wants a dense tensor (``ctx.dense_out``), scatters each shard straight into it.
 
 Every owner aggregates an equal share however the rows are skewed, so per-rank bytes are
 ``(n-1)/n * m * c`` for the push and ``(n-1)/n * U * c`` for the pull.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -52,17 +53,11 @@ def _view_as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return flat.view(dtype).reshape(shape)
 
 
-def _pad_to_alignment(payload: torch.Tensor, alignment: int = 8) -> torch.Tensor:
-    """Zero-pad a uint8 buffer so that what follows it stays aligned for any value dtype."""
-    pad = -payload.numel() % alignment
-    return torch.cat([payload, payload.new_zeros(pad)]) if pad else payload
-
-
 class BalancedScheme(Scheme):
     name = "balanced"
     needs_owner_counts = True
 
-    def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
+    def sync(self, x: RowSparse, ctx: SyncContext) -> Optional[RowSparse]:
         n, rank = ctx.world_size, ctx.rank
         layout = ShardLayout(x.num_rows, n, ctx.seed)
         id_bytes = layout.id_dtype.itemsize
@@ -100,22 +95,41 @@ class BalancedScheme(Scheme):
             index_payload = ops.bitmap_encode(shard_rows, layout.shard_size(rank))
         else:
             index_payload = shard_rows.to(layout.id_dtype).view(torch.uint8)
-        index_payload = _pad_to_alignment(index_payload.flatten())
-        payload = _pad_to_alignment(torch.cat([index_payload, shard_values.contiguous()
-                                               .view(torch.uint8).flatten()]))
-        meta = torch.tensor([shard_rows.numel(), encoding, index_payload.numel()],
+        index_payload = index_payload.flatten()
+        index_bytes_mine = index_payload.numel() + (-index_payload.numel() % 8)
+        value_bytes = shard_values.numel() * shard_values.element_size()
+        payload_bytes = index_bytes_mine + value_bytes + (-(index_bytes_mine + value_bytes) % 8)
+        meta = torch.tensor([shard_rows.numel(), encoding, index_bytes_mine],
                             dtype=torch.int64, device=x.device)
         all_meta = torch.empty(n * _PULL_META_FIELDS, dtype=torch.int64, device=x.device)
         ctx.comm.all_gather_into_tensor(all_meta, meta, "balanced.pull_meta")
         shard_meta = all_meta.view(n, _PULL_META_FIELDS).tolist()
         row_bytes = row_numel * x.values.element_size()
         sizes = [u * row_bytes + idx + (-(u * row_bytes + idx) % 8) for u, _, idx in shard_meta]
-        send_splits = [0 if j == rank else payload.numel() for j in range(n)]
+        send_splits = [0 if j == rank else payload_bytes for j in range(n)]
         recv_splits = [0 if j == rank else sizes[j] for j in range(n)]
         pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=x.device)
-        send = payload.repeat(n - 1) if n > 1 else payload[:0]
-        ctx.comm.all_to_all_single(pulled, send, recv_splits, send_splits, "balanced.pull")
+        # The all-to-all send buffer holds the payload once per peer: write it straight into the
+        # first slot (index, zero padding, values, zero padding) and copy that slot to the others,
+        # instead of building the payload and then repeating it.
+        send = torch.empty((max(n - 1, 0), payload_bytes), dtype=torch.uint8, device=x.device)
+        if n > 1:
+            slot = send[0]
+            slot[: index_payload.numel()].copy_(index_payload)
+            slot[index_payload.numel(): index_bytes_mine].zero_()
+            slot[index_bytes_mine: index_bytes_mine + value_bytes].copy_(
+                shard_values.contiguous().view(torch.uint8).flatten())
+            slot[index_bytes_mine + value_bytes:].zero_()
+            if n > 2:
+                send[1:].copy_(slot.expand(n - 2, payload_bytes))
+        ctx.comm.all_to_all_single(pulled, send.view(-1), recv_splits, send_splits, "balanced.pull")
         del send
+
+        if ctx.dense_out is not None:
+            # The caller wants a dense tensor: scatter every shard straight into it through the
+            # inverse permutation, without building the global id list.
+            self._scatter_dense(ctx, layout, x, shard_meta, sizes, pulled, shard_rows, shard_values)
+            return None
 
         # Decode every shard to row ids.
         parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -143,6 +157,37 @@ class BalancedScheme(Scheme):
             rows, values_out = rows[order], values_out[order]
         return RowSparse(rows, values_out.reshape((rows.numel(),) + x.row_shape), x.num_rows,
                          coalesced=ctx.sorted_output)
+
+    @staticmethod
+    def _scatter_dense(ctx: SyncContext, layout: ShardLayout, x: RowSparse, shard_meta, sizes,
+                       pulled: torch.Tensor, shard_rows: torch.Tensor, shard_values: torch.Tensor
+                       ) -> None:
+        """Write every shard into ``ctx.dense_out`` (zeroed ``[num_rows, *row_shape]``)."""
+        out = ctx.dense_out
+        if tuple(out.shape) != (x.num_rows,) + tuple(x.row_shape):
+            raise ValueError(f"balanced: dense_out has shape {tuple(out.shape)}, expected "
+                             f"{(x.num_rows,) + tuple(x.row_shape)}")
+        id_bytes = layout.id_dtype.itemsize
+        row_bytes = x.row_numel * x.values.element_size()
+        cursor = 0
+        for j, (unique_rows, shard_encoding, index_bytes) in enumerate(shard_meta):
+            universe = layout.shard_size(j)
+            if j == ctx.rank:
+                index, values, bitmap = shard_rows, shard_values, False
+            else:
+                chunk = pulled[cursor: cursor + sizes[j]]
+                cursor += sizes[j]
+                bitmap = shard_encoding == ENCODING_BITMAP
+                if bitmap:
+                    index = chunk[: (universe + 7) // 8]
+                else:
+                    index = _view_as(chunk[: unique_rows * id_bytes], layout.id_dtype)
+                values = _view_as(chunk[index_bytes: index_bytes + unique_rows * row_bytes],
+                                  x.dtype).reshape(unique_rows, x.row_numel)
+            if unique_rows:
+                ops.scatter_shard(out, index, values, bitmap, universe, layout.starts[j],
+                                  x.num_rows, ctx.seed)
+        ctx.dense_nnz = sum(int(m[0]) for m in shard_meta)
 
     def predict(self, shape: SyncShape) -> ByteEstimate:
         n, r = shape.world_size, shape.rank

@@ -74,6 +74,10 @@ class SyncContext:
     owner_counts: Optional[torch.Tensor] = None  # [n, n] int64: row i = rank i's rows per owner
     # False when the caller scatters into a dense tensor: rows must be unique, need not be sorted.
     sorted_output: bool = True
+    # Set when the caller returns a dense tensor: zeroed, [num_rows, *row_shape], result dtype.
+    # A scheme may write its result straight into it, set ``dense_nnz`` and return None.
+    dense_out: Optional[torch.Tensor] = None
+    dense_nnz: Optional[int] = None  # rows written into dense_out (set by the scheme)
 
     @property
     def world_size(self) -> int:
@@ -92,9 +96,10 @@ class Scheme(ABC):
     needs_owner_counts: ClassVar[bool] = False
 
     @abstractmethod
-    def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
+    def sync(self, x: RowSparse, ctx: SyncContext) -> Optional[RowSparse]:
         """Group-wide sum (times ``ctx.scale``) of ``x`` in x's dtype: unique rows, ascending
-        (``coalesced``) unless ``ctx.sorted_output`` is False."""
+        (``coalesced``) unless ``ctx.sorted_output`` is False; or None when the scheme wrote the
+        sum into ``ctx.dense_out`` (then ``ctx.dense_nnz`` holds its number of rows)."""
 
     @abstractmethod
     def predict(self, shape: SyncShape) -> ByteEstimate:

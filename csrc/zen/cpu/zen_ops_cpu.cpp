@@ -65,6 +65,34 @@ inline void copy_row(char* dst, const char* src, int64_t bytes)
     }
 }
 
+// Row copy with the width fixed at compile time where it is small (1-D tensors: 2, 4, 8 bytes).
+template <int64_t kBytes>
+struct RowCopy {
+    static inline void run(char* __restrict dst, const char* __restrict src, int64_t)
+    {
+        std::memcpy(dst, src, kBytes);
+    }
+};
+template <>
+struct RowCopy<0> {
+    static inline void run(char* __restrict dst, const char* __restrict src, int64_t bytes)
+    {
+        std::memcpy(dst, src, static_cast<size_t>(bytes));
+    }
+};
+
+template <typename Fn>
+void with_row_copy(int64_t row_bytes, const Fn& fn)
+{
+    switch (row_bytes) {
+        case 2: fn(RowCopy<2>{}); break;
+        case 4: fn(RowCopy<4>{}); break;
+        case 8: fn(RowCopy<8>{}); break;
+        case 16: fn(RowCopy<16>{}); break;
+        default: fn(RowCopy<0>{});
+    }
+}
+
 // Element-wise "!= 0" on the raw bits: everything but the sign bit. NaN and denormals count as
 // non-zero, -0.0 as zero, exactly like IEEE comparison, and immune to fast-math flags.
 template <typename Bits>
@@ -178,33 +206,164 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
     // reused across calls (no per-call allocation, no page faults).
     const bool bitset = nwords <= 4 * k + 4096;
     // thread_local names resolve per executing thread: workers only see the raw pointers below.
-    thread_local std::vector<uint64_t> bits_cache;
-    thread_local std::vector<int64_t> rank_cache;
-    std::vector<uint64_t>& bits = bits_cache;
-    std::vector<int64_t>& rank = rank_cache;
+    // One 16-byte entry per word holds its bits and the rank of its first bit, so finding an
+    // offset's output slot touches one cache line.
+    struct WordRank {
+        uint64_t bits;
+        int64_t rank;
+    };
+    thread_local std::vector<WordRank> table_cache;
+    thread_local std::vector<int64_t> slot_cache;
+    std::vector<WordRank>& table_vec = table_cache;
+    std::vector<int64_t>& slot_vec = slot_cache;
     int64_t u = 0;
-    if (bitset) {
-        bits.assign(nwords, 0);
-        rank.resize(nwords + 1);
-        rank[0] = 0;
-        // Each chunk owns a range of words and scans every offset: no atomics, no races.
-        const int64_t set_chunks = num_chunks(k, 1 << 16);
-        uint64_t* bset = bits.data();
-        for_each_chunk(set_chunks, nwords, [&](int64_t, int64_t wb, int64_t we) {
-            for (int64_t i = 0; i < k; ++i) {
-                const int64_t w = off[i] >> 6;
-                if (w >= wb && w < we) bset[w] |= 1ull << (off[i] & 63);
+    constexpr int kBucketShift = 12;  // 4096 words (64 KB of table, 256 Ki offsets) per bucket
+    if (bitset && nwords > (int64_t(1) << kBucketShift)) {
+        // Large universe (1-D top-k shards): the table and the sums do not fit in L2, so random
+        // slot lookups would miss on every input. A stable radix pass first groups the inputs by
+        // bucket of 4096 words; each bucket is then aggregated with its table slice and its
+        // output range in cache, buckets in parallel. Inputs keep their order inside a bucket, so
+        // every sum adds its inputs in input order (deterministic, thread-count independent).
+        const int64_t nb = ((nwords - 1) >> kBucketShift) + 1;
+        table_vec.assign(nwords, WordRank{0, 0});
+        WordRank* const table = table_vec.data();
+        thread_local std::vector<uint32_t> local_cache;  // offset within its bucket (< 2**18)
+        thread_local std::vector<int64_t> index_cache;   // input row (wide rows)
+        thread_local std::vector<Acc> value_cache;       // input value (width 1)
+        if (static_cast<int64_t>(local_cache.size()) < k) local_cache.resize(k);
+        uint32_t* const loc = local_cache.data();
+        int64_t* idx = nullptr;
+        Acc* vbuf = nullptr;
+        if (width == 1) {
+            if (static_cast<int64_t>(value_cache.size()) < k) value_cache.resize(k);
+            vbuf = value_cache.data();
+        } else {
+            if (static_cast<int64_t>(index_cache.size()) < k) index_cache.resize(k);
+            idx = index_cache.data();
+        }
+        const int64_t chunks = num_chunks(k, 1 << 14);
+        std::vector<int64_t> hist(chunks * nb, 0);
+        int64_t* const h_all = hist.data();
+        constexpr int kOffShift = kBucketShift + 6;
+        for_each_chunk(chunks, k, [=](int64_t c, int64_t b, int64_t e) {
+            int64_t* __restrict h = h_all + c * nb;
+            for (int64_t i = b; i < e; ++i) ++h[off[i] >> kOffShift];
+        });
+        std::vector<int64_t> bucket_start(nb + 1, 0);
+        int64_t running = 0;
+        for (int64_t bk = 0; bk < nb; ++bk) {
+            bucket_start[bk] = running;
+            for (int64_t c = 0; c < chunks; ++c) {
+                const int64_t h = hist[c * nb + bk];
+                hist[c * nb + bk] = running;
+                running += h;
+            }
+        }
+        bucket_start[nb] = running;
+        for_each_chunk(chunks, k, [=](int64_t c, int64_t b, int64_t e) {
+            int64_t* __restrict cur = h_all + c * nb;
+            uint32_t* __restrict lo_ = loc;
+            for (int64_t i = b; i < e; ++i) {
+                const int64_t d = cur[off[i] >> kOffShift]++;
+                lo_[d] = static_cast<uint32_t>(off[i] & ((int64_t(1) << kOffShift) - 1));
+                if (vbuf)
+                    vbuf[d] = static_cast<Acc>(val[i]);
+                else
+                    idx[d] = i;
             }
         });
-        for (int64_t w = 0; w < nwords; ++w) rank[w + 1] = rank[w] + __builtin_popcountll(bset[w]);
-        u = rank[nwords];
+        // Phase A: each bucket sets its bits and ranks its words locally.
+        std::vector<int64_t> bucket_u(nb + 1, 0);
+        const int64_t* const bs = bucket_start.data();
+        int64_t* const bu = bucket_u.data();
+        at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
+            for (int64_t bk = b0; bk < b1; ++bk) {
+                WordRank* t = table + (bk << kBucketShift);
+                const int64_t words = std::min<int64_t>(int64_t(1) << kBucketShift,
+                                                        nwords - (bk << kBucketShift));
+                const int64_t d0 = bs[bk], d1 = bs[bk + 1];
+                const uint32_t* __restrict lb = loc;
+                for (int64_t d = d0; d < d1; ++d) t[lb[d] >> 6].bits |= 1ull << (lb[d] & 63);
+                int64_t r = 0;
+                for (int64_t w = 0; w < words; ++w) {
+                    t[w].rank = r;
+                    r += __builtin_popcountll(t[w].bits);
+                }
+                bu[bk + 1] = r;
+            }
+        });
+        for (int64_t bk = 0; bk < nb; ++bk) bucket_u[bk + 1] += bucket_u[bk];
+        u = bucket_u[nb];
+        unique = at::empty({u}, id_opts);
+        at::Tensor sums_b = at::zeros({u, width}, acc_opts);
+        int64_t* const uq = unique.data_ptr<int64_t>();
+        Acc* const outp = sums_b.data_ptr<Acc>();
+        // Phase B: unique offsets and sums of each bucket into its own output range.
+        at::parallel_for(0, nb, 1, [=](int64_t b0, int64_t b1) {
+            for (int64_t bk = b0; bk < b1; ++bk) {
+                const WordRank* t = table + (bk << kBucketShift);
+                const int64_t base = bu[bk];
+                const int64_t first_off = bk << kOffShift;
+                const int64_t d0 = bs[bk], d1 = bs[bk + 1];
+                const uint32_t* __restrict lb = loc;
+                Acc* __restrict ob = outp + base * width;
+                int64_t* __restrict ub = uq + base;
+                auto slot_of = [t](uint32_t l) -> int64_t {
+                    const WordRank wr = t[l >> 6];
+                    return wr.rank + __builtin_popcountll(wr.bits & ((1ull << (l & 63)) - 1));
+                };
+                // Every unique offset has at least one input, so writing the offset at the
+                // input's slot fills `unique` without a data-dependent loop over set bits
+                // (duplicates write the same value again).
+                if (vbuf) {
+                    const Acc* __restrict vb = vbuf;
+                    for (int64_t d = d0; d < d1; ++d) {
+                        const int64_t s = slot_of(lb[d]);
+                        ub[s] = first_off + lb[d];
+                        ob[s] += vb[d];
+                    }
+                } else {
+                    for (int64_t d = d0; d < d1; ++d) {
+                        const int64_t s = slot_of(lb[d]);
+                        ub[s] = first_off + lb[d];
+                        add_row<T, Acc>(ob + s * width, val + idx[d] * width, width);
+                    }
+                }
+            }
+        });
+        return {unique, sums_b};
+    }
+    if (bitset) {
+        table_vec.assign(nwords, WordRank{0, 0});
+        if (static_cast<int64_t>(slot_vec.size()) < k) slot_vec.resize(k);
+        WordRank* const table = table_vec.data();
+        int64_t* const slot = slot_vec.data();
+        // Each chunk owns a range of words and scans every offset: no atomics, no races.
+        const int64_t set_chunks = num_chunks(k, 1 << 16);
+        for_each_chunk(set_chunks, nwords, [=](int64_t, int64_t wb, int64_t we) {
+            for (int64_t i = 0; i < k; ++i) {
+                const int64_t w = off[i] >> 6;
+                if (w >= wb && w < we) table[w].bits |= 1ull << (off[i] & 63);
+            }
+        });
+        for (int64_t w = 0; w < nwords; ++w) {
+            table[w].rank = u;
+            u += __builtin_popcountll(table[w].bits);
+        }
         unique = at::empty({u}, id_opts);
         int64_t* uq = unique.data_ptr<int64_t>();
-        const int64_t* rnk = rank.data();
-        for_each_chunk(num_chunks(nwords, 1 << 14), nwords, [&](int64_t, int64_t wb, int64_t we) {
-            int64_t d = rnk[wb];
-            for (int64_t w = wb; w < we; ++w)
-                for (uint64_t v = bset[w]; v; v &= v - 1) uq[d++] = w * 64 + __builtin_ctzll(v);
+        for_each_chunk(num_chunks(nwords, 1 << 14), nwords, [=](int64_t, int64_t wb, int64_t we) {
+            for (int64_t w = wb; w < we; ++w) {
+                int64_t d = table[w].rank;
+                for (uint64_t v = table[w].bits; v; v &= v - 1) uq[d++] = w * 64 + __builtin_ctzll(v);
+            }
+        });
+        // Output slot of every input, in parallel over the inputs.
+        for_each_chunk(num_chunks(k, 1 << 14), k, [=](int64_t, int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i) {
+                const WordRank wr = table[off[i] >> 6];
+                slot[i] = wr.rank + __builtin_popcountll(wr.bits & ((1ull << (off[i] & 63)) - 1));
+            }
         });
     } else {
         order.resize(k);
@@ -220,21 +379,25 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
         for (int64_t s = 0; s < u; ++s) uq[s] = off[order[group[s]]];
     }
 
-    const uint64_t* bw = bits.data();
-    const int64_t* rk = rank.data();
+    const int64_t* const slots = slot_vec.data();
     at::Tensor sums = at::zeros({u, width}, acc_opts);
     Acc* out = sums.data_ptr<Acc>();
     // Each thread owns a contiguous range of output slots and adds its inputs in input order, so
-    // the result is deterministic and independent of the thread count.
-    // Every chunk scans all k inputs, so splitting only pays when rows are wide (embeddings);
-    // for scalar rows (top-k tensors) the scan would be duplicated for little work each.
-    const int64_t out_chunks = width < 16 ? 1 : num_chunks(k * width, 1 << 16);
+    // the result is deterministic and independent of the thread count. Every chunk scans the
+    // precomputed slot of every input (a sequential read) and adds those in its range.
+    const int64_t out_chunks = num_chunks(k * std::max<int64_t>(width, 4), 1 << 16);
     for_each_chunk(out_chunks, u, [&](int64_t, int64_t sb, int64_t se) {
         if (bitset) {
-            for (int64_t i = 0; i < k; ++i) {
-                const int64_t w = off[i] >> 6;
-                const int64_t s = rk[w] + __builtin_popcountll(bw[w] & ((1ull << (off[i] & 63)) - 1));
-                if (s >= sb && s < se) add_row<T, Acc>(out + s * width, val + i * width, width);
+            if (width == 1) {
+                for (int64_t i = 0; i < k; ++i) {
+                    const int64_t s = slots[i];
+                    if (s >= sb && s < se) out[s] += static_cast<Acc>(val[i]);
+                }
+            } else {
+                for (int64_t i = 0; i < k; ++i) {
+                    const int64_t s = slots[i];
+                    if (s >= sb && s < se) add_row<T, Acc>(out + s * width, val + i * width, width);
+                }
             }
         } else {
             for (int64_t s = sb; s < se; ++s)
@@ -327,8 +490,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
         return o;
     };
 
-    // Pass 1: permuted position and owner of every row into reusable scratch (O(k), kept across
-    // calls so repeated steps do not page-fault), plus per-chunk owner histograms.
+    // Pass 1: shard offset and owner of every row into reusable scratch (O(k), kept across calls
+    // so repeated steps do not page-fault), plus per-chunk owner histograms. Every pointer the
+    // loops use is a local: stores through char* would otherwise force reloads of captured state.
     const int64_t chunks = num_chunks(k, 1 << 14);
     thread_local std::vector<uint64_t> pos_cache;
     thread_local std::vector<uint32_t> owner_cache;
@@ -336,26 +500,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
         pos_cache.resize(k);
         owner_cache.resize(k);
     }
-    uint64_t* pos = pos_cache.data();  // thread_local names resolve per thread: use raw pointers
-    uint32_t* own = owner_cache.data();
+    uint64_t* const pos = pos_cache.data();  // thread_local names resolve per thread: raw pointers
+    uint32_t* const own = owner_cache.data();
     std::vector<int64_t> hist(chunks * n, 0);
-    std::atomic<bool> bad{false};
-    for_each_chunk(chunks, k, [&](int64_t c, int64_t b, int64_t e) {
-        int64_t* h = hist.data() + c * n;
+    int64_t* const hist_all = hist.data();
+    std::vector<char> bad_chunk(chunks, 0);
+    char* const bad_all = bad_chunk.data();
+    for_each_chunk(chunks, k, [=](int64_t c, int64_t b, int64_t e) {
+        int64_t* __restrict h = hist_all + c * n;
+        uint64_t* __restrict pq = pos;
+        uint32_t* __restrict po = own;
+        const uint64_t* __restrict in = ids;
+        const Permutation pl = p;
+        const uint64_t N = pl.rows.d;
         bool local_bad = false;
         for (int64_t i = b; i < e; ++i) {
-            const uint64_t x = ids[i];
-            local_bad |= x >= p.rows.d;
-            const uint64_t q = permute_one(x < p.rows.d ? x : 0, p);
+            const uint64_t x = in[i];
+            local_bad |= x >= N;
+            const uint64_t q = permute_one(x < N ? x : 0, pl);
             const uint64_t o = owner_from(q);
-            pos[i] = q;
-            own[i] = static_cast<uint32_t>(o);
+            pq[i] = q - st[o];
+            po[i] = static_cast<uint32_t>(o);
             ++h[o];
         }
-        if (local_bad) bad.store(true, std::memory_order_relaxed);
+        bad_all[c] = local_bad;
     });
-    TORCH_CHECK(!bad.load(), "zen_ds partition: every row id must lie in [0, num_rows=",
-                perm.num_rows, ")");
+    TORCH_CHECK(std::none_of(bad_chunk.begin(), bad_chunk.end(), [](char x) { return x; }),
+                "zen_ds partition: every row id must lie in [0, num_rows=", perm.num_rows, ")");
 
     // Exclusive scan in (owner, chunk) order -> write cursor of every chunk for every owner.
     int64_t* cnt = counts.data_ptr<int64_t>();
@@ -371,20 +542,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
     }
 
     // Pass 2: scatter offsets and rows to their cursors; one read and one write of every value.
-    char* dst = static_cast<char*>(out_val.data_ptr());
-    void* off_dst = out_off.data_ptr();
-    for_each_chunk(chunks, k, [&](int64_t c, int64_t b, int64_t e) {
-        int64_t* cur = hist.data() + c * n;
-        for (int64_t i = b; i < e; ++i) {
-            const uint32_t o = own[i];
-            const uint64_t so = pos[i] - st[o];
-            const int64_t d = cur[o]++;
-            if (int32_ids)
-                static_cast<int32_t*>(off_dst)[d] = static_cast<int32_t>(so);
-            else
-                static_cast<int64_t*>(off_dst)[d] = static_cast<int64_t>(so);
-            copy_row(dst + d * row_bytes, src + i * row_bytes, row_bytes);
-        }
+    char* const dst = static_cast<char*>(out_val.data_ptr());
+    void* const off_dst = out_off.data_ptr();
+    auto scatter = [&](auto copy, auto id_tag) {
+        using Copy = decltype(copy);
+        using Id = decltype(id_tag);
+        for_each_chunk(chunks, k, [=](int64_t c, int64_t b, int64_t e) {
+            int64_t* __restrict cur = hist_all + c * n;
+            const uint64_t* __restrict pq = pos;
+            const uint32_t* __restrict po = own;
+            Id* __restrict od = static_cast<Id*>(off_dst);
+            char* const dv = dst;
+            const char* const sv = src;
+            const int64_t rb = row_bytes;
+            for (int64_t i = b; i < e; ++i) {
+                const int64_t d = cur[po[i]]++;
+                od[d] = static_cast<Id>(pq[i]);
+                Copy::run(dv + d * rb, sv + i * rb, rb);
+            }
+        });
+    };
+    with_row_copy(row_bytes, [&](auto copy) {
+        if (int32_ids)
+            scatter(copy, int32_t{});
+        else
+            scatter(copy, int64_t{});
     });
     return {counts, out_off, out_val};
 }
@@ -521,6 +703,148 @@ void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& val
                          if (local_bad) bad.store(true, std::memory_order_relaxed);
                      });
     TORCH_CHECK(!bad.load(), "zen_ds scatter_rows: row ids must lie in [0, ", num_rows, ")");
+}
+
+
+namespace {
+
+// Bitmap shard: bit p set <=> row pi^-1(shard_start + p) is in the shard, its value is the next
+// row of `values` (bits ascending). Within one 64-bit word the rows of the set bits are
+// row(word base) + b * inverse (mod num_rows): one full unpermute per non-empty word, one add and
+// one conditional subtract per set bit.
+template <typename Copy>
+void scatter_bitmap_shard(char* out, const char* src, int64_t row_bytes, const uint8_t* bytes,
+                          int64_t nbits, uint64_t shard_start, const Permutation& p,
+                          int64_t expected)
+{
+    const int64_t nwords = (nbits + 63) / 64;
+    const int64_t nbytes = (nbits + 7) / 8;
+    auto word = [bytes, nbytes, nbits](int64_t w) -> uint64_t {
+        uint64_t v = 0;
+        const int64_t b0 = w * 8;
+        const int64_t take = std::min<int64_t>(8, nbytes - b0);
+        if (take == 8)
+            std::memcpy(&v, bytes + b0, 8);
+        else
+            std::memcpy(&v, bytes + b0, static_cast<size_t>(take));
+        const int64_t valid = std::min<int64_t>(64, nbits - w * 64);
+        if (valid < 64) v &= (1ull << valid) - 1;
+        return v;
+    };
+    const uint64_t N = p.rows.d;
+    uint64_t step[64];  // b * inverse mod N
+    for (int b = 0; b < 64; ++b) step[b] = mulmod(static_cast<uint64_t>(b) % N, p.inverse, p.rows);
+    const int64_t chunks = num_chunks(nwords, 1 << 12);
+    std::vector<int64_t> start(chunks + 1, 0);
+    for_each_chunk(chunks, nwords, [&](int64_t c, int64_t b, int64_t e) {
+        int64_t n = 0;
+        for (int64_t w = b; w < e; ++w) n += __builtin_popcountll(word(w));
+        start[c + 1] = n;
+    });
+    for (int64_t c = 0; c < chunks; ++c) start[c + 1] += start[c];
+    TORCH_CHECK(start[chunks] == expected, "zen_ds scatter_shard: the bitmap has ", start[chunks],
+                " set bits but values has ", expected, " rows");
+    // The rows land anywhere in the dense output (that is what the permutation is for), so
+    // nearly every store misses the cache: rows are computed kRing ahead of their copy and their
+    // destination prefetched for writing, keeping many misses in flight.
+    constexpr int64_t kRing = 32;  // power of two
+    for_each_chunk(chunks, nwords, [&](int64_t c, int64_t b, int64_t e) {
+        int64_t d = start[c];  // value row of the next copy
+        int64_t ring[kRing];
+        int64_t pushed = 0, popped = 0;
+        for (int64_t w = b; w < e; ++w) {
+            uint64_t v = word(w);
+            if (!v) continue;
+            const uint64_t base = unpermute_one(shard_start + static_cast<uint64_t>(w) * 64, p);
+            while (v) {
+                uint64_t row = base + step[__builtin_ctzll(v)];
+                row -= row >= N ? N : 0;
+                char* target = out + static_cast<int64_t>(row) * row_bytes;
+                __builtin_prefetch(target, 1, 1);
+                if (pushed - popped == kRing) {
+                    Copy::run(out + ring[popped & (kRing - 1)] * row_bytes, src + d * row_bytes,
+                              row_bytes);
+                    ++d;
+                    ++popped;
+                }
+                ring[pushed & (kRing - 1)] = static_cast<int64_t>(row);
+                ++pushed;
+                v &= v - 1;
+            }
+        }
+        for (; popped < pushed; ++popped, ++d)
+            Copy::run(out + ring[popped & (kRing - 1)] * row_bytes, src + d * row_bytes, row_bytes);
+    });
+}
+
+template <typename Copy, typename Id>
+bool scatter_coo_shard(char* out, const char* src, int64_t row_bytes, const Id* off, int64_t k,
+                       int64_t universe, uint64_t shard_start, const Permutation& p)
+{
+    std::atomic<bool> bad{false};
+    at::parallel_for(0, k, std::max<int64_t>(1 << 12, (1 << 16) / std::max<int64_t>(row_bytes, 1)),
+                     [&](int64_t b, int64_t e) {
+                         bool local_bad = false;
+                         for (int64_t i = b; i < e; ++i) {
+                             const int64_t o = static_cast<int64_t>(off[i]);
+                             if (o < 0 || o >= universe) {
+                                 local_bad = true;
+                                 continue;
+                             }
+                             const uint64_t row = unpermute_one(shard_start + static_cast<uint64_t>(o), p);
+                             Copy::run(out + static_cast<int64_t>(row) * row_bytes, src + i * row_bytes,
+                                       row_bytes);
+                         }
+                         if (local_bad) bad.store(true, std::memory_order_relaxed);
+                     });
+    return !bad.load();
+}
+
+}  // namespace
+
+void scatter_shard(at::Tensor& out, const at::Tensor& index, const at::Tensor& values, bool bitmap,
+                   int64_t universe, int64_t shard_start, const PermArgs& perm)
+{
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 &&
+                    values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 &&
+                    values.scalar_type() == out.scalar_type() && values.size(1) == out.size(1),
+                "zen_ds scatter_shard: expected contiguous CPU out [R, W] and values [k, W] of one dtype");
+    TORCH_CHECK(index.device().is_cpu() && index.is_contiguous(),
+                "zen_ds scatter_shard: index must be a contiguous CPU tensor");
+    TORCH_CHECK(out.size(0) == perm.num_rows, "zen_ds scatter_shard: out has ", out.size(0),
+                " rows but num_rows is ", perm.num_rows);
+    TORCH_CHECK(universe >= 0 && shard_start >= 0 && shard_start + universe <= perm.num_rows,
+                "zen_ds scatter_shard: shard [", shard_start, ", ", shard_start + universe,
+                ") outside [0, num_rows=", perm.num_rows, ")");
+    const Permutation p = make_perm(perm, 1);
+    const int64_t k = values.size(0);
+    const int64_t row_bytes = out.size(1) * out.element_size();
+    char* dst = static_cast<char*>(out.data_ptr());
+    const char* src = static_cast<const char*>(values.const_data_ptr());
+    const uint64_t start = static_cast<uint64_t>(shard_start);
+    if (bitmap) {
+        TORCH_CHECK(index.scalar_type() == at::kByte, "zen_ds scatter_shard: a bitmap must be uint8");
+        const int64_t nbits = std::min<int64_t>(index.numel() * 8, universe);
+        with_row_copy(row_bytes, [&](auto copy) {
+            scatter_bitmap_shard<decltype(copy)>(dst, src, row_bytes, index.const_data_ptr<uint8_t>(),
+                                                 nbits, start, p, k);
+        });
+        return;
+    }
+    TORCH_CHECK(index.numel() == k, "zen_ds scatter_shard: ", index.numel(), " offsets but values has ",
+                k, " rows");
+    TORCH_CHECK(index.scalar_type() == at::kInt || index.scalar_type() == at::kLong,
+                "zen_ds scatter_shard: COO offsets must be int32 or int64");
+    bool ok = true;
+    with_row_copy(row_bytes, [&](auto copy) {
+        using Copy = decltype(copy);
+        ok = index.scalar_type() == at::kInt
+                 ? scatter_coo_shard<Copy, int32_t>(dst, src, row_bytes, index.const_data_ptr<int32_t>(),
+                                                    k, universe, start, p)
+                 : scatter_coo_shard<Copy, int64_t>(dst, src, row_bytes, index.const_data_ptr<int64_t>(),
+                                                    k, universe, start, p);
+    });
+    TORCH_CHECK(ok, "zen_ds scatter_shard: offsets must lie in [0, universe=", universe, ")");
 }
 
 }  // namespace cpu

@@ -291,6 +291,40 @@ __global__ void check_range_kernel(const int64_t* __restrict__ ids, int64_t k, i
         if (ids[i] < 0 || ids[i] >= limit) *bad = 1;
 }
 
+// Rows of a pulled shard: pi^-1(shard_start + p) for every set bit p of the bitmap, in bit order.
+__global__ void shard_rows_bitmap_kernel(const uint8_t* __restrict__ bytes, int64_t nbytes,
+                                         int64_t nbits, const int64_t* __restrict__ inclusive,
+                                         uint64_t shard_start, Permutation p,
+                                         int64_t* __restrict__ rows)
+{
+    for (int64_t b = global_thread(); b < nbytes; b += grid_stride()) {
+        unsigned int v = masked_byte(bytes, b, nbits);
+        int64_t d = inclusive[b] - __popc(v);
+        while (v) {
+            const uint64_t pos = shard_start + static_cast<uint64_t>(b * 8 + (__ffs(v) - 1));
+            rows[d++] = static_cast<int64_t>(unpermute_one(pos, p));
+            v &= v - 1u;
+        }
+    }
+}
+
+// Rows of a pulled COO shard: pi^-1(shard_start + off[i]); flags offsets outside the universe.
+template <typename Id>
+__global__ void shard_rows_coo_kernel(const Id* __restrict__ off, int64_t k, int64_t universe,
+                                      uint64_t shard_start, Permutation p, int64_t* __restrict__ rows,
+                                      int32_t* bad)
+{
+    for (int64_t i = global_thread(); i < k; i += grid_stride()) {
+        const int64_t o = static_cast<int64_t>(off[i]);
+        if (o < 0 || o >= universe) {
+            *bad = 1;
+            rows[i] = 0;
+            continue;
+        }
+        rows[i] = static_cast<int64_t>(unpermute_one(shard_start + static_cast<uint64_t>(o), p));
+    }
+}
+
 at::Tensor error_flag(const at::Tensor& like)
 {
     return at::zeros({1}, like.options().dtype(at::kInt));
@@ -524,6 +558,70 @@ void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& val
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     raise_if_flagged(bad, std::string("zen_ds scatter_rows: row ids must lie in [0, ") +
                               std::to_string(out.size(0)) + ")");
+    copy_rows(values.const_data_ptr(), out.data_ptr(), rows.data_ptr<int64_t>(), k,
+              out.size(1) * out.element_size(), stream);
+}
+
+void scatter_shard(at::Tensor& out, const at::Tensor& index, const at::Tensor& values, bool bitmap,
+                   int64_t universe, int64_t shard_start, const PermArgs& perm)
+{
+    TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2 && values.is_cuda() &&
+                    values.is_contiguous() && values.dim() == 2 &&
+                    values.scalar_type() == out.scalar_type() && values.size(1) == out.size(1),
+                "zen_ds scatter_shard: expected contiguous CUDA out [R, W] and values [k, W] of one dtype");
+    TORCH_CHECK(index.is_cuda() && index.is_contiguous(),
+                "zen_ds scatter_shard: index must be a contiguous CUDA tensor");
+    TORCH_CHECK(out.size(0) == perm.num_rows, "zen_ds scatter_shard: out has ", out.size(0),
+                " rows but num_rows is ", perm.num_rows);
+    TORCH_CHECK(universe >= 0 && shard_start >= 0 && shard_start + universe <= perm.num_rows,
+                "zen_ds scatter_shard: shard outside [0, num_rows)");
+    const c10::cuda::OptionalCUDAGuard guard(out.device());
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const Permutation p = make_perm(perm, 1);
+    const int64_t k = values.size(0);
+    const uint64_t start = static_cast<uint64_t>(shard_start);
+    // Per-shard row ids in device scratch (k int64), then the shared row copy.
+    at::Tensor rows = at::empty({k}, out.options().dtype(at::kLong));
+    if (bitmap) {
+        TORCH_CHECK(index.scalar_type() == at::kByte, "zen_ds scatter_shard: a bitmap must be uint8");
+        const int64_t nbits = std::min<int64_t>(index.numel() * 8, universe);
+        const int64_t nbytes = (nbits + 7) / 8;
+        int64_t total = 0;
+        at::Tensor inclusive;
+        const uint8_t* bytes = index.const_data_ptr<uint8_t>();
+        if (nbytes > 0) {
+            at::Tensor counts = at::empty({nbytes}, out.options().dtype(at::kLong));
+            byte_popcount_kernel<<<grid_for(nbytes), kThreads, 0, stream>>>(
+                bytes, nbytes, nbits, counts.data_ptr<int64_t>());
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            inclusive = at::cumsum(counts, 0);
+            total = inclusive[nbytes - 1].item<int64_t>();
+        }
+        TORCH_CHECK(total == k, "zen_ds scatter_shard: the bitmap has ", total,
+                    " set bits but values has ", k, " rows");
+        if (k == 0) return;
+        shard_rows_bitmap_kernel<<<grid_for(nbytes), kThreads, 0, stream>>>(
+            bytes, nbytes, nbits, inclusive.data_ptr<int64_t>(), start, p, rows.data_ptr<int64_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+        TORCH_CHECK(index.numel() == k, "zen_ds scatter_shard: ", index.numel(),
+                    " offsets but values has ", k, " rows");
+        TORCH_CHECK(index.scalar_type() == at::kInt || index.scalar_type() == at::kLong,
+                    "zen_ds scatter_shard: COO offsets must be int32 or int64");
+        if (k == 0) return;
+        at::Tensor bad = error_flag(out);
+        if (index.scalar_type() == at::kInt)
+            shard_rows_coo_kernel<int32_t><<<grid_for(k), kThreads, 0, stream>>>(
+                index.const_data_ptr<int32_t>(), k, universe, start, p, rows.data_ptr<int64_t>(),
+                bad.data_ptr<int32_t>());
+        else
+            shard_rows_coo_kernel<int64_t><<<grid_for(k), kThreads, 0, stream>>>(
+                index.const_data_ptr<int64_t>(), k, universe, start, p, rows.data_ptr<int64_t>(),
+                bad.data_ptr<int32_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        raise_if_flagged(bad, std::string("zen_ds scatter_shard: offsets must lie in [0, universe=") +
+                                  std::to_string(universe) + ")");
+    }
     copy_rows(values.const_data_ptr(), out.data_ptr(), rows.data_ptr<int64_t>(), k,
               out.size(1) * out.element_size(), stream);
 }

@@ -32,6 +32,8 @@ std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
 at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
 void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
+void scatter_shard(at::Tensor& out, const at::Tensor& index, const at::Tensor& values, bool bitmap,
+                   int64_t universe, int64_t shard_start, const PermArgs& perm);
 }  // namespace cpu
 
 #ifdef ZEN_WITH_CUDA
@@ -49,6 +51,8 @@ std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
 at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
 void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
+void scatter_shard(at::Tensor& out, const at::Tensor& index, const at::Tensor& values, bool bitmap,
+                   int64_t universe, int64_t shard_start, const PermArgs& perm);
 }  // namespace cuda
 #endif
 
