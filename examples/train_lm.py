@@ -209,6 +209,58 @@ def tied_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, embedding.word_embeddings.weight)
 
 
+class SampledSoftmaxHead(torch.nn.Module):
+    """Sampled softmax (Jean et al. 2015), the LM head of large-vocabulary LSTM LMs such as the
+    LM1B model behind ZEN's LSTM workload: each micro-batch scores its true tokens against
+    ``samples`` candidates drawn from a log-uniform (Zipf-like) proposal, so the head's gradient
+    touches only the true and sampled rows and is row-sparse like the input embedding's.
+
+    The weight lives in an ``nn.Embedding`` (rows are looked up, never multiplied densely), so
+    zen's ``params: "auto"`` syncs it. The candidates come from a generator seeded per DP rank, so a
+    run with zen and one without see the same samples and must give the same losses. tp=1 only.
+    """
+
+    def __init__(self, vocab: int, hidden: int, samples: int, seed: int,
+                 shared: Optional[torch.nn.Parameter] = None) -> None:
+        super().__init__()
+        if not 0 < samples < vocab:
+            raise ValueError(f"--samples must be in [1, vocab) = [1, {vocab}), got {samples}")
+        self.vocab, self.samples = vocab, samples
+        self.output_embeddings = None if shared is not None else torch.nn.Embedding(vocab, hidden)
+        if self.output_embeddings is not None:
+            torch.nn.init.normal_(self.output_embeddings.weight, std=0.02)
+        self._shared = [shared]  # a list, so a tied weight is not registered twice
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._shared[0] if self.output_embeddings is None else self.output_embeddings.weight
+
+    def log_expected_count(self, ids: torch.Tensor) -> torch.Tensor:
+        """log(samples * Q(id)) of the log-uniform proposal Q(k) = log((k+2)/(k+1)) / log(V+1)."""
+        ids = ids.to(torch.float64)
+        q = torch.log1p(1.0 / (ids + 1.0)) / math.log(self.vocab + 1.0)
+        return torch.log(self.samples * q).to(torch.float32)
+
+    def draw(self) -> torch.Tensor:
+        """``samples`` candidate ids (with replacement) from the log-uniform proposal."""
+        u = torch.rand(self.samples, generator=self.generator, dtype=torch.float64)
+        ids = torch.floor(torch.exp(u * math.log(self.vocab + 1.0))).long() - 1
+        return ids.clamp_(0, self.vocab - 1)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = hidden.reshape(-1, hidden.shape[-1])              # [s*b, h], token order (s, b)
+        target = labels.t().reshape(-1)                       # same order
+        candidates = self.draw()
+        weight = self.weight
+        true_logit = (h * F.embedding(target, weight)).sum(-1) - self.log_expected_count(target)
+        sampled = h @ F.embedding(candidates, weight).t() - self.log_expected_count(candidates)
+        # A candidate equal to the token's own label is not a negative for that token.
+        sampled = sampled.masked_fill(candidates.unsqueeze(0) == target.unsqueeze(1), float("-inf"))
+        logits = torch.cat([true_logit.unsqueeze(1), sampled], dim=1).float()
+        return F.cross_entropy(logits, torch.zeros_like(target))
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross entropy over vocab-parallel logits; labels [b, s]."""
     return vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).mean()
@@ -225,15 +277,30 @@ class GPT(torch.nn.Module):
                                                            args.layers)
                                           for _ in range(args.layers))
         self.final_norm = FinalNorm(args.hidden)
-        self.head = None if args.tied else OutputLayer(args.vocab, args.hidden, config)
+        self.sampled_head: Optional[SampledSoftmaxHead] = None
+        self.head: Optional[OutputLayer] = None
+        if args.softmax == "sampled":
+            shared = self.embedding.word_embeddings.weight if args.tied else None
+            self.sampled_head = SampledSoftmaxHead(args.vocab, args.hidden, args.samples,
+                                                   seed=args.seed * 1000003 + dp_rank_hint(),
+                                                   shared=shared)
+        elif not args.tied:
+            self.head = OutputLayer(args.vocab, args.hidden, config)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = self.positions(self.embedding(tokens))
         for block in self.blocks:
             x = block(x)
         x = self.final_norm(x)
+        if self.sampled_head is not None:
+            return self.sampled_head(x, labels)
         logits = tied_logits(self.embedding, x) if self.head is None else self.head(x)
         return lm_loss(logits, labels)
+
+
+def dp_rank_hint() -> int:
+    """This rank's data-parallel rank (megatron's parallel state is set up before the model)."""
+    return parallel_state.get_data_parallel_rank() if dist.is_initialized() else 0
 
 
 def build_pipeline(args: argparse.Namespace, config: "ModelParallelConfig") -> Any:
@@ -273,8 +340,10 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0,
-                                                  "torch_adam": True}},
+        "optimizer": ({"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0,
+                                                   "torch_adam": True}}
+                      if args.optimizer == "adamw" else
+                      {"type": "SGD", "params": {"lr": args.lr, "momentum": 0.9}}),
         "gradient_clipping": args.clip,
         "steps_per_print": 10 ** 9,
         "zen": {"enabled": bool(args.zen), "scheme": args.scheme, "params": "auto",
@@ -366,8 +435,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="AdamW, or SGD with momentum 0.9 (keeps rounding differences at rounding "
+                        "level, where Adam amplifies them in near-zero gradient entries)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0 = off)")
     p.add_argument("--tied", action="store_true", help="tie input embedding and LM head")
+    p.add_argument("--softmax", choices=("full", "sampled"), default="full",
+                   help="LM head: full softmax over the vocab (dense gradient) or sampled softmax "
+                        "(row-sparse gradient, as in large-vocabulary LSTM LMs); sampled needs "
+                        "--tp 1 --pp 1")
+    p.add_argument("--samples", type=int, default=8192,
+                   help="candidates per micro-batch for --softmax sampled")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (pp=1 only)")
     p.add_argument("--data", default=None, help="text file (default: synthetic Zipf stream)")
@@ -381,6 +459,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 2 <= args.vocab <= 262144:
         p.error("--vocab must be in [2, 262144]")
+    if args.softmax == "sampled" and (args.tp > 1 or args.pp > 1):
+        p.error("--softmax sampled is implemented for --tp 1 --pp 1 only")
+    if args.softmax == "sampled" and not 0 < args.samples < args.vocab:
+        p.error(f"--samples must be in [1, --vocab), got {args.samples}")
     if args.pp > 1 and args.zero > 1:
         p.error("DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only")
     return args
@@ -505,7 +587,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     timed = records[1:] or records
     summary = {"world": world, "tp": args.tp, "pp": args.pp, "dp": dp, "vocab": args.vocab,
-               "zen": bool(args.zen), "tied": args.tied,
+               "zen": bool(args.zen), "tied": args.tied, "softmax": args.softmax,
                "tokens_per_rank_step": args.micro_batch * args.grad_accum * args.seq,
                "median_step_s": float(np.median([r["step_s"] for r in timed])),
                "final_loss": records[-1]["loss"], "losses": [r["loss"] for r in records]}
@@ -514,6 +596,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if probe.weight is not None:
         dense = probe.weight.numel() * probe.weight.element_size()
         summary["ds_emb_bytes_sent"] = 2 * (dp - 1) * dense // dp
+    heads = [m for m in engine.module.modules() if isinstance(m, SampledSoftmaxHead)]
+    if heads and heads[0].output_embeddings is not None:
+        weight = heads[0].output_embeddings.weight
+        summary["ds_head_bytes_sent"] = 2 * (dp - 1) * weight.numel() * weight.element_size() // dp
+    zen_steps = [r["zen"] for r in timed if r.get("zen")]
+    if zen_steps:  # all of zen's params (input embedding, sampled head), per step
+        summary["zen_bytes_sent"] = float(np.mean([z["bytes_sent"] for z in zen_steps]))
     if rank == 0:
         print("summary " + json.dumps(summary), flush=True)
         if args.json:

@@ -34,6 +34,12 @@ CASES: Dict[str, Tuple[List[str], bool]] = {
     "pp2_dp2": (["--pp", "2", "--clip", "0", "--grad-accum", "2"], True),
     "pp2_dp2_tied": (["--pp", "2", "--tied", "--clip", "0", "--grad-accum", "2"], True),
     "tp2_pp2_tied": (["--tp", "2", "--pp", "2", "--tied", "--clip", "0", "--grad-accum", "2"], False),
+    # SGD: Adam turns summation-order rounding in near-zero gradient entries (the attention key
+    # bias, cancelling rows) into lr-sized update differences; SGD keeps them at rounding level.
+    "dp4_sampled_softmax": (["--softmax", "sampled", "--samples", "300", "--clip", "0",
+                             "--optimizer", "sgd", "--lr", "0.2"], True),
+    "dp4_sampled_softmax_tied": (["--softmax", "sampled", "--samples", "300", "--tied", "--clip",
+                                  "0.5", "--optimizer", "sgd", "--lr", "0.2"], True),
 }
 
 
@@ -167,6 +173,34 @@ def test_zen_syncs_vocab_parallel_embedding(case: str) -> None:
         synced = [n for n in res["zen_params"] if "word_embeddings" in n]
         assert bool(synced) == holds, (f"rank {rank} (stage {res['stage']}) {case}: zen params "
                                        f"{res['zen_params']}")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "sampled" in c])
+def test_sampled_softmax_head_is_a_zen_param(case: str) -> None:
+    tied = "--tied" in CASES[case][0]
+    for rank, per_rank in enumerate(results()):
+        heads = [n for n in per_rank[case]["zen_params"] if "sampled_head" in n]
+        assert heads == ([] if tied else ["sampled_head.output_embeddings.weight"]), (
+            f"rank {rank} {case}: zen params {per_rank[case]['zen_params']}")
+
+
+def test_sampled_softmax_head_gradient_is_row_sparse() -> None:
+    """The head's gradient touches exactly the labels and the drawn candidates, and its proposal
+    is a distribution over the vocabulary."""
+    train_lm = _load_example()
+    vocab, hidden = 1000, 8
+    head = train_lm.SampledSoftmaxHead(vocab, hidden, samples=50, seed=3)
+    probe = torch.Generator().manual_seed(3)  # the same stream as the head's generator
+    hidden_states = torch.randn(6, 2, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, 6))
+    loss = head(hidden_states, labels)
+    loss.backward()
+    u = torch.rand(50, generator=probe, dtype=torch.float64)
+    candidates = (torch.floor(torch.exp(u * math.log(vocab + 1.0))).long() - 1).clamp(0, vocab - 1)
+    touched = head.output_embeddings.weight.grad.ne(0).any(dim=1).nonzero().flatten()
+    assert torch.equal(touched, torch.cat([labels.flatten(), candidates]).unique())
+    q = head.log_expected_count(torch.arange(vocab)).double().exp() / 50
+    assert abs(float(q.sum()) - 1.0) < 1e-6 and math.isfinite(float(loss))
 
 
 @pytest.mark.parametrize("case", list(CASES))
