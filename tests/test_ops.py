@@ -243,6 +243,118 @@ def test_aggregate_many_duplicates_row_sums_to_zero(compiled):
     assert sums.tolist() == [[0.0, 0.0], [2.0, 2.0]]
 
 
+# ---------------------------------------------------------------- aggregate_bitmap (fused)
+
+
+def _offset_sets(universe: int, gen: torch.Generator):
+    """Adversarial shard offsets: none, offset 0, last offset, both ends duplicated and out of
+    order, every offset (shuffled, each twice), random with duplicates."""
+    sets = [torch.empty(0, dtype=torch.int64)]
+    if universe == 0:
+        return sets
+    last = universe - 1
+    sets += [torch.tensor([0]), torch.tensor([last]), torch.tensor([last, 0, last, 0, last])]
+    if universe <= 1 << 20:
+        every = torch.arange(universe)
+        sets.append(torch.cat([every, every])[torch.randperm(2 * universe, generator=gen)])
+    k = min(3 * universe, 50_000)
+    sets.append(torch.randint(0, universe, (k,), generator=gen))
+    return sets
+
+
+def _check_aggregate_bitmap(compiled, offsets, values, accum, universe):
+    got = compiled.aggregate_bitmap(offsets, values, accum, universe)
+    want = ref.aggregate_bitmap(offsets, values, accum, universe)
+    assert len(got) == 3
+    _assert_same(got[0], want[0])
+    _assert_same(got[2], want[2])  # bitmap bytes: exactly what bitmap_encode puts on the wire
+    _assert_same(got[2], ref.bitmap_encode(want[0], universe))
+    assert got[1].dtype == accum and got[1].shape == want[1].shape
+    torch.testing.assert_close(got[1], want[1], equal_nan=True)
+    # the fused op sums exactly like aggregate (same kernel, same order)
+    plain = compiled.aggregate(offsets, values, accum)
+    _assert_same(got[0], plain[0])
+    _assert_same_values(got[1], plain[1])
+    return got
+
+
+@pytest.mark.parametrize("universe", [0, 1, 7, 8, 9, 63, 64, 65, 1000, 1003, 262_145,
+                                      3 * (1 << 18) + 777])
+def test_aggregate_bitmap_matches_reference(compiled, universe):
+    """Small bitset path, the bucketed large-universe path (> 4096 words) and universes that are
+    not a multiple of 8 or 64; NaN values; int32 and int64 offsets."""
+    gen = _gen(31 + universe)
+    for offsets in _offset_sets(universe, gen):
+        k = offsets.numel()
+        for shape, dtype in (((k,), torch.float32), ((k, 3), torch.float32), ((k,), torch.bfloat16),
+                             ((k, 2), torch.float64)):
+            values = torch.randn(shape, generator=gen).to(dtype)
+            if k:
+                values[k // 2] = float("nan")
+            accum = torch.float64 if dtype == torch.float64 else torch.float32
+            for off in (offsets, offsets.to(torch.int32)):
+                _check_aggregate_bitmap(compiled, off, values, accum, universe)
+
+
+@pytest.mark.parametrize("universe", [50_000_003, 2**32 + 77])
+def test_aggregate_bitmap_huge_universe_few_rows(compiled, universe):
+    """Few rows over a huge universe: the sort path (offsets far apart), and offsets all at the
+    low end (a small bitset, the rest of the bitmap zero)."""
+    last = universe - 1
+    for offsets in (torch.tensor([last, 0, 2**31 % universe, last, 12_345_678, 0]),
+                    torch.tensor([3, 0, 3, 63, 64])):
+        values = torch.tensor([1.0, float("nan"), -2.0, 4.0, 0.5, 3.0])[: offsets.numel()]
+        unique, _, bitmap = _check_aggregate_bitmap(compiled, offsets, values, torch.float32,
+                                                    universe)
+        assert bitmap.numel() == (universe + 7) // 8
+        assert int(bitmap.count_nonzero()) <= unique.numel()
+        _assert_same(compiled.bitmap_decode(bitmap, universe), unique)
+        del bitmap
+
+
+def test_aggregate_bitmap_thread_count_independent(compiled):
+    gen = _gen(37)
+    universe = 12_500_001  # a 1-D top-k shard: many buckets
+    offsets = torch.randint(0, universe, (200_000,), generator=gen)
+    offsets[:2] = torch.tensor([0, universe - 1])
+    values = torch.randn(offsets.numel(), generator=gen)
+    got = _check_aggregate_bitmap(compiled, offsets, values, torch.float32, universe)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = compiled.aggregate_bitmap(offsets, values, torch.float32, universe)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same(single[0], got[0])
+    _assert_same_values(single[1], got[1])
+    _assert_same(single[2], got[2])
+
+
+def test_aggregate_bitmap_rejects_out_of_range(compiled):
+    for impl, error in ((compiled, RuntimeError), (ref, ValueError)):
+        with pytest.raises(error, match="universe"):
+            impl.aggregate_bitmap(torch.tensor([3, 13]), torch.ones(2), torch.float32, 13)
+        with pytest.raises(error):
+            impl.aggregate_bitmap(torch.tensor([3, -1]), torch.ones(2), torch.float32, 13)
+        with pytest.raises(error, match="universe"):
+            impl.aggregate_bitmap(torch.tensor([0]), torch.ones(1), torch.float32, 0)
+
+
+def test_aggregate_bitmap_dispatcher(compiled):
+    previous = ops.backend()
+    try:
+        offsets = torch.tensor([9, 3, 3, 0, 12])
+        values = torch.randn(5, 2)
+        for choice in ("compiled", "torch"):
+            ops.use(choice)
+            unique, sums, bitmap = ops.aggregate_bitmap(offsets, values, torch.float32, 13)
+            _assert_same(unique, torch.tensor([0, 3, 9, 12]))
+            _assert_same(bitmap, ref.bitmap_encode(unique, 13))
+            torch.testing.assert_close(sums, ref.aggregate(offsets, values, torch.float32)[1])
+    finally:
+        ops._backend = previous
+
+
 # ---------------------------------------------------------------- bitmap codec
 
 
@@ -453,6 +565,13 @@ def test_cuda_ops_match_reference(compiled, dtype):
     torch.testing.assert_close(got[1].cpu(), want[1])
     for universe in (1, 13, 64, 1001):
         offs = torch.unique(torch.randint(0, universe, (universe // 3 + 1,), generator=gen))
+        dup = torch.cat([offs, offs.flip(0)])
+        vals = torch.randn(dup.numel(), 2, generator=gen).to(dtype)
+        got = compiled.aggregate_bitmap(dup.to(dev), vals.to(dev), torch.float32, universe)
+        want = ref.aggregate_bitmap(dup, vals, torch.float32, universe)
+        _assert_same(got[0].cpu(), want[0])
+        torch.testing.assert_close(got[1].cpu(), want[1])
+        _assert_same(got[2].cpu(), want[2])
         bitmap = compiled.bitmap_encode(offs.to(dev), universe)
         _assert_same(bitmap.cpu(), ref.bitmap_encode(offs, universe))
         _assert_same(compiled.bitmap_decode(bitmap, universe).cpu(), offs)

@@ -55,6 +55,16 @@ std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets, const at
     return ZEN_DISPATCH(values, aggregate, offsets, values, acc);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
+                                                                const at::Tensor& values,
+                                                                bool accum_double, int64_t universe)
+{
+    TORCH_CHECK(offsets.device() == values.device(),
+                "zen_ds aggregate_bitmap: offsets and values on different devices");
+    const at::ScalarType acc = accum_double ? at::kDouble : at::kFloat;
+    return ZEN_DISPATCH(values, aggregate_bitmap, offsets, values, acc, universe);
+}
+
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)
 {
     return ZEN_DISPATCH(offsets, bitmap_encode, offsets, universe);
@@ -101,6 +111,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("nonzero_rows", &nonzero_rows, "ids of rows with any element != 0 (NaN counts)");
     m.def("partition", &partition, "stable counting sort of rows by owner rank");
     m.def("aggregate", &aggregate, "sum rows sharing an offset, unique offsets ascending");
+    m.def("aggregate_bitmap", &aggregate_bitmap,
+          "aggregate + bitmap_encode of the unique offsets over [0, universe), in one pass");
     m.def("bitmap_encode", &bitmap_encode, "little-endian uint8 bitmap of offsets");
     m.def("bitmap_decode", &bitmap_decode, "set bit positions of a bitmap (int64)");
     m.def("scatter_rows", &scatter_rows, "out[rows] = values, in place");

@@ -20,7 +20,8 @@ from . import torch_ops
 logger = logging.getLogger(__name__)
 
 OP_NAMES = (
-    "permute", "unpermute", "nonzero_rows", "partition", "aggregate", "bitmap_encode",
+    "permute", "unpermute", "nonzero_rows", "partition", "aggregate", "aggregate_bitmap",
+    "bitmap_encode",
     "bitmap_decode", "scatter_rows", "scatter_shard",
 )
 
@@ -95,6 +96,10 @@ def partition(rows, values, num_rows, world_size, seed, id_dtype):
 
 def aggregate(offsets, values, accum_dtype):
     return backend().aggregate(offsets, values, accum_dtype)
+
+
+def aggregate_bitmap(offsets, values, accum_dtype, universe):
+    return backend().aggregate_bitmap(offsets, values, accum_dtype, universe)
 
 
 def bitmap_encode(offsets, universe):

@@ -130,6 +130,22 @@ class CompiledOps:
                                              accum_dtype == torch.float64)
         return unique, sums.view((unique.numel(),) + tuple(values.shape[1:]))
 
+    def aggregate_bitmap(self, offsets: torch.Tensor, values: torch.Tensor,
+                         accum_dtype: torch.dtype, universe: int
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if (accum_dtype not in _ACCUM_TYPES or values.dtype not in _FLOAT_TYPES or values.dim() == 0
+                or not self.native(offsets, values)):
+            return torch_ops.aggregate_bitmap(offsets, values, accum_dtype, universe)
+        if not hasattr(self.module, "aggregate_bitmap"):  # a prebuilt module from before the op
+            unique, sums = self.aggregate(offsets, values, accum_dtype)
+            return unique, sums, self.bitmap_encode(unique, universe)
+        if values.shape[0] != offsets.numel():
+            raise ValueError(f"aggregate_bitmap: {offsets.numel()} offsets but values has "
+                             f"{values.shape[0]} rows")
+        unique, sums, bitmap = self.module.aggregate_bitmap(
+            _ids(offsets), _as_rows(values), accum_dtype == torch.float64, int(universe))
+        return unique, sums.view((unique.numel(),) + tuple(values.shape[1:])), bitmap
+
     def bitmap_encode(self, offsets: torch.Tensor, universe: int) -> torch.Tensor:
         if not self.native(offsets):
             return torch_ops.bitmap_encode(offsets, universe)

@@ -125,6 +125,22 @@ def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dt
     return unique, sums
 
 
+def aggregate_bitmap(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype,
+                     universe: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`aggregate` and the :func:`bitmap_encode` of its unique offsets over ``[0, universe)``.
+
+    Returns ``(unique offsets ascending int64, sums in accum_dtype, bitmap uint8 of
+    ceil(universe / 8) bytes)``; the compiled op builds the bitmap in the same pass as the sums.
+    Offsets outside ``[0, universe)`` are an error.
+    """
+    if universe < 0:
+        raise ValueError(f"aggregate_bitmap: universe must be >= 0, got {universe}")
+    unique, sums = aggregate(offsets, values, accum_dtype)
+    if unique.numel() and (int(unique[0]) < 0 or int(unique[-1]) >= universe):
+        raise ValueError(f"aggregate_bitmap: offsets must lie in [0, universe={universe})")
+    return unique, sums, bitmap_encode(unique, universe)
+
+
 def bitmap_encode(offsets: torch.Tensor, universe: int) -> torch.Tensor:
     """Little-endian bitmap (uint8, ``ceil(universe / 8)`` bytes) of the given offsets.
 

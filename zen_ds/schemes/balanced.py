@@ -82,17 +82,26 @@ class BalancedScheme(Scheme):
         # Aggregate my shard.
         recv_offsets = _view_as(received[:, :id_bytes], layout.id_dtype).flatten()
         recv_values = _view_as(received[:, id_bytes:], x.dtype).reshape(-1, row_numel)
-        shard_rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype))
+        # When the bitmap can win (it is never bigger than the received ids, which bound the
+        # unique rows), aggregate_bitmap builds it in the aggregation's own pass over the shard's
+        # offsets instead of a separate bitmap_encode of the result.
+        universe = layout.shard_size(rank)
+        bitmap = None
+        if choose_encoding(recv_offsets.numel(), universe, id_bytes,
+                           ctx.index_encoding) == ENCODING_BITMAP:
+            shard_rows, sums, bitmap = ops.aggregate_bitmap(recv_offsets, recv_values,
+                                                            accum_dtype(x.dtype), universe)
+        else:
+            shard_rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype))
         del received, recv_offsets, recv_values
         if ctx.scale is not None:
             sums.mul_(ctx.scale)
         shard_values = sums.to(x.dtype)
 
         # Pull: every owner sends its shard to every other rank.
-        encoding = choose_encoding(shard_rows.numel(), layout.shard_size(rank), id_bytes,
-                                   ctx.index_encoding)
+        encoding = choose_encoding(shard_rows.numel(), universe, id_bytes, ctx.index_encoding)
         if encoding == ENCODING_BITMAP:
-            index_payload = ops.bitmap_encode(shard_rows, layout.shard_size(rank))
+            index_payload = bitmap if bitmap is not None else ops.bitmap_encode(shard_rows, universe)
         else:
             index_payload = shard_rows.to(layout.id_dtype).view(torch.uint8)
         index_payload = index_payload.flatten()

@@ -169,9 +169,31 @@ inline void add_row(Acc* __restrict dst, const T* __restrict src, int64_t width)
     for (int64_t j = 0; j < width; ++j) dst[j] += static_cast<Acc>(src[j]);
 }
 
+// Store the 64 bits of bitset word `w` (bit b = offset 64 * w + b) as bitmap bytes 8w..8w+7 in
+// bitmap_encode's layout (byte i holds offsets 8i..8i+7, lowest offset in the lowest bit), cut at
+// `nbytes`. On a little-endian machine that layout is the word's memory image.
+inline void store_bitmap_word(uint8_t* __restrict bm, int64_t nbytes, int64_t w, uint64_t bits)
+{
+    const int64_t at = w * 8;
+    const int64_t n = std::min<int64_t>(8, nbytes - at);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (n == 8) {
+        std::memcpy(bm + at, &bits, 8);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; ++j) bm[at + j] = static_cast<uint8_t>(bits >> (8 * j));
+}
+
+// Sum rows sharing an offset (unique offsets ascending, sums in Acc). When `fused` (the fused
+// aggregate_bitmap), also writes every one of the `bm_bytes` bytes at `bm`: the bitmap_encode of the
+// unique offsets over `universe` positions (bm_bytes = ceil(universe / 8)), from the bitset the
+// aggregation builds anyway. Offsets outside [0, universe) are refused here.
 template <typename T, typename Acc>
 std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, const at::Tensor& values,
-                                                  at::ScalarType accum_dtype)
+                                                  at::ScalarType accum_dtype, bool fused = false,
+                                                  uint8_t* bm = nullptr, int64_t bm_bytes = 0,
+                                                  int64_t universe = 0)
 {
     const int64_t k = offsets.numel();
     const int64_t width = values.size(1);
@@ -179,7 +201,10 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
     const T* val = values.const_data_ptr<T>();
     auto id_opts = offsets.options().dtype(at::kLong);
     auto acc_opts = values.options().dtype(accum_dtype);
-    if (k == 0) return {at::empty({0}, id_opts), at::zeros({0, width}, acc_opts)};
+    if (k == 0) {
+        if (bm && bm_bytes) std::memset(bm, 0, bm_bytes);
+        return {at::empty({0}, id_opts), at::zeros({0, width}, acc_opts)};
+    }
 
     // Bounds of the offsets (they are shard-relative, so usually small).
     const int64_t chunks = num_chunks(k, 1 << 14);
@@ -196,6 +221,10 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
     const int64_t min_off = *std::min_element(lo.begin(), lo.end());
     const int64_t max_off = *std::max_element(hi.begin(), hi.end());
     TORCH_CHECK(min_off >= 0, "zen_ds aggregate: offsets must be >= 0, got ", min_off);
+    if (fused) {
+        TORCH_CHECK(max_off < universe, "zen_ds aggregate_bitmap: offsets must lie in [0, universe=",
+                    universe, "), got ", max_off);
+    }
 
     at::Tensor unique;
     std::vector<int64_t> order;  // sort path: input indices grouped by offset, stable
@@ -285,15 +314,26 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
                 const uint32_t* __restrict lb = loc;
                 for (int64_t d = d0; d < d1; ++d) t[lb[d] >> 6].bits |= 1ull << (lb[d] & 63);
                 int64_t r = 0;
-                for (int64_t w = 0; w < words; ++w) {
-                    t[w].rank = r;
-                    r += __builtin_popcountll(t[w].bits);
+                if (bm) {
+                    // Fused bitmap: this bucket's words, stored while they are in cache.
+                    const int64_t w0 = bk << kBucketShift;
+                    for (int64_t w = 0; w < words; ++w) {
+                        t[w].rank = r;
+                        r += __builtin_popcountll(t[w].bits);
+                        store_bitmap_word(bm, bm_bytes, w0 + w, t[w].bits);
+                    }
+                } else {
+                    for (int64_t w = 0; w < words; ++w) {
+                        t[w].rank = r;
+                        r += __builtin_popcountll(t[w].bits);
+                    }
                 }
                 bu[bk + 1] = r;
             }
         });
         for (int64_t bk = 0; bk < nb; ++bk) bucket_u[bk + 1] += bucket_u[bk];
         u = bucket_u[nb];
+        if (bm && nwords * 8 < bm_bytes) std::memset(bm + nwords * 8, 0, bm_bytes - nwords * 8);
         unique = at::empty({u}, id_opts);
         at::Tensor sums_b = at::zeros({u, width}, acc_opts);
         int64_t* const uq = unique.data_ptr<int64_t>();
@@ -350,6 +390,10 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
             table[w].rank = u;
             u += __builtin_popcountll(table[w].bits);
         }
+        if (bm) {
+            for (int64_t w = 0; w < nwords; ++w) store_bitmap_word(bm, bm_bytes, w, table[w].bits);
+            if (nwords * 8 < bm_bytes) std::memset(bm + nwords * 8, 0, bm_bytes - nwords * 8);
+        }
         unique = at::empty({u}, id_opts);
         int64_t* uq = unique.data_ptr<int64_t>();
         for_each_chunk(num_chunks(nwords, 1 << 14), nwords, [=](int64_t, int64_t wb, int64_t we) {
@@ -377,6 +421,10 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
         unique = at::empty({u}, id_opts);
         int64_t* uq = unique.data_ptr<int64_t>();
         for (int64_t s = 0; s < u; ++s) uq[s] = off[order[group[s]]];
+        if (bm) {
+            std::memset(bm, 0, bm_bytes);
+            for (int64_t s = 0; s < u; ++s) bm[uq[s] >> 3] |= uint8_t(1u << (uq[s] & 7));
+        }
     }
 
     const int64_t* const slots = slot_vec.data();
@@ -589,6 +637,32 @@ std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
             result = aggregate_impl<scalar_t, double>(offsets, values, accum_dtype);
     });
     return result;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
+                                                                const at::Tensor& values,
+                                                                at::ScalarType accum_dtype,
+                                                                int64_t universe)
+{
+    check_ids(offsets, "aggregate_bitmap offsets");
+    TORCH_CHECK(values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 &&
+                    values.size(0) == offsets.numel(),
+                "zen_ds aggregate_bitmap: values must be a contiguous CPU tensor [k, row_numel]");
+    TORCH_CHECK(accum_dtype == at::kFloat || accum_dtype == at::kDouble,
+                "zen_ds aggregate_bitmap: accum_dtype must be float32 or float64");
+    TORCH_CHECK(universe >= 0, "zen_ds aggregate_bitmap: universe must be >= 0");
+    // Every byte is written by aggregate_impl (bits from its bitset, zeros past the last word).
+    at::Tensor bitmap = at::empty({(universe + 7) / 8}, offsets.options().dtype(at::kByte));
+    uint8_t* bm = bitmap.data_ptr<uint8_t>();
+    const int64_t nbytes = bitmap.numel();
+    std::tuple<at::Tensor, at::Tensor> result;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "zen_aggregate_bitmap", [&] {
+        if (accum_dtype == at::kFloat)
+            result = aggregate_impl<scalar_t, float>(offsets, values, accum_dtype, true, bm, nbytes, universe);
+        else
+            result = aggregate_impl<scalar_t, double>(offsets, values, accum_dtype, true, bm, nbytes, universe);
+    });
+    return {std::get<0>(result), std::get<1>(result), bitmap};
 }
 
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)

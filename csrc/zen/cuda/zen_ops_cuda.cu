@@ -515,6 +515,19 @@ at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)
     return words.narrow(0, 0, nbytes);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
+                                                                const at::Tensor& values,
+                                                                at::ScalarType accum_dtype,
+                                                                int64_t universe)
+{
+    TORCH_CHECK(universe >= 0, "zen_ds aggregate_bitmap: universe must be >= 0");
+    // The segmented sum already sorts the offsets; the bitmap is one kernel over the (sorted,
+    // unique) result, which also checks the range.
+    auto result = aggregate(offsets, values, accum_dtype);
+    at::Tensor bitmap = bitmap_encode(std::get<0>(result), universe);
+    return {std::get<0>(result), std::get<1>(result), bitmap};
+}
+
 at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe)
 {
     TORCH_CHECK(bitmap.is_cuda() && bitmap.scalar_type() == at::kByte && bitmap.is_contiguous(),

@@ -29,6 +29,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
 std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
                                              const at::Tensor& values,
                                              at::ScalarType accum_dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
+                                                                const at::Tensor& values,
+                                                                at::ScalarType accum_dtype,
+                                                                int64_t universe);
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
 at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
 void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
@@ -48,6 +52,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
 std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
                                              const at::Tensor& values,
                                              at::ScalarType accum_dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
+                                                                const at::Tensor& values,
+                                                                at::ScalarType accum_dtype,
+                                                                int64_t universe);
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
 at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
 void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
