@@ -706,33 +706,52 @@ at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)
     return out;
 }
 
-at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe)
-{
-    TORCH_CHECK(bitmap.device().is_cpu() && bitmap.scalar_type() == at::kByte && bitmap.is_contiguous(),
-                "zen_ds bitmap_decode: bitmap must be a contiguous uint8 CPU tensor");
-    TORCH_CHECK(universe >= 0, "zen_ds bitmap_decode: universe must be >= 0");
-    const int64_t nbits = std::min<int64_t>(bitmap.numel() * 8, universe);
-    const int64_t nwords = (nbits + 63) / 64;
-    const uint8_t* bytes = bitmap.const_data_ptr<uint8_t>();
-    const int64_t nbytes = (nbits + 7) / 8;
-    // Word w holds bits [64w, 64w+64), little-endian, masked to nbits.
-    auto word = [&](int64_t w) -> uint64_t {
+// A bitmap read as 64-bit words: word w holds bits [64w, 64w+64), little-endian, masked to nbits
+// (bytes past nbits may hold padding or stray bits and are never read as set).
+struct BitmapWords {
+    const uint8_t* bytes;
+    int64_t nbits, nbytes, nwords;
+    BitmapWords(const uint8_t* data, int64_t bits)
+        : bytes(data), nbits(bits), nbytes((bits + 7) / 8), nwords((bits + 63) / 64) {}
+    uint64_t operator()(int64_t w) const
+    {
         uint64_t v = 0;
         const int64_t b0 = w * 8;
         const int64_t take = std::min<int64_t>(8, nbytes - b0);
-        std::memcpy(&v, bytes + b0, static_cast<size_t>(take));
+        if (take == 8)
+            std::memcpy(&v, bytes + b0, 8);
+        else
+            std::memcpy(&v, bytes + b0, static_cast<size_t>(take));
         const int64_t valid = std::min<int64_t>(64, nbits - w * 64);
         if (valid < 64) v &= (1ull << valid) - 1;
         return v;
-    };
-    const int64_t chunks = num_chunks(nwords, 1 << 12);
+    }
+};
+
+// Exclusive prefix of set bits per chunk of words (for_each_chunk's split): chunk c's first set
+// bit is the start[c]-th overall, so chunks can write their decoded rows in parallel.
+std::vector<int64_t> set_bits_before_chunks(const BitmapWords& word, int64_t chunks)
+{
     std::vector<int64_t> start(chunks + 1, 0);
-    for_each_chunk(chunks, nwords, [&](int64_t c, int64_t b, int64_t e) {
+    for_each_chunk(chunks, word.nwords, [&](int64_t c, int64_t b, int64_t e) {
         int64_t n = 0;
         for (int64_t w = b; w < e; ++w) n += __builtin_popcountll(word(w));
         start[c + 1] = n;
     });
     for (int64_t c = 0; c < chunks; ++c) start[c + 1] += start[c];
+    return start;
+}
+
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe)
+{
+    TORCH_CHECK(bitmap.device().is_cpu() && bitmap.scalar_type() == at::kByte && bitmap.is_contiguous(),
+                "zen_ds bitmap_decode: bitmap must be a contiguous uint8 CPU tensor");
+    TORCH_CHECK(universe >= 0, "zen_ds bitmap_decode: universe must be >= 0");
+    const BitmapWords word(bitmap.const_data_ptr<uint8_t>(),
+                           std::min<int64_t>(bitmap.numel() * 8, universe));
+    const int64_t nwords = word.nwords;
+    const int64_t chunks = num_chunks(nwords, 1 << 12);
+    const std::vector<int64_t> start = set_bits_before_chunks(word, chunks);
     at::Tensor out = at::empty({start[chunks]}, bitmap.options().dtype(at::kLong));
     int64_t* dst = out.data_ptr<int64_t>();
     for_each_chunk(chunks, nwords, [&](int64_t c, int64_t b, int64_t e) {
@@ -791,31 +810,13 @@ void scatter_bitmap_shard(char* out, const char* src, int64_t row_bytes, const u
                           int64_t nbits, uint64_t shard_start, const Permutation& p,
                           int64_t expected)
 {
-    const int64_t nwords = (nbits + 63) / 64;
-    const int64_t nbytes = (nbits + 7) / 8;
-    auto word = [bytes, nbytes, nbits](int64_t w) -> uint64_t {
-        uint64_t v = 0;
-        const int64_t b0 = w * 8;
-        const int64_t take = std::min<int64_t>(8, nbytes - b0);
-        if (take == 8)
-            std::memcpy(&v, bytes + b0, 8);
-        else
-            std::memcpy(&v, bytes + b0, static_cast<size_t>(take));
-        const int64_t valid = std::min<int64_t>(64, nbits - w * 64);
-        if (valid < 64) v &= (1ull << valid) - 1;
-        return v;
-    };
+    const BitmapWords word(bytes, nbits);
+    const int64_t nwords = word.nwords;
     const uint64_t N = p.rows.d;
     uint64_t step[64];  // b * inverse mod N
     for (int b = 0; b < 64; ++b) step[b] = mulmod(static_cast<uint64_t>(b) % N, p.inverse, p.rows);
     const int64_t chunks = num_chunks(nwords, 1 << 12);
-    std::vector<int64_t> start(chunks + 1, 0);
-    for_each_chunk(chunks, nwords, [&](int64_t c, int64_t b, int64_t e) {
-        int64_t n = 0;
-        for (int64_t w = b; w < e; ++w) n += __builtin_popcountll(word(w));
-        start[c + 1] = n;
-    });
-    for (int64_t c = 0; c < chunks; ++c) start[c + 1] += start[c];
+    const std::vector<int64_t> start = set_bits_before_chunks(word, chunks);
     TORCH_CHECK(start[chunks] == expected, "zen_ds scatter_shard: the bitmap has ", start[chunks],
                 " set bits but values has ", expected, " rows");
     // The rows land anywhere in the dense output (that is what the permutation is for), so
