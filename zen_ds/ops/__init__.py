@@ -21,8 +21,7 @@ logger = logging.getLogger(__name__)
 
 OP_NAMES = (
     "permute", "unpermute", "nonzero_rows", "partition", "aggregate", "aggregate_bitmap",
-    "bitmap_encode",
-    "bitmap_decode", "scatter_rows", "scatter_shard",
+    "bitmap_encode", "bitmap_decode", "scatter_rows", "scatter_shard",
 )
 
 _backend: Optional[ModuleType] = None
