@@ -230,6 +230,27 @@ def test_aggregate_large_universe_buckets(compiled, dtype):
             _assert_same_values(single[1], got[1])
 
 
+@pytest.mark.parametrize("max_key", [2**21 + 5, 2**33, 2**47 - 1, 2**63 - 1])
+def test_aggregate_sparse_support_sums_in_input_order(compiled, max_key):
+    """Offsets far sparser than their range (the radix-sort path): keys of every width up to
+    int64's, heavy duplicates, values whose float32 sum depends on the order of addition. Every
+    sum must add its inputs in input order, bit for bit."""
+    gen = _gen(21)
+    picks = torch.randint(0, max_key, (40,), generator=gen, dtype=torch.int64)
+    distinct = torch.unique(torch.cat([torch.tensor([0, max_key]), picks]))
+    offsets = distinct[torch.randint(0, distinct.numel(), (3000,), generator=gen)]
+    values = torch.randn(3000, generator=gen) * torch.tensor([1e8, 1.0, 1e-3]).repeat(1000)
+    rows, sums = compiled.aggregate(offsets, values, torch.float32)
+    _assert_same(rows, distinct)
+    expected = {}
+    for key, value in zip(offsets.tolist(), values.tolist()):
+        acc = expected.get(key, torch.zeros((), dtype=torch.float32))
+        expected[key] = acc + torch.tensor(value, dtype=torch.float32)
+    want = torch.stack([expected[key] for key in distinct.tolist()])
+    _assert_same_values(sums, want)
+    _assert_same(rows, ref.aggregate(offsets, values, torch.float32)[0])
+
+
 def test_aggregate_rejects_negative_offsets(compiled):
     with pytest.raises(RuntimeError, match=">= 0"):
         compiled.aggregate(torch.tensor([3, -1]), torch.ones(2), torch.float32)

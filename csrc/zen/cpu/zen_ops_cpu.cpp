@@ -185,6 +185,46 @@ inline void store_bitmap_word(uint8_t* __restrict bm, int64_t nbytes, int64_t w,
     for (int64_t j = 0; j < n; ++j) bm[at + j] = static_cast<uint8_t>(bits >> (8 * j));
 }
 
+// Stable LSD radix sort of the input indices by key (keys in [0, max_key]): `order` gets the
+// indices in ascending key order, ties in input order, and `sorted_keys` their keys. Digits of at
+// most 11 bits keep the histogram in L1. A comparison sort of indirect keys is several times
+// slower on sparse supports (94k unique rows of a 25.6M universe: 9 ms against ~1 ms).
+void radix_sort_indices(const int64_t* keys, int64_t k, int64_t max_key,
+                        std::vector<int64_t>& order, std::vector<int64_t>& sorted_keys)
+{
+    const int bits = max_key > 0 ? 64 - __builtin_clzll(static_cast<uint64_t>(max_key)) : 1;
+    const int passes = (bits + 10) / 11;
+    const int digit = (bits + passes - 1) / passes;
+    const uint64_t mask = (uint64_t(1) << digit) - 1;
+    std::vector<int64_t> key_a(keys, keys + k), key_b(k), idx_a(k), idx_b(k);
+    std::iota(idx_a.begin(), idx_a.end(), 0);
+    std::vector<int64_t> cursor(size_t(1) << digit);
+    for (int pass = 0; pass < passes; ++pass) {
+        const int shift = pass * digit;
+        std::fill(cursor.begin(), cursor.end(), 0);
+        const uint64_t* __restrict ka = reinterpret_cast<const uint64_t*>(key_a.data());
+        for (int64_t i = 0; i < k; ++i) ++cursor[(ka[i] >> shift) & mask];
+        int64_t running = 0;
+        for (int64_t& c : cursor) {
+            const int64_t h = c;
+            c = running;
+            running += h;
+        }
+        const int64_t* __restrict ia = idx_a.data();
+        int64_t* __restrict kb = key_b.data();
+        int64_t* __restrict ib = idx_b.data();
+        for (int64_t i = 0; i < k; ++i) {
+            const int64_t d = cursor[(ka[i] >> shift) & mask]++;
+            kb[d] = static_cast<int64_t>(ka[i]);
+            ib[d] = ia[i];
+        }
+        key_a.swap(key_b);
+        idx_a.swap(idx_b);
+    }
+    order.swap(idx_a);
+    sorted_keys.swap(key_a);
+}
+
 // Sum rows sharing an offset (unique offsets ascending, sums in Acc). When `fused` (the fused
 // aggregate_bitmap), also writes every one of the `bm_bytes` bytes at `bm`: the bitmap_encode of the
 // unique offsets over `universe` positions (bm_bytes = ceil(universe / 8)), from the bitset the
@@ -410,17 +450,15 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
             }
         });
     } else {
-        order.resize(k);
-        std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(),
-                         [off](int64_t a, int64_t b) { return off[a] < off[b]; });
+        std::vector<int64_t> sorted;
+        radix_sort_indices(off, k, max_off, order, sorted);
         for (int64_t j = 0; j < k; ++j)
-            if (j == 0 || off[order[j]] != off[order[j - 1]]) group.push_back(j);
+            if (j == 0 || sorted[j] != sorted[j - 1]) group.push_back(j);
         u = static_cast<int64_t>(group.size());
         group.push_back(k);
         unique = at::empty({u}, id_opts);
         int64_t* uq = unique.data_ptr<int64_t>();
-        for (int64_t s = 0; s < u; ++s) uq[s] = off[order[group[s]]];
+        for (int64_t s = 0; s < u; ++s) uq[s] = sorted[group[s]];
         if (bm) {
             std::memset(bm, 0, bm_bytes);
             for (int64_t s = 0; s < u; ++s) bm[uq[s] >> 3] |= uint8_t(1u << (uq[s] & 7));
