@@ -130,6 +130,31 @@ def test_partition_matches_reference(compiled, num_rows, dtype):
                     assert int(got[0].sum()) == k  # lossless
 
 
+@pytest.mark.parametrize("num_rows", [7, 50_000_017, 2**32 - 1, 2**32, 2**32 + 1])
+def test_partition_vector_paths_match_reference(compiled, num_rows):
+    """The AVX-512 partition's boundaries (where the CPU has it): its exactness limit at
+    num_rows = 2**32, the register table of shard starts (n <= 16) and the computed starts
+    (n > 16), the vector scatter (n <= 4, 4- and 8-byte rows) against the scalar one, masked tails
+    (k not a multiple of 32), more ranks than rows, and both id dtypes."""
+    gen = _gen(17)
+    for k in (1, 31, 33, 1000, 20_011):
+        rows = torch.unique(torch.cat([torch.tensor([0, num_rows - 1]),
+                                       torch.randint(0, num_rows, (k,), generator=gen)]))
+        rows = rows[torch.randperm(rows.numel(), generator=gen)]  # any order is legal
+        for world_size in (1, 2, 3, 4, 5, 13, 16, 17, 64):
+            id_dtypes = [torch.int64] + ([torch.int32] if num_rows // world_size < 2**31 - 1 else [])
+            for id_dtype in id_dtypes:
+                for values in (torch.randn(rows.numel(), generator=gen),
+                               torch.randn(rows.numel(), generator=gen).double(),
+                               torch.randn(rows.numel(), 3, generator=gen),
+                               torch.randn(rows.numel(), generator=gen).bfloat16()):
+                    got = compiled.partition(rows, values, num_rows, world_size, 5, id_dtype)
+                    want = ref.partition(rows, values, num_rows, world_size, 5, id_dtype)
+                    _assert_same(got[0], want[0])
+                    _assert_same(got[1], want[1])
+                    _assert_same_values(got[2], want[2])
+
+
 def test_partition_keeps_nan_rows_and_int32_overflow_is_refused(compiled):
     rows = torch.tensor([0, 5, 9])
     values = torch.tensor([[float("nan"), 1.0], [1.0, -1.0], [0.0, -0.0]])

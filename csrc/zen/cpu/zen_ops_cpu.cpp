@@ -2,6 +2,7 @@
 // chunk per thread (at::parallel_for over chunk ids, so it follows torch's thread pool), and keeps
 // per-thread state in small arrays instead of atomics. Sizes and indices are 64-bit throughout.
 #include "zen_ops.h"
+#include "zen_partition_simd.h"
 #include "zen_permute.h"
 
 #include <ATen/Parallel.h>
@@ -592,8 +593,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
     int64_t* const hist_all = hist.data();
     std::vector<char> bad_chunk(chunks, 0);
     char* const bad_all = bad_chunk.data();
+#ifdef ZEN_PARTITION_SIMD
+    // AVX-512 pass 1 where its exactness preconditions hold; with few owners and 4- or 8-byte rows
+    // also the vector scatter, whose scratch is compact (uint32 offsets, uint8 owners) in the same
+    // buffers.
+    const simd::PartitionParams sp{p.rows.d, p.multiplier, p.offset, static_cast<uint64_t>(n), st};
+    const bool simd_map = simd::avx512_usable() && simd::params_fit(sp);
+    const bool simd_scatter = simd_map && static_cast<uint64_t>(n) <= simd::kMaxScatterOwners &&
+                              (row_bytes == 4 || row_bytes == 8);
+    uint32_t* const pos32 = reinterpret_cast<uint32_t*>(pos);
+    uint8_t* const own8 = reinterpret_cast<uint8_t*>(own);
+#endif
     for_each_chunk(chunks, k, [=](int64_t c, int64_t b, int64_t e) {
         int64_t* __restrict h = hist_all + c * n;
+#ifdef ZEN_PARTITION_SIMD
+        if (simd_scatter) {
+            bad_all[c] = !simd::map_rows_avx512(ids, b, e, sp, h, pos32, own8);
+            return;
+        }
+        if (simd_map) {
+            bad_all[c] = !simd::map_rows_avx512(ids, b, e, sp, h, pos, own);
+            return;
+        }
+#endif
         uint64_t* __restrict pq = pos;
         uint32_t* __restrict po = own;
         const uint64_t* __restrict in = ids;
@@ -630,6 +652,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
     // Pass 2: scatter offsets and rows to their cursors; one read and one write of every value.
     char* const dst = static_cast<char*>(out_val.data_ptr());
     void* const off_dst = out_off.data_ptr();
+#ifdef ZEN_PARTITION_SIMD
+    if (simd_scatter) {
+        auto vector_scatter = [&](auto id_tag, auto row_bytes_c, auto owners_c) {
+            using Id = decltype(id_tag);
+            for_each_chunk(chunks, k, [=](int64_t c, int64_t b, int64_t e) {
+                simd::scatter_rows_avx512<Id, decltype(row_bytes_c)::value, decltype(owners_c)::value>(
+                    pos32, own8, src, b, e, hist_all + c * n, static_cast<Id*>(off_dst), dst);
+            });
+        };
+        auto with_owners = [&](auto id_tag, auto row_bytes_c) {
+            static_assert(simd::kMaxScatterOwners == 4, "one case per owner count");
+            switch (n) {
+                case 1: vector_scatter(id_tag, row_bytes_c, std::integral_constant<int, 1>{}); break;
+                case 2: vector_scatter(id_tag, row_bytes_c, std::integral_constant<int, 2>{}); break;
+                case 3: vector_scatter(id_tag, row_bytes_c, std::integral_constant<int, 3>{}); break;
+                default: vector_scatter(id_tag, row_bytes_c, std::integral_constant<int, 4>{});
+            }
+        };
+        auto with_rows = [&](auto id_tag) {
+            if (row_bytes == 4)
+                with_owners(id_tag, std::integral_constant<int, 4>{});
+            else
+                with_owners(id_tag, std::integral_constant<int, 8>{});
+        };
+        if (int32_ids)
+            with_rows(int32_t{});
+        else
+            with_rows(int64_t{});
+        return {counts, out_off, out_val};
+    }
+#endif
     auto scatter = [&](auto copy, auto id_tag) {
         using Copy = decltype(copy);
         using Id = decltype(id_tag);
