@@ -319,7 +319,9 @@ class Cluster:
 
         ``{rank}``, ``{world_size}``, ``{master_addr}``, ``{master_port}`` in the arguments are
         substituted per host (handy for launchers that take them as flags, e.g. torchrun).
-        Rank 0 writes to this terminal; other ranks' lines are prefixed with ``[hN]``.
+        Every rank's stdout is forwarded line by line (other ranks' lines prefixed with ``[hN]``),
+        so lines of different ranks never mix; rank 0's stderr (progress bars) goes straight to
+        this terminal, other ranks' stderr is merged into their prefixed stdout.
         """
         procs: List[subprocess.Popen] = []
         pumps: List[threading.Thread] = []
@@ -328,16 +330,15 @@ class Cluster:
                 subst = {"rank": rank, "world_size": self.spec.hosts,
                          "master_addr": self.spec.host_ip(0), "master_port": self.spec.master_port}
                 argv = [a.format(**subst) if "{" in a else a for a in command]
-                piped = rank != 0
                 p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=self.rank_env(rank),
-                                     stdout=subprocess.PIPE if piped else None,
-                                     stderr=subprocess.STDOUT if piped else None,
+                                     stdout=subprocess.PIPE,
+                                     stderr=None if rank == 0 else subprocess.STDOUT,
                                      start_new_session=True)
                 procs.append(p)
-                if piped:
-                    t = threading.Thread(target=_pump, args=(p, f"[h{rank}] "), daemon=True)
-                    t.start()
-                    pumps.append(t)
+                prefix = "" if rank == 0 else f"[h{rank}] "
+                t = threading.Thread(target=_pump, args=(p, prefix), daemon=True)
+                t.start()
+                pumps.append(t)
             return _wait_all(procs, timeout_s)
         finally:
             _terminate(procs)
@@ -345,11 +346,16 @@ class Cluster:
                 t.join(timeout=2.0)
 
 
+_OUTPUT_LOCK = threading.Lock()
+
+
 def _pump(proc: subprocess.Popen, prefix: str) -> None:
+    """Forward a rank's output one whole line at a time."""
     assert proc.stdout is not None
     for raw in iter(proc.stdout.readline, b""):
-        sys.stdout.write(prefix + raw.decode(errors="replace"))
-        sys.stdout.flush()
+        with _OUTPUT_LOCK:
+            sys.stdout.write(prefix + raw.decode(errors="replace"))
+            sys.stdout.flush()
 
 
 def _wait_all(procs: List[subprocess.Popen], timeout_s: Optional[float]) -> int:
