@@ -6,7 +6,9 @@ spawn*: the worker returns a dict of per-case results and pytest parametrizes ov
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any, Callable, List
 
@@ -39,6 +41,22 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
             dist.destroy_process_group()
 
 
+def _drain_pending(queue, reported, results, errors) -> bool:
+    """Collect reports already in flight from ranks that have exited; True if any arrived."""
+    got = False
+    while True:
+        try:
+            rank, status, payload = queue.get(timeout=2.0)
+        except queue_module.Empty:
+            return got
+        got = True
+        reported.add(rank)
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+
+
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
     ctx = mp.get_context("spawn")
@@ -50,16 +68,33 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
         proc.start()
     results: List[Any] = [None] * world_size
     errors: List[str] = []
+    reported = set()
     try:
-        for _ in range(world_size):
-            # After a first failure the others may be stuck in a collective: give them a grace
-            # period to report, then kill them rather than hang the suite.
-            rank, status, payload = queue.get(timeout=timeout if not errors else 20)
+        deadline = time.monotonic() + timeout
+        while len(reported) < world_size:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # A rank that died without reporting (segfault, kill) would otherwise leave the
+                # suite waiting for the full timeout.
+                dead = [r for r, proc in enumerate(procs)
+                        if r not in reported and proc.exitcode is not None]
+                if dead and not _drain_pending(queue, reported, results, errors):
+                    errors += [f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                               for r in dead if r not in reported]
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                continue
+            reported.add(rank)
             if status == "ok":
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}:\n{payload}")
-    except Exception as exc:  # queue.Empty: some rank neither finished nor failed in time
+                # The others may be stuck in a collective: give them a grace period to report,
+                # then kill them rather than hang the suite.
+                deadline = min(deadline, time.monotonic() + 20)
+    except Exception as exc:  # TimeoutError: some rank neither finished nor failed in time
         errors.append(f"timed out waiting for ranks ({type(exc).__name__}); results so far: "
                       f"{[r is not None for r in results]}")
     finally:
