@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 import zen_ds
-from zen_ds import RowSparse
+from zen_ds import CostModel, RowSparse
 
 HUGE_ROWS = 5_000_000_000
 
@@ -65,6 +65,14 @@ def case_one_empty(rank: int, n: int):
 
 def case_all_empty(rank: int, n: int):
     return torch.zeros(777, 5)
+
+
+def case_all_empty_rowsparse(rank: int, n: int):
+    return RowSparse.empty(777, (5,))
+
+
+def case_all_empty_coo(rank: int, n: int):
+    return torch.zeros(777, 5).to_sparse()
 
 
 def case_fully_dense(rank: int, n: int):
@@ -161,6 +169,7 @@ def case_huge(rank: int, n: int):
 CASES: Dict[str, Callable] = {
     "zipf": case_zipf, "first_last": case_first_last, "not_divisible": case_not_divisible,
     "sum_zero_row": case_sum_zero_row, "one_empty": case_one_empty, "all_empty": case_all_empty,
+    "all_empty_rowsparse": case_all_empty_rowsparse, "all_empty_coo": case_all_empty_coo,
     "fully_dense": case_fully_dense, "identical": case_identical, "disjoint": case_disjoint,
     "clustered_0.1pct": case_clustered, "element_sparse_1d": case_element_sparse,
     "fp16": case_fp16, "fp16_odd_width": case_fp16_odd_width, "bf16": case_bf16, "fp64": case_fp64, "uncoalesced_coo": case_uncoalesced_coo,
@@ -168,17 +177,23 @@ CASES: Dict[str, Callable] = {
     "huge_5e9_rows": case_huge, "skewed_nnz": case_skewed_nnz,
 }
 
-# (scheme, index_encoding, average)
-VARIANTS: List[Tuple[str, str, bool]] = [
-    ("dense", "auto", False), ("agsparse", "auto", False), ("balanced", "auto", False),
-    ("balanced", "coo", False), ("balanced", "bitmap", False), ("auto", "auto", False),
-    ("balanced", "auto", True), ("agsparse", "auto", True), ("dense", "auto", True),
+# (scheme, index_encoding, average, pull sizes). Pull sizes: "" = the default cost model decides
+# (the small cases here pad), "exchange" / "bound" force balanced's size all-gather / padded pull
+# through the cost model (alpha 0 / alpha 1 s).
+VARIANTS: List[Tuple[str, str, bool, str]] = [
+    ("dense", "auto", False, ""), ("agsparse", "auto", False, ""), ("balanced", "auto", False, ""),
+    ("balanced", "coo", False, ""), ("balanced", "bitmap", False, ""), ("auto", "auto", False, ""),
+    ("balanced", "auto", True, ""), ("agsparse", "auto", True, ""), ("dense", "auto", True, ""),
+    ("balanced", "auto", False, "exchange"), ("balanced", "coo", False, "exchange"),
+    ("balanced", "bitmap", False, "exchange"), ("balanced", "auto", True, "bound"),
 ]
+PULL_COST_MODELS = {"": CostModel(), "exchange": CostModel(alpha=0.0),
+                    "bound": CostModel(alpha=1.0)}
 
 
-def variant_id(variant: Tuple[str, str, bool]) -> str:
-    scheme, encoding, average = variant
-    return f"{scheme}-{encoding}" + ("-mean" if average else "")
+def variant_id(variant: Tuple[str, str, bool, str]) -> str:
+    scheme, encoding, average, pull = variant
+    return f"{scheme}-{encoding}" + ("-mean" if average else "") + (f"-{pull}" if pull else "")
 
 
 def _reference_rows(inputs: List) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -201,8 +216,16 @@ def _tolerance(dtype: torch.dtype) -> Dict[str, float]:
     return {"rtol": 1e-12, "atol": 1e-12}
 
 
-def check_case(case: str, variant: Tuple[str, str, bool], rank: int, n: int) -> None:
-    scheme, encoding, average = variant
+def check_case(case: str, variant: Tuple[str, str, bool, str], rank: int, n: int) -> None:
+    zen_ds.set_cost_model(PULL_COST_MODELS[variant[3]])
+    try:
+        _check_case(case, variant, rank, n)
+    finally:
+        zen_ds.set_cost_model(CostModel())
+
+
+def _check_case(case: str, variant: Tuple[str, str, bool, str], rank: int, n: int) -> None:
+    scheme, encoding, average, pull = variant
     make = CASES[case]
     inputs = [make(r, n) for r in range(n)]
     x = inputs[rank]
@@ -214,6 +237,9 @@ def check_case(case: str, variant: Tuple[str, str, bool], rank: int, n: int) -> 
     stats = zen_ds.last_sync_stats()
     if scheme != "auto":
         assert stats.scheme == scheme, (stats.scheme, scheme)
+    if scheme == "balanced" and pull and n > 1:
+        names = [c.log_name for c in stats.collectives]
+        assert ("zen.balanced.pull_meta" in names) == (pull == "exchange"), names
     assert type(y) is type(x), (type(y), type(x))
     divisor = n if average else 1
     if isinstance(x, RowSparse):
@@ -280,12 +306,17 @@ def check_mismatch_errors(rank: int, n: int) -> Dict[str, str]:
     return out
 
 
-def measure_balanced_bytes(rank: int, n: int) -> Dict[str, float]:
-    """Measured vs modelled bytes of balanced on a large Zipf gradient; shard balance."""
+def measure_balanced_bytes(rank: int, n: int, kind: str = "zipf") -> Dict[str, float]:
+    """Measured vs modelled bytes of balanced: a Zipf embedding gradient (many shared rows: the
+    pull exchanges sizes) or a uniform 1-D top-k-like one (few: the pull pads to its bound)."""
     gen = _gen("bytes", rank)
-    num_rows = 1_000_000
-    rows = zipf_rows(num_rows, 200_000, gen)
-    x = RowSparse(rows, torch.randn(rows.numel(), 8, generator=gen), num_rows)
+    if kind == "zipf":
+        num_rows, width = 1_000_000, 8
+        rows = zipf_rows(num_rows, 200_000, gen)
+    else:
+        num_rows, width = 50_000_000, 1
+        rows = torch.unique(torch.randint(0, num_rows, (50_000,), generator=gen))
+    x = RowSparse(rows, torch.randn(rows.numel(), width, generator=gen), num_rows)
     zen_ds.sparse_allreduce(x, scheme="balanced")
     stats = zen_ds.last_sync_stats()
     # union size actually reached (exact), to feed the model the true U as the issue defines it
@@ -295,10 +326,12 @@ def measure_balanced_bytes(rank: int, n: int) -> Dict[str, float]:
     nnz = torch.tensor([x.nnz])
     all_nnz = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
     dist.all_gather(all_nnz, nnz)
-    shape = SyncShape(n, [int(t) for t in all_nnz], stats.nnz_result, num_rows, 8, 4, rank)
+    shape = SyncShape(n, [int(t) for t in all_nnz], stats.nnz_result, num_rows, width, 4, rank)
     model = get_scheme("balanced").predict(shape)
     handshake = (n - 1) * handshake_bytes(n)
     return {"sent": stats.bytes_sent, "received": stats.bytes_received,
+            "size_exchange": any(c.log_name == "zen.balanced.pull_meta" for c in stats.collectives),
+            "model_steps": model.latency_steps,
             "model_sent": model.bytes_sent + handshake,
             "model_received": model.bytes_received + handshake,
             "planner_sent": stats.predicted_bytes_sent}

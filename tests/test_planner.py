@@ -58,3 +58,23 @@ def test_planning_ranks_for_large_groups_are_the_bottlenecks() -> None:
     shape = SyncShape(100, nnz, 2000, 10_000, 8, 4)
     assert planning_ranks(shape) == [37, 80]
     assert planning_ranks(SyncShape(8, [1] * 8, 8, 100, 1, 4)) == list(range(8))
+
+
+def test_pull_pads_only_when_duplicates_cost_less_than_its_size_exchange() -> None:
+    """balanced pads its pull to the handshake's bound (one collective less) only while the
+    duplicate rows it would pad cost less on the wire than the size all-gather's latency."""
+    from zen_ds.schemes.balanced import pads_pull
+    from zen_ds.schemes.base import DEFAULT_LATENCY_BYTES
+
+    assert CostModel().latency_bytes == DEFAULT_LATENCY_BYTES
+    # 4 ranks, 8-byte entries: the budget is 4 * 62.5 kB = 250 kB = 31,250 duplicate entries.
+    assert pads_pull([1000] * 4, 4000, 8, DEFAULT_LATENCY_BYTES)  # disjoint supports
+    assert pads_pull([10_000] * 4, 40_000 - 31_249, 8, DEFAULT_LATENCY_BYTES)
+    assert not pads_pull([10_000] * 4, 40_000 - 31_250, 8, DEFAULT_LATENCY_BYTES)
+    assert not pads_pull([1000] * 4, 4000, 8, 0.0)  # alpha 0: a round costs nothing
+    # The byte model follows the same decision: 2 or 3 collectives of n - 1 steps.
+    balanced = get_scheme("balanced")
+    shape = SyncShape(4, [10_000] * 4, 40_000, 10**7, 1, 4)
+    assert balanced.predict(shape).latency_steps == 6
+    assert balanced.predict(replace(shape, union_nnz=5_000)).latency_steps == 9
+    assert balanced.predict(replace(shape, latency_bytes=0.0)).latency_steps == 9

@@ -40,7 +40,10 @@ _cost_model = CostModel()
 
 
 def set_cost_model(cost: CostModel) -> None:
-    """Replace the alpha-beta constants the ``auto`` planner uses (e.g. a measured link)."""
+    """Replace the alpha-beta constants the ``auto`` planner uses (e.g. a measured link).
+
+    Schemes also use them to trade padding against collectives (balanced's pull), so every rank
+    of a group must set the same model, as with every other sync option."""
     global _cost_model
     _cost_model = cost
 
@@ -181,7 +184,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, s
         sketches = table[:, HANDSHAKE_FIXED_FIELDS: HANDSHAKE_FIXED_FIELDS + SKETCH_SIZE]
         union = estimate_union(sketches, nnz_per_rank, rs.num_rows) if layout else sum(nnz_per_rank)
         shape = SyncShape(n, nnz_per_rank, union, rs.num_rows, rs.row_numel,
-                          rs.values.element_size(), comm.rank)
+                          rs.values.element_size(), comm.rank, _cost_model.latency_bytes)
         if scheme == "auto":
             chosen, estimates = plan(shape, cost=_cost_model)
             estimate = estimates[chosen]
@@ -195,7 +198,9 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, s
                           owner_counts if layout is not None else None,
                           sorted_output=_wants_sorted(x),
                           dense_out=None if dense is None else
-                          dense.view((rs.num_rows,) + rs.row_shape))
+                          dense.view((rs.num_rows,) + rs.row_shape),
+                          union_estimate=union,
+                          latency_bytes=_cost_model.latency_bytes)
         result = get_scheme(chosen).sync(rs, ctx)
 
     if result is None:  # the scheme wrote the sum into ctx.dense_out

@@ -31,6 +31,11 @@ class CostModel:
     alpha: float = 50e-6  # seconds per latency step (gloo/TCP order of magnitude)
     bandwidth: float = 1.25e9  # bytes per second (10 Gbit/s)
 
+    @property
+    def latency_bytes(self) -> float:
+        """Bytes the link moves in one latency step (schemes trade padding against rounds)."""
+        return self.alpha * self.bandwidth
+
     def seconds(self, estimate: ByteEstimate) -> float:
         return estimate.latency_steps * self.alpha + estimate.wire_bytes / self.bandwidth
 

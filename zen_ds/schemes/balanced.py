@@ -5,7 +5,11 @@
    of exact splits: shard-relative ids (int32 when shards fit) and values, packed per row.
 2. Each owner sums what it received for its shard (fp32 accumulation for fp16/bf16).
 3. Each owner sends its aggregated shard to every rank, its index encoded as COO ids or as a bitmap
-   over the shard's universe, whichever is smaller; one small all-gather says which and how big.
+   over the shard's universe, whichever is smaller. The receivers need each shard's size first:
+   either one small all-gather says how many rows and which encoding (``exchange``), or, when the
+   ranks share few rows, every shard is padded to the rows its owner received, which the handshake
+   already told everyone, and carries its row count in an 8-byte header (``bound``): one
+   collective less for a few duplicate rows' bytes (see :func:`pads_pull`).
 4. Every rank decodes the shards back to row ids and assembles the coalesced sum, or, when the
    caller wants a dense tensor (``ctx.dense_out``), scatters each shard straight into it.
 
@@ -35,6 +39,29 @@ def choose_encoding(unique_rows: int, shard_size: int, id_bytes: int, preference
     if preference == "bitmap":
         return ENCODING_BITMAP
     return ENCODING_BITMAP if (shard_size + 7) // 8 < unique_rows * id_bytes else ENCODING_COO
+
+
+def _round8(nbytes: int) -> int:
+    return nbytes + (-nbytes % 8)
+
+
+def index_bytes(encoding: int, rows: int, shard_size: int, id_bytes: int) -> int:
+    """Bytes of a shard's index in ``encoding`` (unpadded)."""
+    return (shard_size + 7) // 8 if encoding == ENCODING_BITMAP else rows * id_bytes
+
+
+def pads_pull(nnz_per_rank: List[int], union: int, entry_bytes: int, latency_bytes: float) -> bool:
+    """Whether the pull pads every shard to its bound instead of exchanging the shards' sizes.
+
+    An owner aggregates at most the rows pushed to it, and every rank knows those counts from the
+    handshake, so shards padded to them need no size all-gather. The padding is the duplicate
+    rows, ``sum(m) - U``; per rank it costs ``(n-1)/n * duplicates * entry`` bytes and saves the
+    all-gather's ``n-1`` latency steps, so pad when ``duplicates * entry < n * latency_bytes``.
+    The answer depends only on the handshake, so every rank gets the same one.
+    """
+    n = len(nnz_per_rank)
+    duplicates = max(sum(nnz_per_rank) - union, 0)
+    return duplicates * entry_bytes < n * latency_bytes
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -98,108 +125,144 @@ class BalancedScheme(Scheme):
             sums.mul_(ctx.scale)
         shard_values = sums.to(x.dtype)
 
-        # Pull: every owner sends its shard to every other rank.
-        encoding = choose_encoding(shard_rows.numel(), universe, id_bytes, ctx.index_encoding)
+        # Pull: every owner sends its shard to every other rank. A shard is laid out as
+        # [row count header, bound mode only][index area][values area], each area 8-byte aligned.
+        row_bytes = row_numel * x.values.element_size()
+        bounds = None
+        if ctx.owner_counts is not None and ctx.union_estimate is not None and pads_pull(
+                ctx.nnz_per_rank, ctx.union_estimate, id_bytes + row_bytes, ctx.latency_bytes):
+            bounds = ctx.owner_counts.sum(dim=0).tolist()  # rows each owner received
+        if bounds is not None:
+            header = 8
+            encodings = [choose_encoding(b, layout.shard_size(j), id_bytes, ctx.index_encoding)
+                         for j, b in enumerate(bounds)]
+            index_areas = [_round8(index_bytes(e, b, layout.shard_size(j), id_bytes))
+                           for j, (e, b) in enumerate(zip(encodings, bounds))]
+            value_areas = [_round8(b * row_bytes) for b in bounds]
+            encoding = encodings[rank]
+            unique_counts = None  # each shard's header says
+        else:
+            header = 0
+            encoding = choose_encoding(shard_rows.numel(), universe, id_bytes, ctx.index_encoding)
         if encoding == ENCODING_BITMAP:
             index_payload = bitmap if bitmap is not None else ops.bitmap_encode(shard_rows, universe)
         else:
             index_payload = shard_rows.to(layout.id_dtype).view(torch.uint8)
         index_payload = index_payload.flatten()
-        index_bytes_mine = index_payload.numel() + (-index_payload.numel() % 8)
-        value_bytes = shard_values.numel() * shard_values.element_size()
-        payload_bytes = index_bytes_mine + value_bytes + (-(index_bytes_mine + value_bytes) % 8)
-        meta = torch.tensor([shard_rows.numel(), encoding, index_bytes_mine],
-                            dtype=torch.int64, device=x.device)
-        all_meta = torch.empty(n * _PULL_META_FIELDS, dtype=torch.int64, device=x.device)
-        ctx.comm.all_gather_into_tensor(all_meta, meta, "balanced.pull_meta")
-        shard_meta = all_meta.view(n, _PULL_META_FIELDS).tolist()
-        row_bytes = row_numel * x.values.element_size()
-        sizes = [u * row_bytes + idx + (-(u * row_bytes + idx) % 8) for u, _, idx in shard_meta]
+        value_payload = shard_values.contiguous().view(torch.uint8).flatten()
+        if bounds is None:
+            index_area = _round8(index_payload.numel())
+            meta = torch.tensor([shard_rows.numel(), encoding, index_area],
+                                dtype=torch.int64, device=x.device)
+            all_meta = torch.empty(n * _PULL_META_FIELDS, dtype=torch.int64, device=x.device)
+            ctx.comm.all_gather_into_tensor(all_meta, meta, "balanced.pull_meta")
+            shard_meta = all_meta.view(n, _PULL_META_FIELDS).tolist()
+            unique_counts = [u for u, _, _ in shard_meta]
+            encodings = [e for _, e, _ in shard_meta]
+            index_areas = [area for _, _, area in shard_meta]
+            value_areas = [_round8(u * row_bytes) for u, _, _ in shard_meta]
+        sizes = [header + index_areas[j] + value_areas[j] for j in range(n)]
+        payload_bytes = sizes[rank]
         send_splits = [0 if j == rank else payload_bytes for j in range(n)]
         recv_splits = [0 if j == rank else sizes[j] for j in range(n)]
         pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=x.device)
         # The all-to-all send buffer holds the payload once per peer: write it straight into the
-        # first slot (index, zero padding, values, zero padding) and copy that slot to the others,
-        # instead of building the payload and then repeating it.
+        # first slot and copy that slot to the others, instead of building it and repeating it.
         send = torch.empty((max(n - 1, 0), payload_bytes), dtype=torch.uint8, device=x.device)
         if n > 1:
             slot = send[0]
-            slot[: index_payload.numel()].copy_(index_payload)
-            slot[index_payload.numel(): index_bytes_mine].zero_()
-            slot[index_bytes_mine: index_bytes_mine + value_bytes].copy_(
-                shard_values.contiguous().view(torch.uint8).flatten())
-            slot[index_bytes_mine + value_bytes:].zero_()
+            slot.zero_()
+            if header:
+                slot[:header].view(torch.int64)[0] = shard_rows.numel()
+            slot[header: header + index_payload.numel()].copy_(index_payload)
+            values_at = header + index_areas[rank]
+            slot[values_at: values_at + value_payload.numel()].copy_(value_payload)
             if n > 2:
                 send[1:].copy_(slot.expand(n - 2, payload_bytes))
         ctx.comm.all_to_all_single(pulled, send.view(-1), recv_splits, send_splits, "balanced.pull")
         del send
 
+        shards = self._pulled_shards(ctx, layout, x, pulled, sizes, unique_counts, encodings,
+                                     index_areas, shard_rows, shard_values)
         if ctx.dense_out is not None:
             # The caller wants a dense tensor: scatter every shard straight into it through the
             # inverse permutation, without building the global id list.
-            self._scatter_dense(ctx, layout, x, shard_meta, sizes, pulled, shard_rows, shard_values)
+            self._scatter_dense(ctx, layout, x, shards)
             return None
 
+        if not shards:  # no rank had a row
+            return RowSparse.empty(x.num_rows, x.row_shape, dtype=x.dtype, device=x.device)
         # Decode every shard to row ids.
         parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        cursor = 0
-        for j, (unique_rows, shard_encoding, index_bytes) in enumerate(shard_meta):
-            if j == rank:
-                offsets_j, values_j = shard_rows, shard_values
+        for j, is_bitmap, index, values_j in shards:
+            if is_bitmap:
+                offsets_j = ops.bitmap_decode(index, layout.shard_size(j))
             else:
-                chunk = pulled[cursor: cursor + sizes[j]]
-                cursor += sizes[j]
-                index_chunk = chunk[:index_bytes]
-                if shard_encoding == ENCODING_BITMAP:
-                    bitmap_bytes = (layout.shard_size(j) + 7) // 8
-                    offsets_j = ops.bitmap_decode(index_chunk[:bitmap_bytes], layout.shard_size(j))
-                else:
-                    offsets_j = _view_as(index_chunk[: unique_rows * id_bytes], layout.id_dtype)
-                    offsets_j = offsets_j.to(torch.int64)
-                values_j = _view_as(chunk[index_bytes: index_bytes + unique_rows * row_bytes],
-                                    x.dtype).reshape(unique_rows, row_numel)
+                offsets_j = index.to(torch.int64)
             parts.append((offsets_j + layout.starts[j], values_j))
         rows = ops.unpermute(torch.cat([p for p, _ in parts]), x.num_rows, ctx.seed)
         values_out = torch.cat([v for _, v in parts])
         if ctx.sorted_output:
             # The rows are unique, so "aggregate" only sorts them (and copies each row once):
-            # the compiled op does that with a bitset/bucket pass, several times cheaper than an
-            # argsort and two gathers of the whole union (top-k 1%: ~15 vs ~130 ms on 850k rows).
+            # the compiled op does that with a bitset/bucket pass or a radix sort, several times
+            # cheaper than an argsort and two gathers of the whole union.
             rows, values_out = ops.aggregate(rows, values_out, accum_dtype(x.dtype))
             values_out = values_out.to(x.dtype)
         return RowSparse(rows, values_out.reshape((rows.numel(),) + x.row_shape), x.num_rows,
                          coalesced=ctx.sorted_output)
 
     @staticmethod
-    def _scatter_dense(ctx: SyncContext, layout: ShardLayout, x: RowSparse, shard_meta, sizes,
-                       pulled: torch.Tensor, shard_rows: torch.Tensor, shard_values: torch.Tensor
-                       ) -> None:
+    def _pulled_shards(ctx: SyncContext, layout: ShardLayout, x: RowSparse, pulled: torch.Tensor,
+                       sizes: List[int], unique_counts: Optional[List[int]], encodings: List[int],
+                       index_areas: List[int],
+                       shard_rows: torch.Tensor, shard_values: torch.Tensor
+                       ) -> List[Tuple[int, bool, torch.Tensor, torch.Tensor]]:
+        """Every shard as (owner, is_bitmap, index, values): the bitmap bytes or the shard-relative
+        ids (int64 for my own shard, the wire id dtype otherwise) and ``[rows, row_numel]`` values.
+        ``unique_counts`` is None when every shard starts with its row count (bound mode).
+        Shards without rows are left out."""
+        row_bytes = x.row_numel * x.values.element_size()
+        id_bytes = layout.id_dtype.itemsize
+        header = 8 if unique_counts is None else 0
+        shards = []
+        cursor = 0
+        for j in range(ctx.world_size):
+            if j == ctx.rank:
+                if shard_rows.numel():
+                    shards.append((j, False, shard_rows,
+                                   shard_values.reshape(-1, x.row_numel)))
+                continue
+            chunk = pulled[cursor: cursor + sizes[j]]
+            cursor += sizes[j]
+            if unique_counts is None:
+                unique_rows = int(_view_as(chunk[:header], torch.int64)[0])
+            else:
+                unique_rows = unique_counts[j]
+            if not unique_rows:
+                continue
+            index_chunk = chunk[header: header + index_areas[j]]
+            is_bitmap = encodings[j] == ENCODING_BITMAP
+            if is_bitmap:
+                index = index_chunk[: (layout.shard_size(j) + 7) // 8]
+            else:
+                index = _view_as(index_chunk[: unique_rows * id_bytes], layout.id_dtype)
+            values_at = header + index_areas[j]
+            values = _view_as(chunk[values_at: values_at + unique_rows * row_bytes],
+                              x.dtype).reshape(unique_rows, x.row_numel)
+            shards.append((j, is_bitmap, index, values))
+        return shards
+
+    @staticmethod
+    def _scatter_dense(ctx: SyncContext, layout: ShardLayout, x: RowSparse, shards) -> None:
         """Write every shard into ``ctx.dense_out`` (zeroed ``[num_rows, *row_shape]``)."""
         out = ctx.dense_out
         if tuple(out.shape) != (x.num_rows,) + tuple(x.row_shape):
             raise ValueError(f"balanced: dense_out has shape {tuple(out.shape)}, expected "
                              f"{(x.num_rows,) + tuple(x.row_shape)}")
-        id_bytes = layout.id_dtype.itemsize
-        row_bytes = x.row_numel * x.values.element_size()
-        cursor = 0
-        for j, (unique_rows, shard_encoding, index_bytes) in enumerate(shard_meta):
-            universe = layout.shard_size(j)
-            if j == ctx.rank:
-                index, values, bitmap = shard_rows, shard_values, False
-            else:
-                chunk = pulled[cursor: cursor + sizes[j]]
-                cursor += sizes[j]
-                bitmap = shard_encoding == ENCODING_BITMAP
-                if bitmap:
-                    index = chunk[: (universe + 7) // 8]
-                else:
-                    index = _view_as(chunk[: unique_rows * id_bytes], layout.id_dtype)
-                values = _view_as(chunk[index_bytes: index_bytes + unique_rows * row_bytes],
-                                  x.dtype).reshape(unique_rows, x.row_numel)
-            if unique_rows:
-                ops.scatter_shard(out, index, values, bitmap, universe, layout.starts[j],
-                                  x.num_rows, ctx.seed)
-        ctx.dense_nnz = sum(int(m[0]) for m in shard_meta)
+        for j, is_bitmap, index, values in shards:
+            ops.scatter_shard(out, index, values, is_bitmap, layout.shard_size(j),
+                              layout.starts[j], x.num_rows, ctx.seed)
+        ctx.dense_nnz = sum(values.shape[0] for _, _, _, values in shards)
 
     def predict(self, shape: SyncShape) -> ByteEstimate:
         n, r = shape.world_size, shape.rank
@@ -208,9 +271,15 @@ class BalancedScheme(Scheme):
         entry = id_bytes + shape.row_bytes
         push_sent = shape.nnz_per_rank[r] * (n - 1) / n * entry
         push_received = sum(m for i, m in enumerate(shape.nnz_per_rank) if i != r) / n * entry
+        shard_size = shape.num_rows / n
+        if pads_pull(list(shape.nnz_per_rank), shape.union_nnz, entry, shape.latency_bytes):
+            # Every shard padded to the rows its owner received (~sum(m)/n), plus its header.
+            bound = sum(shape.nnz_per_rank) / n
+            index = min(bound * id_bytes, (shard_size + 7) // 8) + 7  # + mean padding to 8 bytes
+            pull = (n - 1) * (8 + index + bound * shape.row_bytes)
+            return ByteEstimate(push_sent + pull, push_received + pull, 2 * (n - 1))
         meta = (n - 1) * 8 * _PULL_META_FIELDS
         shard_rows = shape.union_nnz / n
-        shard_size = shape.num_rows / n
         index = min(shard_rows * id_bytes, (shard_size + 7) // 8) + 7  # + mean padding of index and payload to 8 bytes
         pull = (n - 1) * (index + shard_rows * shape.row_bytes)
         return ByteEstimate(push_sent + meta + pull, push_received + meta + pull, 3 * (n - 1))

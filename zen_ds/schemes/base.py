@@ -15,12 +15,15 @@ from ..comm import Communicator
 from ..sparse import RowSparse
 
 __all__ = ["SyncShape", "ByteEstimate", "SyncContext", "Scheme", "HANDSHAKE_FIXED_FIELDS",
-           "SKETCH_SIZE", "handshake_bytes"]
+           "SKETCH_SIZE", "DEFAULT_LATENCY_BYTES", "handshake_bytes"]
 
 # Handshake layout (int64 per rank): fixed fields, then a KMV sketch of the support, then the
 # per-owner row counts of the balanced partition. See zen_ds/api.py.
 HANDSHAKE_FIXED_FIELDS = 10
 SKETCH_SIZE = 64
+# Bytes the link moves in one latency step: what a scheme may spend in padding to save a round.
+# The default cost model's alpha (50 us) times its bandwidth (1.25 GB/s); see zen_ds.planner.
+DEFAULT_LATENCY_BYTES = 62_500.0
 
 
 def handshake_bytes(world_size: int) -> int:
@@ -39,6 +42,7 @@ class SyncShape:
     row_numel: int
     value_bytes: int  # bytes of one element on the wire
     rank: int = 0
+    latency_bytes: float = DEFAULT_LATENCY_BYTES  # cost model's alpha x bandwidth
 
     @property
     def row_bytes(self) -> int:
@@ -78,6 +82,8 @@ class SyncContext:
     # A scheme may write its result straight into it, set ``dense_nnz`` and return None.
     dense_out: Optional[torch.Tensor] = None
     dense_nnz: Optional[int] = None  # rows written into dense_out (set by the scheme)
+    union_estimate: Optional[int] = None  # the planner's union size (from the handshake)
+    latency_bytes: float = DEFAULT_LATENCY_BYTES  # cost model's alpha x bandwidth
 
     @property
     def world_size(self) -> int:
