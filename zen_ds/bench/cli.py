@@ -43,6 +43,11 @@ def _sync_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default=None,
                    help="link rate for the bytes/rate bound, tc units (e.g. 1gbit); default: the "
                         "emulated cluster's rate when run under zen_ds.cluster")
+    p.add_argument("--alpha", type=float, default=None, metavar="SECONDS",
+                   help="cost model latency per step for auto and balanced's pull "
+                        "(zen_ds.set_cost_model; default 50e-6)")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+                   help="cost model bandwidth (default 1.25e9)")
     p.add_argument("--local", type=int, default=None, metavar="N",
                    help="spawn N gloo ranks on loopback (no network: CPU-bound timings)")
     p.add_argument("--no-check", action="store_true",
@@ -72,6 +77,13 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
     else:
         runner.init_from_env()
     try:
+        if args.alpha is not None or args.bandwidth is not None:
+            import zen_ds
+
+            default = zen_ds.CostModel()
+            zen_ds.set_cost_model(zen_ds.CostModel(
+                alpha=default.alpha if args.alpha is None else args.alpha,
+                bandwidth=default.bandwidth if args.bandwidth is None else args.bandwidth))
         specs = list(args.workload or ([] if args.grad_file else None) or _default_workloads())
         specs += [f"file:{p}" for p in args.grad_file]
         workloads = [parse_workload(s, args.scale) for s in specs]
