@@ -75,6 +75,18 @@ def case_all_empty_coo(rank: int, n: int):
     return torch.zeros(777, 5).to_sparse()
 
 
+def case_signed_zero(rank: int, n: int):
+    """Rows held by one rank only, with -0.0 elements: the holder rebuilds them (balanced skips
+    sending a row back to its only contributor) and must get the owner's bits (0 + -0.0 = +0.0)."""
+    # Dense (the result is scattered as is, not re-summed by a sort), 32-byte rows (wide enough
+    # for the skip, see balanced.SKIP_MIN_ROW_BYTES).
+    x = torch.full((1000, 8), -0.0)
+    x[0, 0] = 1.0  # shared
+    x[999, 1] = 3.0  # shared
+    x[10 + rank, 1] = 2.0 + rank  # held once
+    return x
+
+
 def case_fully_dense(rank: int, n: int):
     return torch.randn(300, 8, generator=_gen("dense", rank))
 
@@ -170,6 +182,7 @@ CASES: Dict[str, Callable] = {
     "zipf": case_zipf, "first_last": case_first_last, "not_divisible": case_not_divisible,
     "sum_zero_row": case_sum_zero_row, "one_empty": case_one_empty, "all_empty": case_all_empty,
     "all_empty_rowsparse": case_all_empty_rowsparse, "all_empty_coo": case_all_empty_coo,
+    "signed_zero": case_signed_zero,
     "fully_dense": case_fully_dense, "identical": case_identical, "disjoint": case_disjoint,
     "clustered_0.1pct": case_clustered, "element_sparse_1d": case_element_sparse,
     "fp16": case_fp16, "fp16_odd_width": case_fp16_odd_width, "bf16": case_bf16, "fp64": case_fp64, "uncoalesced_coo": case_uncoalesced_coo,
@@ -224,6 +237,28 @@ def check_case(case: str, variant: Tuple[str, str, bool, str], rank: int, n: int
         zen_ds.set_cost_model(CostModel())
 
 
+def _assert_same_on_every_rank(y, n: int) -> None:
+    """Replicas must agree bit for bit (a rank that rebuilds a row itself must match the owner)."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    if n == 1:
+        return
+    if isinstance(y, RowSparse):
+        tensors = [y.indices, y.values]
+    elif y.is_sparse:
+        tensors = [y._indices(), y._values()]
+    else:
+        tensors = [y]
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    digests: List = [None] * n
+    dist.all_gather_object(digests, digest.hexdigest())
+    assert len(set(digests)) == 1, f"ranks' results differ: {digests}"
+
+
 def _check_case(case: str, variant: Tuple[str, str, bool, str], rank: int, n: int) -> None:
     scheme, encoding, average, pull = variant
     make = CASES[case]
@@ -241,6 +276,7 @@ def _check_case(case: str, variant: Tuple[str, str, bool, str], rank: int, n: in
         names = [c.log_name for c in stats.collectives]
         assert ("zen.balanced.pull_meta" in names) == (pull == "exchange"), names
     assert type(y) is type(x), (type(y), type(x))
+    _assert_same_on_every_rank(y, n)
     divisor = n if average else 1
     if isinstance(x, RowSparse):
         assert y.coalesced and y.num_rows == x.num_rows and y.dtype == x.dtype
@@ -315,18 +351,28 @@ def measure_balanced_bytes(rank: int, n: int, kind: str = "zipf") -> Dict[str, f
         rows = zipf_rows(num_rows, 200_000, gen)
     else:
         num_rows, width = 50_000_000, 1
-        rows = torch.unique(torch.randint(0, num_rows, (50_000,), generator=gen))
+        rows = torch.unique(torch.randint(0, num_rows, (20_000,), generator=gen))
     x = RowSparse(rows, torch.randn(rows.numel(), width, generator=gen), num_rows)
-    zen_ds.sparse_allreduce(x, scheme="balanced")
+    # A slower latency for the uniform case keeps its padding decision away from the threshold,
+    # where the sketches' union estimate could tip it either way.
+    cost = CostModel() if kind == "zipf" else CostModel(alpha=4e-4)
+    zen_ds.set_cost_model(cost)
+    try:
+        zen_ds.sparse_allreduce(x, scheme="balanced")
+    finally:
+        zen_ds.set_cost_model(CostModel())
     stats = zen_ds.last_sync_stats()
-    # union size actually reached (exact), to feed the model the true U as the issue defines it
+    # The exact union and single-holder rows, to feed the model the true U and S.
     import torch.distributed as dist
     from zen_ds.schemes import get_scheme
     from zen_ds.schemes.base import SyncShape, handshake_bytes
-    nnz = torch.tensor([x.nnz])
-    all_nnz = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    dist.all_gather(all_nnz, nnz)
-    shape = SyncShape(n, [int(t) for t in all_nnz], stats.nnz_result, num_rows, width, 4, rank)
+    supports: List = [None] * n
+    dist.all_gather_object(supports, x.indices)
+    all_nnz = [s.numel() for s in supports]
+    _, holders = torch.unique(torch.cat(supports), return_counts=True)
+    singletons = int((holders == 1).sum())
+    shape = SyncShape(n, all_nnz, stats.nnz_result, num_rows, width, 4, rank,
+                      latency_bytes=cost.latency_bytes, singletons=singletons)
     model = get_scheme("balanced").predict(shape)
     handshake = (n - 1) * handshake_bytes(n)
     return {"sent": stats.bytes_sent, "received": stats.bytes_received,
@@ -334,4 +380,5 @@ def measure_balanced_bytes(rank: int, n: int, kind: str = "zipf") -> Dict[str, f
             "model_steps": model.latency_steps,
             "model_sent": model.bytes_sent + handshake,
             "model_received": model.bytes_received + handshake,
-            "planner_sent": stats.predicted_bytes_sent}
+            "planner_sent": stats.predicted_bytes_sent,
+            "singletons": singletons, "union": stats.nnz_result}

@@ -60,21 +60,43 @@ def test_planning_ranks_for_large_groups_are_the_bottlenecks() -> None:
     assert planning_ranks(SyncShape(8, [1] * 8, 8, 100, 1, 4)) == list(range(8))
 
 
-def test_pull_pads_only_when_duplicates_cost_less_than_its_size_exchange() -> None:
-    """balanced pads its pull to the handshake's bound (one collective less) only while the
-    duplicate rows it would pad cost less on the wire than the size all-gather's latency."""
+def test_pull_pads_only_when_its_padding_costs_less_than_the_size_exchange() -> None:
+    """balanced pads its pull to the handshake's bound (one collective less) only while the rows
+    it would pad (duplicates, plus the single-holder rows the exchanged pull skips) cost less on
+    the wire than the size all-gather's latency."""
     from zen_ds.schemes.balanced import pads_pull
     from zen_ds.schemes.base import DEFAULT_LATENCY_BYTES
 
     assert CostModel().latency_bytes == DEFAULT_LATENCY_BYTES
-    # 4 ranks, 8-byte entries: the budget is 4 * 62.5 kB = 250 kB = 31,250 duplicate entries.
-    assert pads_pull([1000] * 4, 4000, 8, DEFAULT_LATENCY_BYTES)  # disjoint supports
-    assert pads_pull([10_000] * 4, 40_000 - 31_249, 8, DEFAULT_LATENCY_BYTES)
-    assert not pads_pull([10_000] * 4, 40_000 - 31_250, 8, DEFAULT_LATENCY_BYTES)
-    assert not pads_pull([1000] * 4, 4000, 8, 0.0)  # alpha 0: a round costs nothing
+    # 4 ranks, 8-byte entries: the budget is 4 * 62.5 kB = 250 kB = 31,250 padded entries.
+    wide = SyncShape(4, [10_000] * 4, 40_000 - 31_249, 10**7, 8, 4)  # 32-byte rows: skipped
+    assert pads_pull(wide, 8)
+    assert not pads_pull(replace(wide, union_nnz=40_000 - 31_250), 8)
+    assert not pads_pull(replace(wide, singletons=4), 8)  # 31,249 + 4/4 entries
+    assert pads_pull(replace(wide, union_nnz=40_000, singletons=4_000), 8)
+    assert not pads_pull(replace(wide, union_nnz=40_000, latency_bytes=0.0), 8)
+    # 4-byte rows always go back to their holder, so single-holder rows do not count.
+    assert pads_pull(replace(wide, row_numel=1, singletons=40_000), 8)
     # The byte model follows the same decision: 2 or 3 collectives of n - 1 steps.
     balanced = get_scheme("balanced")
-    shape = SyncShape(4, [10_000] * 4, 40_000, 10**7, 1, 4)
-    assert balanced.predict(shape).latency_steps == 6
-    assert balanced.predict(replace(shape, union_nnz=5_000)).latency_steps == 9
-    assert balanced.predict(replace(shape, latency_bytes=0.0)).latency_steps == 9
+    narrow = replace(wide, row_numel=1)  # entries of 4 + 4 bytes
+    assert balanced.predict(narrow).latency_steps == 6
+    assert balanced.predict(replace(narrow, union_nnz=5_000)).latency_steps == 9
+    assert balanced.predict(replace(narrow, latency_bytes=0.0)).latency_steps == 9
+
+
+def test_singletons_from_sketches() -> None:
+    """Exact when every support fits its sketch; a scaled sample otherwise."""
+    import torch
+
+    from zen_ds.planner import estimate_singletons
+
+    sketches = torch.full((3, 8), -1, dtype=torch.int64)
+    sketches[0, :3] = torch.tensor([1, 5, 9])
+    sketches[1, :2] = torch.tensor([5, 20])
+    sketches[2, :1] = torch.tensor([9])
+    assert estimate_singletons(sketches, 4) == 2  # 1 and 20 are held once, 5 and 9 twice
+    assert estimate_singletons(torch.full((2, 8), -1, dtype=torch.int64), 0) == 0
+    # Large supports: half the union's smallest positions are held once.
+    full = torch.stack([torch.arange(0, 64), torch.arange(32, 96)]) * 10
+    assert estimate_singletons(full, 1000) == 500

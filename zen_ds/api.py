@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import ops
 from .comm import Communicator
 from .partition import ShardLayout
-from .planner import CostModel, estimate_union, plan
+from .planner import CostModel, estimate_singletons, estimate_union, plan
 from .schemes import get_scheme, scheme_names
 from .schemes.base import HANDSHAKE_FIXED_FIELDS, SKETCH_SIZE, SyncContext, SyncShape, handshake_bytes
 from .sparse import RowSparse
@@ -183,8 +183,10 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, s
         nnz_per_rank = table[:, _NNZ].tolist()
         sketches = table[:, HANDSHAKE_FIXED_FIELDS: HANDSHAKE_FIXED_FIELDS + SKETCH_SIZE]
         union = estimate_union(sketches, nnz_per_rank, rs.num_rows) if layout else sum(nnz_per_rank)
+        singletons = estimate_singletons(sketches, union) if layout else 0
         shape = SyncShape(n, nnz_per_rank, union, rs.num_rows, rs.row_numel,
-                          rs.values.element_size(), comm.rank, _cost_model.latency_bytes)
+                          rs.values.element_size(), comm.rank, _cost_model.latency_bytes,
+                          singletons)
         if scheme == "auto":
             chosen, estimates = plan(shape, cost=_cost_model)
             estimate = estimates[chosen]
@@ -199,8 +201,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, s
                           sorted_output=_wants_sorted(x),
                           dense_out=None if dense is None else
                           dense.view((rs.num_rows,) + rs.row_shape),
-                          union_estimate=union,
-                          latency_bytes=_cost_model.latency_bytes)
+                          shape=shape)
         result = get_scheme(chosen).sync(rs, ctx)
 
     if result is None:  # the scheme wrote the sum into ctx.dense_out

@@ -21,7 +21,7 @@ from .schemes.base import ByteEstimate, SyncShape
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CostModel", "estimate_union", "plan"]
+__all__ = ["CostModel", "estimate_union", "estimate_singletons", "plan"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,20 @@ def estimate_union(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows
     kth = int(merged[k - 1])  # torch.unique sorts ascending
     estimate = int(round(k * num_rows / (kth + 1)))
     return min(max(estimate, lower), upper)
+
+
+def estimate_singletons(sketches: torch.Tensor, union: int) -> int:
+    """Rows held by exactly one rank, from the same KMV sketches as :func:`estimate_union`.
+
+    A rank's sketch holds its k smallest positions, and a subset's k smallest are never below the
+    union's, so a rank holds one of the union's k smallest positions iff its sketch lists it: the
+    holder counts of that sample are exact, and the fraction held once scales to the union.
+    """
+    positions, holders = torch.unique(sketches[sketches >= 0], return_counts=True)
+    sample = holders[: sketches.shape[-1]]
+    if sample.numel() == 0:
+        return 0
+    return int(round(union * int((sample == 1).sum()) / sample.numel()))
 
 
 EVERY_RANK_UP_TO = 64

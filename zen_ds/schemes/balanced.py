@@ -9,16 +9,21 @@
    either one small all-gather says how many rows and which encoding (``exchange``), or, when the
    ranks share few rows, every shard is padded to the rows its owner received, which the handshake
    already told everyone, and carries its row count in an 8-byte header (``bound``): one
-   collective less for a few duplicate rows' bytes (see :func:`pads_pull`).
+   collective less for a few duplicate rows' bytes (see :func:`pads_pull`). With exchanged sizes
+   and wide rows, a row pushed by a single rank is left out of the payload to that rank, which
+   holds the exact sum already; a bit mask over the rows it pushed tells it which (see
+   :func:`skips_single_holders`).
 4. Every rank decodes the shards back to row ids and assembles the coalesced sum, or, when the
    caller wants a dense tensor (``ctx.dense_out``), scatters each shard straight into it.
 
 Every owner aggregates an equal share however the rows are skewed, so per-rank bytes are
-``(n-1)/n * m * c`` for the push and ``(n-1)/n * U * c`` for the pull.
+``(n-1)/n * m * c`` for the push and ``(n-1)/n * U * c`` for the pull (``(n-1)/n * (U - S_r)`` rows
+received with the skip, ``S_r`` = this rank's single-holder rows).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import itertools
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
@@ -50,18 +55,44 @@ def index_bytes(encoding: int, rows: int, shard_size: int, id_bytes: int) -> int
     return (shard_size + 7) // 8 if encoding == ENCODING_BITMAP else rows * id_bytes
 
 
-def pads_pull(nnz_per_rank: List[int], union: int, entry_bytes: int, latency_bytes: float) -> bool:
+# Rows narrower than this are always sent back to their only contributor (see skips_single_holders).
+SKIP_MIN_ROW_BYTES = 32
+
+
+def skips_single_holders(row_bytes: int) -> bool:
+    """Whether the exchanged pull leaves a row out of the payload to its only contributor.
+
+    It saves that row's bytes on the wire but costs a filtered copy of the shard per peer and a
+    rebuild on the holder: a clear gain for embedding rows (hundreds of bytes), a loss for 1-D
+    elements (4-8 bytes), whose filtering costs more per row than the wire time it saves
+    (top-k 1% on 4 emulated 1 Gbit/s hosts: 137 -> 259 ms with it, 0.87 MB fewer per rank).
+    """
+    return row_bytes >= SKIP_MIN_ROW_BYTES
+
+
+def pads_pull(shape: SyncShape, entry_bytes: int) -> bool:
     """Whether the pull pads every shard to its bound instead of exchanging the shards' sizes.
 
     An owner aggregates at most the rows pushed to it, and every rank knows those counts from the
-    handshake, so shards padded to them need no size all-gather. The padding is the duplicate
-    rows, ``sum(m) - U``; per rank it costs ``(n-1)/n * duplicates * entry`` bytes and saves the
-    all-gather's ``n-1`` latency steps, so pad when ``duplicates * entry < n * latency_bytes``.
+    handshake, so shards padded to them need no size all-gather. Per rank the padded pull moves
+    ``(n-1)/n * sum(m)`` rows, the exchanged one ``(n-1)/n * (U - S/n)`` (it skips each single-holder
+    row's holder, ``S`` rows in all); padding wins when the difference costs less than the
+    all-gather's ``n-1`` latency steps: ``(sum(m) - U + S/n) * entry < n * latency_bytes``.
     The answer depends only on the handshake, so every rank gets the same one.
     """
-    n = len(nnz_per_rank)
-    duplicates = max(sum(nnz_per_rank) - union, 0)
-    return duplicates * entry_bytes < n * latency_bytes
+    n = shape.world_size
+    duplicates = max(sum(shape.nnz_per_rank) - shape.union_nnz, 0)
+    skipped = shape.singletons / n if skips_single_holders(shape.row_bytes) else 0.0
+    return (duplicates + skipped) * entry_bytes < n * shape.latency_bytes
+
+
+def _sole_contributors(shard_rows: torch.Tensor, recv_offsets: torch.Tensor
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For every received row (push order): its slot in ``shard_rows`` (sorted, unique) and
+    whether it is the only contribution to that row."""
+    slots = torch.searchsorted(shard_rows, recv_offsets.to(torch.int64))
+    counts = torch.bincount(slots, minlength=shard_rows.numel())
+    return slots, counts[slots] == 1
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,6 +109,196 @@ def _view_as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if flat.storage_offset() % dtype.itemsize:
         flat = flat.clone()
     return flat.view(dtype).reshape(shape)
+
+
+Shard = Tuple[int, bool, torch.Tensor, torch.Tensor]  # owner, is_bitmap, index, [rows, numel]
+
+
+class _Pull:
+    """The pull phase: every owner sends its aggregated shard to every other rank.
+
+    A payload is ``[header][mask][index][values]``, each area 8-byte aligned; the result is every
+    shard as (owner, is_bitmap, index, values): bitmap bytes or shard-relative ids (int64 for my
+    own rows, the wire id dtype otherwise). Empty shards are left out.
+    """
+
+    def __init__(self, scheme: "BalancedScheme", ctx: SyncContext, layout: ShardLayout,
+                 x: RowSparse, shard_rows: torch.Tensor, shard_values: torch.Tensor,
+                 bitmap: Optional[torch.Tensor]) -> None:
+        self.ctx, self.layout, self.x = ctx, layout, x
+        self.n, self.rank = ctx.world_size, ctx.rank
+        self.shard_rows, self.shard_values, self.bitmap = shard_rows, shard_values, bitmap
+        self.id_bytes = layout.id_dtype.itemsize
+        self.row_bytes = x.row_numel * x.values.element_size()
+        self.universe = layout.shard_size(ctx.rank)
+
+    def _index_payload(self, rows: torch.Tensor, encoding: int, bitmap: Optional[torch.Tensor]
+                       ) -> torch.Tensor:
+        if encoding == ENCODING_BITMAP:
+            index = bitmap if bitmap is not None else ops.bitmap_encode(rows, self.universe)
+        else:
+            index = rows.to(self.layout.id_dtype).view(torch.uint8)
+        return index.flatten()
+
+    def _peer_chunks(self, pulled: torch.Tensor, sizes: List[int]
+                     ) -> Iterator[Tuple[int, torch.Tensor]]:
+        """(peer, that peer's bytes of the pull) for every other rank, in rank order."""
+        cursor = 0
+        for j in range(self.n):
+            if j != self.rank:
+                yield j, pulled[cursor: cursor + sizes[j]]
+                cursor += sizes[j]
+
+    def _own(self) -> List[Shard]:
+        if not self.shard_rows.numel():
+            return []
+        return [(self.rank, False, self.shard_rows, self.shard_values.reshape(-1, self.x.row_numel))]
+
+    def _values(self, chunk: torch.Tensor, rows: int) -> torch.Tensor:
+        return _view_as(chunk[: rows * self.row_bytes], self.x.dtype).reshape(rows, self.x.row_numel)
+
+    def _index(self, chunk: torch.Tensor, owner: int, rows: int, is_bitmap: bool) -> torch.Tensor:
+        if is_bitmap:
+            return chunk[: (self.layout.shard_size(owner) + 7) // 8]
+        return _view_as(chunk[: rows * self.id_bytes], self.layout.id_dtype)
+
+    def padded(self, bounds: List[int]) -> List[Shard]:
+        """One payload for every peer, padded to the rows its owner received (``bounds``, known to
+        every rank from the handshake), the row count in an 8-byte header: no size exchange."""
+        n, rank, layout = self.n, self.rank, self.layout
+        pref = self.ctx.index_encoding
+        encodings = [choose_encoding(b, layout.shard_size(j), self.id_bytes, pref)
+                     for j, b in enumerate(bounds)]
+        index_areas = [_round8(index_bytes(e, b, layout.shard_size(j), self.id_bytes))
+                       for j, (e, b) in enumerate(zip(encodings, bounds))]
+        sizes = [8 + index_areas[j] + _round8(bounds[j] * self.row_bytes) for j in range(n)]
+        index = self._index_payload(self.shard_rows, encodings[rank], self.bitmap)
+        payload = sizes[rank]
+        # The send buffer holds the payload once per peer: write the first slot, copy it on.
+        send = torch.zeros((max(n - 1, 0), payload), dtype=torch.uint8, device=self.x.device)
+        if n > 1:
+            slot = send[0]
+            slot[:8].view(torch.int64)[0] = self.shard_rows.numel()
+            slot[8: 8 + index.numel()].copy_(index)
+            values = self.shard_values.contiguous().view(torch.uint8).flatten()
+            at = 8 + index_areas[rank]
+            slot[at: at + values.numel()].copy_(values)
+            if n > 2:
+                send[1:].copy_(slot.expand(n - 2, payload))
+        recv_splits = [0 if j == rank else sizes[j] for j in range(n)]
+        pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.x.device)
+        self.ctx.comm.all_to_all_single(pulled, send.view(-1), recv_splits,
+                                        [0 if j == rank else payload for j in range(n)],
+                                        "balanced.pull")
+        shards = self._own()
+        for j, chunk in self._peer_chunks(pulled, sizes):
+            rows = int(_view_as(chunk[:8], torch.int64)[0])
+            if rows:
+                is_bitmap = encodings[j] == ENCODING_BITMAP
+                shards.append((j, is_bitmap, self._index(chunk[8:], j, rows, is_bitmap),
+                               self._values(chunk[8 + index_areas[j]:], rows)))
+        return shards
+
+    def exchanged(self, sole: Optional[Tuple[torch.Tensor, torch.Tensor]], send_counts: List[int],
+                  recv_counts: List[int], my_offsets: torch.Tensor, my_values: torch.Tensor
+                  ) -> List[Shard]:
+        """Exact-size payloads after one all-gather of their sizes. A row pushed by one rank only
+        is not sent back to it: a mask over that rank's pushed rows (in push order) tells it
+        which of its own rows are final, and it rebuilds them locally with the owner's arithmetic.
+
+        ``sole``: :func:`_sole_contributors`, or None to send every peer the whole shard (no masks).
+        ``send_counts`` / ``recv_counts``: rows I pushed to / received from each rank;
+        ``my_offsets`` / ``my_values``: my push buffer (grouped by owner)."""
+        n, rank, ctx = self.n, self.rank, self.ctx
+        pref = ctx.index_encoding
+        recv_at = [0, *itertools.accumulate(recv_counts)]
+        no_mask = torch.empty(0, dtype=torch.uint8)
+        whole = None  # the unfiltered payload, built once
+        payloads = {}
+        meta = torch.zeros((n, _PULL_META_FIELDS), dtype=torch.int64)
+        for d in range(n):
+            if d == rank:
+                continue
+            single_d = None if sole is None else sole[1][recv_at[d]: recv_at[d + 1]]
+            if single_d is not None and bool(single_d.any()):
+                keep = torch.ones(self.shard_rows.numel(), dtype=torch.bool,
+                                  device=self.shard_rows.device)
+                keep[sole[0][recv_at[d]: recv_at[d + 1]][single_d]] = False
+                rows, values = self.shard_rows[keep], self.shard_values[keep]
+                encoding = choose_encoding(rows.numel(), self.universe, self.id_bytes, pref)
+                index = self._index_payload(rows, encoding, None)
+                payload = (index, values.contiguous().view(torch.uint8).flatten(), rows.numel(),
+                           encoding)
+            else:
+                if whole is None:
+                    rows = self.shard_rows
+                    encoding = choose_encoding(rows.numel(), self.universe, self.id_bytes, pref)
+                    whole = (self._index_payload(rows, encoding, self.bitmap),
+                             self.shard_values.contiguous().view(torch.uint8).flatten(),
+                             rows.numel(), encoding)
+                payload = whole
+            mask = no_mask if single_d is None else ops.bitmap_encode(
+                torch.nonzero(single_d).flatten(), recv_counts[d])
+            index, values, rows_d, encoding = payload
+            payloads[d] = (mask, index, values)
+            meta[d] = torch.tensor([rows_d, encoding, _round8(index.numel())])
+        all_meta = torch.empty(n * n * _PULL_META_FIELDS, dtype=torch.int64, device=self.x.device)
+        ctx.comm.all_gather_into_tensor(all_meta, meta.flatten().to(self.x.device),
+                                        "balanced.pull_meta")
+        from_owner = all_meta.view(n, n, _PULL_META_FIELDS)[:, rank].tolist()  # [owner] -> meta
+
+        masked = sole is not None  # the same on every rank: it depends on the row width only
+
+        def size(mask_rows: int, rows: int, index_area: int) -> int:
+            mask_area = _round8((mask_rows + 7) // 8) if masked else 0
+            return mask_area + index_area + _round8(rows * self.row_bytes)
+
+        send_splits = [0 if d == rank else size(recv_counts[d], int(meta[d, 0]), int(meta[d, 2]))
+                       for d in range(n)]
+        recv_splits = [0 if o == rank else size(send_counts[o], from_owner[o][0], from_owner[o][2])
+                       for o in range(n)]
+        send = torch.zeros(sum(send_splits), dtype=torch.uint8, device=self.x.device)
+        cursor = 0
+        for d in range(n):
+            if d == rank:
+                continue
+            mask, index, values = payloads[d]
+            mask_area = _round8(mask.numel())
+            send[cursor: cursor + mask.numel()].copy_(mask)
+            send[cursor + mask_area: cursor + mask_area + index.numel()].copy_(index)
+            at = cursor + mask_area + int(meta[d, 2])
+            send[at: at + values.numel()].copy_(values)
+            cursor += send_splits[d]
+        del payloads
+        pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.x.device)
+        ctx.comm.all_to_all_single(pulled, send, recv_splits, send_splits, "balanced.pull")
+        del send
+
+        shards = self._own()
+        my_at = [0, *itertools.accumulate(send_counts)]
+        for o, chunk in self._peer_chunks(pulled, recv_splits):
+            rows, encoding, index_area = from_owner[o]
+            mask_area = _round8((send_counts[o] + 7) // 8) if masked else 0
+            if rows:
+                is_bitmap = encoding == ENCODING_BITMAP
+                shards.append((o, is_bitmap, self._index(chunk[mask_area:], o, rows, is_bitmap),
+                               self._values(chunk[mask_area + index_area:], rows)))
+            if masked and send_counts[o]:
+                mine = ops.bitmap_decode(chunk[: (send_counts[o] + 7) // 8], send_counts[o])
+                if mine.numel():
+                    mine = mine + my_at[o]
+                    shards.append((o, False, my_offsets[mine],
+                                   self._owner_arithmetic(my_values[mine])))
+        return shards
+
+    def _owner_arithmetic(self, values: torch.Tensor) -> torch.Tensor:
+        """What the owner would have sent for rows with one contribution, bit for bit: a sum
+        from zero in the accumulation dtype (so -0.0 becomes +0.0, as there), scaled, cast back."""
+        sums = torch.zeros(values.shape, dtype=accum_dtype(self.x.dtype), device=values.device)
+        sums.add_(values)
+        if self.ctx.scale is not None:
+            sums.mul_(self.ctx.scale)
+        return sums.to(self.x.dtype).reshape(-1, self.x.row_numel)
 
 
 class BalancedScheme(Scheme):
@@ -120,76 +341,29 @@ class BalancedScheme(Scheme):
                                                             accum_dtype(x.dtype), universe)
         else:
             shard_rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype))
+        bound_mode = ctx.owner_counts is not None and ctx.shape is not None and pads_pull(
+            ctx.shape, id_bytes + x.row_numel * x.values.element_size())
+        # Who pushed each of my shard's rows: a row with a single contributor goes back to every
+        # rank except that one, which already holds the exact sum (exchange mode only: the
+        # padded pull's sizes are fixed before anyone knows which rows are single).
+        skip = not bound_mode and skips_single_holders(row_numel * x.values.element_size())
+        sole = _sole_contributors(shard_rows, recv_offsets) if skip else None
         del received, recv_offsets, recv_values
         if ctx.scale is not None:
             sums.mul_(ctx.scale)
         shard_values = sums.to(x.dtype)
 
-        # Pull: every owner sends its shard to every other rank. A shard is laid out as
-        # [row count header, bound mode only][index area][values area], each area 8-byte aligned.
-        row_bytes = row_numel * x.values.element_size()
-        bounds = None
-        if ctx.owner_counts is not None and ctx.union_estimate is not None and pads_pull(
-                ctx.nnz_per_rank, ctx.union_estimate, id_bytes + row_bytes, ctx.latency_bytes):
-            bounds = ctx.owner_counts.sum(dim=0).tolist()  # rows each owner received
-        if bounds is not None:
-            header = 8
-            encodings = [choose_encoding(b, layout.shard_size(j), id_bytes, ctx.index_encoding)
-                         for j, b in enumerate(bounds)]
-            index_areas = [_round8(index_bytes(e, b, layout.shard_size(j), id_bytes))
-                           for j, (e, b) in enumerate(zip(encodings, bounds))]
-            value_areas = [_round8(b * row_bytes) for b in bounds]
-            encoding = encodings[rank]
-            unique_counts = None  # each shard's header says
+        pull = _Pull(self, ctx, layout, x, shard_rows, shard_values, bitmap)
+        if bound_mode:
+            shards = pull.padded([int(b) for b in ctx.owner_counts.sum(dim=0).tolist()])
         else:
-            header = 0
-            encoding = choose_encoding(shard_rows.numel(), universe, id_bytes, ctx.index_encoding)
-        if encoding == ENCODING_BITMAP:
-            index_payload = bitmap if bitmap is not None else ops.bitmap_encode(shard_rows, universe)
-        else:
-            index_payload = shard_rows.to(layout.id_dtype).view(torch.uint8)
-        index_payload = index_payload.flatten()
-        value_payload = shard_values.contiguous().view(torch.uint8).flatten()
-        if bounds is None:
-            index_area = _round8(index_payload.numel())
-            meta = torch.tensor([shard_rows.numel(), encoding, index_area],
-                                dtype=torch.int64, device=x.device)
-            all_meta = torch.empty(n * _PULL_META_FIELDS, dtype=torch.int64, device=x.device)
-            ctx.comm.all_gather_into_tensor(all_meta, meta, "balanced.pull_meta")
-            shard_meta = all_meta.view(n, _PULL_META_FIELDS).tolist()
-            unique_counts = [u for u, _, _ in shard_meta]
-            encodings = [e for _, e, _ in shard_meta]
-            index_areas = [area for _, _, area in shard_meta]
-            value_areas = [_round8(u * row_bytes) for u, _, _ in shard_meta]
-        sizes = [header + index_areas[j] + value_areas[j] for j in range(n)]
-        payload_bytes = sizes[rank]
-        send_splits = [0 if j == rank else payload_bytes for j in range(n)]
-        recv_splits = [0 if j == rank else sizes[j] for j in range(n)]
-        pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=x.device)
-        # The all-to-all send buffer holds the payload once per peer: write it straight into the
-        # first slot and copy that slot to the others, instead of building it and repeating it.
-        send = torch.empty((max(n - 1, 0), payload_bytes), dtype=torch.uint8, device=x.device)
-        if n > 1:
-            slot = send[0]
-            slot.zero_()
-            if header:
-                slot[:header].view(torch.int64)[0] = shard_rows.numel()
-            slot[header: header + index_payload.numel()].copy_(index_payload)
-            values_at = header + index_areas[rank]
-            slot[values_at: values_at + value_payload.numel()].copy_(value_payload)
-            if n > 2:
-                send[1:].copy_(slot.expand(n - 2, payload_bytes))
-        ctx.comm.all_to_all_single(pulled, send.view(-1), recv_splits, send_splits, "balanced.pull")
-        del send
+            shards = pull.exchanged(sole, send_splits, recv_splits, offsets, values)
 
-        shards = self._pulled_shards(ctx, layout, x, pulled, sizes, unique_counts, encodings,
-                                     index_areas, shard_rows, shard_values)
         if ctx.dense_out is not None:
             # The caller wants a dense tensor: scatter every shard straight into it through the
             # inverse permutation, without building the global id list.
             self._scatter_dense(ctx, layout, x, shards)
             return None
-
         if not shards:  # no rank had a row
             return RowSparse.empty(x.num_rows, x.row_shape, dtype=x.dtype, device=x.device)
         # Decode every shard to row ids.
@@ -212,47 +386,6 @@ class BalancedScheme(Scheme):
                          coalesced=ctx.sorted_output)
 
     @staticmethod
-    def _pulled_shards(ctx: SyncContext, layout: ShardLayout, x: RowSparse, pulled: torch.Tensor,
-                       sizes: List[int], unique_counts: Optional[List[int]], encodings: List[int],
-                       index_areas: List[int],
-                       shard_rows: torch.Tensor, shard_values: torch.Tensor
-                       ) -> List[Tuple[int, bool, torch.Tensor, torch.Tensor]]:
-        """Every shard as (owner, is_bitmap, index, values): the bitmap bytes or the shard-relative
-        ids (int64 for my own shard, the wire id dtype otherwise) and ``[rows, row_numel]`` values.
-        ``unique_counts`` is None when every shard starts with its row count (bound mode).
-        Shards without rows are left out."""
-        row_bytes = x.row_numel * x.values.element_size()
-        id_bytes = layout.id_dtype.itemsize
-        header = 8 if unique_counts is None else 0
-        shards = []
-        cursor = 0
-        for j in range(ctx.world_size):
-            if j == ctx.rank:
-                if shard_rows.numel():
-                    shards.append((j, False, shard_rows,
-                                   shard_values.reshape(-1, x.row_numel)))
-                continue
-            chunk = pulled[cursor: cursor + sizes[j]]
-            cursor += sizes[j]
-            if unique_counts is None:
-                unique_rows = int(_view_as(chunk[:header], torch.int64)[0])
-            else:
-                unique_rows = unique_counts[j]
-            if not unique_rows:
-                continue
-            index_chunk = chunk[header: header + index_areas[j]]
-            is_bitmap = encodings[j] == ENCODING_BITMAP
-            if is_bitmap:
-                index = index_chunk[: (layout.shard_size(j) + 7) // 8]
-            else:
-                index = _view_as(index_chunk[: unique_rows * id_bytes], layout.id_dtype)
-            values_at = header + index_areas[j]
-            values = _view_as(chunk[values_at: values_at + unique_rows * row_bytes],
-                              x.dtype).reshape(unique_rows, x.row_numel)
-            shards.append((j, is_bitmap, index, values))
-        return shards
-
-    @staticmethod
     def _scatter_dense(ctx: SyncContext, layout: ShardLayout, x: RowSparse, shards) -> None:
         """Write every shard into ``ctx.dense_out`` (zeroed ``[num_rows, *row_shape]``)."""
         out = ctx.dense_out
@@ -269,17 +402,32 @@ class BalancedScheme(Scheme):
         layout = ShardLayout(shape.num_rows, n, 0)
         id_bytes = layout.id_dtype.itemsize
         entry = id_bytes + shape.row_bytes
-        push_sent = shape.nnz_per_rank[r] * (n - 1) / n * entry
-        push_received = sum(m for i, m in enumerate(shape.nnz_per_rank) if i != r) / n * entry
+        nnz = list(shape.nnz_per_rank)
+        total = sum(nnz)
+        push_sent = nnz[r] * (n - 1) / n * entry
+        push_received = sum(m for i, m in enumerate(nnz) if i != r) / n * entry
         shard_size = shape.num_rows / n
-        if pads_pull(list(shape.nnz_per_rank), shape.union_nnz, entry, shape.latency_bytes):
+
+        def index(rows: float) -> float:  # + mean padding of the index and value areas to 8
+            return min(rows * id_bytes, (shard_size + 7) // 8) + 7
+
+        if pads_pull(shape, entry):
             # Every shard padded to the rows its owner received (~sum(m)/n), plus its header.
-            bound = sum(shape.nnz_per_rank) / n
-            index = min(bound * id_bytes, (shard_size + 7) // 8) + 7  # + mean padding to 8 bytes
-            pull = (n - 1) * (8 + index + bound * shape.row_bytes)
+            bound = total / n
+            pull = (n - 1) * (8 + index(bound) + bound * shape.row_bytes)
             return ByteEstimate(push_sent + pull, push_received + pull, 2 * (n - 1))
-        meta = (n - 1) * 8 * _PULL_META_FIELDS
+        # Exchanged sizes: each single-holder row skips its holder; single-holder rows are
+        # spread over ranks like their non-zeros, and every shard holds ~U/n rows.
+        skip = skips_single_holders(shape.row_bytes)
+        single = [shape.singletons * m / total if total and skip else 0.0 for m in nnz]
+        meta = (n - 1) * 8 * _PULL_META_FIELDS * n
         shard_rows = shape.union_nnz / n
-        index = min(shard_rows * id_bytes, (shard_size + 7) // 8) + 7  # + mean padding of index and payload to 8 bytes
-        pull = (n - 1) * (index + shard_rows * shape.row_bytes)
-        return ByteEstimate(push_sent + meta + pull, push_received + meta + pull, 3 * (n - 1))
+
+        def payload(to: int) -> float:  # one owner's payload to rank `to`
+            rows = max(shard_rows - single[to] / n, 0.0)
+            mask = nnz[to] / n / 8 + 7 if skip else 0.0  # over the rows `to` pushed
+            return index(rows) + rows * shape.row_bytes + mask
+
+        sent = sum(payload(d) for d in range(n) if d != r)
+        received = (n - 1) * payload(r)
+        return ByteEstimate(push_sent + meta + sent, push_received + meta + received, 3 * (n - 1))

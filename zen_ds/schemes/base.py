@@ -43,6 +43,7 @@ class SyncShape:
     value_bytes: int  # bytes of one element on the wire
     rank: int = 0
     latency_bytes: float = DEFAULT_LATENCY_BYTES  # cost model's alpha x bandwidth
+    singletons: int = 0  # rows of the union held by exactly one rank (estimate)
 
     @property
     def row_bytes(self) -> int:
@@ -82,8 +83,9 @@ class SyncContext:
     # A scheme may write its result straight into it, set ``dense_nnz`` and return None.
     dense_out: Optional[torch.Tensor] = None
     dense_nnz: Optional[int] = None  # rows written into dense_out (set by the scheme)
-    union_estimate: Optional[int] = None  # the planner's union size (from the handshake)
-    latency_bytes: float = DEFAULT_LATENCY_BYTES  # cost model's alpha x bandwidth
+    # What the planner knew (from the handshake, the same on every rank); None outside
+    # sparse_allreduce. Schemes take data-independent decisions from it.
+    shape: Optional[SyncShape] = None
 
     @property
     def world_size(self) -> int:
