@@ -175,9 +175,10 @@ class _Pull:
         index = self._index_payload(self.shard_rows, encodings[rank], self.bitmap)
         payload = sizes[rank]
         # The send buffer holds the payload once per peer: write the first slot, copy it on.
-        send = torch.zeros((max(n - 1, 0), payload), dtype=torch.uint8, device=self.x.device)
+        send = torch.empty((max(n - 1, 0), payload), dtype=torch.uint8, device=self.x.device)
         if n > 1:
             slot = send[0]
+            slot.zero_()  # the padding goes on the wire: keep it deterministic
             slot[:8].view(torch.int64)[0] = self.shard_rows.numel()
             slot[8: 8 + index.numel()].copy_(index)
             values = self.shard_values.contiguous().view(torch.uint8).flatten()
