@@ -336,6 +336,15 @@ def check_mismatch_errors(rank: int, n: int) -> Dict[str, str]:
         out["scheme"] = "no error raised"
     except ValueError as exc:
         out["scheme"] = str(exc)
+    # cost model mismatch: it decides balanced's pull mode, so ranks must agree on it
+    zen_ds.set_cost_model(CostModel(alpha=1e-3) if rank == 1 else CostModel())
+    try:
+        zen_ds.sparse_allreduce(torch.ones(4, 2), scheme="balanced")
+        out["cost_model"] = "no error raised"
+    except ValueError as exc:
+        out["cost_model"] = str(exc)
+    finally:
+        zen_ds.set_cost_model(CostModel())
     # the group still works afterwards
     y = zen_ds.sparse_allreduce(torch.ones(4, 2), scheme="balanced")
     out["after"] = "ok" if torch.equal(y, torch.full((4, 2), float(n))) else f"bad result {y}"

@@ -8,6 +8,7 @@ push splits of the balanced scheme without another round.
 """
 from __future__ import annotations
 
+import struct
 import time
 from typing import Optional, Sequence, Union
 
@@ -30,7 +31,9 @@ TensorLike = Union[RowSparse, torch.Tensor]
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}
 _FIELD_NAMES = ("num_rows", "row_numel", "dtype", "row shape", "nnz", "scheme", "index_encoding",
-                "seed", "average", "local error")
+                "seed", "average", "local error", "cost model alpha", "cost model bandwidth")
+# Floats travel as their IEEE-754 bits: ranks must agree on them exactly (see set_cost_model).
+_FLOAT_FIELDS = ("cost model alpha", "cost model bandwidth")
 _NNZ, _LOCAL_ERROR = 4, 9
 _ERR_INDEX_RANGE, _ERR_UNSUPPORTED_DTYPE = 1, 2
 _LOCAL_ERRORS = {_ERR_INDEX_RANGE: "row ids outside [0, num_rows)",
@@ -85,6 +88,14 @@ def _handshake(x: RowSparse, comm: Communicator, layout: Optional[ShardLayout], 
     return gathered.view(n, -1).cpu()
 
 
+def _bits_of_float(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _float_of_bits(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
+
+
 def _check_agreement(table: torch.Tensor) -> None:
     """Raise the same error on every rank if the ranks' calls do not match."""
     errors = table[:, _LOCAL_ERROR].tolist()
@@ -102,6 +113,8 @@ def _check_agreement(table: torch.Tensor) -> None:
                 values = [names.get(v, v) for v in values]
             elif name == "scheme":
                 values = [(("auto",) + scheme_names())[v] for v in values]
+            elif name in _FLOAT_FIELDS:
+                values = [_float_of_bits(v) for v in values]
             per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise ValueError(f"zen_ds.sparse_allreduce: ranks disagree on {name} ({per_rank}); "
                              "every rank must sync the same tensor with the same options")
@@ -176,7 +189,8 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, s
         scheme_code = 0 if scheme == "auto" else 1 + scheme_names().index(scheme)
         fields = [rs.num_rows, rs.row_numel, _DTYPE_CODES.get(rs.dtype, 0), _shape_code(rs.row_shape),
                   rs.nnz, scheme_code, INDEX_ENCODINGS.index(index_encoding), seed, int(average),
-                  local_error]
+                  local_error, _bits_of_float(_cost_model.alpha),
+                  _bits_of_float(_cost_model.bandwidth)]
         assert len(fields) == HANDSHAKE_FIXED_FIELDS
         table = _handshake(rs, comm, layout, fields)
         _check_agreement(table)

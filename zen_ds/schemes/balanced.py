@@ -122,7 +122,7 @@ class _Pull:
     own rows, the wire id dtype otherwise). Empty shards are left out.
     """
 
-    def __init__(self, scheme: "BalancedScheme", ctx: SyncContext, layout: ShardLayout,
+    def __init__(self, ctx: SyncContext, layout: ShardLayout,
                  x: RowSparse, shard_rows: torch.Tensor, shard_values: torch.Tensor,
                  bitmap: Optional[torch.Tensor]) -> None:
         self.ctx, self.layout, self.x = ctx, layout, x
@@ -342,19 +342,20 @@ class BalancedScheme(Scheme):
                                                             accum_dtype(x.dtype), universe)
         else:
             shard_rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype))
+        row_bytes = row_numel * x.values.element_size()
         bound_mode = ctx.owner_counts is not None and ctx.shape is not None and pads_pull(
-            ctx.shape, id_bytes + x.row_numel * x.values.element_size())
+            ctx.shape, id_bytes + row_bytes)
         # Who pushed each of my shard's rows: a row with a single contributor goes back to every
         # rank except that one, which already holds the exact sum (exchange mode only: the
         # padded pull's sizes are fixed before anyone knows which rows are single).
-        skip = not bound_mode and skips_single_holders(row_numel * x.values.element_size())
+        skip = not bound_mode and skips_single_holders(row_bytes)
         sole = _sole_contributors(shard_rows, recv_offsets) if skip else None
         del received, recv_offsets, recv_values
         if ctx.scale is not None:
             sums.mul_(ctx.scale)
         shard_values = sums.to(x.dtype)
 
-        pull = _Pull(self, ctx, layout, x, shard_rows, shard_values, bitmap)
+        pull = _Pull(ctx, layout, x, shard_rows, shard_values, bitmap)
         if bound_mode:
             shards = pull.padded([int(b) for b in ctx.owner_counts.sum(dim=0).tolist()])
         else:

@@ -19,7 +19,7 @@ __all__ = ["SyncShape", "ByteEstimate", "SyncContext", "Scheme", "HANDSHAKE_FIXE
 
 # Handshake layout (int64 per rank): fixed fields, then a KMV sketch of the support, then the
 # per-owner row counts of the balanced partition. See zen_ds/api.py.
-HANDSHAKE_FIXED_FIELDS = 10
+HANDSHAKE_FIXED_FIELDS = 12
 SKETCH_SIZE = 64
 # Bytes the link moves in one latency step: what a scheme may spend in padding to save a round.
 # The default cost model's alpha (50 us) times its bandwidth (1.25 GB/s); see zen_ds.planner.
