@@ -1,7 +1,8 @@
 """zen as a DeepSpeed plug-in on 4 gloo ranks: parameters after 5 steps match a single-process
-reference on the global batch (1e-5 relative in fp32, bf16/fp16 rounding otherwise) across
-precision x ZeRO stage x accumulation x clipping; zen fixes stock DeepSpeed's unclipped sparse
-grads; ``enabled: false`` is plain DeepSpeed; checkpoints resume exactly.
+reference on the global batch (1e-5 relative in fp32, bf16 rounding) across precision x ZeRO stage
+x accumulation x clipping; fp16 runs equal stock DeepSpeed's fp16 run (on every CPU); zen fixes
+stock DeepSpeed's unclipped sparse grads; ``enabled: false`` is plain DeepSpeed; checkpoints resume
+exactly.
 
 All cases run in one 4-rank spawn (module fixture); each test checks its case.
 """
@@ -36,8 +37,13 @@ CASES = [
     dict(name="bf16_gas1", dtype="bf16"),
     dict(name="bf16_clip_gas2", dtype="bf16", clip=CLIP, gas=2),
     dict(name="bf16_dense_emb", dtype="bf16", sparse=False, clip=CLIP),
-    dict(name="fp16_dense_emb", dtype="fp16", sparse=False),
-    dict(name="fp16_dense_emb_inf", dtype="fp16", sparse=False, inf_at=(2, 1)),
+    # fp16: targets x16 so that one update moves the touched embedding rows by several fp16
+    # spacings (with unit targets most updates round away in fp16 parameters)
+    dict(name="fp16_dense_emb", dtype="fp16", sparse=False, yscale=16.0),
+    dict(name="fp16_dense_emb_inf", dtype="fp16", sparse=False, yscale=16.0, inf_at=(2, 1)),
+    dict(name="stock_fp16_dense_emb", dtype="fp16", sparse=False, yscale=16.0, plain=True, zen=None),
+    dict(name="stock_fp16_dense_emb_inf", dtype="fp16", sparse=False, yscale=16.0, inf_at=(2, 1),
+         plain=True, zen=None),
     dict(name="zero1_fp32", zero=1, clip=CLIP),
     dict(name="zero2_fp32_gas2", zero=2, gas=2),
     dict(name="zero2_clip", zero=2, clip=CLIP),
@@ -48,8 +54,13 @@ CASES = [
 ]
 REF_KEYS = {"fp32_gas1", "fp32_gas2", "fp32_clip", "fp32_clip_gas2", "fp32_balanced_sum", "fp32_prescale",
             "fp32_predivide", "fp32_threshold_dense", "zero1_fp32", "zero2_fp32_gas2", "zero2_clip"}
-HALF = {"bf16_gas1": 3e-2, "bf16_clip_gas2": 3e-2, "bf16_dense_emb": 3e-2, "zero1_bf16": 3e-2,
-        "zero2_bf16_gas2": 3e-2, "fp16_dense_emb": 5e-3, "fp16_dense_emb_inf": 5e-3}
+BF16 = {"bf16_gas1": 3e-2, "bf16_clip_gas2": 3e-2, "bf16_dense_emb": 3e-2, "zero1_bf16": 3e-2,
+        "zero2_bf16_gas2": 3e-2}
+# fp16 runs are compared with stock DeepSpeed's fp16 run on the same machine, not with the fp32
+# reference: DeepSpeed's fp16 training (dynamic loss scale, fp16 parameters) drifts from fp32
+# training far beyond rounding, and zen must reproduce exactly that behaviour.
+FP16_VS_STOCK = {"fp16_dense_emb": "stock_fp16_dense_emb",
+                 "fp16_dense_emb_inf": "stock_fp16_dense_emb_inf"}
 
 
 def _zen_info(engine) -> Dict[str, Any]:
@@ -101,9 +112,26 @@ def _ckpt_case(rank: int, world: int, case: Dict[str, Any], root: str) -> Dict[s
             "same_opt": same_opt}
 
 
+def _accept_fp16_on_cpu() -> None:
+    """Let DeepSpeed's CPU accelerator run fp16 on every CPU, not only where oneDNN has fp16.
+
+    Its ``is_fp16_supported`` asks oneDNN for native fp16 kernels (avx512_fp16 / AMX), so fp16
+    cases would run on some machines and skip on others. torch's CPU fp16 arithmetic is the same
+    IEEE arithmetic with or without those kernels, so the fp16 cases run, and are checked,
+    everywhere. GPU accelerators are left alone."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return
+    accelerator.is_fp16_supported = lambda: True
+    accelerator.supported_dtypes = lambda: [torch.float32, torch.bfloat16, torch.float16]
+
+
 def _worker(rank: int, world: int, cases, ckpt_root: str) -> Dict[str, Any]:
     import torch.distributed as dist
     dc.set_env(rank, world)
+    _accept_fp16_on_cpu()
     out: Dict[str, Any] = {}
     import warnings
     warnings.filterwarnings("ignore")
@@ -129,9 +157,6 @@ def results():
 
 
 def _ok(results, name):
-    err = results[0][name].get("error", "")
-    if "fp16 is not supported" in err:
-        pytest.skip(f"DeepSpeed's accelerator here has no fp16 ({err}); runs on GPU")
     for rank in range(WORLD):
         assert "error" not in results[rank][name], results[rank][name]["error"]
     return results[0][name]
@@ -153,13 +178,36 @@ def test_fp32_matches_reference(results, name):
             np.testing.assert_array_equal(results[rank][name]["params"][k], v)
 
 
-@pytest.mark.parametrize("name", sorted(HALF))
-def test_half_precision_matches_reference(results, name):
+@pytest.mark.parametrize("name", sorted(BF16))
+def test_bf16_matches_reference(results, name):
     case = next(c for c in CASES if c["name"] == name)
     got = _ok(results, name)
     assert got["zen"] is not None
     errs = dc.max_rel_err(got["params"], dc.reference(case, WORLD))
-    assert max(errs.values()) < HALF[name], errs
+    assert max(errs.values()) < BF16[name], errs
+
+
+def fp16_ulps_apart(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Element-wise distance in units of the fp16 spacing at ``want`` (fp16 parameters)."""
+    spacing = np.spacing(np.abs(want.astype(np.float16))).astype(np.float64)
+    return np.abs(got.astype(np.float64) - want.astype(np.float64)) / spacing
+
+
+@pytest.mark.parametrize("name", sorted(FP16_VS_STOCK))
+def test_fp16_matches_stock_deepspeed(results, name):
+    """zen's fp16 run equals stock DeepSpeed's fp16 run to within two fp16 spacings per element.
+
+    zen sums fp16 gradients in fp32 where DeepSpeed's all-reduce adds in fp16, so the runs may
+    differ by a rounding (one spacing seen). The check still catches real faults: zeroing one
+    synced embedding row in one step put that row 8 spacings away, doubling one step's synced
+    gradients 9-19 spacings."""
+    got, stock = _ok(results, name), _ok(results, FP16_VS_STOCK[name])
+    assert got["zen"] is not None and stock["zen"] is None
+    assert got["skipped"] == stock["skipped"]
+    np.testing.assert_allclose(got["losses"], stock["losses"], rtol=1e-3)
+    for param, want in stock["params"].items():
+        ulps = fp16_ulps_apart(got["params"][param], want)
+        assert float(ulps.max()) <= 2.0, (param, float(ulps.max()))
 
 
 def test_routes(results):
