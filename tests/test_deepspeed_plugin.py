@@ -111,13 +111,13 @@ def _worker(rank: int, world: int, cases, ckpt_root: str) -> Dict[str, Any]:
         try:
             out[case["name"]] = dc.train_ds(rank, world, case, case.get("steps", 5), engine_fn=_zen_info)
         except Exception as exc:
-            out[case["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+            out[case["name"]] = dc.error_record(exc)
     for i, case in enumerate([dict(name="ckpt_shared", clip=CLIP), dict(name="ckpt_owned", zero=2, clip=CLIP)]):
         root = os.path.join(ckpt_root, case["name"])
         try:
             out[case["name"]] = _ckpt_case(rank, world, case, root)
         except Exception as exc:
-            out[case["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+            out[case["name"]] = dc.error_record(exc)
         dist.barrier()
     return out
 
@@ -132,8 +132,7 @@ def _ok(results, name):
     err = results[0][name].get("error", "")
     if "fp16 is not supported" in err:
         pytest.skip(f"DeepSpeed's accelerator here has no fp16 ({err}); runs on GPU")
-    for rank in range(WORLD):
-        assert "error" not in results[rank][name], results[rank][name]["error"]
+    dc.case_results(results, name)
     return results[0][name]
 
 
