@@ -7,10 +7,9 @@ Workers run *many cases per spawn* (spawning 4 ranks costs seconds on 2 cores) a
 """
 from __future__ import annotations
 
-import copy
 import os
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 from torch import nn
