@@ -11,7 +11,8 @@ the scanner below rejects:
 3. importing a DeepSpeed submodule other than the public ``deepspeed``, ``deepspeed.pipe`` and
    ``deepspeed.moe.layer`` (``deepspeed.runtime.*``, ``deepspeed.utils.groups`` are internals);
 4. assigning an attribute of an object named ``engine`` / ``opt`` / ``optimizer`` / ``module`` /
-   ``deepspeed`` (or reached as ``x.engine`` / ``x.optimizer``): replacing methods on the instance.
+   ``deepspeed``, or of anything reached through one (``opt.overflow_checker.check = ...``,
+   ``state.engine.step = ...``): replacing methods on the instance.
 
 Outside patches.py, the code (not the prose) of no module of ``zen_ds`` mentions ``engine._``, ``optimizer._``,
 ``_INSTRUCTION_MAP`` or ``_hp_grad`` at all. The scanner is shown to catch each rule on patches.py
@@ -37,11 +38,12 @@ PRIVATE = re.compile(r"^_[A-Za-z0-9]\w*$")  # one leading underscore, not a dund
 
 
 def _owner_name(node: ast.AST) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    return ""
+    """The first name in ``node``'s attribute chain (innermost first) that may be DeepSpeed's."""
+    while isinstance(node, ast.Attribute):
+        if node.attr in WRAPPED_OWNERS:
+            return node.attr
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else ""
 
 
 def violations(source: str, filename: str = "<src>") -> List[str]:
@@ -103,7 +105,7 @@ def test_the_scanner_sees_what_patches_does():
     for expected in ("._take_model_step", "._config", "._INSTRUCTION_MAP", "._hp_grad",
                      "._get_sequence_data_parallel_group", "from deepspeed.runtime.utils import",
                      "assigns engine.allreduce_gradients", "assigns deepspeed.initialize",
-                     "assigns opt.scaled_global_norm"):
+                     "assigns opt.scaled_global_norm", "assigns opt.check"):
         assert expected in found, (expected, found)
 
 
@@ -115,6 +117,7 @@ def test_the_scanner_sees_what_patches_does():
     ("from deepspeed.utils import groups", "from deepspeed.utils import"),
     ("engine.step = my_step", "assigns engine.step"),
     ("state.optimizer.step = my_step", "assigns optimizer.step"),
+    ("opt.overflow_checker.check = check", "assigns opt.check"),
 ])
 def test_the_scanner_flags_each_rule(snippet, rule):
     assert any(rule in v for v in violations(snippet)), violations(snippet)
