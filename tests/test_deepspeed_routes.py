@@ -61,3 +61,15 @@ def test_every_refusal_message_is_written_once():
                 messages.append(ast.unparse(node.args[0]))
     assert len(messages) >= 10
     assert len(messages) == len(set(messages)), sorted(messages)
+
+
+def test_deepspeed_version_outside_the_supported_range(monkeypatch, caplog):
+    import deepspeed
+    from zen_ds.deepspeed import patches
+    patches.check_deepspeed_version()  # the installed release is a supported one
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    with pytest.raises(RuntimeError, match=r"supports DeepSpeed >=0\.19,<0\.20.*found 0\.20\.1"):
+        patches.check_deepspeed_version()
+    monkeypatch.setenv("ZEN_DS_UNTESTED_DEEPSPEED", "1")
+    patches.check_deepspeed_version()
+    assert "found 0.20.1" in caplog.text
