@@ -7,9 +7,9 @@ Workers run *many cases per spawn* (spawning 4 ranks costs seconds on 2 cores) a
 """
 from __future__ import annotations
 
-import copy
 import os
-from typing import Any, Dict, List, Optional
+import traceback
+from typing import Any, Dict, List
 
 import torch
 from torch import nn
@@ -154,6 +154,34 @@ def max_rel_err(got: Dict[str, Any], want: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
+def error_record(exc: BaseException) -> Dict[str, Any]:
+    """A case's failure as a picklable result: ``type: message`` plus the rank's full traceback."""
+    return {"error": f"{type(exc).__name__}: {exc}",
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+
+
+def case_results(results: List[Dict[str, Any]], name: str) -> List[Dict[str, Any]]:
+    """Every rank's result of case ``name``; fails with the first failing rank's traceback."""
+    for rank, res in enumerate(results):
+        got = res[name]
+        assert "error" not in got, f"rank {rank}, case {name}:\n{got.get('traceback', got['error'])}"
+    return [res[name] for res in results]
+
+
+def run_jobs(jobs: Dict[str, Any]) -> Dict[str, Any]:
+    """Run ``{name: zero-argument callable}`` in order; a failing job's result is its
+    :func:`error_record`, and every job ends at a barrier so one failure cannot shift the next."""
+    import torch.distributed as dist
+    out: Dict[str, Any] = {}
+    for name, job in jobs.items():
+        try:
+            out[name] = job()
+        except Exception as exc:
+            out[name] = error_record(exc)
+        dist.barrier()
+    return out
+
+
 def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Worker: every case in this spawn; errors are returned per case (a raise would hang peers)."""
     import warnings
@@ -165,5 +193,5 @@ def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> Dict[str, A
         try:
             results[case["name"]] = train_ds(rank, world, case, case.get("steps", 5))
         except Exception as exc:  # same exception on every rank (config errors are raised early)
-            results[case["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+            results[case["name"]] = error_record(exc)
     return results

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import numpy as np
 import pytest
@@ -133,31 +133,18 @@ def _ckpt(rank: int, world: int, case: Dict[str, Any], root: str) -> Dict[str, A
 
 def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
     import warnings
-    import torch.distributed as dist
     warnings.filterwarnings("ignore")
     dc.set_env(rank, world)
-    out: Dict[str, Any] = {}
-    jobs = {
-        "fp32": lambda c: _fp32_or_bf16(rank, world, c),
-        "bf16": lambda c: _fp32_or_bf16(rank, world, c),
-        "fp16_refused": lambda c: _train(rank, world, c, range(1)) and {},
-        "ckpt_fp32": lambda c: _ckpt(rank, world, c, os.path.join(root, "fp32")),
-        "ckpt_bf16": lambda c: _ckpt(rank, world, c, os.path.join(root, "bf16")),
-    }
-    cases = {"fp32": _case("fp32"), "bf16": _case("bf16", dtype="bf16", sparse=False),
-             "fp16_refused": _case("fp16_refused", dtype="fp16", sparse=False),
-             "ckpt_fp32": _case("ckpt_fp32"), "ckpt_bf16": _case("ckpt_bf16", dtype="bf16", sparse=False)}
-    for name, job in jobs.items():
-        try:
-            out[name] = job(cases[name])
-        except Exception as exc:  # same error on every rank (config errors are raised early)
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        dist.barrier()
-    try:
-        out["manual_reference"] = _manual_reference(rank, world)
-    except Exception as exc:
-        out["manual_reference"] = {"error": f"{type(exc).__name__}: {exc}"}
-    return out
+    return dc.run_jobs({
+        "fp32": lambda: _fp32_or_bf16(rank, world, _case("fp32")),
+        "bf16": lambda: _fp32_or_bf16(rank, world, _case("bf16", dtype="bf16", sparse=False)),
+        "fp16_refused": lambda: _train(rank, world, _case("fp16_refused", dtype="fp16", sparse=False),
+                                       range(1)) and {},
+        "ckpt_fp32": lambda: _ckpt(rank, world, _case("ckpt_fp32"), os.path.join(root, "fp32")),
+        "ckpt_bf16": lambda: _ckpt(rank, world, _case("ckpt_bf16", dtype="bf16", sparse=False),
+                                   os.path.join(root, "bf16")),
+        "manual_reference": lambda: _manual_reference(rank, world),
+    })
 
 
 def _fp32_or_bf16(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]:
@@ -179,15 +166,9 @@ def results():
         return run_ranks(WORLD, _worker, root)
 
 
-def _ok(results, name: str) -> List[Dict[str, Any]]:
-    for r in range(WORLD):
-        assert "error" not in results[r][name], results[r][name]["error"]
-    return [results[r][name] for r in range(WORLD)]
-
-
 @pytest.mark.parametrize("name, tol", [("fp32", 1e-6), ("bf16", 1e-2)])
 def test_synced_grad_is_dense_sum_of_sparsified(results, name, tol):
-    for res in _ok(results, name):
+    for res in dc.case_results(results, name):
         assert res["route"] == "shared" and res["compressed"] == COMPRESSED
         assert res["synced_err"] is not None and res["synced_err"] < tol, res["synced_err"]
         assert res["residual_norm"] > 0
@@ -199,8 +180,8 @@ def test_synced_grad_is_dense_sum_of_sparsified(results, name, tol):
 
 
 def test_fp32_params_match_manual_reference(results):
-    got = _ok(results, "fp32")
-    want = _ok(results, "manual_reference")[0]
+    got = dc.case_results(results, "fp32")
+    want = dc.case_results(results, "manual_reference")[0]
     errs = dc.max_rel_err(got[0]["params"], want)
     assert max(errs.values()) < 1e-5, errs
     for res in got[1:]:
@@ -210,7 +191,7 @@ def test_fp32_params_match_manual_reference(results):
 
 @pytest.mark.parametrize("name", ["ckpt_fp32", "ckpt_bf16"])
 def test_checkpoint_resume_is_exact(results, name):
-    for res in _ok(results, name):
+    for res in dc.case_results(results, name):
         for k, v in res["straight"].items():
             np.testing.assert_array_equal(res["resumed"][k], v)
         straight, resumed = res["residuals"]

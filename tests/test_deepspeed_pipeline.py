@@ -171,7 +171,7 @@ def _worker(rank: int, world: int, cases: List[Dict[str, Any]]) -> Dict[str, Any
         try:
             out[case["name"]] = _train(rank, case)
         except Exception as exc:  # configuration errors are raised on every rank alike
-            out[case["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+            out[case["name"]] = dc.error_record(exc)
         dist.barrier()
     return out
 
@@ -198,8 +198,7 @@ def results():
 
 def _merged(results, name: str) -> Dict[str, Any]:
     """Params of the whole model (both stages of DP replica 0); replicas must agree exactly."""
-    for r in range(WORLD):
-        assert "error" not in results[r][name], results[r][name]["error"]
+    dc.case_results(results, name)
     merged: Dict[str, Any] = {}
     by_stage: Dict[Tuple[int, int], Dict[str, Any]] = {(res[name]["stage"], res[name]["dp"]): res[name]
                                                        for res in results}

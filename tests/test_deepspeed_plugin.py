@@ -139,13 +139,13 @@ def _worker(rank: int, world: int, cases, ckpt_root: str) -> Dict[str, Any]:
         try:
             out[case["name"]] = dc.train_ds(rank, world, case, case.get("steps", 5), engine_fn=_zen_info)
         except Exception as exc:
-            out[case["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+            out[case["name"]] = dc.error_record(exc)
     for i, case in enumerate([dict(name="ckpt_shared", clip=CLIP), dict(name="ckpt_owned", zero=2, clip=CLIP)]):
         root = os.path.join(ckpt_root, case["name"])
         try:
             out[case["name"]] = _ckpt_case(rank, world, case, root)
         except Exception as exc:
-            out[case["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+            out[case["name"]] = dc.error_record(exc)
         dist.barrier()
     return out
 
@@ -157,8 +157,7 @@ def results():
 
 
 def _ok(results, name):
-    for rank in range(WORLD):
-        assert "error" not in results[rank][name], results[rank][name]["error"]
+    dc.case_results(results, name)
     return results[0][name]
 
 

@@ -20,7 +20,7 @@ from .schemes import scheme_names
 from .sparse import RowSparse
 from .stats import SyncStats, last_sync_stats
 from .config import ZenConfig, ZenConfigError
-from .engine import attach, initialize, state_of
+from .deepspeed import ZenReductionError, attach, disable, enable, initialize, state_of
 
 __version__ = "0.1.0"
 

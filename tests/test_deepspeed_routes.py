@@ -1,0 +1,75 @@
+"""The route decision from a raw ds_config (no processes, no engine): which route, which refusal."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import ds_cases as dc  # noqa: E402
+from zen_ds.config import ZenConfigError, load_zen_config  # noqa: E402
+from zen_ds.deepspeed.routes import DeepSpeedSetup, resolve_route  # noqa: E402
+
+COMPRESSION = {"compression": {"type": "topk", "density": 0.05, "min_numel": 16}}
+
+
+def _route(case, sparse=True):
+    cfg = dc.ds_config(case, world=2)
+    return resolve_route(cfg, dc.make_model(sparse), load_zen_config(cfg))
+
+
+@pytest.mark.parametrize("case, sparse, route", [
+    ({}, True, "shared"), ({"dtype": "bf16"}, False, "shared"), ({"dtype": "fp16"}, False, "shared"),
+    ({"dtype": "bf16"}, True, "owned"), ({"zero": 1}, True, "owned"), ({"zero": 2, "dtype": "bf16"}, False, "owned"),
+    ({"zero": 1, "dtype": "fp16"}, True, "owned"), ({"zen_extra": COMPRESSION}, False, "shared"),
+    ({"dtype": "bf16", "zen_extra": COMPRESSION}, False, "shared"),
+])
+def test_routes_from_the_config(case, sparse, route):
+    got = _route(case, sparse)
+    assert got.name == route
+    assert got.names == ["emb_s.weight", "emb_d.weight"]
+
+
+@pytest.mark.parametrize("case, sparse, words", [
+    ({"zero": 3}, True, "ZeRO stage 3"),
+    ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, "fp16 with \"zen.compression\""),
+    ({"zero": 1, "zen_extra": COMPRESSION}, False, "compression needs zen's shared route"),
+    ({"dtype": "bf16", "zen_extra": COMPRESSION}, True, "compression needs zen's shared route"),
+    ({"dtype": "fp16"}, True, "fp16 with sparse=True embeddings under ZeRO stage 0"),
+    ({"ds_extra": {"sequence_parallel_size": 2}}, True, "sequence parallelism"),
+    ({"ds_extra": {"zero_optimization": {"stage": 1, "zenflow": {}}}}, True, "ZenFlow"),
+])
+def test_refusals_come_from_the_config_alone(case, sparse, words):
+    with pytest.raises(ZenConfigError, match="^zen: ") as err:
+        _route(case, sparse)
+    assert words in str(err.value)
+
+
+def test_engine_and_config_facts_agree():
+    cfg = dc.ds_config({"zero": 2, "dtype": "bf16"}, world=2)
+    assert DeepSpeedSetup.from_config(cfg, dc.make_model()) == DeepSpeedSetup(zero_stage=2, bf16=True)
+
+
+def test_every_refusal_message_is_written_once():
+    package = Path(__file__).resolve().parents[1] / "zen_ds" / "deepspeed"
+    messages = []
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "refuse" and node.args:
+                messages.append(ast.unparse(node.args[0]))
+    assert len(messages) >= 10
+    assert len(messages) == len(set(messages)), sorted(messages)
+
+
+def test_deepspeed_version_outside_the_supported_range(monkeypatch, caplog):
+    import deepspeed
+    from zen_ds.deepspeed import patches
+    patches.check_deepspeed_version()  # the installed release is a supported one
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    with pytest.raises(RuntimeError, match=r"supports DeepSpeed >=0\.19,<0\.20.*found 0\.20\.1"):
+        patches.check_deepspeed_version()
+    monkeypatch.setenv("ZEN_DS_UNTESTED_DEEPSPEED", "1")
+    patches.check_deepspeed_version()
+    assert "found 0.20.1" in caplog.text

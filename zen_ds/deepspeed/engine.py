@@ -1,0 +1,207 @@
+"""``zen_ds.initialize`` / ``zen_ds.attach`` / ``zen_ds.state_of`` / ``zen_ds.enable``.
+
+:func:`initialize` reads the ``"zen"`` block, decides the route (:mod:`.routes`) and, on the owned
+route, keeps zen's params out of DeepSpeed's optimizer (:mod:`.owned`) before DeepSpeed builds the
+engine; :func:`attach` then connects the reducer to the engine (:mod:`.patches`). State lives in a
+registry keyed by the engine: DeepSpeed owns ``engine.zenflow``, so zen puts no ``zen*``
+attributes on the engine.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zen_ds.config import ZenConfig, load_zen_config
+from zen_ds.deepspeed import checkpoint, patches
+from zen_ds.deepspeed.faults import agree_on_failure, during_sync
+from zen_ds.deepspeed.grads import GradStorage, check_grads
+from zen_ds.deepspeed.norms import local_sum_of_squares, model_parallel_sum
+from zen_ds.deepspeed.owned import OwnedParams, OwnedPlan, plan_owned
+from zen_ds.deepspeed.params import reducer_params
+from zen_ds.deepspeed.routes import Route, ds_config_dict, refuse, resolve_route
+from zen_ds.reducer import ZenReducer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["initialize", "attach", "state_of", "enable", "disable", "ZenEngineState"]
+
+_REGISTRY: "weakref.WeakKeyDictionary[Any, ZenEngineState]" = weakref.WeakKeyDictionary()
+
+
+class ZenEngineState:
+    """Everything zen keeps for one engine; get it with :func:`state_of`."""
+
+    def __init__(self, engine: Any, config: ZenConfig, reducer: ZenReducer, route: str,
+                 owned: Optional[OwnedParams], storage: GradStorage) -> None:
+        # --- configuration, the reducer that communicates, where the gradients live
+        self.config = config
+        self.reducer = reducer
+        self.route = route  # "shared" or "owned"
+        self.owned = owned
+        self.storage = storage
+        self.zen_param_ids = {id(p.param) for p in reducer.params}
+        # --- per optimizer step
+        self.reduced_this_step = False
+        self.last_norm: Optional[float] = None  # unscaled global norm DeepSpeed clipped with
+        self._engine = weakref.ref(engine)
+
+    @property
+    def engine(self) -> Any:
+        return self._engine()
+
+    def _read_checked(self) -> List[Optional[torch.Tensor]]:
+        grads = self.storage.read()
+        check_grads(self.reducer.params, grads)
+        return grads
+
+    def reduce(self) -> None:
+        """Sync zen's params once per optimizer step; a failure on any rank raises on every rank."""
+        if self.reduced_this_step:
+            return
+        step = self.reducer.step
+        grads = agree_on_failure(self._read_checked, self.reducer.group, step)
+        synced = during_sync(lambda: self.reducer.sync(grads), step)
+        self.storage.write(synced)
+        self.reduced_this_step = True
+
+    def zen_norm(self, local: bool = False) -> torch.Tensor:
+        """Norm of zen's synced grads (owned route), in DeepSpeed's loss-scaled units; ``local``:
+        this rank's share only, for optimizers that add the model-parallel ranks themselves."""
+        sum_sq = local_sum_of_squares(((p.param, g) for p, g in zip(self.reducer.params, self.owned.synced)),
+                                      self.engine.mpu)
+        return (sum_sq if local else model_parallel_sum(sum_sq, self.engine.mpu)).sqrt()
+
+    def after_step(self) -> None:
+        self.reduced_this_step = False
+        self.reducer.log_stats(dist.get_rank() if dist.is_initialized() else 0)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        checkpoint.load_state_dict(self, sd)
+
+
+def state_of(engine: Any) -> Optional[ZenEngineState]:
+    """zen's state for ``engine`` (None when zen is not attached)."""
+    return _REGISTRY.get(engine)
+
+
+def _zen_config(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]]) -> Optional[ZenConfig]:
+    if isinstance(config, ZenConfig):
+        return config
+    if config is not None:
+        return load_zen_config({"zen": dict(config)})
+    ds = getattr(engine, "config", None)
+    return load_zen_config(ds if isinstance(ds, Mapping) else None)
+
+
+def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None, *,
+           _route: Optional[Route] = None, _plan: Optional[OwnedPlan] = None) -> Optional[ZenEngineState]:
+    """Make zen reduce ``engine``'s selected params; returns zen's state (None if disabled).
+
+    ``config`` is a :class:`ZenConfig`, a ``"zen"`` block dict, or None to read
+    ``engine.config["zen"]``. Engines built elsewhere get the shared route; configurations that need
+    zen to own its params (ZeRO-1/2, half precision with sparse=True embeddings) must be built with
+    :func:`initialize`, which keeps those params out of DeepSpeed's optimizer.
+    """
+    if engine in _REGISTRY:
+        raise RuntimeError("zen is already attached to this engine")
+    zcfg = _zen_config(engine, config)
+    if zcfg is None or not zcfg.enabled:
+        return None
+    patches.check_deepspeed_version()
+    route = _route if _route is not None else resolve_route(patches.setup_of(engine), engine.module, zcfg)
+    if route.owned:
+        in_ds = patches.params_in_ds_optimizer(engine)
+        clash = [name for name, p, _ in route.selected if id(p) in in_ds]
+        if _plan is None or clash:
+            why = (f"ZeRO stage {route.setup.zero_stage}" if route.setup.zero_stage
+                   else "fp16/bf16 with sparse=True embeddings")
+            refuse(f"{why}: zen must own its params {clash or route.names}, but they are already inside "
+                   "DeepSpeed's optimizer. Build the engine with zen_ds.initialize(...) (same arguments as "
+                   "deepspeed.initialize), which keeps them out")
+    zen_params, compressor = reducer_params(engine.module, route, zcfg)
+    reducer = ZenReducer(zcfg, zen_params, patches.dp_group(engine), patches.scale_rule(engine), compressor)
+    owned = OwnedParams(zen_params, _plan) if route.owned else None
+    state = ZenEngineState(engine, zcfg, reducer, route.name, owned,
+                           patches.grad_storage(engine, zen_params, owned))
+    _REGISTRY[engine] = state
+    patches.install(engine, state)
+    if engine.global_rank == 0:
+        logger.info("zen enabled (%s route, dp world %d): %s; params: %s", state.route, reducer.world_size,
+                    zcfg.model_dump(), [(p.name, "sparse" if p.native_sparse else
+                                         "compressed" if p.compressed else "row-sparse") for p in zen_params])
+    return state
+
+
+def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: Optional[int] = None, mpu: Any = None,
+               dist_init_required: Optional[bool] = None, collate_fn: Any = None, config: Any = None,
+               mesh_param: Any = None, config_params: Any = None) -> Tuple[Any, Any, Any, Any]:
+    """Drop-in for ``deepspeed.initialize`` that also reads the ``"zen"`` block and attaches zen.
+
+    Same arguments and return tuple ``(engine, optimizer, dataloader, lr_scheduler)``. A bad
+    ``"zen"`` block or a refused combination raises :class:`ZenConfigError` before DeepSpeed builds
+    anything.
+    """
+    if config is None and config_params is not None:
+        config, config_params = config_params, None
+    ds_dict = ds_config_dict(args, config)
+    zcfg = load_zen_config(ds_dict) if ds_dict is not None else None
+    kwargs: Dict[str, Any] = dict(args=args, model=model, optimizer=optimizer,
+                                  model_parameters=model_parameters, training_data=training_data,
+                                  lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
+                                  collate_fn=collate_fn, config=config, mesh_param=mesh_param)
+    if distributed_port is not None:
+        kwargs["distributed_port"] = distributed_port
+    ds_initialize = patches.original_initialize()
+    if zcfg is None or not zcfg.enabled:
+        return ds_initialize(**kwargs)
+    if model is None:
+        refuse("zen_ds.initialize needs model=")
+    patches.check_deepspeed_version()
+    route = resolve_route(ds_dict, model, zcfg)
+    plan = None
+    if route.owned:
+        plan, kwargs["model_parameters"] = plan_owned(route, model, optimizer, model_parameters, ds_dict)
+    out = ds_initialize(**kwargs)
+    engine = out[0]
+    if plan is not None:
+        plan.fix_lr_ratio(getattr(engine.optimizer, "param_groups", None))
+    attach(engine, zcfg, _route=route, _plan=plan)
+    return out
+
+
+# ----------------------------------------------------------------------------- enable / disable
+def _initialize_with_zen(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize`` while zen is enabled: a config with a ``"zen"`` block goes through
+    :func:`initialize`, any other call reaches DeepSpeed untouched."""
+    original = patches.original_initialize()
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    call = dict(bound.arguments)
+    ds_dict = ds_config_dict(call.get("args"), call.get("config") or call.get("config_params"))
+    if ds_dict is None or ds_dict.get("zen") is None:
+        return original(*args, **kwargs)
+    return initialize(**call)
+
+
+def enable() -> None:
+    """After this, ``deepspeed.initialize`` attaches zen whenever its config has a ``"zen"`` block
+    (a dict, a JSON path, or ``args.deepspeed_config``). Idempotent; :func:`disable` undoes it.
+
+    Code that bound ``from deepspeed import initialize`` before this call keeps the original.
+    """
+    patches.patch_initialize(_initialize_with_zen)
+
+
+def disable() -> None:
+    """Give ``deepspeed.initialize`` back to DeepSpeed (idempotent). Engines built meanwhile keep zen."""
+    patches.unpatch_initialize()

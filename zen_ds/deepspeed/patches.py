@@ -1,0 +1,396 @@
+"""The only module that touches DeepSpeed internals. Supported: DeepSpeed 0.19.x.
+
+DeepSpeed 0.19 has no reduction hook, no engine factory and no config plug-in registry, so zen
+wraps a few methods *on the engine instance* (never on DeepSpeed's classes; other engines in the
+process are untouched) and reads a few private attributes. Porting zen to another DeepSpeed
+release means re-checking this file only:
+
+* ``allreduce_gradients`` / ``buffered_allreduce_fallback``: at the accumulation boundary zen syncs
+  its params first (once per optimizer step), then DeepSpeed reduces only the other params.
+* ``_take_model_step`` (reached from ``DeepSpeedEngine.step`` and ``PipelineEngine``): the optimizer
+  step; on the owned route zen steps its params after DeepSpeed's step was applied.
+* ``clip_fp32_gradients`` (fp32, ZeRO-0): DeepSpeed's in-place ``.data.mul_`` leaves sparse grads
+  unclipped, and under a PipelineModule it counts only one stage's params.
+* the optimizer's norm (``scaled_global_norm`` / ``get_grads_for_norm`` / the FP16 overflow check):
+  zen's params' norm is folded in on the owned route, so clipping stays global.
+* ``_INSTRUCTION_MAP`` (PipelineEngine, a class attribute read through the instance): tied weights
+  that are zen params are summed across stages by zen.
+* BF16_Optimizer keeps fp32 grads in ``fp32_groups_gradients`` and ``param._hp_grad``.
+* ``save_checkpoint`` / ``load_checkpoint``: zen's file next to DeepSpeed's.
+* ``deepspeed.initialize`` itself, while :func:`zen_ds.enable` is on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from zen_ds.deepspeed.grads import GradStorage, OwnedGrads, ParamGrads
+from zen_ds.deepspeed.owned import OwnedParams, clip_coefficient
+from zen_ds.deepspeed.routes import DeepSpeedSetup, refuse
+from zen_ds.reducer import ScaleRule, ZenParam
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zen_ds.deepspeed.engine import ZenEngineState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SUPPORTED_DEEPSPEED", "check_deepspeed_version", "is_model_parallel_parameter", "setup_of",
+           "dp_group", "scale_rule", "params_in_ds_optimizer", "grad_storage", "install",
+           "patch_initialize", "unpatch_initialize", "original_initialize"]
+
+SUPPORTED_DEEPSPEED = ">=0.19,<0.20"
+_SUPPORTED_MINOR = (0, 19)
+_ALLOW_UNTESTED = "ZEN_DS_UNTESTED_DEEPSPEED"
+
+
+# ============================================================================ version and facts
+def check_deepspeed_version() -> None:
+    """Refuse a DeepSpeed release whose internals zen has not been checked against."""
+    import deepspeed
+    version = deepspeed.__version__
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts == _SUPPORTED_MINOR:
+        return
+    message = (f"zen_ds supports DeepSpeed {SUPPORTED_DEEPSPEED} (it wraps engine internals that change "
+               f"between releases); found {version}. Install \"deepspeed{SUPPORTED_DEEPSPEED}\"")
+    if os.environ.get(_ALLOW_UNTESTED) == "1":
+        logger.warning("%s; continuing because %s=1", message, _ALLOW_UNTESTED)
+        return
+    raise RuntimeError(f"{message}, or set {_ALLOW_UNTESTED}=1 to try this release anyway")
+
+
+def is_model_parallel_parameter(param: torch.nn.Parameter) -> bool:
+    """DeepSpeed's rule for a param split over tensor-parallel ranks."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter as rule
+    return bool(rule(param))
+
+
+def setup_of(engine: Any) -> DeepSpeedSetup:
+    """The route-relevant settings of a built engine."""
+    return DeepSpeedSetup(zero_stage=int(engine.zero_optimization_stage()), fp16=bool(engine.fp16_enabled()),
+                          bf16=bool(engine.bfloat16_enabled()),
+                          pipeline=bool(getattr(engine, "pipeline_parallelism", False)),
+                          moe=bool(getattr(engine, "has_moe_layers", False)),
+                          sequence_parallel=getattr(engine, "sequence_parallel_size", 1) > 1,
+                          zenflow=bool(getattr(engine, "zenflow", False)))
+
+
+def dp_group(engine: Any) -> Optional[dist.ProcessGroup]:
+    """The group DeepSpeed reduces gradients over (the mpu's for pipelines and Megatron)."""
+    from deepspeed.utils import groups
+    mpu = getattr(engine, "mpu", None)
+    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+        return mpu.get_data_parallel_group()
+    return groups._get_sequence_data_parallel_group()
+
+
+def scale_rule(engine: Any) -> ScaleRule:
+    """DeepSpeed's averaging knobs for this engine, for zen to apply to its params."""
+    configured = engine._config.communication_data_type
+    return ScaleRule(average=bool(engine.gradient_average), prescale=not engine.postscale_gradients(),
+                     predivide_factor=float(engine.gradient_predivide_factor()),
+                     comm_dtype=configured if configured is not None else engine.communication_data_type)
+
+
+def params_in_ds_optimizer(engine: Any) -> Set[int]:
+    """ids of every param DeepSpeed's optimizer (or its flat-buffer wrapper) holds."""
+    opt = engine.optimizer
+    ids: Set[int] = set()
+    for attr in ("bit16_groups", "bf16_groups", "fp16_groups"):
+        for group in getattr(opt, attr, None) or []:
+            ids.update(id(p) for p in group)
+    for group in getattr(opt, "param_groups", []) or []:
+        ids.update(id(p) for p in group.get("params", []))
+    return ids
+
+
+def _loss_scale(opt: Any) -> float:
+    """The optimizer wrapper's current loss scale (1.0 where there is none)."""
+    for get in (lambda: opt.loss_scale_config.cur_scale, lambda: opt.cur_scale, lambda: opt.loss_scale):
+        try:
+            value = get()
+        except AttributeError:
+            continue
+        if value is not None:
+            return float(value)
+    return 1.0
+
+
+def _is_bf16_optimizer(opt: Any) -> bool:
+    return hasattr(opt, "get_grads_for_reduction") and hasattr(opt, "fp32_groups_gradients")
+
+
+# ============================================================================ gradient storage
+class Bf16HpGrads(GradStorage):
+    """BF16_Optimizer's fp32 gradient slices (``param._hp_grad``), reduced in place."""
+
+    def __init__(self, params: Sequence[ZenParam], opt: Any) -> None:
+        super().__init__(params)
+        self.opt = opt
+        where = {id(p): (i, j) for i, group in enumerate(opt.bf16_groups) for j, p in enumerate(group)}
+        missing = [p.name for p in self.params if id(p.param) not in where]
+        if missing:
+            refuse(f"params {missing} are not in DeepSpeed's BF16 optimizer")
+        self.slots: List[Tuple[int, int]] = [where[id(p.param)] for p in self.params]
+
+    def read(self) -> List[Optional[torch.Tensor]]:
+        opt = self.opt
+        return [opt.fp32_groups_gradients[i][j] if opt.fp32_groups_has_gradients[i][j] else None
+                for i, j in self.slots]
+
+    def write(self, synced: Sequence[torch.Tensor]) -> None:
+        opt = self.opt
+        for (i, j), g in zip(self.slots, synced):
+            opt.fp32_groups_gradients[i][j].copy_(g.view_as(opt.fp32_groups_gradients[i][j]))
+            opt.fp32_groups_has_gradients[i][j] = True
+            opt.bf16_groups[i][j]._hp_grad = opt.fp32_groups_gradients[i][j]
+
+
+def grad_storage(engine: Any, params: Sequence[ZenParam], owned: Optional[OwnedParams]) -> GradStorage:
+    """Where this engine keeps zen params' gradients."""
+    if owned is not None:
+        return OwnedGrads(owned)
+    if _is_bf16_optimizer(engine.optimizer):
+        return Bf16HpGrads(params, engine.optimizer)
+    return ParamGrads(params)
+
+
+def _grads_for_deepspeed(engine: Any, state: "ZenEngineState") -> List[Any]:
+    """The gradients DeepSpeed should still reduce: everything that is not zen's."""
+    opt = engine.optimizer
+    if _is_bf16_optimizer(opt):
+        zen_slots = set(state.storage.slots) if isinstance(state.storage, Bf16HpGrads) else set()
+        return [opt.fp32_groups_gradients[i][j] for i, group in enumerate(opt.bf16_groups)
+                for j, _ in enumerate(group) if (i, j) not in zen_slots]
+    from deepspeed.runtime.sparse_tensor import SparseTensor
+    out = []
+    for param in engine.module.parameters():
+        if not param.requires_grad or param.numel() == 0 or id(param) in state.zen_param_ids:
+            continue
+        if param.grad is None:  # same rule as DeepSpeed: every rank reduces the same sizes
+            param.grad = torch.zeros(param.size(), dtype=param.dtype, device=param.device)
+        out.append(SparseTensor(param.grad) if param.grad.is_sparse else param.grad.data)
+    return out
+
+
+# ============================================================================ engine wrappers
+def install(engine: Any, state: "ZenEngineState") -> None:
+    """Instance-level wrappers that make ``engine`` run zen's reduction and step."""
+    orig_allreduce = engine.allreduce_gradients
+    orig_fallback = engine.buffered_allreduce_fallback
+    orig_take_step = engine._take_model_step
+    orig_save = engine.save_checkpoint
+    orig_load = engine.load_checkpoint
+    from zen_ds.deepspeed import checkpoint
+
+    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+        if engine.is_gradient_accumulation_boundary():  # ZeRO-2 calls this every micro-step
+            state.reduce()
+        return orig_allreduce(*args, **kwargs)
+
+    def buffered_allreduce_fallback(grads: Any = None, elements_per_buffer: int = 500000000) -> Any:
+        state.reduce()
+        if grads is None:
+            grads = _grads_for_deepspeed(engine, state)
+        return orig_fallback(grads=grads, elements_per_buffer=elements_per_buffer)
+
+    def take_model_step(*args: Any, **kwargs: Any) -> Any:
+        state.reduce()  # unmanaged accumulation or a manual allreduce: never step unsynced grads
+        if state.owned is None:
+            out = orig_take_step(*args, **kwargs)
+            state.after_step()
+            return out
+        opt = engine.optimizer
+        loss_scale = _loss_scale(opt)
+        groups_ = getattr(opt, "param_groups", None) or []
+        base_lr = groups_[0]["lr"] if groups_ else None
+        state.last_norm = None
+        out = orig_take_step(*args, **kwargs)
+        try:
+            if engine.was_step_applied():
+                norm = state.last_norm
+                if norm is None and _is_bf16_optimizer(opt):  # BF16_Optimizer: unscaled
+                    norm = engine.get_global_grad_norm()
+                state.owned.step(loss_scale, clip_coefficient(engine.gradient_clipping(), norm), base_lr)
+        finally:
+            state.owned.clear()
+            state.after_step()
+        return out
+
+    def save_checkpoint(save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
+                        *args: Any, **kwargs: Any) -> Any:
+        out = orig_save(save_dir, tag, client_state if client_state is not None else {}, *args, **kwargs)
+        checkpoint.save(state, save_dir, tag if tag is not None else f"global_step{engine.global_steps}",
+                        engine.global_rank)
+        return out
+
+    def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        out = orig_load(load_dir, tag, *args, **kwargs)
+        if out is not None and out[0] is not None:
+            checkpoint.load(state, load_dir, tag, engine.global_rank)
+        return out
+
+    engine.allreduce_gradients = allreduce_gradients
+    engine.buffered_allreduce_fallback = buffered_allreduce_fallback
+    engine._take_model_step = take_model_step
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+    if state.owned is None and not (engine.fp16_enabled() or engine.bfloat16_enabled()
+                                    or engine.zero_optimization()):
+        engine.clip_fp32_gradients = _clip_fp32(engine, state)
+    if state.owned is not None:
+        _fold_norm(engine, state)
+    _take_over_tied_grads(engine, state)
+
+
+def _clip_fp32(engine: Any, state: "ZenEngineState") -> Callable[[], torch.Tensor]:
+    """fp32 ZeRO-0 clipping with the synced grads, sparse ones included."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+    from zen_ds.deepspeed.norms import replica_norm
+
+    def clip_fp32_gradients() -> torch.Tensor:
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        max_norm = engine.gradient_clipping()
+        if not engine.pipeline_parallelism:  # DeepSpeed's own rule (TP-aware); it scales dense grads only
+            total = float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu))
+            dense_left = False
+        else:  # DeepSpeed's grid would count only one stage: zen counts the whole replica
+            total = float(replica_norm(((p, p.grad) for p in params), engine.mpu))
+            dense_left = True
+        coef = clip_coefficient(max_norm, total)
+        state.last_norm = total
+        if coef < 1.0:
+            for p in params:
+                if p.grad.is_sparse:
+                    p.grad = p.grad * coef
+                elif dense_left:
+                    p.grad.mul_(coef)
+        return torch.tensor(total)
+    return clip_fp32_gradients
+
+
+def _fold_norm(engine: Any, state: "ZenEngineState") -> None:
+    """Fold zen's grad norm into DeepSpeed's global norm (owned route).
+
+    Each hook also records the combined *unscaled* norm in ``state.last_norm``: zen clips its own
+    params with it after DeepSpeed's step. A non-finite zen norm makes DeepSpeed's norm non-finite,
+    so the step is skipped on every rank.
+    """
+    opt = engine.optimizer
+
+    def combine(ds_norm: Any, zen: torch.Tensor) -> torch.Tensor:
+        ds_t = torch.as_tensor(ds_norm, dtype=torch.float32).detach().cpu()
+        if bool(((~torch.isfinite(ds_t)) | (ds_t < 0)).any()):
+            return ds_t
+        return (ds_t.pow(2) + zen.cpu().pow(2)).sqrt()
+
+    if hasattr(opt, "scaled_global_norm"):  # ZeRO 1/2: the norm is scaled by the loss scale
+        orig = opt.scaled_global_norm
+
+        def scaled_global_norm(*args: Any, **kwargs: Any) -> Any:
+            ds_norm = orig(*args, **kwargs)
+            total = combine(ds_norm, state.zen_norm())
+            state.last_norm = float(total) / _loss_scale(opt)
+            return total.to(ds_norm.device) if torch.is_tensor(ds_norm) else float(total)
+        opt.scaled_global_norm = scaled_global_norm
+    elif hasattr(opt, "get_grads_for_norm"):  # BF16_Optimizer: extra 1-element "tensor" = zen's norm
+        orig_g = opt.get_grads_for_norm
+
+        def get_grads_for_norm(for_clipping: bool = False) -> Any:
+            out = orig_g(for_clipping=for_clipping)
+            if for_clipping:
+                return out
+            non_expert, expert = out
+            return list(non_expert) + [state.zen_norm(local=True).reshape(1)], expert
+        opt.get_grads_for_norm = get_grads_for_norm
+    elif hasattr(opt, "unscale_and_clip_grads") and hasattr(opt, "overflow_checker"):  # FP16_Unfused
+        orig_check = opt.overflow_checker.check
+        orig_clip = opt.unscale_and_clip_grads
+
+        def check(*args: Any, **kwargs: Any) -> bool:
+            overflow = orig_check(*args, **kwargs)
+            return bool(overflow) or not bool(torch.isfinite(state.zen_norm()))
+
+        def unscale_and_clip_grads(total_norm: Any, apply_scale: bool = True) -> Any:
+            total = float(combine(total_norm, state.zen_norm()))
+            opt._global_grad_norm = total
+            state.last_norm = total / _loss_scale(opt)
+            return orig_clip(total, apply_scale)
+        opt.overflow_checker.check = check
+        opt.unscale_and_clip_grads = unscale_and_clip_grads
+    else:
+        refuse(f"zen cannot fold its gradient norm into {type(opt).__name__}; use ZeRO stage 1/2 or bf16")
+
+
+def _take_over_tied_grads(engine: Any, state: "ZenEngineState") -> None:
+    """PipelineModule tied weights that are zen params: sum their grads across stages sparsely.
+
+    PipelineEngine runs ``ReduceTiedGrads`` through ``self._INSTRUCTION_MAP``, not through
+    ``module.allreduce_tied_weight_gradients``; an instance-level copy of the map is the only place
+    to take it over. Its dense ``all_reduce`` also cannot sum a sparse=True embedding grad on the
+    first stage with the output projection's dense grad on the last. Runs before the data-parallel
+    reduction, as DeepSpeed's does.
+    """
+    if not getattr(engine, "pipeline_parallelism", False) or not getattr(engine.module, "tied_comms", None):
+        return
+    from deepspeed.runtime.pipe import schedule
+    from zen_ds.api import sparse_allreduce
+    zen_by_id = {id(p.param): p for p in state.reducer.params}
+    if not any(id(w) in zen_by_id for w, _ in engine.module.get_tied_weights_and_groups()):
+        return
+    cfg = state.config
+
+    def reduce_tied_grads(self: Any) -> None:
+        if self.zero_optimization_partition_gradients():
+            self.optimizer.overlapping_partition_gradients_reduce_epilogue()
+        for weight, group in self.module.get_tied_weights_and_groups():
+            bf16 = self.using_bf16_optimizer
+            grad = weight._hp_grad if bf16 else weight.grad
+            zp = zen_by_id.get(id(weight))
+            if zp is None:
+                if grad is not None:
+                    dist.all_reduce(grad, group=group)
+                continue
+            if grad is None:  # every stage of the tie must join the collective
+                grad = torch.zeros_like(weight, dtype=torch.float32 if bf16 else weight.dtype)
+                if not bf16:
+                    weight.grad = grad
+            out = sparse_allreduce(grad, group, cfg.scheme, seed=cfg.seed, log_prefix=f"{zp.log_prefix}.tied")
+            if grad.is_sparse:
+                weight.grad = out
+            else:
+                grad.copy_(out.to_dense() if out.is_sparse else out)
+
+    instruction_map = dict(type(engine)._INSTRUCTION_MAP)
+    instruction_map[schedule.ReduceTiedGrads] = reduce_tied_grads
+    engine._INSTRUCTION_MAP = instruction_map
+
+
+# ============================================================================ deepspeed.initialize
+_ORIGINAL_INITIALIZE: Dict[str, Callable[..., Any]] = {}
+
+
+def original_initialize() -> Callable[..., Any]:
+    """DeepSpeed's own ``initialize``, also while :func:`patch_initialize` is in effect."""
+    import deepspeed
+    return _ORIGINAL_INITIALIZE.get("initialize", deepspeed.initialize)
+
+
+def patch_initialize(replacement: Callable[..., Any]) -> None:
+    """Route ``deepspeed.initialize`` through ``replacement`` (idempotent)."""
+    import deepspeed
+    if "initialize" not in _ORIGINAL_INITIALIZE:
+        _ORIGINAL_INITIALIZE["initialize"] = deepspeed.initialize
+    deepspeed.initialize = replacement
+
+
+def unpatch_initialize() -> None:
+    """Give ``deepspeed.initialize`` back its original (idempotent)."""
+    import deepspeed
+    original = _ORIGINAL_INITIALIZE.pop("initialize", None)
+    if original is not None:
+        deepspeed.initialize = original

@@ -1,0 +1,169 @@
+"""Which way zen runs for one engine (its *route*), and every configuration zen refuses.
+
+:func:`resolve_route` is the single decision point. ``zen_ds.initialize`` calls it on the raw
+ds_config before DeepSpeed builds anything, so a refused combination fails before any engine,
+optimizer or process group state exists; ``zen_ds.attach`` calls it on the facts of an engine built
+elsewhere. Both get the same answer and the same messages.
+
+Routes:
+
+* **shared**: DeepSpeed's optimizer steps every param; zen only syncs its params' gradients in
+  place (ZeRO-0 in fp32, fp16/bf16 with dense-grad zen params).
+* **owned**: DeepSpeed's ZeRO-1/2 optimizer cannot leave single params out of its flat buffers and
+  crashes on sparse grads, and the half-precision wrappers cannot hold sparse grads either: zen
+  keeps its params out of DeepSpeed's optimizer and steps them itself (see :mod:`.owned`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zen_ds.config import ZenConfig, ZenConfigError
+from zen_ds.reducer import select_params
+
+__all__ = ["DeepSpeedSetup", "Route", "resolve_route", "ds_config_dict", "refuse"]
+
+SelectedParam = Tuple[str, nn.Parameter, bool]  # (name, param, natively sparse)
+
+
+def refuse(message: str) -> None:
+    """Raise the error every refusal uses (a config error: fix the ds_config, then relaunch)."""
+    raise ZenConfigError("zen: " + message)
+
+
+def ds_config_dict(args: Any, config: Any) -> Optional[Dict[str, Any]]:
+    """The ds_config as a dict, from ``config=`` (dict or JSON path) or ``args.deepspeed_config``."""
+    raw = config
+    if raw is None and args is not None:
+        raw = getattr(args, "deepspeed_config", None)
+    if isinstance(raw, (str, os.PathLike)):
+        with open(raw) as fh:
+            return json.load(fh)
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    return None  # no config, or an object DeepSpeed built: there is no "zen" block to read
+
+
+@dataclass(frozen=True)
+class DeepSpeedSetup:
+    """The DeepSpeed settings a route depends on: from a ds_config dict, or from a built engine."""
+
+    zero_stage: int = 0
+    fp16: bool = False
+    bf16: bool = False
+    pipeline: bool = False
+    moe: bool = False
+    sequence_parallel: bool = False
+    zenflow: bool = False
+
+    @classmethod
+    def from_config(cls, ds_config: Mapping[str, Any], model: nn.Module) -> "DeepSpeedSetup":
+        zero = ds_config.get("zero_optimization") or {}
+        stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+        return cls(zero_stage=int(stage) if str(stage).isdigit() else 0,
+                   fp16=_enabled(ds_config, "fp16"),
+                   bf16=_enabled(ds_config, "bf16") or _enabled(ds_config, "bfloat16"),
+                   pipeline=_is_pipeline_module(model), moe=_has_moe(model),
+                   sequence_parallel=int(ds_config.get("sequence_parallel_size", 1) or 1) > 1,
+                   zenflow=isinstance(zero, Mapping) and isinstance(zero.get("zenflow"), Mapping))
+
+    @property
+    def half(self) -> bool:
+        return self.fp16 or self.bf16
+
+
+@dataclass
+class Route:
+    """The decision for one engine: which params zen syncs and whether zen steps them itself."""
+
+    name: str  # "shared" or "owned"
+    selected: List[SelectedParam]
+    setup: DeepSpeedSetup
+
+    @property
+    def owned(self) -> bool:
+        return self.name == "owned"
+
+    @property
+    def names(self) -> List[str]:
+        return [name for name, _, _ in self.selected]
+
+
+def _enabled(ds_config: Mapping[str, Any], section: str) -> bool:
+    block = ds_config.get(section) or {}
+    return isinstance(block, Mapping) and block.get("enabled") is True
+
+
+def _is_pipeline_module(model: Any) -> bool:
+    from deepspeed.pipe import PipelineModule
+    return isinstance(model, PipelineModule)
+
+
+def _has_moe(model: nn.Module) -> bool:
+    from deepspeed.moe.layer import MoE
+    return any(isinstance(module, MoE) for module in model.modules())
+
+
+def _any_rank(*flags: bool) -> List[bool]:
+    """Each flag OR-ed over all ranks: pipeline stages hold different params, so a decision that
+    depends on them must be the same on every stage (else a refusal on one stage hangs the rest)."""
+    if not dist.is_initialized():
+        return list(flags)
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn.Module,
+                  zen_config: ZenConfig) -> Route:
+    """Pick zen's route for ``model`` under ``ds_config`` (a dict or an engine's
+    :class:`DeepSpeedSetup`), or raise :class:`ZenConfigError` saying what to change.
+
+    Collective for a PipelineModule (every rank must call it); raises the same error on every rank.
+    """
+    setup = ds_config if isinstance(ds_config, DeepSpeedSetup) else DeepSpeedSetup.from_config(ds_config, model)
+    selected = select_params(model, zen_config)
+    any_sparse = any(sparse for _, _, sparse in selected)
+    any_selected = bool(selected)
+    if setup.pipeline:
+        any_sparse, any_selected = _any_rank(any_sparse, any_selected)
+    needs_owned = setup.zero_stage in (1, 2) or (setup.half and any_sparse)
+    compression = zen_config.compression is not None
+
+    if setup.zero_stage >= 3:
+        refuse("ZeRO stage 3 partitions the parameters themselves; zen supports ZeRO stages 0, 1 and 2. "
+               "Set zero_optimization.stage <= 2 or disable zen (\"zen\": {\"enabled\": false})")
+    if setup.moe:
+        refuse("MoE layers (expert-parallel groups) are not supported with zen; disable zen for this model")
+    if setup.sequence_parallel:
+        refuse("sequence parallelism (sequence_parallel_size > 1) is not supported with zen")
+    if setup.zenflow:
+        refuse("DeepSpeed's ZenFlow and zen_ds both take over the optimizer/reduction; enable one of them")
+    if compression and setup.fp16:
+        refuse("fp16 with \"zen.compression\" is not supported: the error-feedback residual would be kept "
+               "in loss-scaled units and be wrong whenever the dynamic loss scale changes. Use bf16 or fp32 "
+               "with compression, or remove the \"compression\" block")
+    if compression and setup.pipeline:
+        refuse("\"zen.compression\" with a DeepSpeed PipelineModule is not supported yet (untested: each "
+               "stage would compress over its data-parallel group); remove the \"compression\" block or "
+               "train without pipeline parallelism")
+    if compression and needs_owned:
+        refuse("compression needs zen's shared route, but this config makes zen own its params (ZeRO stage "
+               "1/2, or fp16/bf16 with sparse=True embeddings); use ZeRO stage 0 and fp32, or bf16 with "
+               "dense-grad embeddings (sparse=False)")
+    if setup.fp16 and any_sparse and setup.zero_stage == 0:
+        refuse("fp16 with sparse=True embeddings under ZeRO stage 0 is not supported (DeepSpeed's FP16 "
+               "optimizer flattens dense grads); use bf16, or ZeRO stage 1/2. Note: torch on CPU cannot "
+               "compute fp16 sparse embedding grads at all")
+    owned = needs_owned and any_selected
+    if setup.pipeline and owned:
+        refuse("PipelineModule with ZeRO stage 1/2, or with fp16/bf16 and sparse=True embeddings, is not "
+               "supported with zen (zen would have to own those params' optimizer step inside the "
+               "pipeline). Use ZeRO stage 0 with fp32, or bf16 with dense-grad embeddings (sparse=False)")
+    return Route("owned" if owned and selected else "shared", selected, setup)
