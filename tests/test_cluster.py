@@ -66,6 +66,12 @@ def _namespaces_usable() -> bool:
     return probe.returncode == 0
 
 
+def _stale_namespaces() -> list:
+    """Our namespaces whose creating run is gone (teardown left them behind)."""
+    return [ns for ns in C.list_namespaces() if C._NS_RE.match(ns)
+            and not C._pid_alive(int(C._NS_RE.match(ns).group(1)))]
+
+
 @pytest.mark.skipif(not _namespaces_usable(), reason="needs root and network namespaces")
 def test_two_hosts_env_and_teardown():
     code = ("import os; assert os.environ['WORLD_SIZE'] == '2'; "
@@ -75,8 +81,7 @@ def test_two_hosts_env_and_teardown():
     p = _cli("--hosts", "2", "--rate", "100mbit", "--subnet", "10.213.7", "--", sys.executable, "-c", code)
     assert p.returncode == 0, p.stderr
     assert "host 0 0" in p.stdout and "[h1] host 1 1" in p.stdout
-    mine = [ns for ns in C.list_namespaces() if ns.startswith(C.NS_PREFIX)]
-    assert not [ns for ns in mine if C._NS_RE.match(ns) and not C._pid_alive(int(C._NS_RE.match(ns).group(1)))]
+    assert not _stale_namespaces()
     # A failing rank fails the run (and still tears down).
     p = _cli("--hosts", "2", "--rate", "none", "--", sys.executable, "-c", "import sys; sys.exit(5)")
     assert p.returncode == 5
@@ -125,5 +130,4 @@ def test_racks_slow_host_and_ranks_per_host_env_and_teardown():
     rates, racks = "200000000,200000000,50000000", "0,0,1"
     assert lines == [f"{r} 6 {r % 2} 2 {r // 2} {rates} {racks} 100000000" for r in range(6)]
     assert "2 racks joined at 100 Mbit/s" in p.stderr
-    assert not [ns for ns in C.list_namespaces() if C._NS_RE.match(ns)
-                and not C._pid_alive(int(C._NS_RE.match(ns).group(1)))]
+    assert not _stale_namespaces()

@@ -144,7 +144,6 @@ def _loss(model, rank: int, step: int) -> torch.Tensor:
 
 def _train(rank, steps, make_sync, check=None):
     """SGD (lr 0.1, no momentum) on rank-local data; ``make_sync(model) -> ShuffleSync | None``."""
-    import torch.distributed as dist
     import zen_ds
 
     model = _model()

@@ -23,7 +23,9 @@ Replicas drift apart in both modes. A full step (``full_sync_every``) first rest
 (parameter average over the whole DP group, skipped when nothing drifted since the last one), then
 runs ordinary data parallelism: averaged gradients over the DP group's own process group. With
 ``full_sync_every = 1`` (or ``group_size >= n``) nothing ever drifts and training is exactly data
-parallel. Row tracking assumes the optimizer changes only rows with a non-zero gradient (SGD without
+parallel. In mode ``gradients`` nothing pulls the replicas back together between full steps,
+so their divergence grows for as long as no full step comes: use it with ``full_sync_every``, or
+use ``parameters``, which keeps the replicas close by averaging the models themselves. Row tracking assumes the optimizer changes only rows with a non-zero gradient (SGD without
 momentum/weight decay, SparseAdam, sparse Adagrad); flag a param dense if its optimizer touches
 every row.
 """
