@@ -8,6 +8,15 @@ per step (from ``zen_ds.last_sync_stats()``, summed over the step's syncs, max o
 
     python examples/compression_convergence.py                    # 4 ranks, all modes
     python examples/compression_convergence.py --selection-bench  # exact vs sampled top-k timing
+    python examples/compression_convergence.py --shuffle 2        # DS-Sync groups of 2 vs full sync
+    python -m zen_ds.cluster --hosts 4 --rate 200mbit --slow 3:50mbit -- \
+        python examples/compression_convergence.py --shuffle 2 --json out.json   # emulated cluster
+
+With ``--shuffle g`` the runs are ``dense`` (full sync every step) and ``shuffle`` (DS-Sync,
+:class:`zen_ds.shuffle_sync.ShuffleSync`, over all parameters), each with the training loss against
+step and wall time and the divergence between replicas (max over ranks of
+``||p_rank - p_mean|| / ||p_mean||``, measured outside the timed region) in the JSON output. Under
+``python -m zen_ds.cluster`` (``RANK``/``MASTER_ADDR`` set) every rank runs in its own process.
 
 This is a benchmark, not a test: it prints a table (and writes --json) for BENCHMARKS.md.
 """
@@ -30,6 +39,7 @@ import torch.nn.functional as F
 import zen_ds
 from zen_ds import RowSparse
 from zen_ds.compression import CompressionConfig, GradientCompressor, select_topk
+from zen_ds.shuffle_sync import MODES as SHUFFLE_MODES, ShuffleSync
 
 # mode -> compression config (None = dense sync of everything); optimizer momentum per mode
 MODES: Dict[str, Optional[Dict[str, Any]]] = {
@@ -37,6 +47,7 @@ MODES: Dict[str, Optional[Dict[str, Any]]] = {
     "topk_ef": dict(type="topk", density=0.01),
     "topk_no_ef": dict(type="topk", density=0.01, error_feedback=False),
     "dgc": dict(type="dgc", density=0.01, momentum=0.9),
+    "shuffle": None,  # DS-Sync over all params (--shuffle g), no compression
 }
 
 
@@ -65,9 +76,22 @@ def make_model(seed: int, in_dim: int, hidden: int, classes: int) -> torch.nn.Mo
                                torch.nn.Linear(hidden, classes))
 
 
+def replica_divergence(model: torch.nn.Module) -> float:
+    """Max over ranks of ``||p_rank - p_mean|| / ||p_mean||`` (0 when replicas are identical)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mean = flat.clone()
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    rel = ((flat - mean).norm() / mean.norm().clamp_min(1e-30)).reshape(1)
+    dist.all_reduce(rel, op=dist.ReduceOp.MAX)
+    return float(rel)
+
+
 def train_one(mode: str, args: argparse.Namespace, rank: int, world: int, teacher: Teacher
               ) -> Dict[str, Any]:
     model = make_model(args.seed, args.in_dim, args.hidden, args.classes)
+    if mode == "shuffle":
+        return train_shuffle(model, args, rank, teacher)
     cfg_dict = MODES[mode]
     compressor = None
     if cfg_dict is not None:
@@ -87,6 +111,7 @@ def train_one(mode: str, args: argparse.Namespace, rank: int, world: int, teache
     union: List[float] = []  # synced nnz / local nnz of the compressed bucket (1 = same supports)
     params = list(model.named_parameters())
     schemes: set = set()
+    log: List[Dict[str, float]] = []
     started = time.perf_counter()
     for step in range(args.steps):
         x, y = teacher.sample(args.batch, gen)  # each rank its own stream (seeded by rank)
@@ -126,40 +151,117 @@ def train_one(mode: str, args: argparse.Namespace, rank: int, world: int, teache
         bytes_per_step.append(sent)
         dense_bytes_per_step.append(dense)
         train_losses.append(float(loss.detach()))
+        started += _log_point(args, step, model, train_losses, started, log)
     seconds = time.perf_counter() - started
+    compressed = bytes_per_step[args.warmup:] or bytes_per_step
+    return {"mode": mode, **evaluate(model, args, teacher, train_losses), "seconds": seconds,
+            "bytes_per_step": sum(compressed) / len(compressed),
+            "dense_bytes_per_step": sum(dense_bytes_per_step) / len(dense_bytes_per_step),
+            "union_over_local": sum(union) / len(union) if union else None,
+            "compressor": compressor.stats() if compressor else None,
+            "schemes": sorted(schemes), "log": log}
+
+
+def evaluate(model: torch.nn.Module, args: argparse.Namespace, teacher: Teacher,
+             train_losses: List[float]) -> Dict[str, Any]:
+    """This replica's held-out loss/accuracy and its training-loss curve (means over 50 steps)."""
     x_test, y_test = teacher.sample(args.test, torch.Generator().manual_seed(args.seed + 999_999))
     with torch.no_grad():
         logits = model(x_test)
         test_loss = float(F.cross_entropy(logits, y_test))
         accuracy = float((logits.argmax(dim=1) == y_test).float().mean())
-    compressed = bytes_per_step[args.warmup:] or bytes_per_step
-    return {"mode": mode, "test_loss": test_loss, "accuracy": accuracy,
+    return {"test_loss": test_loss, "accuracy": accuracy,
             "train_loss_last50": sum(train_losses[-50:]) / len(train_losses[-50:]),
-            "bytes_per_step": sum(compressed) / len(compressed),
-            "dense_bytes_per_step": sum(dense_bytes_per_step) / len(dense_bytes_per_step),
-            "seconds": seconds,
-            "union_over_local": sum(union) / len(union) if union else None,
-            "compressor": compressor.stats() if compressor else None,
-            "schemes": sorted(schemes),
             "curve": [sum(train_losses[i:i + 50]) / len(train_losses[i:i + 50])
                       for i in range(0, len(train_losses), 50)]}
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+def _log_point(args: argparse.Namespace, step: int, model: torch.nn.Module,
+               train_losses: List[float], started: float, log: List[Dict[str, float]]) -> float:
+    """Every --log-every steps: loss vs step and wall time, replica divergence (time not counted).
+
+    Returns the seconds spent measuring, which the caller adds to its start time."""
+    if (step + 1) % args.log_every and step + 1 != args.steps:
+        return 0.0
+    wall = time.perf_counter() - started
+    t0 = time.perf_counter()
+    recent = train_losses[-args.log_every:]
+    loss = torch.tensor([sum(recent) / len(recent)])
+    dist.all_reduce(loss)
+    log.append({"step": step + 1, "wall_s": wall, "train_loss": float(loss) / dist.get_world_size(),
+                "divergence": replica_divergence(model)})
+    return time.perf_counter() - t0
+
+
+def train_shuffle(model: torch.nn.Module, args: argparse.Namespace, rank: int, teacher: Teacher
+                  ) -> Dict[str, Any]:
+    """DS-Sync over every parameter: groups of --shuffle, reshuffled every step."""
+    sync = ShuffleSync([(name, p, False) for name, p in model.named_parameters()],
+                       group_size=args.shuffle, mode=args.shuffle_mode,
+                       full_sync_every=args.full_sync_every, seed=args.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    train_losses: List[float] = []
+    sent: List[int] = []
+    dense_equivalent: List[int] = []
+    log: List[Dict[str, float]] = []
+    started = time.perf_counter()
+    for step in range(args.steps):
+        x, y = teacher.sample(args.batch, gen)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        sync.reduce_gradients()
+        opt.step()
+        stats = sync.after_optimizer_step()
+        sent.append(stats.bytes_sent)
+        dense_equivalent.append(stats.dense_bytes)
+        train_losses.append(float(loss.detach()))
+        started += _log_point(args, step, model, train_losses, started, log)
+    seconds = time.perf_counter() - started
+    return {"mode": "shuffle", **evaluate(model, args, teacher, train_losses), "seconds": seconds,
+            "bytes_per_step": sum(sent) / len(sent),
+            "dense_bytes_per_step": sum(dense_equivalent) / len(dense_equivalent),
+            "union_over_local": None, "compressor": None, "schemes": [],
+            "shuffle": {"group_size": args.shuffle, "mode": args.shuffle_mode,
+                        "full_sync_every": args.full_sync_every,
+                        "schedule": sync.schedule.describe()},
+            "log": log}
+
+
+def worker(rank: int, world: int, port: Optional[int], args: argparse.Namespace, queue) -> None:
+    """One rank: every mode in turn; rank 0 hands each result to ``queue.put``.
+
+    ``port`` None: the process group comes from the environment (``python -m zen_ds.cluster``)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if port is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
     try:
         teacher = Teacher(args.seed, args.in_dim, args.classes)
         for mode in args.modes:
             result = train_one(mode, args, rank, world, teacher)
             gathered: List[Any] = [None] * world
-            dist.all_gather_object(gathered, (result["bytes_per_step"], result["seconds"]))  # gloo: fine
+            dist.all_gather_object(gathered, (result["bytes_per_step"], result["seconds"],
+                                              result["test_loss"]))  # gloo: fine
             if rank == 0:
-                result["bytes_per_step"] = max(b for b, _ in gathered)  # slowest link = busiest rank
-                result["seconds"] = max(s for _, s in gathered)
+                result["bytes_per_step"] = max(b for b, _, _ in gathered)  # busiest rank
+                result["seconds"] = max(s for _, s, _ in gathered)
+                result["test_loss_per_rank"] = [t for _, _, t in gathered]
                 queue.put(result)
     finally:
         dist.destroy_process_group()
+
+
+class _Collect(list):
+    """A stand-in for the queue when the ranks run in place (under zen_ds.cluster)."""
+
+    put = list.append
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        return self.pop(0)
 
 
 def free_port() -> int:
@@ -169,12 +271,22 @@ def free_port() -> int:
 
 
 def run_convergence(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
+    in_place = "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    if in_place:  # one process per rank, started by a launcher (zen_ds.cluster, torchrun)
+        rank, args.ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        queue: Any = _Collect()
+        worker(rank, args.ranks, None, args, queue)
+        if rank != 0:
+            return []
+        procs: List[Any] = []
+    else:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, queue))
+                 for r in range(args.ranks)]
+        for proc in procs:
+            proc.start()
     results = []
     for _ in args.modes:
         result = queue.get(timeout=3600)
@@ -196,7 +308,14 @@ def run_convergence(args: argparse.Namespace) -> List[Dict[str, Any]]:
         print(f"| {r['mode']} | {r['test_loss']:.4f} | {vs} | {r['accuracy']:.3f} | "
               f"{r['train_loss_last50']:.4f} | {r['bytes_per_step'] / 1e3:.1f} | "
               f"{r['dense_bytes_per_step'] / 1e3:.1f} | "
-              f"{(dense['bytes_per_step'] if dense else r['dense_bytes_per_step']) / r['bytes_per_step']:.1f}x |")
+              f"{(dense['bytes_per_step'] if dense else r['dense_bytes_per_step']) / max(1, r['bytes_per_step']):.1f}x |")
+    if args.shuffle:
+        print("\n| mode | s/step | final train loss | max divergence | test loss (max over ranks) |")
+        print("|---|---|---|---|---|")
+        for r in results:
+            log = r["log"]
+            print(f"| {r['mode']} | {r['seconds'] / args.steps:.4f} | {log[-1]['train_loss']:.4f} | "
+                  f"{max(p['divergence'] for p in log):.2e} | {max(r['test_loss_per_rank']):.4f} |")
     return results
 
 
@@ -230,7 +349,15 @@ def run_selection_bench(args: argparse.Namespace) -> List[Dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=None, choices=list(MODES),
+                        help="default: the compression modes, or dense and shuffle with --shuffle")
+    parser.add_argument("--shuffle", type=int, default=0, metavar="G",
+                        help="DS-Sync group size for the 'shuffle' mode (0: off)")
+    parser.add_argument("--shuffle-mode", default="gradients", choices=SHUFFLE_MODES)
+    parser.add_argument("--full-sync-every", type=int, default=0,
+                        help="DS-Sync: a full data-parallel step every K steps (0: never)")
+    parser.add_argument("--log-every", type=int, default=25,
+                        help="steps between loss / wall time / divergence points in the JSON")
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--lr", type=float, default=0.3)
@@ -252,9 +379,13 @@ def main() -> None:
                         default=[100_000, 300_000, 1_000_000, 10_000_000, 50_000_000])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.modes is None:
+        args.modes = ["dense", "shuffle"] if args.shuffle else [m for m in MODES if m != "shuffle"]
+    if "shuffle" in args.modes and args.shuffle < 2:
+        parser.error("mode 'shuffle' needs --shuffle G with G >= 2")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = run_selection_bench(args) if args.selection_bench else run_convergence(args)
-    if args.json:
+    if args.json and results:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=1)
 

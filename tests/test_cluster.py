@@ -66,6 +66,12 @@ def _namespaces_usable() -> bool:
     return probe.returncode == 0
 
 
+def _stale_namespaces() -> list:
+    """Our namespaces whose creating run is gone (teardown left them behind)."""
+    return [ns for ns in C.list_namespaces() if C._NS_RE.match(ns)
+            and not C._pid_alive(int(C._NS_RE.match(ns).group(1)))]
+
+
 @pytest.mark.skipif(not _namespaces_usable(), reason="needs root and network namespaces")
 def test_two_hosts_env_and_teardown():
     code = ("import os; assert os.environ['WORLD_SIZE'] == '2'; "
@@ -75,8 +81,53 @@ def test_two_hosts_env_and_teardown():
     p = _cli("--hosts", "2", "--rate", "100mbit", "--subnet", "10.213.7", "--", sys.executable, "-c", code)
     assert p.returncode == 0, p.stderr
     assert "host 0 0" in p.stdout and "[h1] host 1 1" in p.stdout
-    mine = [ns for ns in C.list_namespaces() if ns.startswith(C.NS_PREFIX)]
-    assert not [ns for ns in mine if C._NS_RE.match(ns) and not C._pid_alive(int(C._NS_RE.match(ns).group(1)))]
+    assert not _stale_namespaces()
     # A failing rank fails the run (and still tears down).
     p = _cli("--hosts", "2", "--rate", "none", "--", sys.executable, "-c", "import sys; sys.exit(5)")
     assert p.returncode == 5
+
+
+def test_parse_slow_and_rack_layout():
+    assert C.parse_slow(["3:250mbit", "0:1gbit"]) == {3: 2.5e8, 0: 1e9}
+    for bad in ("3", "x:1gbit", "2:fast"):
+        with pytest.raises(ValueError):
+            C.parse_slow([bad])
+    spec = C.ClusterSpec(hosts=5, racks=2, slow={4: 1e8}, ranks_per_host=3)
+    assert [spec.rack_of(h) for h in range(5)] == [0, 0, 0, 1, 1]
+    assert spec.host_rate(4) == 1e8 and spec.host_rate(0) == 1e9 and spec.world_size == 15
+    assert [C.ClusterSpec(hosts=8, racks=4).rack_of(h) for h in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("kw,msg", [({"hosts": 4, "slow": {4: 1e8}}, "--slow"),
+                                    ({"hosts": 4, "racks": 5}, "--racks"),
+                                    ({"hosts": 4, "rack_rate_bps": 1e8}, "--rack-rate"),
+                                    ({"hosts": 4, "ranks_per_host": 0}, "--ranks-per-host")])
+def test_heterogeneous_spec_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        C.ClusterSpec(**kw).validate()
+
+
+def test_selftest_expects_the_slowest_link_on_the_path():
+    from zen_ds.cluster_selftest import path_rate_bps
+    rates, racks = [1000, 1000, 250, 0], [0, 0, 1, 1]
+    assert path_rate_bps(0, 1, rates, racks, 500) == 1000  # same rack: host links only
+    assert path_rate_bps(1, 2, rates, racks, 500) == 250  # the slow host
+    assert path_rate_bps(0, 3, rates, racks, 500) == 500  # the rack uplink
+    assert path_rate_bps(3, 3, rates, racks, 0) is None  # nothing shaped
+
+
+@pytest.mark.skipif(not _namespaces_usable(), reason="needs root and network namespaces")
+def test_racks_slow_host_and_ranks_per_host_env_and_teardown():
+    code = ("import os; e = os.environ; "
+            "print('rank', e['RANK'], e['WORLD_SIZE'], e['LOCAL_RANK'], e['LOCAL_WORLD_SIZE'], "
+            "e['NODE_RANK'], e['ZEN_CLUSTER_HOST_RATES_BPS'], e['ZEN_CLUSTER_RACKS'], "
+            "e['ZEN_CLUSTER_RACK_RATE_BPS'])")
+    p = _cli("--hosts", "3", "--racks", "2", "--rack-rate", "100mbit", "--rate", "200mbit",
+             "--slow", "2:50mbit", "--ranks-per-host", "2", "--subnet", "10.213.8", "--",
+             sys.executable, "-c", code)
+    assert p.returncode == 0, p.stderr
+    lines = sorted(line.split("rank ", 1)[1] for line in p.stdout.splitlines() if "rank " in line)
+    rates, racks = "200000000,200000000,50000000", "0,0,1"
+    assert lines == [f"{r} 6 {r % 2} 2 {r // 2} {rates} {racks} 100000000" for r in range(6)]
+    assert "2 racks joined at 100 Mbit/s" in p.stderr
+    assert not _stale_namespaces()

@@ -2,18 +2,28 @@
 
 A single machine cannot show network effects over loopback (every byte is a memcpy, so the CPU is
 the bottleneck). This module builds ``n`` emulated hosts, each a network namespace with one veth
-link into a private bridge, shapes every link to a fixed rate in both directions with ``tc``, and
-runs one rank per host with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set, so gloo
-traffic crosses a real bandwidth bottleneck.
+link into a private bridge, shapes every link in both directions with ``tc``, and runs
+``--ranks-per-host k`` ranks per host with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set, so gloo traffic between hosts crosses a
+real bandwidth bottleneck while ranks on one host talk over the namespace's own (unshaped) loopback.
 
 Topology (nothing is created in the root namespace; addresses exist only inside our namespaces)::
 
-    <prefix>-sw   : bridge ``br0`` with ports ``p0 .. p{n-1}``   (the "switch")
-    <prefix>-h{i} : ``veth0`` = 10.213.0.{i+1}/24, peer is ``p{i}`` in the switch namespace
+    <prefix>-sw   : bridge ``br0`` with ports ``p0 .. p{n-1}``   (the "switch", one rack)
+    <prefix>-h{i} : ``veth0`` = 10.213.0.{i+1}/24, peer is ``p{i}`` in its rack's switch namespace
+
+With ``--racks R`` the hosts are split into R racks of consecutive hosts, each rack has its own
+switch ``<prefix>-sw{r}``, and the rack switches hang off a core switch ``<prefix>-core`` through
+uplinks shaped to ``--rack-rate`` (the slow inter-rack link of a heterogeneous cluster).
 
 ``tc tbf`` on ``veth0`` (host egress = upload) and on ``p{i}`` (switch egress = host download) caps
-each host at ``--rate`` in each direction, like a full-duplex NIC on a non-blocking switch.
-Optional ``--delay`` adds a ``netem`` delay when the kernel has ``sch_netem``.
+each host at its rate in each direction, like a full-duplex NIC on a non-blocking switch:
+``--rate`` for every host, ``--slow HOST:RATE`` for hosts with a slower NIC. Optional ``--delay``
+adds a ``netem`` delay on host links when the kernel has ``sch_netem``.
+
+The module is longer than most (~590 lines) because setup, rank supervision and teardown share
+one run's namespace bookkeeping and signal handling; the self-test lives in
+:mod:`zen_ds.cluster_selftest`.
 
 Every run uses the prefix ``zenc<pid>``; teardown happens in ``finally`` and on SIGINT/SIGTERM, and
 each start removes namespaces left by earlier runs whose pid is gone (a crashed or SIGKILLed run).
@@ -21,7 +31,9 @@ each start removes namespaces left by earlier runs whose pid is gone (a crashed 
 Usage::
 
     python -m zen_ds.cluster --hosts 4 --rate 1gbit -- python -m zen_ds.bench sync --workload lm
-    python -m zen_ds.cluster --hosts 4 --rate 1gbit --selftest      # dense all-reduce vs link rate
+    python -m zen_ds.cluster --hosts 4 --rate 1gbit --selftest      # per-link rates, all-reduce
+    python -m zen_ds.cluster --hosts 4 --rate 1gbit --slow 3:250mbit --selftest   # one slow host
+    python -m zen_ds.cluster --hosts 8 --racks 2 --rack-rate 500mbit --ranks-per-host 2 -- CMD
     python -m zen_ds.cluster --cleanup                              # remove stale namespaces only
 """
 from __future__ import annotations
@@ -45,7 +57,10 @@ logger = logging.getLogger(__name__)
 NS_PREFIX = "zenc"  # every namespace we create starts with this, followed by the creating pid
 HOST_IFNAME = "veth0"  # the same name in every host namespace, so GLOO_SOCKET_IFNAME is constant
 RATE_ENV = "ZEN_CLUSTER_RATE_BPS"  # link rate in bits/s exported to the ranks (bench uses it)
-_NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)-(sw|h\d+)$")
+HOST_RATES_ENV = "ZEN_CLUSTER_HOST_RATES_BPS"  # every host's rate, comma-separated (0 = unshaped)
+RACKS_ENV = "ZEN_CLUSTER_RACKS"  # every host's rack index, comma-separated
+RACK_RATE_ENV = "ZEN_CLUSTER_RACK_RATE_BPS"  # the inter-rack uplink rate (0 = unshaped)
+_NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)-(sw\d*|core|h\d+)$")
 _RATE_UNITS = {
     "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
     "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9,  # tc's convention: "bps" means bytes/s
@@ -90,10 +105,23 @@ class ClusterSpec:
     subnet: str = "10.213.0"
     mtu: int = 1500
     master_port: int = 29500
+    slow: Dict[int, Optional[float]] = dataclasses.field(default_factory=dict)  # host -> rate
+    racks: int = 1
+    rack_rate_bps: Optional[float] = None
+    ranks_per_host: int = 1
 
     def validate(self) -> None:
         if not 1 <= self.hosts <= 64:
             raise ValueError(f"--hosts must be between 1 and 64, got {self.hosts}")
+        bad = [h for h in self.slow if not 0 <= h < self.hosts]
+        if bad:
+            raise ValueError(f"--slow names host(s) {bad}, but hosts are numbered 0..{self.hosts - 1}")
+        if not 1 <= self.racks <= self.hosts:
+            raise ValueError(f"--racks must be between 1 and --hosts ({self.hosts}), got {self.racks}")
+        if self.rack_rate_bps is not None and self.racks == 1:
+            raise ValueError("--rack-rate shapes the link between racks: give --racks 2 or more")
+        if not 1 <= self.ranks_per_host <= 16:
+            raise ValueError(f"--ranks-per-host must be between 1 and 16, got {self.ranks_per_host}")
         if self.delay_ms < 0:
             raise ValueError(f"--delay must be >= 0, got {self.delay_ms} ms")
         if not 576 <= self.mtu <= 65535:
@@ -107,6 +135,30 @@ class ClusterSpec:
 
     def host_ip(self, i: int) -> str:
         return f"{self.subnet}.{i + 1}"
+
+    def host_rate(self, i: int) -> Optional[float]:
+        return self.slow.get(i, self.rate_bps)
+
+    def rack_of(self, i: int) -> int:
+        """Racks of consecutive hosts, the first ``hosts % racks`` racks one host larger."""
+        size, extra = divmod(self.hosts, self.racks)
+        big = extra * (size + 1)
+        return i // (size + 1) if i < big else extra + (i - big) // size
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+
+def parse_slow(items: Sequence[str]) -> Dict[int, Optional[float]]:
+    """``['3:250mbit', '5:100mbit']`` -> ``{3: 2.5e8, 5: 1e8}`` (per-host rate overrides)."""
+    out: Dict[int, Optional[float]] = {}
+    for item in items:
+        host, sep, rate = item.partition(":")
+        if not sep or not host.strip().isdigit():
+            raise ValueError(f"cannot parse --slow {item!r}: use HOST:RATE, e.g. 3:250mbit")
+        out[int(host)] = parse_rate(rate)
+    return out
 
 
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -203,7 +255,9 @@ class Cluster:
         spec.validate()
         self.spec = spec
         self.prefix = f"{NS_PREFIX}{os.getpid()}"
-        self.switch_ns = f"{self.prefix}-sw"
+        self.switch_ns = [f"{self.prefix}-sw"] if spec.racks == 1 else \
+            [f"{self.prefix}-sw{r}" for r in range(spec.racks)]
+        self.core_ns = f"{self.prefix}-core" if spec.racks > 1 else None
         self.host_ns = [f"{self.prefix}-h{i}" for i in range(spec.hosts)]
         self._created: List[str] = []
 
@@ -211,9 +265,8 @@ class Cluster:
     def _ns(self, ns: str, *cmd: str) -> None:
         _run(["ip", "netns", "exec", ns, *cmd])
 
-    def _shape(self, ns: str, dev: str, use_netem: bool) -> None:
+    def _shape(self, ns: str, dev: str, rate: Optional[float], use_netem: bool) -> None:
         """Rate-limit ``dev``'s egress: tbf for the rate, netem (as tbf's child) for the delay."""
-        rate = self.spec.rate_bps
         if rate is None and not use_netem:
             return
         if rate is not None:
@@ -231,22 +284,37 @@ class Cluster:
             self._ns(ns, "tc", "qdisc", "add", "dev", dev, "root", "netem",
                      "delay", f"{self.spec.delay_ms / 2}ms", "limit", "100000")
 
+    def _veth(self, ns_a: str, dev_a: str, ns_b: str, dev_b: str) -> None:
+        """A veth pair created directly inside two namespaces (nothing appears in the root ns)."""
+        mtu = str(self.spec.mtu)
+        _run(["ip", "link", "add", "name", dev_a, "netns", ns_a, "mtu", mtu,
+              "type", "veth", "peer", "name", dev_b, "netns", ns_b, "mtu", mtu])
+
+    def _bridge_port(self, ns: str, port: str) -> None:
+        self._ns(ns, "ip", "link", "set", port, "master", "br0")
+        self._ns(ns, "ip", "link", "set", port, "up")
+
     def up(self) -> None:
         s = self.spec
-        for ns in [self.switch_ns, *self.host_ns]:
+        switches = self.switch_ns + ([self.core_ns] if self.core_ns else [])
+        for ns in [*switches, *self.host_ns]:
             _run(["ip", "netns", "add", ns])
             self._created.append(ns)
             self._ns(ns, "ip", "link", "set", "lo", "up")
-        self._ns(self.switch_ns, "ip", "link", "add", "br0", "type", "bridge")
-        self._ns(self.switch_ns, "ip", "link", "set", "br0", "up")
+        for ns in switches:
+            self._ns(ns, "ip", "link", "add", "br0", "type", "bridge")
+            self._ns(ns, "ip", "link", "set", "br0", "up")
+        for r, ns in enumerate(self.switch_ns if self.core_ns else []):
+            self._veth(ns, "uplink", self.core_ns, f"r{r}")  # the rack's uplink into the core
+            self._bridge_port(ns, "uplink")
+            self._bridge_port(self.core_ns, f"r{r}")
+            self._shape(ns, "uplink", s.rack_rate_bps, False)
+            self._shape(self.core_ns, f"r{r}", s.rack_rate_bps, False)
         use_netem = s.delay_ms > 0
         for i, ns in enumerate(self.host_ns):
-            port = f"p{i}"
-            # Created directly inside the two namespaces: nothing ever appears in the root ns.
-            _run(["ip", "link", "add", "name", HOST_IFNAME, "netns", ns, "mtu", str(s.mtu),
-                  "type", "veth", "peer", "name", port, "netns", self.switch_ns, "mtu", str(s.mtu)])
-            self._ns(self.switch_ns, "ip", "link", "set", port, "master", "br0")
-            self._ns(self.switch_ns, "ip", "link", "set", port, "up")
+            port, switch = f"p{i}", self.switch_ns[s.rack_of(i)]
+            self._veth(ns, HOST_IFNAME, switch, port)
+            self._bridge_port(switch, port)
             self._ns(ns, "ip", "addr", "add", f"{s.host_ip(i)}/24", "dev", HOST_IFNAME)
             self._ns(ns, "ip", "link", "set", HOST_IFNAME, "up")
             if i == 0 and use_netem and not _has_qdisc(ns, HOST_IFNAME, "netem"):
@@ -255,12 +323,14 @@ class Cluster:
                     "does not provide. Run with --delay 0ms, or load it (`modprobe sch_netem`) on a "
                     "kernel that has it.")
             # Split the one-way delay between the two directions' egress queues.
-            self._shape(ns, HOST_IFNAME, use_netem)
-            self._shape(self.switch_ns, port, use_netem)
+            self._shape(ns, HOST_IFNAME, s.host_rate(i), use_netem)
+            self._shape(switch, port, s.host_rate(i), use_netem)
         self._wait_reachable()
-        logger.info("cluster up: %d hosts %s..%s, rate %s, delay %.3g ms, prefix %s", s.hosts,
-                    s.host_ip(0), s.host_ip(s.hosts - 1),
-                    "unshaped" if s.rate_bps is None else f"{s.rate_bps / 1e9:g} Gbit/s",
+        logger.info("cluster up: %d hosts x %d ranks %s..%s, rate %s%s%s, delay %.3g ms, prefix %s",
+                    s.hosts, s.ranks_per_host, s.host_ip(0), s.host_ip(s.hosts - 1),
+                    _fmt_rate(s.rate_bps),
+                    "".join(f", host {h} {_fmt_rate(r)}" for h, r in sorted(s.slow.items())),
+                    f", {s.racks} racks joined at {_fmt_rate(s.rack_rate_bps)}" if s.racks > 1 else "",
                     s.delay_ms, self.prefix)
 
     def _wait_reachable(self, timeout_s: float = 10.0) -> None:
@@ -277,7 +347,7 @@ class Cluster:
                 if time.monotonic() > deadline:
                     raise ClusterError(f"host {i} cannot reach host 0 ({self.spec.host_ip(0)}) "
                                        f"after {timeout_s:.0f}s; check `ip netns exec "
-                                       f"{self.switch_ns} bridge link`")
+                                       f"{self.switch_ns[0]} bridge link`")
                 time.sleep(0.1)
 
     # -- teardown ----------------------------------------------------------------------------
@@ -301,13 +371,18 @@ class Cluster:
     # -- running ranks -----------------------------------------------------------------------
     def rank_env(self, rank: int) -> Dict[str, str]:
         s = self.spec
+        host, local = divmod(rank, s.ranks_per_host)
         env = dict(os.environ)
         env.update({
-            "RANK": str(rank), "WORLD_SIZE": str(s.hosts), "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "NODE_RANK": str(rank),
+            "RANK": str(rank), "WORLD_SIZE": str(s.world_size), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(s.ranks_per_host), "GROUP_RANK": str(host),
+            "NODE_RANK": str(host),
             "MASTER_ADDR": s.host_ip(0), "MASTER_PORT": str(s.master_port),
             "GLOO_SOCKET_IFNAME": HOST_IFNAME, "NCCL_SOCKET_IFNAME": HOST_IFNAME,
             RATE_ENV: "0" if s.rate_bps is None else str(int(s.rate_bps)),
+            HOST_RATES_ENV: ",".join(str(int(s.host_rate(h) or 0)) for h in range(s.hosts)),
+            RACKS_ENV: ",".join(str(s.rack_of(h)) for h in range(s.hosts)),
+            RACK_RATE_ENV: str(int(s.rack_rate_bps or 0)),
             "ZEN_CLUSTER_DELAY_MS": str(s.delay_ms),
             # 2 cores shared by all ranks: more intra-op threads only add contention.
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
@@ -315,7 +390,7 @@ class Cluster:
         return env
 
     def run(self, command: Sequence[str], timeout_s: Optional[float] = None) -> int:
-        """Run ``command`` once per host; returns 0 if every rank exits 0, else the first failure.
+        """Run ``command`` once per rank; returns 0 if every rank exits 0, else the first failure.
 
         ``{rank}``, ``{world_size}``, ``{master_addr}``, ``{master_port}`` in the arguments are
         substituted per host (handy for launchers that take them as flags, e.g. torchrun).
@@ -326,8 +401,9 @@ class Cluster:
         procs: List[subprocess.Popen] = []
         pumps: List[threading.Thread] = []
         try:
-            for rank, ns in enumerate(self.host_ns):
-                subst = {"rank": rank, "world_size": self.spec.hosts,
+            for rank in range(self.spec.world_size):
+                ns = self.host_ns[rank // self.spec.ranks_per_host]
+                subst = {"rank": rank, "world_size": self.spec.world_size,
                          "master_addr": self.spec.host_ip(0), "master_port": self.spec.master_port}
                 argv = [a.format(**subst) if "{" in a else a for a in command]
                 p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=self.rank_env(rank),
@@ -335,7 +411,8 @@ class Cluster:
                                      stderr=None if rank == 0 else subprocess.STDOUT,
                                      start_new_session=True)
                 procs.append(p)
-                prefix = "" if rank == 0 else f"[h{rank}] "
+                prefix = "" if rank == 0 else f"[h{rank}] " if self.spec.ranks_per_host == 1 \
+                    else f"[h{rank // self.spec.ranks_per_host}.{rank % self.spec.ranks_per_host}] "
                 t = threading.Thread(target=_pump, args=(p, prefix), daemon=True)
                 t.start()
                 pumps.append(t)
@@ -396,34 +473,8 @@ def _terminate(procs: List[subprocess.Popen], grace_s: float = 5.0) -> None:
             p.wait()
 
 
-# -- self-test: dense all-reduce vs link rate -----------------------------------------------------
-def selftest_worker(size_mb: float = 64.0, iters: int = 3) -> None:
-    """Run inside each host: time a dense fp32 all-reduce; rank 0 prints busbw vs the link rate."""
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    rank, n = dist.get_rank(), dist.get_world_size()
-    t = torch.ones(int(size_mb * 2**20) // 4)
-    dist.all_reduce(t)  # warm-up: connections, allocations
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        times.append(time.perf_counter() - t0)
-    assert float(t[0]) == n ** (iters + 1), "all-reduce result is wrong"
-    if rank == 0:
-        sec = sorted(times)[len(times) // 2]
-        nbytes = t.numel() * 4
-        algbw = nbytes / sec
-        busbw = algbw * 2 * (n - 1) / n if n > 1 else algbw
-        rate = float(os.environ.get(RATE_ENV, "0") or 0) / 8
-        frac = f"{busbw / rate:.1%} of link rate" if rate else "link unshaped"
-        print(f"selftest: all_reduce {nbytes / 2**20:.0f} MiB over {n} hosts: median {sec:.3f} s, "
-              f"algbw {algbw / 1e6:.1f} MB/s, busbw {busbw / 1e6:.1f} MB/s = {frac} "
-              f"(busbw = algbw*2(n-1)/n; link rate {rate / 1e6:.1f} MB/s)", flush=True)
-    dist.destroy_process_group()
+def _fmt_rate(bps: Optional[float]) -> str:
+    return "unshaped" if bps is None else f"{bps / 1e6:g} Mbit/s"
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -434,9 +485,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "host (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK set), tear down.",
         epilog="example: python -m zen_ds.cluster --hosts 4 --rate 1gbit -- "
                "python -m zen_ds.bench sync --workload lm")
-    p.add_argument("--hosts", type=int, default=4, help="number of emulated hosts (ranks)")
+    p.add_argument("--hosts", type=int, default=4, help="number of emulated hosts")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks in each host namespace (talk over unshaped loopback); sets "
+                        "LOCAL_RANK/LOCAL_WORLD_SIZE")
     p.add_argument("--rate", default="1gbit",
                    help="per-host link rate in each direction, tc units (1gbit, 100mbit) or 'none'")
+    p.add_argument("--slow", action="append", default=[], metavar="HOST:RATE",
+                   help="a host with its own (slower) link rate, e.g. 3:250mbit; repeatable")
+    p.add_argument("--racks", type=int, default=1,
+                   help="split the hosts into this many racks of consecutive hosts")
+    p.add_argument("--rack-rate", default="none",
+                   help="rate of each rack's uplink to the core switch (the inter-rack link)")
     p.add_argument("--delay", default="0ms",
                    help="one-way host-to-host netem delay, half on each link direction's egress "
                         "queue (needs sch_netem)")
@@ -445,8 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many s")
     p.add_argument("--selftest", action="store_true",
-                   help="run a dense all-reduce and report its bus bandwidth vs the link rate")
-    p.add_argument("--selftest-mb", type=float, default=64.0)
+                   help="measure every host's link (point to point, vs its shaped rate), then a "
+                        "dense all-reduce's bus bandwidth; exits 1 if a link is not shaped as asked")
+    p.add_argument("--selftest-mb", type=float, default=16.0, help="all-reduce size of --selftest")
     p.add_argument("--cleanup", action="store_true",
                    help="only remove stale namespaces of crashed runs, then exit")
     p.add_argument("--keep-up", action="store_true",
@@ -470,7 +531,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         spec = ClusterSpec(hosts=args.hosts, rate_bps=parse_rate(args.rate),
                            delay_ms=parse_delay_ms(args.delay), subnet=args.subnet, mtu=args.mtu,
-                           master_port=args.master_port)
+                           master_port=args.master_port, slow=parse_slow(args.slow),
+                           racks=args.racks, rack_rate_bps=parse_rate(args.rack_rate),
+                           ranks_per_host=args.ranks_per_host)
         spec.validate()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -480,7 +543,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("error: give either --selftest or a command, not both", file=sys.stderr)
             return 2
         command = [sys.executable, "-c",
-                   f"from zen_ds.cluster import selftest_worker; selftest_worker({args.selftest_mb})"]
+                   "from zen_ds.cluster_selftest import selftest_worker; "
+                   f"selftest_worker({args.selftest_mb})"]
     if not command and not args.cleanup:
         print("error: no command given; usage: python -m zen_ds.cluster --hosts 4 --rate 1gbit -- "
               "CMD ARGS...  (or --selftest)", file=sys.stderr)
