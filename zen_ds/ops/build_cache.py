@@ -153,6 +153,9 @@ class _BuildLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if self.waited_s == 0.0:
+                    logger.info("zen_ds: waiting up to %.0f s for the ops build of %s (lock %s)",
+                                self.timeout_s, _holder(self.path), self.path)
                 self.waited_s = time.monotonic() - start
                 if self.waited_s >= self.timeout_s:
                     os.close(fd)
