@@ -214,6 +214,7 @@ class CompiledOps:
     def bitmap_decode(self, bitmap: torch.Tensor, universe: int) -> torch.Tensor:
         if bitmap.dtype != torch.uint8 or not self.native(bitmap):
             return torch_ops.bitmap_decode(bitmap, universe)
+        torch_ops.check_bitmap_size("bitmap_decode", bitmap, universe)
         return self.module.bitmap_decode(bitmap.reshape(-1).contiguous(), int(universe))
 
     @_self_checked
@@ -237,6 +238,7 @@ class CompiledOps:
         if bitmap:
             if index.dtype != torch.uint8:
                 return torch_ops.scatter_shard(out, index, values, *args)
+            torch_ops.check_bitmap_size("scatter_shard", index, universe)
             index = index.reshape(-1).contiguous()
         elif index.dtype not in (torch.int32, torch.int64):
             index = _ids(index)
