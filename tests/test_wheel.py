@@ -65,6 +65,7 @@ def wheel_venv():
     env["TORCH_EXTENSIONS_DIR"] = os.environ.get("TORCH_EXTENSIONS_DIR",
                                                  str(REPO / ".torch_extensions"))
     env["OMP_NUM_THREADS"] = "1"
+    env["ZEN_DS_BUILD_TIMEOUT"] = "1700"  # a cold build on a loaded machine can exceed the default
     return sdist, wheel, python, Path(site), env
 
 
@@ -86,7 +87,8 @@ ENSURE_BUILT = textwrap.dedent("""
     from zen_ds.ops import builder
     info = ops.ensure_built()
     print("RESULT " + json.dumps({"zen_ds": zen_ds.__file__, "csrc": str(builder.CSRC),
-                                  "built_here": ops.backend().built_here, **info}))
+                                  "built_here": getattr(ops.backend(), "built_here", False),
+                                  **info}))
 """)
 
 
