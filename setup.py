@@ -4,13 +4,37 @@ Install torch first (``pip install torch==2.13.0`` gives the CPU build; an unpin
 multi-GB CUDA build), then ``pip install -e .[test]``. Prebuild the C++/CUDA ops into the wheel
 with ``DS_BUILD_ZEN=1 pip install --no-build-isolation .``; otherwise they are JIT-built on first
 use (or the pure-torch ops are used when no compiler is available).
+
+Wheels and sdists carry the op sources: the sdist has ``csrc/`` (MANIFEST.in), and building the
+package copies ``csrc/`` to ``zen_ds/_csrc`` inside it, where the op builder looks first. The
+checkout itself never gets that copy, so an editable install always builds from ``csrc/``.
 """
 import os
+import shutil
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPyWithOpSources(build_py):
+    """build_py that also ships ``csrc/`` as ``zen_ds/_csrc`` (for the JIT build after install)."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False) or self.dry_run:
+            return
+        source = os.path.join(HERE, "csrc")
+        if not os.path.isdir(source):
+            raise RuntimeError(f"{source} is missing: build zen_ds from a checkout or its sdist")
+        target = os.path.join(self.build_lib, "zen_ds", "_csrc")
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.o", "*.so"))
+
 
 ext_modules = []
-cmdclass = {}
+cmdclass = {"build_py": BuildPyWithOpSources}
 if os.environ.get("DS_BUILD_ZEN", "0") == "1":
     # Needs torch and deepspeed importable at build time: use --no-build-isolation.
     from torch.utils.cpp_extension import BuildExtension
@@ -18,14 +42,14 @@ if os.environ.get("DS_BUILD_ZEN", "0") == "1":
     from zen_ds.ops.builder import prebuild_extensions
 
     ext_modules = prebuild_extensions()
-    cmdclass = {"build_ext": BuildExtension}
+    cmdclass["build_ext"] = BuildExtension
 
 setup(
     name="zen_ds",
     version="0.1.0",
     description="Sparsity-driven gradient synchronisation (ZEN) for DeepSpeed training",
-    long_description=open(os.path.join(os.path.dirname(__file__), "README.md")).read()
-    if os.path.exists(os.path.join(os.path.dirname(__file__), "README.md")) else "",
+    long_description=open(os.path.join(HERE, "README.md")).read()
+    if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["zen_ds", "zen_ds.*"]),
     package_data={"zen_ds": ["py.typed"]},

@@ -421,8 +421,12 @@ def test_bitmap_roundtrip_matches_reference(compiled, universe):
 def test_bitmap_unsorted_duplicates_and_padding(compiled):
     offsets = torch.tensor([9, 3, 3, 0, 12])
     _assert_same(compiled.bitmap_encode(offsets, 13), ref.bitmap_encode(offsets, 13))
-    full = torch.full((4,), 255, dtype=torch.uint8)  # bits past the universe are ignored
+    full = torch.full((2,), 255, dtype=torch.uint8)  # bits past the universe are ignored
     _assert_same(compiled.bitmap_decode(full, 13), ref.bitmap_decode(full, 13))
+    longer = torch.full((4,), 255, dtype=torch.uint8)  # but whole bytes past it are a cut payload
+    for impl in (compiled, ref):
+        with pytest.raises(ValueError, match="bitmap over 13 positions has 2 bytes, got 4"):
+            impl.bitmap_decode(longer, 13)
     with pytest.raises(RuntimeError, match="universe"):
         compiled.bitmap_encode(torch.tensor([13]), 13)
 
@@ -488,11 +492,16 @@ def test_scatter_shard_matches_reference(compiled, num_rows, dtype):
                     want = ref.scatter_rows(torch.zeros(shape, dtype=dtype),
                                             ref.unpermute(offsets + start, num_rows, seed), values)
                     bitmap = ref.bitmap_encode(offsets, universe)
-                    padded = torch.cat([bitmap, torch.full((3,), 255, dtype=torch.uint8)])
+                    stray = bitmap.clone()
                     if universe % 8:  # stray bits past the universe in the last byte: ignored
-                        padded[universe // 8] |= (0xFF << (universe % 8)) & 0xFF
+                        stray[universe // 8] |= (0xFF << (universe % 8)) & 0xFF
+                    padded = torch.cat([bitmap, torch.full((3,), 255, dtype=torch.uint8)])
+                    for impl in (compiled, ref):  # whole bytes past it: a mis-cut payload
+                        with pytest.raises(ValueError, match="truncated or corrupted"):
+                            impl.scatter_shard(torch.zeros(shape, dtype=dtype), padded, values,
+                                               True, universe, start, num_rows, seed)
                     shuffled = torch.randperm(k, generator=gen)
-                    cases = [(bitmap, values, True), (padded, values, True),
+                    cases = [(bitmap, values, True), (stray, values, True),
                              (offsets, values, False),
                              (offsets[shuffled].to(torch.int32), values[shuffled], False)]
                     for index, vals, is_bitmap in cases:

@@ -50,19 +50,16 @@ def _nvcc() -> str:
         return path
 
 
-def _jit_dir(name: str) -> str:
-    """Where torch's JIT build of extension ``name`` lives (TORCH_EXTENSIONS_DIR or default)."""
+def _jit_build(builder_name: str) -> Tuple[str, bool]:
+    """(build directory, whether a finished build is there) of this tree's keyed JIT build."""
+    from zen_ds.ops import build_cache, builder as zb
+
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return _get_build_directory(name, verbose=False)
-    except Exception:
-        root = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
-        return os.path.join(root, name)
-
-
-def _jit_cached(name: str) -> bool:
-    return os.path.isfile(os.path.join(_jit_dir(name), f"{name}.so"))
+        name = zb.jit_name(zb.get_builder("cuda" if builder_name == zb.CUDA_NAME else "cpu"))
+    except Exception as exc:  # no deepspeed: nothing can be built
+        return f"n/a ({exc})", False
+    directory = build_cache.build_directory(name)
+    return str(directory), build_cache.is_built(name, directory)
 
 
 def _prebuilt(module_name: str) -> bool:
@@ -91,9 +88,10 @@ def gather(build: bool) -> Dict[str, object]:
     facts["accelerator"] = zb.accelerator_name()
     facts["builder"] = zb.CUDA_NAME if facts["accelerator"] == "cuda" else zb.CPU_NAME
     facts["prebuilt"] = _prebuilt(f"zen_ds.ops.{facts['builder']}")
-    facts["jit_cached"] = _jit_cached(str(facts["builder"]))
-    facts["jit_dir"] = _jit_dir(str(facts["builder"]))
+    facts["jit_dir"], facts["jit_cached"] = _jit_build(str(facts["builder"]))
     facts["cuda_sources"] = len(zb._cuda_sources())
+    facts["sources"] = str(zb.CSRC) + (" (shipped in the package)" if zb.CSRC == zb.PACKAGE_CSRC
+                                       else " (checkout)")
 
     from zen_ds import ops
 
@@ -102,18 +100,19 @@ def gather(build: bool) -> Dict[str, object]:
         facts["why"] = ("ZEN_DS_OPS=torch" if facts["ops_env"] == "torch" else
                         "not built yet: the first op call JIT-builds it (run with --build to do it now)")
     else:
-        impl = ops.use("auto")
-        info = ops.backend_info()
-        facts["loaded"] = info if impl is not ops.torch_ops else None
+        info = ops.ensure_built()  # builds only with --build; otherwise the module is cached
+        facts["loaded"] = info if info["implementation"] != ops.torch_ops.NAME else None
         facts["why"] = info["reason"]
+        facts["self_checks"] = getattr(ops.backend(), "self_checks", {})
     return facts
 
 
 def _op_rows(facts: Dict[str, object]) -> List[Tuple[str, str, str]]:
+    """Per op: which implementation CPU and CUDA tensors get, and the self-check's result."""
     from zen_ds.ops import OP_NAMES
 
     loaded = facts["loaded"]
-    cpu = loaded["implementation"] if loaded else "torch"
+    checks: Dict[Tuple[str, str], str] = facts.get("self_checks", {})  # type: ignore[assignment]
     with_cuda = bool(loaded) and loaded.get("cuda_kernels") == "True"
     notes = {
         "nonzero_rows": "float dtypes; others -> torch",
@@ -123,9 +122,18 @@ def _op_rows(facts: Dict[str, object]) -> List[Tuple[str, str, str]]:
     }
     rows = []
     for name in OP_NAMES:
-        cuda = ("cuda" if with_cuda else "torch") if facts["cuda_available"] else "n/a (no CUDA device)"
-        rows.append((name, f"cpu: {cpu if cpu == 'torch' else 'cpp'}, cuda tensors: {cuda}",
-                     notes.get(name, "")))
+        cpu_check = checks.get((name, "cpu"), "")
+        cpu = "cpp" if loaded and cpu_check in ("", "passed") else "torch"
+        if not facts["cuda_available"]:
+            cuda = "n/a (no CUDA device)"
+        else:
+            cuda_check = checks.get((name, "cuda:0"), "")
+            cuda = "cuda" if with_cuda and cuda_check in ("", "passed") else "torch"
+        checked = "; ".join(f"{dev}: {res}" for (op, dev), res in sorted(checks.items())
+                            if op == name)
+        note = "; ".join(x for x in (f"self-check {checked}" if checked else "",
+                                     notes.get(name, "")) if x)
+        rows.append((name, f"cpu: {cpu}, cuda tensors: {cuda}", note))
     return rows
 
 
@@ -150,10 +158,12 @@ def render(facts: Dict[str, object], color: bool) -> str:
                                    f"'{facts['accelerator']}'; {facts['cuda_sources']} .cu sources)"))
     out.append(_line("prebuilt module", f"{ok} installed" if facts["prebuilt"] else
                      f"{no} not installed (DS_BUILD_ZEN=1 pip install --no-build-isolation .)"))
+    out.append(_line("op sources", str(facts["sources"])))
     out.append(_line("JIT cache", f"{ok if facts['jit_cached'] else no} {facts['jit_dir']}"))
     loaded = facts["loaded"]
     if loaded:
-        out.append(_line("compiled ops", f"{ok} {loaded['implementation']} from {loaded['origin']}"))
+        out.append(_line("compiled ops", f"{ok} {loaded['implementation']} from {loaded['origin']}: "
+                                          f"{facts['why']}"))
         out.append(_line("module file", str(loaded["file"])))
     else:
         out.append(_line("compiled ops", f"{warn} pure-torch ops in use: {facts['why']}"))

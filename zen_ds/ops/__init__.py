@@ -7,6 +7,8 @@ The compiled facade routes each call by device and dtype: CPU tensors to the CPU
 tensors to the CUDA kernels when they were compiled in, anything else to the torch reference.
 
 Select explicitly with ``ZEN_DS_OPS=torch|compiled|auto`` (default ``auto``) or :func:`use`.
+:func:`ensure_built` builds the compiled ops ahead of training (the first op call would otherwise
+do it); waiting for another process's build is bounded by ``ZEN_DS_BUILD_TIMEOUT`` seconds.
 """
 from __future__ import annotations
 
@@ -29,15 +31,18 @@ _backend_reason: str = ""
 _warned = False
 
 
-def _load_compiled() -> ModuleType:
+def _load_compiled(timeout: Optional[float]) -> ModuleType:
     # Imported lazily: zen_ds must import (and fall back) without deepspeed or a compiler.
     from .compiled import load_compiled_ops  # noqa: WPS433
 
-    return load_compiled_ops()
+    return load_compiled_ops(timeout)
 
 
-def use(choice: str = "auto") -> ModuleType:
-    """Select the implementation: ``"torch"``, ``"compiled"`` (raise if it cannot load) or ``"auto"``."""
+def use(choice: str = "auto", timeout: Optional[float] = None) -> ModuleType:
+    """Select the implementation: ``"torch"``, ``"compiled"`` (raise if it cannot load) or ``"auto"``.
+
+    ``timeout`` bounds the wait for another process's build (default ``ZEN_DS_BUILD_TIMEOUT``).
+    """
     global _backend, _backend_reason, _warned
     if choice not in ("torch", "compiled", "auto"):
         raise ValueError(f"ops choice must be 'torch', 'compiled' or 'auto', got {choice!r}")
@@ -45,8 +50,10 @@ def use(choice: str = "auto") -> ModuleType:
         _backend, _backend_reason = torch_ops, "selected explicitly"
         return _backend
     try:
-        _backend = _load_compiled()
-        _backend_reason = "compiled ops loaded"
+        _backend = _load_compiled(timeout)
+        _backend_reason = ("compiled ops built by this process" if _backend.built_here else
+                           "compiled ops loaded (prebuilt)" if _backend.prebuilt else
+                           "compiled ops loaded from the JIT cache")
     except Exception as exc:  # any build/load failure falls back, loudly once
         if choice == "compiled":
             raise RuntimeError(
@@ -64,6 +71,28 @@ def backend() -> ModuleType:
     if _backend is None:
         use(os.environ.get("ZEN_DS_OPS", "auto"))
     return _backend
+
+
+def ensure_built(timeout: Optional[float] = None) -> Dict[str, str]:
+    """Load the compiled ops now, building them if needed, and self-check them on this machine.
+
+    Call it before the first training step so that no step pays for the build. Safe to call from
+    every rank at once: one process per build directory compiles, the others wait for it (at most
+    ``timeout`` seconds, default ``ZEN_DS_BUILD_TIMEOUT``), then load the result. Honours
+    ``ZEN_DS_OPS`` like the first op call would (with ``auto`` a failed or timed-out build falls
+    back to the torch ops with one warning; with ``compiled`` it raises). Returns
+    :func:`backend_info`.
+    """
+    choice = os.environ.get("ZEN_DS_OPS", "auto")
+    impl = _backend if _backend is not None and _backend is not torch_ops else use(choice, timeout)
+    if hasattr(impl, "check_all"):
+        impl.check_all("cpu")
+        if getattr(impl, "with_cuda", False):
+            import torch
+
+            for index in range(torch.cuda.device_count()):
+                impl.check_all(torch.device("cuda", index))
+    return backend_info()
 
 
 def backend_info() -> Dict[str, str]:

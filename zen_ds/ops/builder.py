@@ -16,13 +16,27 @@ from pathlib import Path
 from types import ModuleType
 from typing import List, Optional
 
+from . import build_cache
+
 logger = logging.getLogger(__name__)
 
+PACKAGE_CSRC = Path(__file__).resolve().parents[1] / "_csrc" / "zen"  # shipped in wheels/sdists
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CSRC = REPO_ROOT / "csrc" / "zen"
+CHECKOUT_CSRC = REPO_ROOT / "csrc" / "zen"
 CPU_NAME = "zen_ds_ops_cpu"
 CUDA_NAME = "zen_ds_ops_cuda"
 BUILD_ENV = "DS_BUILD_ZEN"
+
+
+def find_csrc() -> Path:
+    """The op sources: the copy installed with the package, else the checkout's ``csrc/zen``."""
+    for candidate in (PACKAGE_CSRC, CHECKOUT_CSRC):
+        if (candidate / "zen_ops_binding.cpp").is_file():
+            return candidate
+    return CHECKOUT_CSRC
+
+
+CSRC = find_csrc()
 
 
 class OpBuilderUnavailable(RuntimeError):
@@ -52,6 +66,27 @@ def _include_paths() -> List[str]:
 
 def _sources_exist() -> bool:
     return all(os.path.isfile(s) for s in _cpu_sources())
+
+
+def _all_source_files() -> List[Path]:
+    return sorted(p for p in CSRC.rglob("*") if p.suffix in (".cpp", ".cu", ".h", ".cuh"))
+
+
+def jit_name(builder) -> str:
+    """The builder's extension name with the cache key of :mod:`zen_ds.ops.build_cache`."""
+    import torch
+
+    extra = [type(builder).__name__, Path(__file__).read_text(encoding="utf-8")]
+    try:
+        import deepspeed
+
+        extra.append(str(deepspeed.__version__))
+    except Exception:  # deepspeed is required to build at all; the key only needs to be stable
+        pass
+    if builder.NAME == CUDA_NAME and torch.cuda.is_available():
+        extra += [str(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]
+    key = build_cache.cache_key(builder.NAME, _all_source_files(), CSRC, extra)
+    return f"{builder.NAME}_{key}"
 
 
 if CPUOpBuilder is not None:
@@ -131,7 +166,12 @@ else:
 
 
 def _load_prebuilt_or_jit(builder, verbose: bool) -> ModuleType:
-    """Import the module installed by ``DS_BUILD_ZEN=1 pip install .``, else JIT-build it."""
+    """Import the module installed by ``DS_BUILD_ZEN=1 pip install .``, else JIT-build it once.
+
+    The JIT build goes through :func:`zen_ds.ops.build_cache.load_or_build`: keyed by the
+    sources' hash, bounded by ``ZEN_DS_BUILD_TIMEOUT`` when another process is building.
+    """
+    builder.built_here = False
     try:
         module = importlib.import_module(builder.absolute_name())
         builder.prebuilt = True
@@ -142,7 +182,8 @@ def _load_prebuilt_or_jit(builder, verbose: bool) -> ModuleType:
     builder.prebuilt = False
     if not builder.is_compatible(verbose):
         raise OpBuilderUnavailable(f"{builder.NAME} cannot be built here: {builder.error_log}")
-    return builder.jit_load(verbose)
+    builder.name = jit_name(builder)
+    return build_cache.load_or_build(builder, timeout=getattr(builder, "timeout", None))
 
 
 def accelerator_name() -> str:

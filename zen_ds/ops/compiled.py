@@ -5,18 +5,23 @@ wraps it so that callers see exactly the torch_ops signatures and results. The w
 argument preparation the kernels expect (int64 ids, contiguous ``[k, row_numel]`` values) and
 routes each call by device: CPU tensors to the CPU kernels, CUDA tensors to the CUDA kernels when
 they were compiled in, anything else (other devices, dtypes the kernels do not cover) to torch_ops.
+
+Each op checks itself the first time it runs natively on a device (:mod:`zen_ds.ops.selfcheck`):
+an op whose result differs from torch_ops there is reported once and replaced by torch_ops on
+that device for the rest of the process.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import math
+import threading
 from types import ModuleType
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from . import torch_ops
+from . import selfcheck, torch_ops
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,20 @@ def _ids(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).to(torch.int64).contiguous()
 
 
+def _self_checked(method: Callable) -> Callable:
+    """Route ``method`` to torch_ops on devices where its compiled version failed the self-check."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def run(self: "CompiledOps", first: torch.Tensor, *args):
+        if self.native(first) and not self.check(name, first.device):
+            return getattr(torch_ops, name)(first, *args)
+        return method(self, first, *args)
+
+    run.unchecked = method  # type: ignore[attr-defined]
+    return run
+
+
 class CompiledOps:
     """torch_ops-compatible facade over the loaded extension module."""
 
@@ -61,6 +80,37 @@ class CompiledOps:
         self.with_cuda = bool(module.with_cuda())
         self.NAME = "cpp-cpu+cuda" if self.with_cuda else "cpp-cpu"
         self.__name__ = f"zen_ds.ops.compiled[{self.NAME}]"
+        self.built_here = False  # whether this process ran the JIT build
+        self.self_checks: Dict[Tuple[str, str], str] = {}  # (op, device) -> "passed" or why not
+        self._check_lock = threading.RLock()
+
+    def check(self, op: str, device: torch.device) -> bool:
+        """Whether compiled ``op`` matches torch_ops on ``device``; checked once per device."""
+        key = (op, str(device))
+        result = self.self_checks.get(key)
+        if result is None:
+            with self._check_lock:
+                result = self.self_checks.get(key)
+                if result is None:
+                    unchecked = getattr(type(self), op).unchecked
+                    passed, detail = selfcheck.check_op(
+                        op, lambda *args: unchecked(self, *args), device)
+                    result = "passed" if passed else f"failed ({detail}): using torch ops"
+                    if not passed:
+                        logger.warning("zen_ds: the compiled op %s gave a wrong result on %s in its "
+                                       "self-check (%s); the torch implementation of %s runs there "
+                                       "from now on", op, device, detail, op)
+                    self.self_checks[key] = result
+        return result == "passed"
+
+    def check_all(self, device: Optional[torch.device] = None) -> Dict[str, str]:
+        """Self-check every op on ``device`` (default CPU) now; ``{op: result}``."""
+        device = torch.device(device or "cpu")
+        from . import OP_NAMES
+
+        for op in OP_NAMES:
+            self.check(op, device)
+        return {op: self.self_checks[(op, str(device))] for op in OP_NAMES}
 
     def info(self) -> Dict[str, str]:
         return {
@@ -68,6 +118,8 @@ class CompiledOps:
             "origin": "prebuilt (DS_BUILD_ZEN=1)" if self.prebuilt else "JIT (TORCH_EXTENSIONS_DIR)",
             "cuda_kernels": str(self.with_cuda),
             "file": str(getattr(self.module, "__file__", "?")),
+            "self_checks": ", ".join(f"{op}@{dev}: {res}"
+                                     for (op, dev), res in sorted(self.self_checks.items())),
         }
 
     def native(self, *tensors: torch.Tensor) -> bool:
@@ -83,18 +135,21 @@ class CompiledOps:
 
     # -- ops, same signatures and results as torch_ops --------------------------------------
 
+    @_self_checked
     def permute(self, rows: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
         if not self.native(rows):
             return torch_ops.permute(rows, num_rows, seed)
         multiplier, _, offset = permutation_params(num_rows, seed)
         return self.module.permute(_ids(rows), num_rows, multiplier, offset).view(rows.shape)
 
+    @_self_checked
     def unpermute(self, positions: torch.Tensor, num_rows: int, seed: int) -> torch.Tensor:
         if not self.native(positions):
             return torch_ops.unpermute(positions, num_rows, seed)
         _, inverse, offset = permutation_params(num_rows, seed)
         return self.module.unpermute(_ids(positions), num_rows, inverse, offset).view(positions.shape)
 
+    @_self_checked
     def nonzero_rows(self, values: torch.Tensor) -> torch.Tensor:
         if values.dim() == 0 or values.dtype not in _FLOAT_TYPES or not self.native(values):
             return torch_ops.nonzero_rows(values)
@@ -102,6 +157,7 @@ class CompiledOps:
             return self.module.nonzero_rows(values.contiguous())
         return self.module.nonzero_rows(_as_rows(values))
 
+    @_self_checked
     def partition(self, rows: torch.Tensor, values: torch.Tensor, num_rows: int, world_size: int,
                   seed: int, id_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if (id_dtype not in (torch.int32, torch.int64) or values.dim() == 0
@@ -118,6 +174,7 @@ class CompiledOps:
             id_dtype == torch.int32)
         return counts, offsets, out.view(values.shape)
 
+    @_self_checked
     def aggregate(self, offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
         if (accum_dtype not in _ACCUM_TYPES or values.dtype not in _FLOAT_TYPES or values.dim() == 0
@@ -130,6 +187,7 @@ class CompiledOps:
                                              accum_dtype == torch.float64)
         return unique, sums.view((unique.numel(),) + tuple(values.shape[1:]))
 
+    @_self_checked
     def aggregate_bitmap(self, offsets: torch.Tensor, values: torch.Tensor,
                          accum_dtype: torch.dtype, universe: int
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,16 +204,20 @@ class CompiledOps:
             _ids(offsets), _as_rows(values), accum_dtype == torch.float64, int(universe))
         return unique, sums.view((unique.numel(),) + tuple(values.shape[1:])), bitmap
 
+    @_self_checked
     def bitmap_encode(self, offsets: torch.Tensor, universe: int) -> torch.Tensor:
         if not self.native(offsets):
             return torch_ops.bitmap_encode(offsets, universe)
         return self.module.bitmap_encode(_ids(offsets), int(universe))
 
+    @_self_checked
     def bitmap_decode(self, bitmap: torch.Tensor, universe: int) -> torch.Tensor:
         if bitmap.dtype != torch.uint8 or not self.native(bitmap):
             return torch_ops.bitmap_decode(bitmap, universe)
+        torch_ops.check_bitmap_size("bitmap_decode", bitmap, universe)
         return self.module.bitmap_decode(bitmap.reshape(-1).contiguous(), int(universe))
 
+    @_self_checked
     def scatter_rows(self, out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
                      ) -> torch.Tensor:
         if out.dim() == 0 or not out.is_contiguous() or not self.native(out, rows, values):
@@ -166,6 +228,7 @@ class CompiledOps:
         self.module.scatter_rows(out.view(out.shape[0], width), rows64, src)
         return out
 
+    @_self_checked
     def scatter_shard(self, out: torch.Tensor, index: torch.Tensor, values: torch.Tensor, bitmap: bool,
                       universe: int, shard_start: int, num_rows: int, seed: int) -> torch.Tensor:
         args = (bitmap, universe, shard_start, num_rows, seed)
@@ -175,6 +238,7 @@ class CompiledOps:
         if bitmap:
             if index.dtype != torch.uint8:
                 return torch_ops.scatter_shard(out, index, values, *args)
+            torch_ops.check_bitmap_size("scatter_shard", index, universe)
             index = index.reshape(-1).contiguous()
         elif index.dtype not in (torch.int32, torch.int64):
             index = _ids(index)
@@ -189,23 +253,30 @@ class CompiledOps:
         return out
 
 
-def load_compiled_ops() -> CompiledOps:
+def load_compiled_ops(timeout: Optional[float] = None) -> CompiledOps:
     """Build (JIT) or import (prebuilt) the extension for this accelerator and wrap it.
 
     On a CUDA accelerator the CUDA module (CPU + CUDA kernels) is tried first; if it cannot be
     built the CPU module is used and CUDA tensors take the torch path.
     """
+    from .build_cache import BuildLockTimeout
     from .builder import OpBuilderUnavailable, accelerator_name, get_builder
 
     device = accelerator_name()
     builder = get_builder(device)
+    builder.timeout = timeout
     try:
         module = builder.load(verbose=False)
+    except BuildLockTimeout:
+        raise  # waiting again for the CPU module would double the bound
     except Exception as exc:
         if device != "cuda":
             raise OpBuilderUnavailable(f"building {builder.NAME} failed: {exc}") from exc
         logger.warning("zen_ds: CUDA ops could not be built (%s); using the CPU ops, CUDA tensors "
                        "will use the torch ops", exc)
         builder = get_builder("cpu")
+        builder.timeout = timeout
         module = builder.load(verbose=False)
-    return CompiledOps(module, builder.NAME, getattr(builder, "prebuilt", False))
+    ops = CompiledOps(module, builder.NAME, getattr(builder, "prebuilt", False))
+    ops.built_here = bool(getattr(builder, "built_here", False))
+    return ops

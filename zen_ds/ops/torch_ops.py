@@ -150,13 +150,29 @@ def bitmap_encode(offsets: torch.Tensor, universe: int) -> torch.Tensor:
     offsets = offsets.to(torch.int64)
     if offsets.numel() > 1 and not bool((offsets[1:] > offsets[:-1]).all()):
         offsets = torch.unique(offsets)
+    if offsets.numel() and (int(offsets[0]) < 0 or int(offsets[-1]) >= universe):
+        raise ValueError(f"bitmap_encode: offsets must lie in [0, universe={universe})")
     bitmap = torch.zeros((universe + 7) // 8, dtype=torch.uint8, device=offsets.device)
     bits = torch.bitwise_left_shift(torch.ones_like(offsets), offsets & 7).to(torch.uint8)
     return bitmap.index_add_(0, offsets >> 3, bits)
 
 
+def check_bitmap_size(op: str, bitmap: torch.Tensor, universe: int) -> None:
+    """A bitmap over ``universe`` positions has ``ceil(universe / 8)`` bytes; else it was cut."""
+    if universe < 0:
+        raise ValueError(f"{op}: universe must be >= 0, got {universe}")
+    if bitmap.numel() != (universe + 7) // 8:
+        raise ValueError(f"{op}: a bitmap over {universe} positions has {(universe + 7) // 8} "
+                         f"bytes, got {bitmap.numel()} (truncated or corrupted payload)")
+
+
 def bitmap_decode(bitmap: torch.Tensor, universe: int) -> torch.Tensor:
-    """Set bit positions (int64, ascending) of a bitmap made by :func:`bitmap_encode`."""
+    """Set bit positions (int64, ascending) of a bitmap made by :func:`bitmap_encode`.
+
+    The bitmap must have exactly ``ceil(universe / 8)`` bytes (a truncated or padded buffer is an
+    error); bits past ``universe`` in its last byte are ignored.
+    """
+    check_bitmap_size("bitmap_decode", bitmap, universe)
     byte_index = bitmap.nonzero().flatten()
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmap.device)
     bits = (bitmap[byte_index].view(-1, 1) >> shifts) & 1
@@ -186,6 +202,7 @@ def scatter_shard(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor, 
         raise ValueError(f"scatter_shard: shard [{shard_start}, {shard_start + universe}) outside "
                          f"[0, num_rows={num_rows})")
     if bitmap:
+        check_bitmap_size("scatter_shard", index, universe)
         offsets = bitmap_decode(index.reshape(-1), universe)
     else:
         offsets = index.reshape(-1).to(torch.int64)
