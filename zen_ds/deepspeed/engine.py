@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds import ops
 from zen_ds.config import ZenConfig, load_zen_config
 from zen_ds.deepspeed import checkpoint, patches
 from zen_ds.deepspeed.faults import agree_on_failure, during_sync
@@ -169,6 +170,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         refuse("zen_ds.initialize needs model=")
     patches.check_deepspeed_version()
     route = resolve_route(ds_dict, model, zcfg)
+    # Build (or load) the C++ ops now, not inside the first step's sync: one process per build
+    # directory compiles while the others wait, bounded by ZEN_DS_BUILD_TIMEOUT.
+    ops.ensure_built()
     plan = None
     if route.owned:
         plan, kwargs["model_parameters"] = plan_owned(route, model, optimizer, model_parameters, ds_dict)
