@@ -28,10 +28,11 @@ rm -f "$OUT"/*.json "$OUT"/*.log "$OUT"/verdict-*.txt
 
 # The C++ ops (zen_ds's, and DeepSpeed's shared-memory comm op on CPU) are JIT-built on first use;
 # loading them here, once, keeps a first training run from sitting silent while they build. A
-# missing cache says a build is coming; a load still going after 15 s is one too (a stale cache).
+# missing cache says a build is coming; a compiler still running after a second is one too (a
+# cache left by another checkout or environment).
 BUILD_NOTICE="== building zen_ds C++ ops (one time, ~1 min; cached in $TORCH_EXTENSIONS_DIR)"
 prepare_ops() {
-  local started=$SECONDS announced=0
+  local started=$SECONDS announced=0 compiling=0
   if ! ls "$TORCH_EXTENSIONS_DIR"/zen_ds_ops_*/zen_ds_ops_*.so >/dev/null 2>&1 \
      || { [[ "$ZEN_DEVICE" == cpu ]] && ! ls "$TORCH_EXTENSIONS_DIR"/deepspeed_shm_comm/*.so >/dev/null 2>&1; }; then
     echo "$BUILD_NOTICE"; announced=1
@@ -46,7 +47,8 @@ if sys.argv[1] == 'cpu':
 " "$ZEN_DEVICE" > "$OUT/build.log" 2>&1 &
   local pid=$!
   while kill -0 "$pid" 2>/dev/null; do
-    if [[ $announced == 0 && $((SECONDS - started)) -ge 15 ]]; then echo "$BUILD_NOTICE"; announced=1; fi
+    if pgrep -P "$pid" -x ninja >/dev/null 2>&1; then compiling=$((compiling + 1)); else compiling=0; fi
+    if [[ $announced == 0 && $compiling -ge 2 ]]; then echo "$BUILD_NOTICE"; announced=1; fi
     sleep 1
   done
   wait "$pid" || echo "   (loading the ops failed: zen runs its pure-torch ops; see $OUT/build.log)"

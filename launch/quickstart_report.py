@@ -114,6 +114,15 @@ def explain_sparse(zen: Dict, predictions: Optional[Dict[int, str]] = None) -> L
     return lines
 
 
+def _footnote(run: Dict) -> str:
+    """How each byte figure was obtained, with this run's element size and width filled in."""
+    e, h, n = run["wire_element_bytes"], run["hidden"], run["world"]
+    stock = (f"its sparse all-gather (n-1) x (8 + max_nnz x (8 + {e} x {h}))" if run["embedding_grad"] == "sparse"
+             else f"its ring all-reduce of the whole table 2(n-1)/n x {run['vocab']} x {h} x {e} B")
+    return (f"(bytes per rank and step: zen = exact SyncStats incl. handshake; deepspeed = {stock}, n = {n}; "
+            f"MLP = ring all-reduce 2(n-1)/n x its size at {e} B/element, both runs)")
+
+
 def compare(zen: Dict, ds: Dict) -> str:
     """Print the side-by-side table; return the verdict clause for this embedding kind."""
     lz, ld = [r["loss"] for r in zen["records"]], [r["loss"] for r in ds["records"]]
@@ -131,6 +140,7 @@ def compare(zen: Dict, ds: Dict) -> str:
     bytes_ratio = _median(dr, "embed_bytes_sent") / max(_median(zr, "embed_bytes_sent"), 1)
     speedup = _median(dr, "seconds") / max(_median(zr, "seconds"), 1e-12)
     print(f"zen schemes chosen: {schemes}; embedding bytes deepspeed/zen = {bytes_ratio:.3f}")
+    print(_footnote(zen))
     if zen["embedding_grad"] == "sparse":
         for line in explain_sparse(zen):
             print(line)

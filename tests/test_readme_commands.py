@@ -146,7 +146,8 @@ def test_quickstart_raises_no_warning_from_zen_ds(quickstart):
     assert not warned, "warnings raised from zen_ds code:\n" + "\n".join(sorted(set(warned)))
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "bash launch/quickstart.sh"])
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "bash launch/quickstart.sh"],
+                         ids=lambda c: re.sub(r"[^\w./ -]", "_", c))
 def test_readme_command(command, tmp_path):
     reason = _match(SKIPPED, command)
     if reason:
