@@ -44,6 +44,8 @@ def error_line(log_text: str, limit: int = 240) -> str:
         lines = [ln for ln in log_text.splitlines() if ln.strip()]
         return (lines[-1] if lines else "(empty log)")[:limit]
     line = found[0]
+    if len(line) > limit and ". " in line[:limit]:
+        return line[: line.index(". ") + 1]  # the first sentence names the failure
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -147,8 +149,12 @@ def compare(zen: Dict, ds: Dict) -> str:
     kind = "sparse=True" if zen["embedding_grad"] == "sparse" else "dense-grad embedding"
     amount = _fewer(bytes_ratio)
     return (f"{kind}: zen sends {amount} embedding bytes {'as' if amount == 'the same' else 'than'} DeepSpeed "
-            f"({'/'.join(schemes)}), reduction {speedup:.1f}x {'faster' if speedup >= 1 else 'slower'}, "
+            f"({'/'.join(schemes)}), reduction {_times(speedup, 'faster', 'slower')}, "
             f"losses agree to {worst:.0e}")
+
+
+def _times(ratio: float, more: str, less: str) -> str:
+    return f"{ratio:.1f}x {more}" if ratio >= 1 else f"{1 / ratio:.1f}x {less}"
 
 
 def _fewer(ratio: float) -> str:
