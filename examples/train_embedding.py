@@ -8,8 +8,12 @@ Runs on CPU (gloo) and unchanged on GPUs (nccl). With ``--no-zen`` the ``"zen"``
 and ``deepspeed.initialize`` builds a stock engine. Per step, rank 0 records the loss and the time
 of the gradient reduction (``engine.allreduce_gradients``, ranks aligned by a barrier first), and the
 per-rank wire bytes of the embedding's sync: zen's exact byte counts (``SyncStats``) or, for
-DeepSpeed, its sparse all-gather (sizes, then indices and values padded to the largest rank:
-``(n-1) * max_nnz * (8 + 4*hidden)`` bytes sent = received). ``--out`` writes a JSON summary.
+DeepSpeed, its sparse all-gather (sizes, then int64 indices and values padded to the largest rank:
+``(n-1) * (8 + max_nnz * (8 + e*hidden))`` bytes sent = received, ``e`` the element size of
+DeepSpeed's ``communication_data_type``: 2 in bf16/fp16 runs, 4 in fp32). Rank 0 also records each
+step's supports (rows per rank, union, rows held by one rank alone) for the lossless bound that
+``launch/quickstart_report.py`` prints. Steps count from 1, like zen's own stats lines. ``--out``
+writes a JSON summary.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import json
 import logging
 import os
 import time
+from typing import Dict, List
 
 import deepspeed
 import torch
@@ -52,6 +57,31 @@ def zipf_batch(step: int, rank: int, batch: int, context: int, vocab: int, devic
     return ids.to(device), target.to(device)
 
 
+def gather_supports(ids: torch.Tensor) -> List[torch.Tensor]:
+    """Every rank's distinct row ids (a measurement side channel, outside the timed reduction):
+    padded to the largest rank because gloo cannot all-gather uneven sizes."""
+    local = torch.unique(ids)
+    world = dist.get_world_size()
+    size = torch.tensor([local.numel()], device=ids.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    padded = torch.full((int(max(sizes)),), -1, dtype=local.dtype, device=ids.device)
+    padded[: local.numel()] = local
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return [g[g >= 0].cpu() for g in gathered]
+
+
+def support_stats(supports: List[torch.Tensor]) -> Dict[str, object]:
+    """Rows per rank, rows of the union, and rows each rank holds alone. Any lossless scheme must
+    deliver to rank r at least the union's rows r does not hold alone (``union - alone[r]``); the
+    held-alone ones r already has in final form."""
+    union, holders = torch.unique(torch.cat(supports), return_counts=True)
+    alone = [int((holders[torch.searchsorted(union, s)] == 1).sum()) for s in supports]
+    return {"nnz_per_rank": [int(s.numel()) for s in supports], "union_rows": int(union.numel()),
+            "alone_per_rank": alone}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -77,7 +107,9 @@ def main() -> None:
     state = zen_ds.state_of(engine)
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = engine.train_micro_batch_size_per_gpu()
-    emb_row_bytes = args.hidden * engine.module.embed.weight.element_size()
+    # DeepSpeed casts what it reduces to its communication dtype (bf16 in bf16 runs).
+    wire_element = torch.empty((), dtype=engine.communication_data_type).element_size()
+    emb_row_bytes = args.hidden * wire_element
 
     reduce_seconds = []
     orig_allreduce = engine.allreduce_gradients
@@ -92,43 +124,44 @@ def main() -> None:
         return out
     engine.allreduce_gradients = timed_allreduce
 
-    dense_bytes = sum(p.numel() * p.element_size() for p in engine.module.mlp.parameters())
+    dense_bytes = sum(p.numel() for p in engine.module.mlp.parameters()) * wire_element
     dense_wire = 2 * (world - 1) * dense_bytes // world  # ring all-reduce, per rank, each way
     records = []
-    for step in range(args.steps):
-        ids, target = zipf_batch(step, rank, micro, args.context, args.vocab, engine.device)
+    for step in range(1, args.steps + 1):
+        ids, target = zipf_batch(step - 1, rank, micro, args.context, args.vocab, engine.device)
         loss = ((engine(ids) - target) ** 2).mean()
         engine.backward(loss)
-        rows = torch.tensor([float(torch.unique(ids).numel())])
-        dist.all_reduce(rows, op=dist.ReduceOp.MAX)  # measurement side channel (not timed)
+        supports = support_stats(gather_supports(ids))  # measurement side channel (not timed)
         engine.step()
         mean_loss = loss.detach().float().clone()
         dist.all_reduce(mean_loss)
+        n_max = max(supports["nnz_per_rank"])
         if state is not None:
             st = state.reducer.last_stats["embed.weight"]
             emb_wire, scheme = st.bytes_sent, st.scheme
             density, agg = st.density, st.result_density
         elif args.embedding_grad == "sparse":
-            n_max = int(rows)
             emb_wire = (world - 1) * (8 + n_max * (8 + emb_row_bytes))
             scheme, density, agg = "deepspeed-allgather", n_max / args.vocab, float("nan")
         else:  # DeepSpeed all-reduces the whole dense table (ring, per rank, each way)
-            n_max = int(rows)
             emb_wire = 2 * (world - 1) * args.vocab * emb_row_bytes // world
             scheme, density, agg = "deepspeed-allreduce", n_max / args.vocab, float("nan")
         records.append({"step": step, "loss": float(mean_loss) / world, "seconds": reduce_seconds[-1],
                         "embed_bytes_sent": emb_wire, "dense_bytes_sent": dense_wire, "scheme": scheme,
-                        "density": density, "aggregated_density": agg})
+                        "density": density, "aggregated_density": agg, "supports": supports})
         if rank == 0:
-            print(f"step {step:3d} loss {float(mean_loss) / world:.6f} reduce {1e3 * reduce_seconds[-1]:7.2f} ms "
-                  f"embed sent {emb_wire / 1e6:8.3f} MB ({scheme})", flush=True)
+            print(f"step {step:3d}/{args.steps} loss {float(mean_loss) / world:.6f} "
+                  f"reduce {1e3 * reduce_seconds[-1]:7.2f} ms embed sent {emb_wire / 1e6:8.3f} MB ({scheme}) "
+                  f"mlp sent {dense_wire / 1e6:.3f} MB", flush=True)
     if rank == 0 and args.out:
         with open(args.out, "w") as fh:
             json.dump({"zen": state is not None, "world": world, "vocab": args.vocab, "hidden": args.hidden,
                        "micro_batch": micro, "context": args.context,
-                       "embedding_grad": args.embedding_grad,
+                       "embedding_grad": args.embedding_grad, "wire_element_bytes": wire_element,
                        "embed_dense_bytes": args.vocab * emb_row_bytes, "records": records}, fh, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    from example_utils import run_example
+
+    run_example(main)

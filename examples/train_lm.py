@@ -548,8 +548,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     records: List[Dict[str, Any]] = []
     first_stage = parallel_state.get_pipeline_model_parallel_rank() == 0
-    for step in range(args.steps):
-        data = batches(stream, dp_rank, args.micro_batch, args.seq, start_step=step)
+    for step in range(1, args.steps + 1):  # from 1, like zen's stats lines
+        data = batches(stream, dp_rank, args.micro_batch, args.seq, start_step=step - 1)
         dist.barrier()
         started = time.perf_counter()
         if args.pp > 1:
@@ -569,12 +569,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         if args.zen:
             record["zen"] = _zen_summary(engine)
         touched = probe.take()
-        if args.stats_interval and (step % args.stats_interval == 0 or step == args.steps - 1):
+        if args.stats_interval and (step % args.stats_interval == 0
+                                    or step == args.steps):
             # every rank joins (same DP group, stage-local); ranks without the embedding skip
             record["embedding"] = embedding_stats(touched, dp_group) if first_stage else {}
         records.append(record)
         if rank == 0 and (args.stats_interval and step % args.stats_interval == 0
-                          or step == args.steps - 1):
+                          or step == args.steps):
             emb = record.get("embedding") or {}
             zen = record.get("zen") or {}
             print(f"step {step:4d} loss {record['loss']:.4f} step {elapsed * 1e3:8.1f} ms "
@@ -613,6 +614,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
-    if dist.is_initialized():
-        dist.barrier()
+    from example_utils import run_example  # beside this file; only a standalone run needs it
+
+    run_example(main)

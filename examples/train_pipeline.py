@@ -78,11 +78,12 @@ def main() -> None:
     engine, _, _, _ = init(args=args, model=model, optimizer=opt)
     args.grad_accum = engine.gradient_accumulation_steps()
     dp_rank = engine.grid.get_data_parallel_id()
-    for step in range(args.steps):
-        loss = engine.train_batch(data_iter=batches(args, engine.train_micro_batch_size_per_gpu(), dp_rank, step))
+    for step in range(1, args.steps + 1):  # from 1, like zen's stats lines
+        loss = engine.train_batch(data_iter=batches(args, engine.train_micro_batch_size_per_gpu(), dp_rank,
+                                                    step - 1))
         state = zen_ds.state_of(engine)
         if engine.global_rank == engine.world_size - 1:  # last stage, DP replica 1: holds the loss
-            print(f"step {step} loss {float(loss):.5f}", flush=True)
+            print(f"step {step}/{args.steps} loss {float(loss):.5f}", flush=True)
         if state is not None and engine.global_rank == 0 and state.reducer.last_stats:
             st = next(iter(state.reducer.last_stats.items()))
             print(f"step {step} zen {st[0]}: density {st[1].density:.4f} scheme {st[1].scheme} "
@@ -90,4 +91,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from example_utils import run_example
+
+    run_example(main)

@@ -7,11 +7,13 @@
 #   launch/cluster.sh --cleanup        # remove namespaces left by a crashed run
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-python3}"
 if [[ "$(id -u)" != "0" ]]; then
   echo "error: the emulated cluster needs root (network namespaces, tc); re-run with sudo -E $0 $*" >&2
   exit 3
 fi
-# Make zen_ds importable on every host even when it is not pip-installed.
-export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
-exec "${PYTHON}" -m zen_ds.cluster "$@"
+# Finds the Python environment and makes zen_ds importable on every host even when it is not
+# pip-installed (the namespaces inherit this environment).
+# shellcheck source=launch/env.sh
+source "${REPO}/launch/env.sh"
+[[ "${ZEN_ENV_OK}" == 1 ]] || exit 1
+exec "${ZEN_PY}" -m zen_ds.cluster "$@"

@@ -19,5 +19,8 @@ ARGS=(--hostfile "${HOSTFILE}" --master_port "${MASTER_PORT:-29500}" --launcher 
 [[ -n "${NUM_NODES:-}" ]] && ARGS+=(--num_nodes "${NUM_NODES}")
 # The launcher forwards PYTHON* variables to every host; list others (e.g. NCCL_SOCKET_IFNAME,
 # OMP_NUM_THREADS) one "NAME=value" per line in ~/.deepspeed_env or ./.deepspeed_env.
-export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
-exec deepspeed "${ARGS[@]}" "${SCRIPT}" "$@"
+[[ "${SCRIPT}" == *train_lm.py ]] && export ZEN_NEEDS="${ZEN_NEEDS:-megatron.core}"
+# shellcheck source=launch/env.sh
+source "${REPO}/launch/env.sh"
+[[ "${ZEN_ENV_OK}" == 1 ]] || exit 1
+exec "${ZEN_PY}" -m deepspeed.launcher.runner "${ARGS[@]}" "${SCRIPT}" "$@"

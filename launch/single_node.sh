@@ -14,9 +14,9 @@ fi
 NUM="$1"; shift
 SCRIPT="${SCRIPT:-${REPO}/examples/train_lm.py}"
 PORT="${MASTER_PORT:-29500}"
-export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
-if ! python3 -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  # CPU: one thread per rank keeps N ranks from oversubscribing the cores.
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-fi
-exec deepspeed --num_gpus "${NUM}" --master_port "${PORT}" "${SCRIPT}" "$@"
+# Finds (or creates) the Python environment; train_lm.py also needs megatron-core.
+[[ "${SCRIPT}" == *train_lm.py ]] && export ZEN_NEEDS="${ZEN_NEEDS:-megatron.core}"
+# shellcheck source=launch/env.sh
+source "${REPO}/launch/env.sh"
+[[ "${ZEN_ENV_OK}" == 1 ]] || exit 1
+exec "${ZEN_PY}" -m deepspeed.launcher.runner --num_gpus "${NUM}" --master_port "${PORT}" "${SCRIPT}" "$@"

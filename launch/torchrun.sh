@@ -13,9 +13,9 @@ if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
 fi
 NPROC="$1"; shift
 SCRIPT="${SCRIPT:-${REPO}/examples/train_lm.py}"
-export PYTHONPATH="${REPO}${PYTHONPATH:+:${PYTHONPATH}}"
-if ! python3 -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-fi
-exec torchrun --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "${NPROC}" \
+[[ "${SCRIPT}" == *train_lm.py ]] && export ZEN_NEEDS="${ZEN_NEEDS:-megatron.core}"
+# shellcheck source=launch/env.sh
+source "${REPO}/launch/env.sh"
+[[ "${ZEN_ENV_OK}" == 1 ]] || exit 1
+exec "${ZEN_PY}" -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "${NPROC}" \
   --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" "${SCRIPT}" "$@"

@@ -25,6 +25,31 @@ def test_unknown_key_is_named_with_valid_keys():
     assert '"zen.schme"' in msg and "scheme" in msg and "density_threshold" in msg
 
 
+@pytest.mark.parametrize("block, suggestion", [
+    ({"schme": "balanced"}, '"zen.schme" (did you mean "scheme"?)'),
+    ({"stats_intervall": 5}, '"zen.stats_intervall" (did you mean "stats_interval"?)'),
+    ({"Seed": 1}, '"zen.Seed" (did you mean "seed"?)'),
+    ({"compression": {"densty": 0.1}}, '"zen.compression.densty" (did you mean "density"?)'),
+])
+def test_mistyped_key_suggests_the_nearest_valid_one(block, suggestion):
+    with pytest.raises(ZenConfigError) as err:
+        load_zen_config({"zen": block})
+    assert suggestion in str(err.value)
+
+
+def test_nested_unknown_key_lists_the_nested_blocks_keys():
+    with pytest.raises(ZenConfigError) as err:
+        load_zen_config({"zen": {"compression": {"densty": 0.1}}})
+    listed = str(err.value).split("valid keys: ")[1]
+    assert "warmup_steps" in listed and "stats_interval" not in listed
+
+
+def test_unrelated_key_gets_no_suggestion():
+    with pytest.raises(ZenConfigError) as err:
+        load_zen_config({"zen": {"bogus": 1}})
+    assert "did you mean" not in str(err.value)
+
+
 @pytest.mark.parametrize("block, needle", [
     ({"scheme": "ring"}, "unknown scheme 'ring'"),
     ({"density_threshold": 0.0}, "density_threshold"),

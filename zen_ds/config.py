@@ -6,9 +6,10 @@ ones), checks every value, and is resolved once per engine.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
-from typing import Any, List, Literal, Mapping, Optional, Union
+from typing import Any, List, Literal, Mapping, Optional, Sequence, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -89,13 +90,36 @@ class ZenConfig(BaseModel):
         return self
 
 
+def _did_you_mean(key: str, valid: List[str]) -> str:
+    """' (did you mean "scheme"?)' for a near miss of a valid key; empty when nothing is close."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return f' (did you mean "{close[0]}"?)' if close else ""
+
+
+def _keys_at(loc: Sequence[Any]) -> List[str]:
+    """Valid keys of the block that holds ``loc`` (``zen`` itself, or a nested block such as
+    ``zen.compression``)."""
+    model: Any = ZenConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        nested = [t for t in (get_args(field.annotation) or (field.annotation,))
+                  if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not nested:
+            return []
+        model = nested[0]
+    return sorted(model.model_fields)
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
-    valid = sorted(ZenConfig.model_fields)
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f'  unknown key "zen.{loc}" (valid keys: {", ".join(valid)})')
+            valid = _keys_at(e["loc"])
+            hint = _did_you_mean(str(e["loc"][-1]), valid)
+            lines.append(f'  unknown key "zen.{loc}"{hint} (valid keys: {", ".join(valid)})')
         else:
             lines.append(f'  "zen.{loc}": {e["msg"]} (got {e.get("input")!r})')
     return "\n".join(lines)

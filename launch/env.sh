@@ -1,0 +1,84 @@
+# Shared by the launch scripts (and by `source launch/env.sh` in a plain shell): find the Python
+# environment that runs zen_ds, or create it, so that every documented command works without
+# activating anything first.
+#
+#   source launch/env.sh                     # activates the environment for python / zen-bench
+#   ZEN_NEEDS="megatron.core" source launch/env.sh   # also require megatron-core (train_lm.py)
+#
+# The first candidate that imports torch, deepspeed, zen_ds's dependencies and $ZEN_NEEDS wins:
+#   $PYTHON (used as given, never modified), $ZEN_DS_VENV (the tests' variable), .venv (created by
+#   tests/run.sh), .venv-quickstart (created by launch/quickstart.sh), python3 on PATH.
+# If none does, .venv-quickstart is created (or completed) with torch's CPU build and zen_ds with
+# the extras that $ZEN_NEEDS asks for. JIT-built C++ ops are cached inside the checkout, one cache
+# per environment (.torch_extensions/ for the tests' venv), so switching never rebuilds them.
+# Sets ZEN_PY (the python to run), ZEN_REPO, ZEN_DEVICE (cpu | cuda), PYTHONPATH, TORCH_EXTENSIONS_DIR and, on CPU,
+# OMP_NUM_THREADS; puts the environment's bin/ first on PATH (deepspeed, torchrun, zen-bench).
+
+ZEN_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ZEN_TORCH_VERSION="${ZEN_TORCH_VERSION:-2.13.0}"
+
+_zen_imports() {  # $1 = python; true if it runs zen_ds from this checkout with $ZEN_NEEDS
+  local modules="torch, deepspeed, pydantic, zen_ds"
+  [ -n "${ZEN_NEEDS:-}" ] && modules="$modules, ${ZEN_NEEDS// /, }"
+  PYTHONPATH="$ZEN_REPO" "$1" -c "import $modules" >/dev/null 2>&1
+}
+
+_zen_extras() {  # pip extras of zen_ds for the modules in $ZEN_NEEDS
+  case " ${ZEN_NEEDS:-} " in *megatron*) echo "[megatron]" ;; *) echo "" ;; esac
+}
+
+_zen_find_python() {
+  local candidate
+  if [ -n "${PYTHON:-}" ]; then
+    if _zen_imports "$PYTHON"; then ZEN_PY="$PYTHON"; return 0; fi
+    echo "error: PYTHON=$PYTHON cannot import torch, deepspeed, zen_ds's dependencies${ZEN_NEEDS:+ and $ZEN_NEEDS};" \
+         "install them (pip install -e '$ZEN_REPO$(_zen_extras)') or unset PYTHON" >&2
+    return 1
+  fi
+  for candidate in ${ZEN_DS_VENV:+"$ZEN_DS_VENV/bin/python"} "$ZEN_REPO/.venv/bin/python" \
+                   "$ZEN_REPO/.venv-quickstart/bin/python" "$(command -v python3 || true)"; do
+    if [ -n "$candidate" ] && [ -x "$candidate" ] && _zen_imports "$candidate"; then
+      ZEN_PY="$candidate"; return 0
+    fi
+  done
+  local venv="$ZEN_REPO/.venv-quickstart" base
+  base="$(command -v python3 || true)"
+  if [ -z "$base" ]; then echo "error: python3 not found on PATH; install Python 3.9+" >&2; return 1; fi
+  echo "== setting up $venv (torch CPU build, deepspeed, zen_ds$(_zen_extras)); one time, a few minutes" >&2
+  [ -x "$venv/bin/python" ] || "$base" -m venv "$venv" || return 1
+  export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+  "$venv/bin/python" -c "import torch" 2>/dev/null \
+    || "$venv/bin/python" -m pip install -q "torch==$ZEN_TORCH_VERSION" || return 1
+  "$venv/bin/python" -m pip install -q -e "$ZEN_REPO$(_zen_extras)" || return 1
+  if ! _zen_imports "$venv/bin/python"; then
+    echo "error: $venv was set up but still cannot import zen_ds${ZEN_NEEDS:+ with $ZEN_NEEDS}" >&2
+    return 1
+  fi
+  ZEN_PY="$venv/bin/python"
+}
+
+if _zen_find_python; then
+  export ZEN_PY ZEN_REPO
+  export PYTHONPATH="$ZEN_REPO${PYTHONPATH:+:$PYTHONPATH}"
+  _zen_facts="$("$ZEN_PY" -c "import os, sys, torch; print(os.path.realpath(sys.prefix), 'cuda' if torch.cuda.is_available() else 'cpu')" 2>/dev/null)"
+  ZEN_DEVICE="${_zen_facts##* }"
+  _zen_prefix="${_zen_facts% *}"
+  if [ -z "${TORCH_EXTENSIONS_DIR:-}" ]; then
+    # A JIT build records its environment's include paths, so environments must not share a cache
+    # (each switch would rebuild): the tests' venv uses .torch_extensions/ as tests/run.sh does,
+    # any other environment a folder of its own inside it.
+    if [ "$_zen_prefix" = "$(cd "${ZEN_DS_VENV:-$ZEN_REPO/.venv}" 2>/dev/null && pwd -P)" ]; then
+      TORCH_EXTENSIONS_DIR="$ZEN_REPO/.torch_extensions"
+    else
+      TORCH_EXTENSIONS_DIR="$ZEN_REPO/.torch_extensions/env-$(basename "$_zen_prefix")"
+    fi
+  fi
+  export TORCH_EXTENSIONS_DIR ZEN_DEVICE
+  export PATH="$(dirname "$ZEN_PY"):$PATH"
+  if [ "$ZEN_DEVICE" = cpu ]; then
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per CPU rank: no oversubscription
+  fi
+  ZEN_ENV_OK=1
+else
+  ZEN_ENV_OK=0
+fi
