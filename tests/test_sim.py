@@ -18,33 +18,49 @@ import zen_ds
 from zen_ds.bench.workloads import parse_workload
 from zen_ds.planner import CostModel
 from zen_ds.schemes.base import ByteEstimate
-from zen_ds.sim import (AUTO, DEEPSPEED, Phase, SimCost, Supports, Topology, generate_supports,
+from zen_ds.sim import (AUTO, DEEPSPEED, Phase, SimCost, Supports, Topology,
                         handshake_shape, lossless_bound, simulate, traffic_function)
 from zen_ds.sim import traffic as traffic_module
 from zen_ds.sim.cli import main as sim_main
 
-# Cases: (workload spec, dtype, index encoding, ranks whose support is emptied).
-# lm64: rows of 64 B (balanced skips single holders, exchanged pull); lm16: 16 B rows (no skip);
-# topk: element-sparse; disjoint: no shared row (padded pull); dense-ish: bitmap shards;
-# fp16 and a forced bitmap; one empty rank; every rank empty but one.
-CASES: Dict[str, Tuple[str, torch.dtype, str, Tuple[int, ...]]] = {
-    "lm64": ("lm:rows=3000,width=16,tokens=300", torch.float32, "auto", ()),
-    "lm16": ("lm:rows=3000,width=4,tokens=300", torch.float32, "auto", ()),
-    "topk": ("synthetic:rows=20000,width=0,density=0.01,overlap=0.3", torch.float32, "auto", ()),
+# Cases: (workload spec, dtype, index encoding, ranks whose support is emptied, cost model alpha).
+# lm64: rows of 64 B (balanced skips single holders); lm16: 16 B rows (no skip); topk:
+# element-sparse; disjoint: no shared row; denseish: bitmap shards; fp16 and forced encodings;
+# empty ranks. The default alpha makes these small cases pad balanced's pull; a tiny alpha makes
+# the duplicates cost more than the size exchange's latency, so the "_x" cases take the
+# exchanged pull (with its single-holder masks where rows are >= 32 B).
+TINY_ALPHA = 1e-9
+CASES: Dict[str, Tuple[str, torch.dtype, str, Tuple[int, ...], float]] = {
+    "lm64": ("lm:rows=3000,width=16,tokens=300", torch.float32, "auto", (), CostModel.alpha),
+    "lm16": ("lm:rows=3000,width=4,tokens=300", torch.float32, "auto", (), CostModel.alpha),
+    "topk": ("synthetic:rows=20000,width=0,density=0.01,overlap=0.3", torch.float32, "auto", (),
+             CostModel.alpha),
     "disjoint": ("synthetic:rows=40000,width=8,density=0.005,overlap=0", torch.float32, "auto",
-                 ()),
+                 (), CostModel.alpha),
     "denseish": ("synthetic:rows=4000,width=4,density=0.1,overlap=0.5,skew=1",
-                 torch.float32, "auto", ()),
-    "fp16_bitmap": ("lm:rows=3000,width=16,tokens=300", torch.float16, "bitmap", ()),
-    "one_empty": ("lm:rows=3000,width=16,tokens=300", torch.float32, "auto", (0,)),
-    "last_row_only": ("lm:rows=3000,width=16,tokens=300", torch.float32, "coo", (-1,)),
+                 torch.float32, "auto", (), CostModel.alpha),
+    "fp16_bitmap": ("lm:rows=3000,width=16,tokens=300", torch.float16, "bitmap", (),
+                    CostModel.alpha),
+    "one_empty": ("lm:rows=3000,width=16,tokens=300", torch.float32, "auto", (0,),
+                  CostModel.alpha),
+    "last_row_only": ("lm:rows=3000,width=16,tokens=300", torch.float32, "coo", (-1,),
+                      CostModel.alpha),
+    "lm64_x": ("lm:rows=3000,width=16,tokens=300", torch.float32, "auto", (), TINY_ALPHA),
+    "lm16_x": ("lm:rows=3000,width=4,tokens=300", torch.float32, "auto", (), TINY_ALPHA),
+    "topk_x": ("synthetic:rows=20000,width=0,density=0.01,overlap=0.3", torch.float32, "auto",
+               (), TINY_ALPHA),
+    "denseish_x": ("synthetic:rows=4000,width=4,density=0.1,overlap=0.5,skew=1",
+                   torch.float32, "auto", (), TINY_ALPHA),
+    "fp16_coo_x": ("lm:rows=3000,width=16,tokens=300", torch.float16, "coo", (), TINY_ALPHA),
+    "one_empty_x": ("lm:rows=3000,width=16,tokens=300", torch.float32, "bitmap", (0,),
+                    TINY_ALPHA),
 }
 WORLD_SIZES = (2, 3, 5, 8)
 
 
 def case_ids(case: str, rank: int, n: int) -> Tuple[torch.Tensor, int, Tuple[int, ...]]:
     """Rank's ids, num_rows and row shape for ``case`` (the same in the parent and the ranks)."""
-    spec, _, _, emptied = CASES[case]
+    spec, _, _, emptied, _ = CASES[case]
     workload = parse_workload(spec)
     ids = workload.generate_ids(rank, n)
     if case == "last_row_only":  # every rank holds only the last row, or nothing
@@ -57,7 +73,8 @@ def case_ids(case: str, rank: int, n: int) -> Tuple[torch.Tensor, int, Tuple[int
 def _real_bytes(rank: int, n: int) -> Dict[str, Dict[str, object]]:
     """Every case x scheme (and auto) on real ranks: this rank's SyncStats bytes."""
     out = {}
-    for case, (spec, dtype, encoding, _) in CASES.items():
+    for case, (spec, dtype, encoding, _, alpha) in CASES.items():
+        zen_ds.set_cost_model(CostModel(alpha=alpha))
         ids, num_rows, row_shape = case_ids(case, rank, n)
         gen = torch.Generator().manual_seed(rank)
         values = (torch.rand((ids.numel(),) + row_shape, generator=gen) + 0.5).to(dtype)
@@ -79,7 +96,7 @@ def real_run(n: int) -> List[Dict[str, Dict[str, object]]]:
 
 
 def case_supports(case: str, n: int) -> Supports:
-    spec, dtype, _, _ = CASES[case]
+    spec, dtype, _, _, _ = CASES[case]
     per_rank = [case_ids(case, r, n) for r in range(n)]
     _, num_rows, row_shape = per_rank[0]
     return Supports.from_ranks([ids for ids, _, _ in per_rank], num_rows,
@@ -92,9 +109,9 @@ def case_supports(case: str, n: int) -> Supports:
 def test_simulated_bytes_equal_real_syncstats(case: str, n: int) -> None:
     real = real_run(n)
     supports = case_supports(case, n)
-    encoding = CASES[case][2]
-    # The real runs use the default cost model: a flat network at its rate and alpha.
-    cost = SimCost(Topology(1, CostModel().bandwidth, CostModel().bandwidth, CostModel().alpha))
+    encoding, alpha = CASES[case][2], CASES[case][4]
+    # The real runs use the default bandwidth and the case's alpha on a flat network.
+    cost = SimCost(Topology(1, CostModel.bandwidth, CostModel.bandwidth, alpha))
     result = simulate(supports, cost, index_encoding=encoding)
     checked = 0
     for row in result.rows:

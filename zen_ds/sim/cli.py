@@ -19,7 +19,7 @@ import gc
 import logging
 import sys
 import time
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ from ..schemes.base import DEFAULT_LATENCY_BYTES, SKETCH_SIZE, SyncShape
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Supports", "generate_supports", "handshake_shape", "lossless_bound"]
+__all__ = ["Supports", "LosslessBound", "generate_supports", "handshake_shape", "lossless_bound"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -199,13 +199,3 @@ def lossless_bound(supports: Supports) -> LosslessBound:
     top = int(supports.nnz.max()) if n else 0
     return LosslessBound(union, int(must.max()) if n else 0, (n - 1) * top)
 
-
-def describe(supports: Supports, bound: Optional[LosslessBound] = None) -> str:
-    """One line: sizes, density and the bound (printed beside every table)."""
-    bound = bound or lossless_bound(supports)
-    nnz = supports.nnz.double()
-    density = float(nnz.mean()) / max(supports.num_rows, 1)
-    return (f"rows {supports.num_rows:,} x {supports.row_numel}, nnz/rank mean {float(nnz.mean()):,.0f} "
-            f"(density {density:.3%}), union {bound.union:,}; lossless bound max_r(U - S_r) = "
-            f"{bound.bound_rows:,} rows vs sparse all-gather {bound.allgather_rows:,}: "
-            f"bound ratio {bound.ratio:.2f}x")
