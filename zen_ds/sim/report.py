@@ -11,7 +11,7 @@ import json
 import math
 from typing import Dict, List, Optional, Sequence
 
-from .simulate import AUTO, SimResult
+from .simulate import AUTO, DEEPSPEED, SimResult
 from .supports import LosslessBound
 
 __all__ = ["format_table", "result_rows", "write_json", "plot_speedups", "bound_line"]
@@ -93,8 +93,10 @@ def plot_speedups(path: str, results: Sequence[SimResult], baseline: str = "dens
         ranks = [r.world_size for r in runs]
         for scheme in dict.fromkeys(row.scheme for r in runs for row in r.rows):
             ys = [r.row(baseline).seconds / r.row(scheme).seconds for r in runs]
-            style = {"linewidth": 2.5, "color": "black"} if scheme == AUTO else {}
-            ax.plot(ranks, ys, marker="o", label=scheme, **style)
+            # auto and deepspeed coincide with the schemes they run: draw them dashed on top.
+            style = {"color": "black", "linestyle": "--", "marker": "x"} if scheme == AUTO else \
+                {"linestyle": ":", "marker": "+"} if scheme == DEEPSPEED else {"marker": "o"}
+            ax.plot(ranks, ys, label=scheme, **style)
         if baseline == "agsparse":
             ax.plot(ranks, [r.bound.ratio for r in runs], "k--", label="bytes bound")
         ax.set_xscale("log", base=2)
