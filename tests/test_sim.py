@@ -204,16 +204,16 @@ def test_scheme_without_traffic_function_is_modelled(monkeypatch) -> None:
 def test_cli_end_to_end_json_and_plot(tmp_path, capsys) -> None:
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     code = sim_main(["--workload", "lm:rows=4000,width=8,tokens=200", "--ranks", "4", "8",
-                     "--ranks-per-node", "2", "--bandwidth", "1gbit", "--compute", "none",
+                     "--ranks-per-node", "1", "2", "--bandwidth", "1gbit", "--compute", "none",
                      "--step-compute", "0.05", "--json", str(out), "--plot", str(png)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "lossless bound" in printed and "speed-up" in printed
     data = json.loads(out.read_text())
     schemes = set(zen_ds.SCHEMES) | {AUTO, DEEPSPEED}
-    for n in (4, 8):
-        rows = [r for r in data["rows"] if r["ranks"] == n]
-        assert {r["scheme"] for r in rows} == schemes
+    for n, per_node in ((4, 1), (4, 2), (8, 1), (8, 2)):
+        rows = [r for r in data["rows"] if (r["ranks"], r["ranks_per_node"]) == (n, per_node)]
+        assert sorted(r["scheme"] for r in rows) == sorted(schemes)
         for r in rows:
             assert r["seconds"] > 0 and r["bytes_sent"] > 0 and r["method"] in ("exact", "model")
         auto = next(r for r in rows if r["scheme"] == AUTO)
@@ -221,7 +221,7 @@ def test_cli_end_to_end_json_and_plot(tmp_path, capsys) -> None:
         chosen = next(r for r in rows if r["scheme"] == auto["chosen"])
         assert auto["bytes_sent"] == chosen["bytes_sent"]
     assert {b["ranks"] for b in data["bounds"]} == {4, 8}
-    assert len(data["throughput"]) == 2
+    assert len(data["throughput"]) == 4
     pytest.importorskip("matplotlib")
     assert png.stat().st_size > 1000
 

@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="group sizes to simulate (>= 2; e.g. 4 8 16 ... 1024)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="row scaling of the reference workloads (1.0 = full size, the default)")
-    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=int, nargs="+", default=[1],
+                   help="ranks sharing one node's NIC; several values compare topologies on the "
+                        "same generated supports (default 1: a NIC per rank)")
     p.add_argument("--bandwidth", default="25gbit",
                    help="inter-node bandwidth of one node's NIC(s), tc units (default 25gbit)")
     p.add_argument("--intra-bandwidth", default="1200gbit",
@@ -85,8 +87,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .throughput import format_throughput, throughput_rows
 
     try:
-        topology = Topology(args.ranks_per_node, _bytes_per_second(args.bandwidth),
-                            _bytes_per_second(args.intra_bandwidth), _seconds(args.latency))
+        topologies = [Topology(k, _bytes_per_second(args.bandwidth),
+                               _bytes_per_second(args.intra_bandwidth), _seconds(args.latency))
+                      for k in args.ranks_per_node]
         if min(args.ranks) < 2:
             raise ValueError("--ranks must all be >= 2")
         specs = args.workload or list(DEFAULT_WORKLOADS)
@@ -95,22 +98,24 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cost = SimCost(topology, rates)
-    print(f"# topology: {topology.ranks_per_node} ranks/node, inter {topology.inter_bandwidth * 8 / 1e9:g} "
-          f"Gbit/s per node, intra {topology.intra_bandwidth * 8 / 1e9:g} Gbit/s per rank, "
-          f"latency {topology.latency * 1e6:g} us/step; compute: {rates.source}")
+    topology = topologies[0]
+    print(f"# topology: {' / '.join(str(t.ranks_per_node) for t in topologies)} ranks/node, inter "
+          f"{topology.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
+          f"{topology.intra_bandwidth * 8 / 1e9:g} Gbit/s per rank, latency "
+          f"{topology.latency * 1e6:g} us/step; compute: {rates.source}")
     results = []
     for workload in workloads:
         for n in args.ranks:
             started = time.perf_counter()
             supports = generate_supports(workload, n, args.seed, args.sync_seed)
-            result = simulate(supports, cost, args.schemes or (), args.index_encoding,
-                              sparse=workload.sparse)
+            for topo in topologies:
+                result = simulate(supports, SimCost(topo, rates), args.schemes or (),
+                                  args.index_encoding, sparse=workload.sparse)
+                results.append(result)
+                print(format_table(result, f"[{time.perf_counter() - started:.1f}s]"), flush=True)
+                print()
             del supports
             gc.collect()
-            results.append(result)
-            print(format_table(result, f"[{time.perf_counter() - started:.1f}s]"), flush=True)
-            print()
     extra = {}
     if args.step_compute is not None:
         rows = throughput_rows(results, args.step_compute, args.backward_fraction)
@@ -120,7 +125,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(format_throughput(rows))
         extra["throughput"] = rows
     if args.json:
-        context = {"command": " ".join(argv), "topology": dataclasses.asdict(topology), "compute": rates.as_dict(), "scale": args.scale, "seed": args.seed,
+        context = {"command": " ".join(argv), "topologies": [dataclasses.asdict(t) for t in topologies], "compute": rates.as_dict(), "scale": args.scale, "seed": args.seed,
                    "sync_seed": args.sync_seed}
         write_json(args.json, results, context, extra)
     if args.plot:

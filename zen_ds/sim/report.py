@@ -35,7 +35,8 @@ def result_rows(result: SimResult) -> List[Dict[str, object]]:
                                                      for r in result.rows) else None
     out = []
     for r in result.rows:
-        row = {"workload": result.workload, "ranks": result.world_size, **r.as_dict()}
+        row = {"workload": result.workload, "ranks": result.world_size,
+               "ranks_per_node": result.ranks_per_node, **r.as_dict()}
         if dense is not None:
             row["speedup_vs_dense"] = _speedup(dense, r.seconds)
         if agsparse is not None:
@@ -46,7 +47,7 @@ def result_rows(result: SimResult) -> List[Dict[str, object]]:
 
 def format_table(result: SimResult, header: str = "") -> str:
     n = result.world_size
-    lines = [f"# {result.workload}  n={n}  rows={result.num_rows:,} x {result.row_numel}  "
+    lines = [f"# {result.workload}  n={n} ({result.ranks_per_node}/node)  rows={result.num_rows:,} x {result.row_numel}  "
              f"dense {result.dense_bytes / 1e6:,.1f} MB  {header}".rstrip()]
     head = (f"{'scheme':>10} {'method':>6} {'sent MB':>10} {'recv MB':>10} {'comm ms':>10} "
             f"{'comp ms':>9} {'time ms':>10} {'algbw GB/s':>10} {'busbw GB/s':>10} "
@@ -79,17 +80,18 @@ def write_json(path: str, results: Sequence[SimResult], context: Dict[str, objec
 
 
 def plot_speedups(path: str, results: Sequence[SimResult], baseline: str = "dense") -> None:
-    """One panel per workload: each scheme's (and auto's) speed-up over ``baseline`` vs n,
+    """One panel per workload and ranks per node: each scheme's (and auto's) speed-up over ``baseline`` vs n,
     both axes log-scaled; the bound ratio over the sparse all-gather as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = list(dict.fromkeys(r.workload for r in results))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
-    for ax, workload in zip(axes[0], workloads):
-        runs = sorted((r for r in results if r.workload == workload), key=lambda r: r.world_size)
+    panels = list(dict.fromkeys((r.workload, r.ranks_per_node) for r in results))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (workload, per_node) in zip(axes[0], panels):
+        runs = sorted((r for r in results if (r.workload, r.ranks_per_node) == (workload, per_node)),
+                      key=lambda r: r.world_size)
         ranks = [r.world_size for r in runs]
         for scheme in dict.fromkeys(row.scheme for r in runs for row in r.rows):
             ys = [r.row(baseline).seconds / r.row(scheme).seconds for r in runs]
@@ -103,7 +105,7 @@ def plot_speedups(path: str, results: Sequence[SimResult], baseline: str = "dens
         ax.set_yscale("log")
         ax.set_xlabel("ranks")
         ax.set_ylabel(f"speed-up over {baseline}")
-        ax.set_title(workload)
+        ax.set_title(f"{workload}, {per_node} rank(s) per node")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

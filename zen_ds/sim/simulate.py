@@ -74,6 +74,7 @@ class SimResult:
     nnz_mean: float
     bound: LosslessBound
     rows: List[SchemeResult]
+    ranks_per_node: int = 1
 
     def row(self, scheme: str) -> SchemeResult:
         for r in self.rows:
@@ -181,4 +182,5 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
                         supports.row_numel))
     nnz = supports.nnz.double()
     return SimResult(supports.name, n, supports.num_rows, supports.row_numel,
-                     supports.value_bytes, float(nnz.mean()), lossless_bound(supports), rows)
+                     supports.value_bytes, float(nnz.mean()), lossless_bound(supports), rows,
+                     cost.topology.ranks_per_node)

@@ -41,7 +41,8 @@ def throughput_rows(results: List[SimResult], compute: float, backward_fraction:
         auto, ds = r.row(AUTO), r.row(DEEPSPEED)
         zen = step_times(compute, auto.seconds, backward_fraction)
         base = step_times(compute, ds.seconds, backward_fraction)
-        rows.append({"workload": r.workload, "ranks": r.world_size, "chosen": auto.chosen,
+        rows.append({"workload": r.workload, "ranks": r.world_size,
+                     "ranks_per_node": r.ranks_per_node, "chosen": auto.chosen,
                      "step_compute": compute, "sync_auto": auto.seconds,
                      "sync_deepspeed": ds.seconds, "step_auto_serial": zen.serial,
                      "step_deepspeed_serial": base.serial, "speedup_serial": base.serial / zen.serial,
@@ -51,12 +52,12 @@ def throughput_rows(results: List[SimResult], compute: float, backward_fraction:
 
 
 def format_throughput(rows: List[Dict[str, object]]) -> str:
-    lines = [f"{'workload':>10} {'ranks':>5} {'auto':>9} {'sync zen ms':>11} {'sync DS ms':>10} "
+    lines = [f"{'workload':>10} {'ranks':>5} {'/node':>5} {'auto':>9} {'sync zen ms':>11} {'sync DS ms':>10} "
              f"{'step zen ms':>11} {'step DS ms':>10} {'speed-up':>8} {'overlap: zen':>12} "
              f"{'DS':>9} {'speed-up':>8}"]
     for r in rows:
         lines.append(
-            f"{r['workload']:>10} {r['ranks']:>5} {r['chosen']:>9} {r['sync_auto'] * 1e3:>11.2f} "
+            f"{r['workload']:>10} {r['ranks']:>5} {r['ranks_per_node']:>5} {r['chosen']:>9} {r['sync_auto'] * 1e3:>11.2f} "
             f"{r['sync_deepspeed'] * 1e3:>10.2f} {r['step_auto_serial'] * 1e3:>11.2f} "
             f"{r['step_deepspeed_serial'] * 1e3:>10.2f} {r['speedup_serial']:>7.2f}x "
             f"{r['step_auto_overlap'] * 1e3:>12.2f} {r['step_deepspeed_overlap'] * 1e3:>9.2f} "
