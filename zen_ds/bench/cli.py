@@ -165,6 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _sync_parser(sub.add_parser("sync", help="sync schemes x workloads (wire bytes, time, ratios)"))
     sub.add_parser("ops", help="op kernels (see `zen-bench ops --help`)", add_help=False)
+    sub.add_parser("sim", help="every scheme at 4-1024 ranks, simulated from generated supports "
+                               "(see `zen-bench sim --help`)", add_help=False)
     rp = sub.add_parser("report", help="re-print tables (and a plot) from --json files")
     rp.add_argument("files", nargs="+")
     rp.add_argument("--plot", default=None, help="PNG of the first file's rows")
@@ -172,6 +174,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import ops  # owned by the ops benchmark; takes its own arguments
 
         return int(ops.main(argv[1:]) or 0)
+    if argv[:1] == ["sim"]:
+        from ..sim import cli as sim_cli
+
+        return sim_cli.main(argv[1:])
     args = parser.parse_args(argv)
     if args.cmd == "report":
         return _report(args)

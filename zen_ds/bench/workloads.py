@@ -19,6 +19,7 @@ memory. Spec strings (``--workload``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -62,6 +63,9 @@ class Workload:
     description: str
     make: Callable[[int, int, int], RankGrad]
     sparse: bool = True
+    # The ids ``make`` would return, without generating values (what the simulator needs at
+    # scale); None: take them from ``make``.
+    make_ids: Optional[Callable[[int, int, int], torch.Tensor]] = None
 
     @property
     def row_numel(self) -> int:
@@ -78,6 +82,14 @@ class Workload:
             if g.indices.numel() and int(g.indices.max()) >= self.num_rows:
                 raise AssertionError(f"workload {self.name} produced an id >= num_rows")
         return g
+
+    def generate_ids(self, rank: int, world_size: int, seed: int = 0) -> torch.Tensor:
+        """Sorted unique row ids of ``rank``'s gradient, equal to ``generate(...).indices``
+        (every row id for a dense workload)."""
+        if self.make_ids is not None:
+            return self.make_ids(rank, world_size, seed)
+        g = self.generate(rank, world_size, seed)
+        return torch.arange(g.num_rows) if g.indices is None else g.indices
 
 
 # -- generators ----------------------------------------------------------------------------------
@@ -100,11 +112,18 @@ def zipf_cdf(num_rows: int, s: float) -> torch.Tensor:
     return cdf / cdf[-1]
 
 
-def expected_unique(num_rows: int, s: float, tokens: int) -> float:
-    """Expected number of distinct ids in ``tokens`` Zipf draws: sum_i 1 - (1 - p_i)^tokens."""
+@functools.lru_cache(maxsize=2)
+def _log_miss(num_rows: int, s: float) -> torch.Tensor:
+    """``log(1 - p_i)`` of the Zipf law, kept between the calls of one calibration (full-size
+    DeepFM has 13.4M ids and its bisection evaluates :func:`expected_unique` ~40 times)."""
     p = torch.arange(1, num_rows + 1, dtype=torch.float64).pow_(-s)
     p /= p.sum()
-    return float((-torch.expm1(tokens * torch.log1p(-p.clamp(max=1 - 1e-12)))).sum())
+    return torch.log1p(-p.clamp(max=1 - 1e-12))
+
+
+def expected_unique(num_rows: int, s: float, tokens: int) -> float:
+    """Expected number of distinct ids in ``tokens`` Zipf draws: sum_i 1 - (1 - p_i)^tokens."""
+    return float((-torch.expm1(tokens * _log_miss(num_rows, s))).sum())
 
 
 def tokens_for_density(num_rows: int, s: float, density: float) -> int:
@@ -151,18 +170,27 @@ def zipf_workload(name: str, num_rows: int, width: int, *, density: Optional[flo
     if tokens is None:
         tokens = tokens_for_density(num_rows, s, float(density))
     ntok = int(tokens)
-    cache: Dict[str, torch.Tensor] = {}
+    cache: Dict[str, object] = {}
 
-    def make(rank: int, world_size: int, seed: int) -> RankGrad:
+    def ids_and_gen(rank: int, seed: int) -> Tuple[torch.Tensor, torch.Generator]:
         if "cdf" not in cache:
             cache["cdf"] = zipf_cdf(num_rows, s)
-        perm = torch.randperm(num_rows, generator=_gen(seed, 1)) if hashed_ids else None
+        perm = None
+        if hashed_ids:  # the same permutation on every rank: built once per seed
+            if cache.get("perm_seed") != seed:
+                cache["perm"] = torch.randperm(num_rows, generator=_gen(seed, 1))
+                cache["perm_seed"] = seed
+            perm = cache["perm"]
         gen = _gen(seed, 2, rank)
-        ids = zipf_ids(num_rows, s, ntok, gen, perm=perm, cdf=cache["cdf"])
+        return zipf_ids(num_rows, s, ntok, gen, perm=perm, cdf=cache["cdf"]), gen
+
+    def make(rank: int, world_size: int, seed: int) -> RankGrad:
+        ids, gen = ids_and_gen(rank, seed)
         return RankGrad(ids, _values(ids.numel(), (width,), dtype, gen), num_rows)
 
     desc = description or f"Zipf(s={s}) embedding grad, {ntok} tokens/rank"
-    return Workload(name, num_rows, (width,), dtype, desc, make)
+    return Workload(name, num_rows, (width,), dtype, desc, make,
+                    make_ids=lambda rank, world_size, seed: ids_and_gen(rank, seed)[0])
 
 
 def synthetic_workload(rows: int, width: int = 64, density: float = 0.01, overlap: float = 0.5,
@@ -216,16 +244,24 @@ def topk_workload(name: str, numel: int, ratio: float, correlation: float = 0.5,
         raise ValueError(f"top-k ratio must be in (0, 1), got {ratio}")
     k = max(1, int(numel * ratio))
 
-    def make(rank: int, world_size: int, seed: int) -> RankGrad:
-        common = torch.randn(numel, generator=_gen(seed, 5))
-        g = math.sqrt(correlation) * common
-        g += math.sqrt(1 - correlation) * torch.randn(numel, generator=_gen(seed, 6, rank))
+    cache: Dict[str, object] = {}
+
+    def grad_and_ids(rank: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if cache.get("seed") != seed:  # the shared component, built once per seed
+            cache["common"] = math.sqrt(correlation) * torch.randn(numel, generator=_gen(seed, 5))
+            cache["seed"] = seed
+        g = math.sqrt(1 - correlation) * torch.randn(numel, generator=_gen(seed, 6, rank))
+        g += cache["common"]
         idx = torch.topk(g.abs(), k, sorted=False).indices
-        idx = torch.sort(idx).values
+        return g, torch.sort(idx).values
+
+    def make(rank: int, world_size: int, seed: int) -> RankGrad:
+        g, idx = grad_and_ids(rank, seed)
         return RankGrad(idx, g[idx].to(dtype), numel)
 
     desc = f"top-{ratio:.2%} of a {numel / 1e6:.1f}M-element dense grad (corr {correlation})"
-    return Workload(name, numel, (), dtype, desc, make)
+    return Workload(name, numel, (), dtype, desc, make,
+                    make_ids=lambda rank, world_size, seed: grad_and_ids(rank, seed)[1])
 
 
 def dense_workload(mb: float = 64.0, dtype: torch.dtype = torch.float32) -> Workload:

@@ -1,0 +1,26 @@
+"""At-scale simulator: every scheme's exact traffic from generated supports, timed with the
+planner's cost model on a topology (``python -m zen_ds.sim``; see :mod:`zen_ds.sim.cli`).
+
+Pieces: :mod:`~zen_ds.sim.supports` (ids only, and what the handshake derives from them),
+:mod:`~zen_ds.sim.traffic` (per-scheme exact bytes; the registration point for new schemes),
+:mod:`~zen_ds.sim.cost` (the planner's :class:`~zen_ds.planner.CostModel` per collective, with
+shared NICs and a compute term), :mod:`~zen_ds.sim.simulate` (all schemes, ``auto``,
+``deepspeed``), :mod:`~zen_ds.sim.throughput` (training step time) and
+:mod:`~zen_ds.sim.report` (tables, JSON, plot).
+
+The planner plans on a flat network (every rank its own link). :class:`SimCost` reduces to it
+with one rank per node; with several ranks per node an all-to-all loads the shared NIC with all
+of the node's ranks' off-node bytes while a ring loads it with one rank's share, which the flat
+model cannot see: the planner would need per-collective byte records (op kind and per-rank
+bytes, as :class:`Traffic` holds) from ``predict`` and a topology in its cost model to choose
+as this simulator times.
+"""
+from .cost import ComputeRates, SimCost, Topology, measure_compute_rates
+from .simulate import AUTO, DEEPSPEED, SchemeResult, SimResult, simulate
+from .supports import LosslessBound, Supports, generate_supports, handshake_shape, lossless_bound
+from .traffic import Phase, Traffic, register_traffic, traffic_function
+
+__all__ = ["ComputeRates", "SimCost", "Topology", "measure_compute_rates", "AUTO", "DEEPSPEED",
+           "SchemeResult", "SimResult", "simulate", "LosslessBound", "Supports",
+           "generate_supports", "handshake_shape", "lossless_bound", "Phase", "Traffic",
+           "register_traffic", "traffic_function"]
