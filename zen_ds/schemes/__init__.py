@@ -7,6 +7,7 @@ from .agsparse import AllGatherSparseScheme
 from .balanced import BalancedScheme
 from .base import ByteEstimate, Scheme, SyncContext, SyncShape
 from .dense import DenseScheme
+from .omnireduce import OmniReduceScheme
 from .sparcml import SparCMLScheme
 
 __all__ = ["get_scheme", "register_scheme", "scheme_names", "auto_candidates", "Scheme", "SyncContext", "SyncShape",
@@ -41,5 +42,6 @@ def auto_candidates() -> Tuple[str, ...]:
     return ("dense", "agsparse", "balanced")
 
 
-for _scheme in (DenseScheme(), AllGatherSparseScheme(), BalancedScheme(), SparCMLScheme()):
+for _scheme in (DenseScheme(), AllGatherSparseScheme(), BalancedScheme(), SparCMLScheme(),
+                OmniReduceScheme()):
     register_scheme(_scheme)
