@@ -7,6 +7,7 @@ from .agsparse import AllGatherSparseScheme
 from .balanced import BalancedScheme
 from .base import ByteEstimate, Scheme, SyncContext, SyncShape
 from .dense import DenseScheme
+from .hierarchical import HierarchicalScheme
 from .omnireduce import OmniReduceScheme
 from .sparcml import SparCMLScheme
 
@@ -43,5 +44,5 @@ def auto_candidates() -> Tuple[str, ...]:
 
 
 for _scheme in (DenseScheme(), AllGatherSparseScheme(), BalancedScheme(), SparCMLScheme(),
-                OmniReduceScheme()):
+                OmniReduceScheme(), HierarchicalScheme()):
     register_scheme(_scheme)
