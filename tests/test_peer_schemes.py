@@ -211,7 +211,7 @@ def test_ranks_per_node_from_environment(monkeypatch) -> None:
     with pytest.raises(ValueError, match=RANKS_PER_NODE):
         ranks_per_node()
     monkeypatch.setenv(RANKS_PER_NODE, "0")
-    with pytest.raises(ValueError, match=">= 1"):
+    with pytest.raises(ValueError, match="must be >= 1"):
         ranks_per_node()
 
 

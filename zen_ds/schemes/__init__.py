@@ -11,8 +11,8 @@ from .hierarchical import HierarchicalScheme
 from .omnireduce import OmniReduceScheme
 from .sparcml import SparCMLScheme
 
-__all__ = ["get_scheme", "register_scheme", "scheme_names", "auto_candidates", "Scheme", "SyncContext", "SyncShape",
-           "ByteEstimate"]
+__all__ = ["get_scheme", "register_scheme", "scheme_names", "auto_candidates", "Scheme",
+           "SyncContext", "SyncShape", "ByteEstimate"]
 
 _REGISTRY: Dict[str, Scheme] = {}
 

@@ -38,7 +38,6 @@ rank).
 from __future__ import annotations
 
 import math
-import os
 from typing import List, Tuple
 
 import torch
@@ -46,7 +45,7 @@ import torch
 from .. import ops
 from ..sparse import RowSparse, accum_dtype
 from .base import ByteEstimate, Scheme, SyncContext, SyncShape
-from .streams import exchange, pack, round8, row_id_dtype, unpack
+from .streams import exchange, pack, positive_int_env, round8, row_id_dtype, unpack
 
 __all__ = ["OmniReduceScheme", "DEFAULT_BLOCK_SIZE", "BLOCK_SIZE_ENV", "block_size"]
 
@@ -57,15 +56,8 @@ _NOTHING = torch.empty(0, dtype=torch.uint8)
 
 def block_size() -> int:
     """Elements per block, from ``ZEN_DS_OMNIREDUCE_BLOCK`` (default 256)."""
-    raw = os.environ.get(BLOCK_SIZE_ENV, "")
-    try:
-        value = int(raw) if raw.strip() else DEFAULT_BLOCK_SIZE
-    except ValueError:
-        raise ValueError(f"{BLOCK_SIZE_ENV}={raw!r} is not an integer; set it to a block size in "
-                         "elements (e.g. 256) or unset it") from None
-    if value < 1:
-        raise ValueError(f"{BLOCK_SIZE_ENV}={value}: the block size must be >= 1 element")
-    return value
+    value = positive_int_env(BLOCK_SIZE_ENV, "the block size in elements")
+    return DEFAULT_BLOCK_SIZE if value is None else value
 
 
 def _empty_fraction(rows: float, num_rows: int, block_rows: int) -> float:

@@ -75,13 +75,6 @@ class _Wire:
     def is_dense(self, rows: float) -> bool:
         return rows * (self.id_dtype.itemsize + self.row_bytes) >= self.num_rows * self.row_bytes
 
-    def sparse_bytes(self, rows: float) -> float:
-        return round8(int(rows * self.id_dtype.itemsize)) + round8(int(rows * self.row_bytes))
-
-    def part_bytes(self, rows: float) -> float:
-        """A stream of ``rows`` rows: dense or ids + values, whichever the break-even says."""
-        return self.num_rows * self.row_bytes if self.is_dense(rows) else self.sparse_bytes(rows)
-
 
 @dataclass
 class _Stream:
@@ -130,7 +123,8 @@ def _decode(buffer: torch.Tensor, bound: int, wire: _Wire, dtype: torch.dtype, r
             ) -> _Stream:
     """Read a message made by :func:`_encode` with a header (padded to ``bound``)."""
     if wire.is_dense(bound):
-        return _Stream(dense=view_as(buffer.reshape(1, -1), dtype).reshape(wire.num_rows, row_numel))
+        dense = view_as(buffer.reshape(1, -1), dtype)
+        return _Stream(dense=dense.reshape(wire.num_rows, row_numel))
     count = int(view_as(buffer[:8].reshape(1, -1), torch.int64)[0, 0])
     id_area = round8(bound * wire.id_dtype.itemsize)
     ids, values = unpack(buffer[8:], [(wire.id_dtype, count, id_area),

@@ -9,6 +9,7 @@ everyone else: the byte counts stay exact, and gloo supports it.
 from __future__ import annotations
 
 import math
+import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -17,12 +18,28 @@ from ..comm import Communicator
 from .balanced import _as_bytes, _view_as
 
 __all__ = ["exchange", "pack", "unpack", "round8", "as_bytes", "view_as", "row_id_dtype",
-           "effective_universe", "expected_union", "latency_cost"]
+           "effective_universe", "expected_union", "latency_cost", "positive_int_env"]
 
 as_bytes = _as_bytes
 view_as = _view_as
 
 _INT32_MAX = 2**31 - 1
+
+
+def positive_int_env(name: str, meaning: str) -> Optional[int]:
+    """The integer >= 1 in environment variable ``name`` (None when unset or blank); a clear error
+    naming the variable otherwise. ``meaning`` says what it sets, for the message."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; set it to {meaning} or unset it"
+                         ) from None
+    if value < 1:
+        raise ValueError(f"{name}={value}: {meaning} must be >= 1")
+    return value
 
 
 def round8(nbytes: int) -> int:

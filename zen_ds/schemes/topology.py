@@ -19,7 +19,6 @@ group, which a CPU gloo world lacks. Hence the scheme runs on the default group 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Communicator
+from .streams import positive_int_env
 
 __all__ = ["RANKS_PER_NODE_ENV", "ranks_per_node", "Topology", "node_layout", "topology_for"]
 
@@ -39,15 +39,8 @@ def ranks_per_node() -> int:
     """Ranks per node from the environment (``ZEN_DS_RANKS_PER_NODE``, else ``LOCAL_WORLD_SIZE``,
     else 1)."""
     for name in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE"):
-        raw = os.environ.get(name, "").strip()
-        if raw:
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not an integer; set it to the number of "
-                                 "ranks per node") from None
-            if value < 1:
-                raise ValueError(f"{name}={value}: ranks per node must be >= 1")
+        value = positive_int_env(name, "the number of ranks per node")
+        if value is not None:
             return value
     return 1
 
