@@ -66,9 +66,13 @@ Part = Tuple[torch.Tensor, torch.Tensor]  # slice offsets (int64), values [rows,
 
 def _inner_scheme(shape: SyncShape) -> Scheme:
     """balanced or agsparse for one slice's inter-node sync: the slowest rank's cost decides."""
+    from ..planner import planning_ranks  # the planner imports the schemes
+
+    ranks = planning_ranks(shape)
+
     def slowest(scheme: Scheme) -> float:
         return max(latency_cost(scheme.predict(replace(shape, rank=r)), shape.latency_bytes)
-                   for r in range(shape.world_size))
+                   for r in ranks)
     return min(_INNER, key=slowest)
 
 

@@ -170,9 +170,13 @@ class SparCMLScheme(Scheme):
         if shape is None or len(shape.nnz_per_rank) != shape.world_size:
             return SPLIT_ALLGATHER
 
+        from ..planner import planning_ranks  # the planner imports the schemes
+
+        ranks = planning_ranks(shape)
+
         def slowest(model) -> float:
             return max(latency_cost(model(replace(shape, rank=r)), shape.latency_bytes)
-                       for r in range(shape.world_size))
+                       for r in ranks)
 
         rd, sa = slowest(self._predict_doubling), slowest(self._predict_split)
         return RECURSIVE_DOUBLING if rd <= sa else SPLIT_ALLGATHER
