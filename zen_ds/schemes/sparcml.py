@@ -146,13 +146,12 @@ def _merge(low: _Stream, high: _Stream, dense: bool, num_rows: int, dtype: torch
     return _Stream(rows, values)
 
 
-def _finish(stream: _Stream, x: RowSparse, ctx: SyncContext, offset: int = 0
-            ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Scaled, cast (rows + offset, values) of a summed stream."""
+def _finish(stream: _Stream, x: RowSparse, ctx: SyncContext) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Scaled, cast (rows, values) of a summed stream."""
     rows, values = stream.sparse_parts()
     if ctx.scale is not None:
         values = values * ctx.scale
-    return rows + offset, values.to(x.dtype)
+    return rows, values.to(x.dtype)
 
 
 class SparCMLScheme(Scheme):
