@@ -16,7 +16,7 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
-from .schemes import get_scheme, scheme_names
+from .schemes import auto_candidates, get_scheme
 from .schemes.base import ByteEstimate, SyncShape
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = Cos
          ) -> Tuple[str, Dict[str, ByteEstimate]]:
     """Fastest scheme for ``shape`` (by its slowest rank: the same answer on every rank) and each
     candidate's estimate for ``shape.rank``."""
-    names = tuple(candidates) or scheme_names()
+    names = tuple(candidates) or auto_candidates()
     ranks = planning_ranks(shape)
 
     def slowest(name: str) -> float:

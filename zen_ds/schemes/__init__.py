@@ -7,9 +7,12 @@ from .agsparse import AllGatherSparseScheme
 from .balanced import BalancedScheme
 from .base import ByteEstimate, Scheme, SyncContext, SyncShape
 from .dense import DenseScheme
+from .hierarchical import HierarchicalScheme
+from .omnireduce import OmniReduceScheme
+from .sparcml import SparCMLScheme
 
-__all__ = ["get_scheme", "register_scheme", "scheme_names", "Scheme", "SyncContext", "SyncShape",
-           "ByteEstimate"]
+__all__ = ["get_scheme", "register_scheme", "scheme_names", "auto_candidates", "Scheme",
+           "SyncContext", "SyncShape", "ByteEstimate"]
 
 _REGISTRY: Dict[str, Scheme] = {}
 
@@ -33,5 +36,13 @@ def scheme_names() -> Tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-for _scheme in (DenseScheme(), AllGatherSparseScheme(), BalancedScheme()):
+def auto_candidates() -> Tuple[str, ...]:
+    """The schemes ``auto`` chooses among. The peer schemes (sparcml, omnireduce, hierarchical)
+    spend local compute that the byte-only model does not see, so they stay out until the
+    planner prices compute; they run when named."""
+    return ("dense", "agsparse", "balanced")
+
+
+for _scheme in (DenseScheme(), AllGatherSparseScheme(), BalancedScheme(), SparCMLScheme(),
+                OmniReduceScheme(), HierarchicalScheme()):
     register_scheme(_scheme)

@@ -1,0 +1,397 @@
+"""``sparcml``: SparCML's sparse streams — recursive doubling, or split-allgather for large data.
+
+Design-space coordinates: pattern recursive doubling (point-to-point pairs, log2 n rounds) or
+split-allgather; aggregation incremental (partial sums grow round by round); partition
+centralization (recursive doubling: every rank ends up reducing everything) or contiguous
+ranges (split-allgather); balance none (contiguous ranges carry whatever rows fall in them, so
+the range of the frequent ids is the hot spot).
+
+Values travel as sorted (row id, value) streams; merging two adds the values of equal ids. A
+stream is sent dense (``N`` rows, no ids) once ``rows * (id + row) >= N * row`` bytes: the byte
+break-even of SparCML's dynamic representation (half density for 32-bit ids and values).
+
+*Recursive doubling* (:data:`RECURSIVE_DOUBLING`): in round t every rank exchanges its partial
+sum with ``rank XOR 2^t`` and merges; for n not a power of two the ``n - p`` ranks above the
+largest power of two ``p`` first fold into ``rank - p`` and get the result back at the end.
+Partial sums travel in the accumulation dtype (fp32 for fp16/bf16) and both partners add the
+lower block's partial first, so every rank ends with the same bits. Messages are padded to the
+union bound every rank knows from the handshake (``min(sum of the block's nnz, N)``): no size
+exchange (one latency step a round), at the price of the overlap's bytes. Per rank and round::
+
+    bytes(b) = N * row_acc                           if dense(b)
+             = 8 + round8(b * id) + round8(b * row_acc)  otherwise
+
+with ``b`` the sender block's bound: exact, the model knows every bound.
+
+*Split-allgather* (:data:`SPLIT_ALLGATHER`): range j = ``[j N / n, (j+1) N / n)`` goes to rank j
+(counts all-to-all, then the rows, each (sender, range) part sparse or dense by the break-even),
+rank j sums its range, then every rank receives every reduced range (sizes all-gather, then the
+ranges, each sparse or dense). Per rank r, with ``c_ij`` rank i's rows in range j and ``u_j``
+range j's reduced rows::
+
+    sent = sum_{j != r} part(c_rj) + (n - 1) part(u_r) + 16 (n - 1)
+
+The model estimates ``c_ij = m_i |range j| / N`` and ``u_j = U |range j| / N`` (uniformly spread
+supports): exact for dense data, an estimate otherwise (skewed ids make it optimistic).
+
+The variant follows the byte models under the cost model's latency (``ctx.shape``), so every rank
+picks the same one. Once a stream is dense, rows whose sum is exactly zero drop out of the
+result, as with ``dense``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import ops
+from ..sparse import RowSparse, accum_dtype
+from .base import ByteEstimate, Scheme, SyncContext, SyncShape
+from .streams import exchange, latency_cost, pack, round8, row_id_dtype, unpack, view_as
+
+__all__ = ["SparCMLScheme", "RECURSIVE_DOUBLING", "SPLIT_ALLGATHER"]
+
+RECURSIVE_DOUBLING = "recursive_doubling"
+SPLIT_ALLGATHER = "split_allgather"
+_NOTHING = torch.empty(0, dtype=torch.uint8)  # what an empty message decodes from
+
+
+def _accum_bytes(value_bytes: int) -> int:
+    return max(value_bytes, 4)
+
+
+@dataclass(frozen=True)
+class _Wire:
+    """Sizes of stream messages over a universe of ``num_rows`` rows."""
+
+    num_rows: int
+    row_bytes: int  # bytes of one row's values on the wire
+
+    @property
+    def id_dtype(self) -> torch.dtype:
+        return row_id_dtype(self.num_rows)
+
+    def is_dense(self, rows: float) -> bool:
+        return rows * (self.id_dtype.itemsize + self.row_bytes) >= self.num_rows * self.row_bytes
+
+
+@dataclass
+class _Stream:
+    """A partial sum: sorted unique rows and values ``[k, row_numel]``, or a dense block."""
+
+    rows: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    dense: Optional[torch.Tensor] = None
+
+    def add_into(self, out: torch.Tensor) -> None:
+        if self.dense is not None:
+            out.add_(self.dense)
+        elif self.rows.numel():
+            out.index_add_(0, self.rows, self.values)
+
+    def densified(self, num_rows: int) -> "_Stream":
+        if self.dense is not None:
+            return self
+        out = torch.zeros((num_rows, self.values.shape[1]), dtype=self.values.dtype,
+                          device=self.values.device)
+        self.add_into(out)
+        return _Stream(dense=out)
+
+    def sparse_parts(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(rows, values) of the rows a dense block holds non-zeros in (NaN counts)."""
+        if self.dense is None:
+            return self.rows, self.values
+        rows = ops.nonzero_rows(self.dense)
+        return rows, self.dense.index_select(0, rows)
+
+
+def _encode(stream: _Stream, bound: Optional[int], wire: _Wire) -> torch.Tensor:
+    """A stream as bytes: dense values, or ``[count][ids][values]`` (padded to ``bound`` rows
+    when given, so the receiver knows the size)."""
+    if stream.dense is not None:
+        return stream.dense.contiguous().view(torch.uint8).reshape(-1)
+    count = torch.tensor([stream.rows.numel()], dtype=torch.int64, device=stream.rows.device)
+    ids = stream.rows.to(wire.id_dtype)
+    if bound is None:
+        return pack([ids, stream.values])
+    return pack([count, ids, stream.values],
+                [8, round8(bound * wire.id_dtype.itemsize), round8(bound * wire.row_bytes)])
+
+
+def _decode(buffer: torch.Tensor, bound: int, wire: _Wire, dtype: torch.dtype, row_numel: int
+            ) -> _Stream:
+    """Read a message made by :func:`_encode` with a header (padded to ``bound``)."""
+    if wire.is_dense(bound):
+        dense = view_as(buffer.reshape(1, -1), dtype)
+        return _Stream(dense=dense.reshape(wire.num_rows, row_numel))
+    count = int(view_as(buffer[:8].reshape(1, -1), torch.int64)[0, 0])
+    id_area = round8(bound * wire.id_dtype.itemsize)
+    ids, values = unpack(buffer[8:], [(wire.id_dtype, count, id_area),
+                                      (dtype, count * row_numel, 0)])
+    return _Stream(ids.to(torch.int64), values.reshape(count, row_numel))
+
+
+def _merge(low: _Stream, high: _Stream, dense: bool, num_rows: int, dtype: torch.dtype) -> _Stream:
+    """Sum two partials, the lower block's first: both partners compute the same bits."""
+    if dense:
+        row_numel = (low.dense if low.dense is not None else low.values).shape[1]
+        out = torch.zeros((num_rows, row_numel), dtype=dtype,
+                          device=(low.dense if low.dense is not None else low.values).device)
+        low.add_into(out)
+        high.add_into(out)
+        return _Stream(dense=out)
+    rows, values = ops.aggregate(torch.cat([low.rows, high.rows]),
+                                 torch.cat([low.values, high.values]), dtype)
+    return _Stream(rows, values)
+
+
+def _finish(stream: _Stream, x: RowSparse, ctx: SyncContext) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Scaled, cast (rows, values) of a summed stream."""
+    rows, values = stream.sparse_parts()
+    if ctx.scale is not None:
+        values = values * ctx.scale
+    return rows, values.to(x.dtype)
+
+
+class SparCMLScheme(Scheme):
+    name = "sparcml"
+    #: Pin one variant (benchmarks, tests); None lets the byte models choose.
+    forced_variant: ClassVar[Optional[str]] = None
+
+    # ------------------------------------------------------------------ choice
+    def variant(self, shape: Optional[SyncShape]) -> str:
+        """The variant for this shape, the same on every rank (slowest rank under the cost
+        model's latency). Without a handshake (called directly) split-allgather: it needs no
+        sizes up front."""
+        if self.forced_variant is not None:
+            return self.forced_variant
+        if shape is None or len(shape.nnz_per_rank) != shape.world_size:
+            return SPLIT_ALLGATHER
+
+        from ..planner import planning_ranks  # the planner imports the schemes
+
+        ranks = planning_ranks(shape)
+
+        def slowest(model) -> float:
+            return max(latency_cost(model(replace(shape, rank=r)), shape.latency_bytes)
+                       for r in ranks)
+
+        rd, sa = slowest(self._predict_doubling), slowest(self._predict_split)
+        return RECURSIVE_DOUBLING if rd <= sa else SPLIT_ALLGATHER
+
+    # ------------------------------------------------------------------ sync
+    def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
+        x = x.coalesce()
+        if self.variant(ctx.shape) == RECURSIVE_DOUBLING:
+            rows, values = self._recursive_doubling(x, ctx, self._nnz(x, ctx))
+        else:
+            rows, values = self._split_allgather(x, ctx)
+        return RowSparse(rows, values.reshape((rows.numel(),) + x.row_shape), x.num_rows,
+                         coalesced=True)
+
+    @staticmethod
+    def _nnz(x: RowSparse, ctx: SyncContext) -> List[int]:
+        if len(ctx.nnz_per_rank) == ctx.world_size:
+            return list(ctx.nnz_per_rank)
+        gathered = torch.empty(ctx.world_size, dtype=torch.int64, device=x.device)
+        ctx.comm.all_gather_into_tensor(gathered, torch.tensor([x.nnz], device=x.device),
+                                        "sparcml.sizes")
+        return gathered.tolist()
+
+    def _recursive_doubling(self, x: RowSparse, ctx: SyncContext, nnz: Sequence[int]
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+        n, rank, num_rows = ctx.world_size, ctx.rank, x.num_rows
+        acc = accum_dtype(x.dtype)
+        wire = _Wire(num_rows, x.row_numel * acc.itemsize)
+        p = 1 << (n.bit_length() - 1)
+        extras = n - p
+        folded = [nnz[i] + (nnz[i + p] if i < extras else 0) for i in range(p)]
+
+        def bound(first: int, count: int) -> int:
+            return min(sum(folded[first: first + count]), num_rows)
+
+        def as_bound(stream: _Stream, rows: int) -> _Stream:
+            return stream.densified(num_rows) if wire.is_dense(rows) else stream
+
+        def swap(partner: Optional[int], send: Optional[Tuple[_Stream, int]], recv_bound: int,
+                 name: str) -> Optional[_Stream]:
+            """One pairwise step: every rank calls it; ``recv_bound < 0`` receives nothing."""
+            sends = {} if send is None else {partner: _encode(send[0], send[1], wire)}
+            sizes = {} if recv_bound < 0 else {partner: self._message_bytes(wire, recv_bound)}
+            got = exchange(ctx.comm, sends, sizes, name, x.device)
+            if recv_bound < 0:
+                return None
+            return _decode(got.get(partner, _NOTHING), recv_bound, wire, acc, x.row_numel)
+
+        mine = as_bound(_Stream(x.indices, x.values_2d().to(acc)), min(nnz[rank], num_rows))
+        # Fold: ranks p.. hand their stream to rank - p.
+        if rank >= p:
+            swap(rank - p, (mine, nnz[rank]), -1, "sparcml.fold")
+        elif rank < extras:
+            theirs = swap(rank + p, None, min(nnz[rank + p], num_rows), "sparcml.fold")
+            mine = _merge(mine, theirs, wire.is_dense(folded[rank]), num_rows, acc)
+        elif extras:
+            swap(None, None, -1, "sparcml.fold")
+        # Recursive doubling among the first p ranks.
+        for t in range(p.bit_length() - 1):
+            size = 1 << t
+            if rank >= p:
+                swap(None, None, -1, f"sparcml.round{t}")
+                continue
+            partner = rank ^ size
+            first, partner_first = rank & ~(size - 1), partner & ~(size - 1)
+            theirs = swap(partner, (mine, bound(first, size)), bound(partner_first, size),
+                          f"sparcml.round{t}")
+            low, high = (mine, theirs) if first < partner_first else (theirs, mine)
+            mine = _merge(low, high, wire.is_dense(bound(min(first, partner_first), 2 * size)),
+                          num_rows, acc)
+        # The folded ranks get the result back.
+        if extras:
+            total = bound(0, p)
+            if rank >= p:
+                mine = swap(rank - p, None, total, "sparcml.unfold")
+            elif rank < extras:
+                swap(rank + p, (mine, total), -1, "sparcml.unfold")
+            else:
+                swap(None, None, -1, "sparcml.unfold")
+        return _finish(mine, x, ctx)
+
+    @staticmethod
+    def _message_bytes(wire: _Wire, bound: int) -> int:
+        if wire.is_dense(bound):
+            return wire.num_rows * wire.row_bytes
+        return 8 + round8(bound * wire.id_dtype.itemsize) + round8(bound * wire.row_bytes)
+
+    def _split_allgather(self, x: RowSparse, ctx: SyncContext
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+        n, rank, num_rows, row_numel = ctx.world_size, ctx.rank, x.num_rows, x.row_numel
+        acc = accum_dtype(x.dtype)
+        starts = ops.shard_starts(num_rows, n)
+        wires = [_Wire(starts[j + 1] - starts[j], row_numel * x.values.element_size())
+                 for j in range(n)]
+        id_dtype = row_id_dtype(max(w.num_rows for w in wires))
+        cuts = torch.searchsorted(x.indices, torch.tensor(starts, device=x.device)).tolist()
+        counts = [cuts[j + 1] - cuts[j] for j in range(n)]
+        values = x.values_2d()
+
+        def part(j: int) -> _Stream:
+            rows = x.indices[cuts[j]: cuts[j + 1]] - starts[j]
+            return _Stream(rows, values[cuts[j]: cuts[j + 1]])
+
+        def encode(stream: _Stream, wire: _Wire) -> torch.Tensor:
+            if wire.is_dense(stream.rows.numel()):
+                return _encode(stream.densified(wire.num_rows), None, wire)
+            return pack([stream.rows.to(id_dtype), stream.values])
+
+        def decode(buffer: torch.Tensor, count: int, wire: _Wire, dtype: torch.dtype) -> _Stream:
+            if wire.is_dense(count):
+                return _Stream(dense=view_as(buffer.reshape(1, -1), dtype).reshape(-1, row_numel))
+            ids, vals = unpack(buffer, [(id_dtype, count, round8(count * id_dtype.itemsize)),
+                                        (dtype, count * row_numel, 0)])
+            return _Stream(ids.to(torch.int64), vals.reshape(count, row_numel))
+
+        def size(wire: _Wire, count: int) -> int:
+            return int(wire.num_rows * wire.row_bytes if wire.is_dense(count) else
+                       round8(count * id_dtype.itemsize) + round8(count * wire.row_bytes))
+
+        # Reduce-scatter by range: counts first, then each part sparse or dense.
+        recv_counts = torch.empty(n, dtype=torch.int64, device=x.device)
+        ctx.comm.all_to_all_single(recv_counts, torch.tensor(counts, device=x.device), [1] * n,
+                                   [1] * n, "sparcml.counts")
+        recv_counts = recv_counts.tolist()
+        mine = wires[rank]
+        got = exchange(ctx.comm, {j: encode(part(j), wires[j]) for j in range(n) if j != rank},
+                       {i: size(mine, recv_counts[i]) for i in range(n) if i != rank},
+                       "sparcml.reduce_scatter", x.device)
+        parts = [part(rank) if i == rank else
+                 decode(got.get(i, _NOTHING), recv_counts[i], mine,
+                        x.dtype) for i in range(n)]
+        if any(s.dense is not None for s in parts):
+            reduced = torch.zeros((mine.num_rows, row_numel), dtype=acc, device=x.device)
+            for s in parts:  # rank order
+                if s.dense is not None:
+                    reduced.add_(s.dense.to(acc))
+                elif s.rows.numel():
+                    reduced.index_add_(0, s.rows, s.values.to(acc))
+            summed = _Stream(dense=reduced)
+        else:
+            rows, sums = ops.aggregate(torch.cat([s.rows for s in parts]),
+                                       torch.cat([s.values for s in parts]), acc)
+            summed = _Stream(rows, sums)
+        rows, final = _finish(summed, x, ctx)
+
+        # All-gather of the reduced ranges: sizes first.
+        reduced_counts = torch.empty(n, dtype=torch.int64, device=x.device)
+        ctx.comm.all_gather_into_tensor(reduced_counts, torch.tensor([rows.numel()],
+                                                                      device=x.device),
+                                        "sparcml.range_sizes")
+        reduced_counts = reduced_counts.tolist()
+        payload = encode(_Stream(rows, final), mine)
+        got = exchange(ctx.comm, {j: payload for j in range(n) if j != rank},
+                       {j: size(wires[j], reduced_counts[j]) for j in range(n) if j != rank},
+                       "sparcml.allgather", x.device)
+        out_rows, out_values = [], []
+        for j in range(n):
+            # My own range too is read back from its payload: a dense range's rows are its
+            # non-zero rows in the final dtype, on every rank alike.
+            stream = decode(payload if j == rank else got.get(j, _NOTHING), reduced_counts[j],
+                            wires[j], x.dtype)
+            rows_j, values_j = stream.sparse_parts()
+            out_rows.append(rows_j + starts[j])
+            out_values.append(values_j)
+        return torch.cat(out_rows), torch.cat(out_values)
+
+    # ------------------------------------------------------------------ models
+    def predict(self, shape: SyncShape) -> ByteEstimate:
+        if self.variant(shape) == RECURSIVE_DOUBLING:
+            return self._predict_doubling(shape)
+        return self._predict_split(shape)
+
+    def _predict_doubling(self, shape: SyncShape) -> ByteEstimate:
+        n, r, num_rows = shape.world_size, shape.rank, shape.num_rows
+        nnz = list(shape.nnz_per_rank)
+        wire = _Wire(num_rows, shape.row_numel * _accum_bytes(shape.value_bytes))
+        p = 1 << (n.bit_length() - 1)
+        extras = n - p
+        folded = [nnz[i] + (nnz[i + p] if i < extras else 0) for i in range(p)]
+
+        def message(first: int, count: int) -> int:
+            return self._message_bytes(wire, min(sum(folded[first: first + count]), num_rows))
+
+        rounds = p.bit_length() - 1
+        steps = rounds + (2 if extras else 0)
+        total = message(0, p)
+        if r >= p:
+            own = self._message_bytes(wire, min(nnz[r], num_rows))
+            return ByteEstimate(own, total, steps)
+        sent = received = 0
+        if r < extras:
+            received += self._message_bytes(wire, min(nnz[r + p], num_rows))
+            sent += total
+        for t in range(rounds):
+            size = 1 << t
+            sent += message(r & ~(size - 1), size)
+            received += message((r ^ size) & ~(size - 1), size)
+        return ByteEstimate(sent, received, steps)
+
+    def _predict_split(self, shape: SyncShape) -> ByteEstimate:
+        n, r, num_rows = shape.world_size, shape.rank, shape.num_rows
+        nnz = list(shape.nnz_per_rank)
+        starts = ops.shard_starts(num_rows, n)
+        sizes = [starts[j + 1] - starts[j] for j in range(n)]
+        id_dtype = row_id_dtype(max(sizes))
+
+        def part(rows: float, j: int) -> float:
+            wire = _Wire(sizes[j], shape.row_bytes)
+            if wire.is_dense(rows):
+                return sizes[j] * shape.row_bytes
+            return round8(int(rows * id_dtype.itemsize)) + round8(int(rows * shape.row_bytes))
+
+        share = [s / num_rows if num_rows else 0.0 for s in sizes]
+        headers = 16 * (n - 1)
+        sent = headers + sum(part(nnz[r] * share[j], j) for j in range(n) if j != r)
+        sent += (n - 1) * part(shape.union_nnz * share[r], r)
+        received = headers + sum(part(nnz[i] * share[r], r) for i in range(n) if i != r)
+        received += sum(part(shape.union_nnz * share[j], j) for j in range(n) if j != r)
+        return ByteEstimate(sent, received, 4 * (n - 1))

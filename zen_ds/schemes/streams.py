@@ -1,0 +1,138 @@
+"""Pieces the peer schemes share: point-to-point exchanges over ``all_to_all_single``, packed
+byte payloads, and the overlap model their byte estimates use.
+
+The peer schemes talk to a few partners per step (recursive doubling, aggregators, node
+groups). :class:`~zen_ds.comm.Communicator` has no send/recv, so :func:`exchange` runs one
+``all_to_all_single`` in which every rank names exact byte splits for its partners and zero for
+everyone else: the byte counts stay exact, and gloo supports it.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..comm import Communicator
+from .balanced import _as_bytes, _view_as
+
+__all__ = ["exchange", "pack", "unpack", "round8", "as_bytes", "view_as", "row_id_dtype",
+           "effective_universe", "expected_union", "latency_cost", "positive_int_env"]
+
+as_bytes = _as_bytes
+view_as = _view_as
+
+_INT32_MAX = 2**31 - 1
+
+
+def positive_int_env(name: str, meaning: str) -> Optional[int]:
+    """The integer >= 1 in environment variable ``name`` (None when unset or blank); a clear error
+    naming the variable otherwise. ``meaning`` says what it sets, for the message."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; set it to {meaning} or unset it"
+                         ) from None
+    if value < 1:
+        raise ValueError(f"{name}={value}: {meaning} must be >= 1")
+    return value
+
+
+def round8(nbytes: int) -> int:
+    return nbytes + (-nbytes % 8)
+
+
+def row_id_dtype(universe: int) -> torch.dtype:
+    """int32 ids on the wire when every id of ``[0, universe)`` fits, else int64."""
+    return torch.int32 if universe - 1 <= _INT32_MAX else torch.int64
+
+
+def exchange(comm: Communicator, sends: Mapping[int, torch.Tensor], recv_sizes: Mapping[int, int],
+             name: str, device: torch.device) -> Dict[int, torch.Tensor]:
+    """Send ``sends[peer]`` (1-D uint8) to each peer and receive ``recv_sizes[peer]`` bytes from
+    each; every rank of the group must call it (ranks with nothing to do pass empty maps)."""
+    n, rank = comm.world_size, comm.rank
+    send_splits = [int(sends[p].numel()) if p in sends and p != rank else 0 for p in range(n)]
+    recv_splits = [int(recv_sizes.get(p, 0)) if p != rank else 0 for p in range(n)]
+    parts = [sends[p].reshape(-1) for p in range(n) if send_splits[p]]
+    send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    received = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
+    comm.all_to_all_single(received, send, recv_splits, send_splits, name)
+    out: Dict[int, torch.Tensor] = {}
+    cursor = 0
+    for p in range(n):
+        if recv_splits[p]:
+            out[p] = received[cursor: cursor + recv_splits[p]]
+            cursor += recv_splits[p]
+    return out
+
+
+def pack(areas: Sequence[torch.Tensor], sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Concatenate tensors as raw bytes, each area padded with zeros to 8 bytes (or to
+    ``sizes[i]`` bytes, for payloads padded to a bound every receiver knows)."""
+    raw = [a.contiguous().reshape(-1).view(torch.uint8) if a.numel() else
+           torch.empty(0, dtype=torch.uint8, device=a.device) for a in areas]
+    widths = [round8(r.numel()) for r in raw] if sizes is None else list(sizes)
+    out = torch.zeros(sum(widths), dtype=torch.uint8, device=areas[0].device if areas else "cpu")
+    cursor = 0
+    for r, width in zip(raw, widths):
+        out[cursor: cursor + r.numel()].copy_(r)
+        cursor += width
+    return out
+
+
+def unpack(buffer: torch.Tensor, layout: Sequence[Tuple[torch.dtype, int, int]]
+           ) -> List[torch.Tensor]:
+    """Read areas back: ``layout`` = (dtype, element count, area bytes) per area."""
+    out, cursor = [], 0
+    for dtype, count, width in layout:
+        nbytes = count * dtype.itemsize
+        area = buffer[cursor: cursor + nbytes].reshape(1, -1)
+        out.append(_view_as(area, dtype).reshape(-1) if nbytes else
+                   torch.empty(0, dtype=dtype, device=buffer.device))
+        cursor += width
+    return out
+
+
+def latency_cost(estimate, latency_bytes: float) -> float:
+    """A :class:`~zen_ds.schemes.base.ByteEstimate` as bytes-equivalent time (alpha-beta)."""
+    return estimate.latency_steps * latency_bytes + estimate.wire_bytes
+
+
+# ---------------------------------------------------------------------- overlap model
+def effective_universe(nnz: Sequence[int], union: int) -> float:
+    """The universe size ``V`` for which supports drawn uniformly at random from ``V`` rows with
+    these sizes have the observed union: ``V (1 - prod(1 - m_i / V)) = U``.
+
+    Identical supports give ``V = U``, disjoint ones ``V = inf``, uniform random ones over N rows
+    ``V ~ N``; every partial union the peer schemes meet is then estimated from ``V``.
+    """
+    positive = [m for m in nnz if m > 0]
+    if not positive or union >= sum(positive):
+        return math.inf
+    low, high = float(max(positive)), float(max(positive))
+    if union <= low:
+        return low
+
+    def union_at(v: float) -> float:
+        return v * (1.0 - math.prod(1.0 - m / v for m in positive))
+
+    while union_at(high) < union:
+        high *= 2.0
+        if high > 1e30:
+            return math.inf
+    for _ in range(100):
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if union_at(mid) < union else (low, mid)
+    return high
+
+
+def expected_union(nnz: Sequence[int], universe: float) -> float:
+    """Expected union of supports of these sizes drawn from ``universe`` rows."""
+    if math.isinf(universe):
+        return float(sum(nnz))
+    return universe * (1.0 - math.prod(1.0 - min(m, universe) / universe for m in nnz))
