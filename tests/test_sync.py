@@ -64,7 +64,8 @@ def test_mismatch_raises_same_error_on_every_rank() -> None:
         message = messages.pop()
         assert "no error raised" not in message
     assert "num_rows" in per_rank[0]["num_rows"] and "rank 2: 12" in per_rank[0]["num_rows"]
-    assert "row_numel" in per_rank[0]["row_shape"]
+    assert "row shape" in per_rank[0]["row_shape"] and "rank 0: (2,)" in per_rank[0]["row_shape"]
+    assert "rank 2: (4,)" in per_rank[0]["row_shape"]
     assert "dtype" in per_rank[0]["dtype"] and "torch.float64" in per_rank[0]["dtype"]
     assert "outside [0, num_rows)" in per_rank[0]["index_range"]
     assert "rank 0" in per_rank[0]["index_range"] and "rank 1" not in per_rank[0]["index_range"]
