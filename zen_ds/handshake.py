@@ -92,23 +92,26 @@ def row_dims_slots(row_shape: Sequence[int]) -> List[int]:
 def encode_record(values: Dict[str, object], sketch: Optional[torch.Tensor] = None,
                   owner_counts: Optional[torch.Tensor] = None, world_size: int = 1) -> torch.Tensor:
     """One rank's record (int64, CPU) from ``{field name: value}``; absent fields are 0."""
-    record = torch.zeros(record_width(world_size), dtype=torch.int64)
-    for name, (start, stop) in _OFFSETS.items():
-        if name not in values:
-            continue
-        value = values[name]
+    fixed: List[int] = []
+    for name, width, _ in FIELDS:
+        value = values.get(name, 0 if width == 1 else [0] * width)
         if name in FLOAT_FIELDS:
             value = float_bits(float(value))
-        if stop - start == 1:
-            record[start] = int(value)
+        if width == 1:
+            fixed.append(int(value))
         else:
-            record[start:stop] = torch.tensor(list(value), dtype=torch.int64)
-    sketch_at = FIXED_WIDTH
-    record[sketch_at: sketch_at + SKETCH_SIZE] = -1
+            fixed.extend(int(v) for v in value)
+    record = torch.empty(record_width(world_size), dtype=torch.int64)
+    record[:FIXED_WIDTH] = torch.tensor(fixed, dtype=torch.int64)
+    sketch_area = record[FIXED_WIDTH: FIXED_WIDTH + SKETCH_SIZE]
+    sketch_area.fill_(-1)
     if sketch is not None:
-        record[sketch_at: sketch_at + sketch.numel()] = sketch
+        sketch_area[: sketch.numel()] = sketch
+    counts_area = record[FIXED_WIDTH + SKETCH_SIZE:]
     if owner_counts is not None:
-        record[sketch_at + SKETCH_SIZE:] = owner_counts
+        counts_area.copy_(owner_counts)
+    else:
+        counts_area.zero_()
     return record
 
 
