@@ -8,6 +8,7 @@ them (the compiled ops assume valid ids).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -40,10 +41,7 @@ class LocalInput:
 
     @property
     def row_numel(self) -> int:
-        numel = 1
-        for size in self.row_shape:
-            numel *= size
-        return numel
+        return math.prod(self.row_shape)
 
     @property
     def shape(self) -> Tuple[int, ...]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -123,16 +123,10 @@ class ZenParam:
 
 
 @dataclass
-class ParamStats:
-    """What one param's sync cost this step (this rank's view)."""
+class ParamStats(SyncStats):
+    """What one param's sync cost this step (this rank's view): its :class:`SyncStats`, with
+    ``seconds`` covering zen's whole work on the param, and whether it was compressed."""
 
-    scheme: str = ""
-    density: float = 0.0
-    result_density: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    dense_bytes: int = 0
-    seconds: float = 0.0
     compressed: bool = False
 
 
@@ -241,11 +235,11 @@ class ZenReducer:
                 result = result.to(out_dtype)
             if not result.is_sparse:
                 result = result.view_as(p.param)
-            stats[p.name] = ParamStats(
-                scheme=st.scheme, density=st.density, result_density=st.result_density,
-                bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
-                dense_bytes=st.dense_bytes, seconds=time.perf_counter() - started,
-                compressed=p.compressed and rs_c is not None)
+            summary = ParamStats(compressed=p.compressed and rs_c is not None)
+            for f in fields(SyncStats):
+                setattr(summary, f.name, getattr(st, f.name))
+            summary.seconds = time.perf_counter() - started
+            stats[p.name] = summary
             results.append(result)
         self.last_stats = stats
         if self.keep_history:
