@@ -2,7 +2,8 @@
 
 Core API::
 
-    zen_ds.sparse_allreduce(x, group=None, scheme="auto", average=False)
+    zen_ds.sparse_allreduce(x, group=None, scheme="auto", average=False, *, out=None,
+                            prescale=1.0, postscale=1.0, options=zen_ds.SyncOptions(), stats=None)
     zen_ds.last_sync_stats()
     zen_ds.RowSparse, zen_ds.SCHEMES
 
@@ -13,7 +14,9 @@ DeepSpeed plug-in::
 """
 from __future__ import annotations
 
-from .api import INDEX_ENCODINGS, set_cost_model, sparse_allreduce
+from .api import (INDEX_ENCODINGS, SyncOptions, default_options, set_cost_model,
+                  set_default_options, sparse_allreduce)
+from .comm import ZenSyncError
 from .partition import ShardLayout, owner
 from .planner import CostModel
 from .schemes import scheme_names
@@ -27,5 +30,6 @@ __version__ = "0.1.0"
 SCHEMES = scheme_names()
 
 __all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats",
+           "SyncOptions", "default_options", "set_default_options", "ZenSyncError",
            "ShardLayout", "owner", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
            "initialize", "attach", "state_of", "ZenConfig", "ZenConfigError"]

@@ -1,232 +1,374 @@
 """``sparse_allreduce``: the public entry point of the core library.
 
-Each call starts with one small all-gather, the *handshake*, in which every rank publishes the
-shape, dtype and options of its tensor, its nnz, a KMV sketch of its support and how many of its
-rows each rank owns. From it every rank (1) detects any mismatch and raises the same error, so a
-bad call never hangs or silently returns garbage, (2) computes the same plan, and (3) knows the
-push splits of the balanced scheme without another round.
+Each call starts with one small all-gather, the *handshake* (:mod:`zen_ds.handshake`), in which
+every rank publishes the shape, dtype and options of its tensor, its nnz, a KMV sketch of its
+support and how many of its rows each rank owns. From it every rank (1) detects any bad input or
+mismatch and raises the same error, (2) computes the same plan, the density-threshold switch to
+dense included, and (3) knows the push splits of the balanced scheme without another round.
+
+Every local check (input type, dtype, device, row ids, options, group) runs *before* the
+handshake and is published in it: a rank whose input is unusable still takes part, so every rank
+raises the same ``ValueError`` naming the ranks and reasons, and the next call pairs correctly.
 """
 from __future__ import annotations
 
-import struct
+import math
 import time
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass, fields, replace
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from . import ops
 from .comm import Communicator
+from .handshake import DTYPE_CODES, HandshakeTable, encode_record, row_dims_slots
+from .inputs import LocalInput, inspect_input
 from .partition import ShardLayout
 from .planner import CostModel, estimate_singletons, estimate_union, plan
 from .schemes import get_scheme, scheme_names
-from .schemes.base import HANDSHAKE_FIXED_FIELDS, SKETCH_SIZE, SyncContext, SyncShape, handshake_bytes
-from .sparse import RowSparse
+from .schemes.base import SKETCH_SIZE, SyncContext, SyncShape, handshake_bytes
+from .sparse import RowSparse, accum_dtype
 from .stats import SyncStats, record
 
-__all__ = ["sparse_allreduce", "INDEX_ENCODINGS"]
+__all__ = ["sparse_allreduce", "SyncOptions", "INDEX_ENCODINGS", "set_cost_model",
+           "default_options", "set_default_options"]
 
 INDEX_ENCODINGS = ("auto", "coo", "bitmap")
 TensorLike = Union[RowSparse, torch.Tensor]
 
-_DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4}
-_FIELD_NAMES = ("num_rows", "row_numel", "dtype", "row shape", "nnz", "scheme", "index_encoding",
-                "seed", "average", "local error", "cost model alpha", "cost model bandwidth")
-# Floats travel as their IEEE-754 bits: ranks must agree on them exactly (see set_cost_model).
-_FLOAT_FIELDS = ("cost model alpha", "cost model bandwidth")
-_NNZ, _LOCAL_ERROR = 4, 9
-_ERR_INDEX_RANGE, _ERR_UNSUPPORTED_DTYPE = 1, 2
-_LOCAL_ERRORS = {_ERR_INDEX_RANGE: "row ids outside [0, num_rows)",
-                 _ERR_UNSUPPORTED_DTYPE: f"values dtype not in {list(_DTYPE_CODES)}"}
 
-_cost_model = CostModel()
+@dataclass(frozen=True)
+class SyncOptions:
+    """How a sync is planned. Every rank of a group must pass equal options (the handshake checks).
+
+    ``cost_model``: the alpha-beta constants the ``auto`` planner uses, also used by schemes to
+    trade padding against collectives. ``seed``: the balanced partition's permutation.
+    ``index_encoding``: the pull's index format (``auto`` picks per shard). ``density_threshold``:
+    sync dense when any rank holds more than this fraction of rows (1.0 never). ``ranks_per_node``:
+    ranks sharing a host, for topology-aware schemes (0 unknown).
+    """
+
+    cost_model: CostModel = CostModel()
+    seed: int = 0
+    index_encoding: str = "auto"
+    density_threshold: float = 1.0
+    ranks_per_node: int = 0
+
+
+_default_options = SyncOptions()
+
+
+def default_options() -> SyncOptions:
+    """The options :func:`sparse_allreduce` uses when the caller passes none."""
+    return _default_options
+
+
+def set_default_options(options: SyncOptions) -> None:
+    """Replace the process-wide default options (every rank must set the same ones)."""
+    global _default_options
+    if not isinstance(options, SyncOptions):
+        raise TypeError(f"expected a zen_ds.SyncOptions, got {type(options).__name__}")
+    _default_options = options
 
 
 def set_cost_model(cost: CostModel) -> None:
-    """Replace the alpha-beta constants the ``auto`` planner uses (e.g. a measured link).
-
-    Schemes also use them to trade padding against collectives (balanced's pull), so every rank
-    of a group must set the same model, as with every other sync option."""
-    global _cost_model
-    _cost_model = cost
+    """Set the default options' cost model (e.g. a measured link); every rank must set the same."""
+    set_default_options(replace(_default_options, cost_model=cost))
 
 
-def _shape_code(row_shape: Sequence[int]) -> int:
-    code = len(row_shape)
-    for size in row_shape:
-        code = (code * 1_000_003 + int(size)) % (1 << 61)
-    return code
+# ----------------------------------------------------------------------------- local checks
+def _usable_group(group) -> Tuple[Optional[dist.ProcessGroup], List[str]]:
+    """The group to sync over, or the default group plus a problem when ``group`` is unusable
+    (the handshake then runs on the default group, where the other ranks most likely are)."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return group, []
+    if not isinstance(group, dist.ProcessGroup):
+        return None, [f"group must be a torch.distributed.ProcessGroup or None, got "
+                      f"{type(group).__name__}"]
+    if dist.get_rank(group) < 0:
+        return None, ["this rank is not a member of the group it passed"]
+    return group, []
 
 
-def _to_rowsparse(x: TensorLike) -> RowSparse:
-    if isinstance(x, RowSparse):
-        return x.coalesce()
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"sparse_allreduce takes a RowSparse or a torch tensor, got {type(x).__name__}")
-    if x.is_sparse:
-        return RowSparse.from_coo(x)
-    if x.layout != torch.strided:
-        raise TypeError(f"sparse_allreduce: unsupported tensor layout {x.layout}; pass a strided "
-                        "tensor, a sparse COO tensor or a RowSparse")
-    return RowSparse.from_dense(x)
+def _option_problems(scheme: object, opts: object, prescale: object, postscale: object
+                     ) -> List[str]:
+    problems = []
+    if scheme != "auto" and scheme not in scheme_names():
+        problems.append(f"unknown scheme {scheme!r}; choose 'auto' or one of {scheme_names()}")
+    if not isinstance(opts, SyncOptions):
+        return problems + [f"options must be a zen_ds.SyncOptions, got {type(opts).__name__}"]
+    if opts.index_encoding not in INDEX_ENCODINGS:
+        problems.append(f"index_encoding must be one of {INDEX_ENCODINGS}, got "
+                        f"{opts.index_encoding!r}")
+    if not isinstance(opts.cost_model, CostModel):
+        problems.append(f"cost_model must be a zen_ds.CostModel, got "
+                        f"{type(opts.cost_model).__name__}")
+    if not isinstance(opts.seed, int) or not 0 <= opts.seed < 2**63:
+        problems.append(f"seed must be an int in [0, 2**63), got {opts.seed!r}")
+    if not isinstance(opts.ranks_per_node, int) or opts.ranks_per_node < 0:
+        problems.append(f"ranks_per_node must be an int >= 0, got {opts.ranks_per_node!r}")
+    for name, value in (("prescale", prescale), ("postscale", postscale),
+                        ("density_threshold", opts.density_threshold)):
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            problems.append(f"{name} must be a finite number, got {value!r}")
+    return problems
 
 
-def _handshake(x: RowSparse, comm: Communicator, layout: Optional[ShardLayout], fields: list
-               ) -> torch.Tensor:
-    """All-gather every rank's record; returns ``[n, record]`` int64."""
+def _expected_device_types(comm: Communicator) -> Optional[Tuple[str, ...]]:
+    """Device types the group's backend moves (None: unknown backend, not checked)."""
+    if comm.world_size == 1:
+        return None
+    try:
+        backend = str(dist.get_backend(comm.group)).lower()
+    except Exception:  # a backend torch cannot name: leave the device to the backend
+        return None
+    types = tuple(t for t, name in (("cpu", "gloo"), ("cuda", "nccl")) if name in backend)
+    return types or None
+
+
+def _fallback_device(types: Optional[Tuple[str, ...]]) -> torch.device:
+    if types == ("cuda",) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- handshake
+_DISPLAY = {"cost_alpha": "cost model alpha", "cost_bandwidth": "cost model bandwidth"}
+
+
+def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool,
+               opts: SyncOptions, prescale: float, postscale: float, problems: List[str],
+               device: torch.device) -> HandshakeTable:
+    """All-gather every rank's record (:mod:`zen_ds.handshake`)."""
     n = comm.world_size
-    sketch = torch.full((SKETCH_SIZE,), -1, dtype=torch.int64)
-    counts = torch.zeros(n, dtype=torch.int64)
-    if layout is not None and x.nnz and fields[_LOCAL_ERROR] == 0:
-        positions = layout.positions(x.indices.cpu())
-        smallest = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
-        sketch[: smallest.numel()] = smallest
-        counts = torch.bincount(layout.owner_of_positions(positions), minlength=n)
-    record_ = torch.cat([torch.tensor(fields, dtype=torch.int64), sketch, counts]).to(x.device)
-    gathered = torch.empty(n * record_.numel(), dtype=torch.int64, device=x.device)
+    if problems:
+        record_ = encode_record({"error": 1}, world_size=n)
+    else:
+        sketch = owner_counts = None
+        needs_layout = n > 1 and local.num_rows > 0 and local.row_numel > 0 and (
+            scheme == "auto" or get_scheme(scheme).needs_owner_counts)
+        if needs_layout and local.nnz:
+            layout = ShardLayout(local.num_rows, n, opts.seed)
+            positions = layout.positions(local.rows.cpu())
+            sketch = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
+            owner_counts = torch.bincount(layout.owner_of_positions(positions), minlength=n)
+        record_ = encode_record({
+            "num_rows": local.num_rows, "row_numel": local.row_numel,
+            "row_ndim": len(local.row_shape), "row_dims": row_dims_slots(local.row_shape),
+            "dtype": DTYPE_CODES[local.dtype], "nnz": local.nnz,
+            "scheme": 0 if scheme == "auto" else 1 + scheme_names().index(scheme),
+            "index_encoding": INDEX_ENCODINGS.index(opts.index_encoding), "seed": opts.seed,
+            "average": int(bool(average)), "prescale": prescale, "postscale": postscale,
+            "density_threshold": opts.density_threshold, "ranks_per_node": opts.ranks_per_node,
+            "cost_alpha": opts.cost_model.alpha, "cost_bandwidth": opts.cost_model.bandwidth,
+        }, sketch, owner_counts, n)
+    record_ = record_.to(device)
+    gathered = torch.empty(n * record_.numel(), dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(gathered, record_, "handshake")
-    return gathered.view(n, -1).cpu()
+    return HandshakeTable(gathered.view(n, -1).cpu())
 
 
-def _bits_of_float(value: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+def _raise_on_errors(table: HandshakeTable, comm: Communicator, problems: List[str]) -> None:
+    """Raise the same ValueError on every rank if any rank's input is bad or the ranks differ."""
+    if any(table.column("error")):
+        # Every rank saw the flag in the same collective, so every rank joins this exchange.
+        reports = comm.all_gather_object("; ".join(problems), "error report")
+        detail = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(reports) if text)
+        raise ValueError(f"zen_ds.sparse_allreduce: invalid input ({detail}). Every rank raises "
+                         "this error; the group stays usable for the next call")
+    differing = table.disagreement()
+    if differing is None:
+        return
+    name, values = differing
+    if name == "dtype":
+        names = {code: str(dtype) for dtype, code in DTYPE_CODES.items()}
+        values = [names.get(v, v) for v in values]
+    elif name == "scheme":
+        values = [(("auto",) + scheme_names())[v] for v in values]
+    elif name == "index_encoding":
+        values = [INDEX_ENCODINGS[v] for v in values]
+    per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+    raise ValueError(f"zen_ds.sparse_allreduce: ranks disagree on {_DISPLAY.get(name, name)} "
+                     f"({per_rank}); every rank must sync the same tensor with the same options")
 
 
-def _float_of_bits(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
-
-
-def _check_agreement(table: torch.Tensor) -> None:
-    """Raise the same error on every rank if the ranks' calls do not match."""
-    errors = table[:, _LOCAL_ERROR].tolist()
-    bad = [(rank, code) for rank, code in enumerate(errors) if code]
-    if bad:
-        detail = "; ".join(f"rank {rank}: {_LOCAL_ERRORS.get(code, code)}" for rank, code in bad)
-        raise ValueError(f"zen_ds.sparse_allreduce: invalid input ({detail})")
-    for column, name in enumerate(_FIELD_NAMES):
-        if column in (_NNZ, _LOCAL_ERROR):
-            continue
-        values = table[:, column].tolist()
-        if len(set(values)) > 1:
-            if name == "dtype":
-                names = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
-                values = [names.get(v, v) for v in values]
-            elif name == "scheme":
-                values = [(("auto",) + scheme_names())[v] for v in values]
-            elif name in _FLOAT_FIELDS:
-                values = [_float_of_bits(v) for v in values]
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(f"zen_ds.sparse_allreduce: ranks disagree on {name} ({per_rank}); "
-                             "every rank must sync the same tensor with the same options")
-
-
-def _wants_sorted(like: TensorLike) -> bool:
-    return isinstance(like, RowSparse) or like.is_sparse
-
-
-def _from_rowsparse(result: RowSparse, like: TensorLike, out: Optional[torch.Tensor] = None
-                    ) -> TensorLike:
-    if isinstance(like, RowSparse):
-        return result
-    if like.is_sparse:
-        return result.to_coo()
-    # Rows are unique (every scheme guarantees it), so scatter without sorting.
+# ----------------------------------------------------------------------------- execution
+def _dense_sum(local: LocalInput, out: Optional[torch.Tensor], prescale: float,
+               scale: Optional[float], comm: Optional[Communicator]) -> torch.Tensor:
+    """The library all-reduce of a dense input (fp32 for fp16/bf16), in place in ``out`` when
+    its dtype allows; ``comm`` None sums over this rank alone."""
+    x = local.dense
+    accum = accum_dtype(x.dtype)
+    if out is not None and out.dtype == accum:
+        work = out
+        if not local.aliases(out):
+            work.copy_(x)
+    else:
+        work = x.to(accum, memory_format=torch.contiguous_format, copy=True)
+    if prescale != 1.0:
+        work.mul_(prescale)
+    if comm is not None:
+        comm.all_reduce(work, "dense")
+    if scale is not None:
+        work.mul_(scale)
     if out is None:
-        out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-    if result.nnz:
-        ops.scatter_rows(out.view((result.num_rows,) + result.row_shape), result.indices,
-                         result.values)
+        return work if work.dtype == x.dtype else work.to(x.dtype)
+    if work is not out:
+        out.copy_(work)
     return out
 
 
-def _dense_result_buffer(like: TensorLike) -> Optional[torch.Tensor]:
-    """The zeroed result tensor when the caller gets a dense tensor back (else None)."""
-    if isinstance(like, RowSparse) or like.is_sparse:
-        return None
-    return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+def _local_rows(local: LocalInput, prescale: float) -> RowSparse:
+    """This rank's rows as a RowSparse (a copy when scaled or gathered from a dense tensor)."""
+    rs = local.sparse if local.sparse is not None else local.gather_rows()
+    if prescale == 1.0:
+        return rs
+    values = (rs.values.to(accum_dtype(rs.dtype)) * prescale).to(rs.dtype)
+    return RowSparse(rs.indices, values, rs.num_rows, coalesced=rs.coalesced)
 
 
-def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None, scheme: str = "auto",
-                     average: bool = False, *, seed: int = 0, index_encoding: str = "auto",
-                     log_prefix: str = "zen") -> TensorLike:
-    """Sum ``x`` over ``group`` (mean if ``average``), returned as the same kind of tensor.
+def _scaled_copy(rs: RowSparse, scale: Optional[float]) -> RowSparse:
+    values = rs.values.to(accum_dtype(rs.dtype), copy=True)
+    if scale is not None:
+        values.mul_(scale)
+    return RowSparse(rs.indices.clone(), values.to(rs.dtype), rs.num_rows, coalesced=True)
+
+
+def _into_dense(result: RowSparse, target: torch.Tensor, local: LocalInput, in_place: bool
+                ) -> None:
+    """Scatter a scheme's rows into the caller's dense tensor. In place, this rank's own rows
+    must all be overwritten: any the result lacks are zeroed."""
+    view = target.view((result.num_rows,) + result.row_shape)
+    if result.nnz:
+        ops.scatter_rows(view, result.indices, result.values)
+    if in_place and local.nnz:
+        stale = local.rows[~torch.isin(local.rows, result.indices)]
+        if stale.numel():
+            view.index_fill_(0, stale, 0)
+
+
+def _sketched(scheme: str) -> bool:
+    """Whether the handshake carried sketches and owner counts (decided from agreed fields)."""
+    return scheme == "auto" or get_scheme(scheme).needs_owner_counts
+
+
+def _plan(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptions,
+          comm: Communicator) -> Tuple[str, SyncShape, Tuple[float, float]]:
+    """(scheme to run, what the planner knew, predicted bytes sent/received)."""
+    n, num_rows = comm.world_size, local.num_rows
+    nnz_per_rank = table.column("nnz")
+    if _sketched(scheme):
+        union = estimate_union(table.sketches, nnz_per_rank, num_rows)
+        singletons = estimate_singletons(table.sketches, union)
+    else:
+        union, singletons = min(sum(nnz_per_rank), num_rows), 0
+    shape = SyncShape(n, nnz_per_rank, union, num_rows, local.row_numel, local.element_size,
+                      comm.rank, opts.cost_model.latency_bytes, singletons, opts.ranks_per_node)
+    if max(nnz_per_rank) > opts.density_threshold * num_rows:
+        chosen, estimate = "dense", get_scheme("dense").predict(shape)
+    elif scheme == "auto":
+        chosen, estimates = plan(shape, cost=opts.cost_model)
+        estimate = estimates[chosen]
+    else:
+        chosen, estimate = scheme, get_scheme(scheme).predict(shape)
+    handshake = (n - 1) * handshake_bytes(n)
+    return chosen, shape, (estimate.bytes_sent + handshake, estimate.bytes_received + handshake)
+
+
+def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
+                     scheme: str = "auto", average: bool = False, *,
+                     out: Optional[torch.Tensor] = None, prescale: float = 1.0,
+                     postscale: float = 1.0, options: Optional[SyncOptions] = None,
+                     stats: Optional[SyncStats] = None, seed: Optional[int] = None,
+                     index_encoding: Optional[str] = None, log_prefix: str = "zen") -> TensorLike:
+    """Sum ``x`` over ``group``, returned as the same kind of tensor (or written into ``out``).
 
     ``x`` is a :class:`RowSparse`, a dense tensor (rows with any non-zero element are synced) or a
-    torch sparse COO tensor. The result has x's dtype and shape and is coalesced. ``scheme`` is one
-    of :data:`zen_ds.SCHEMES` or ``"auto"`` (the byte models choose, dense included). Every rank of
-    the group must call with the same shape, dtype and options; a mismatch raises on every rank.
+    torch sparse COO tensor; the result has x's dtype and shape and is coalesced. The result is
+    ``postscale * sum(prescale * x) [/ n if average]``. ``out``: a contiguous dense tensor of x's
+    full shape and dtype that receives the result (it may be ``x`` itself: a dense gradient synced
+    in place); it is returned. ``scheme`` is one of :data:`zen_ds.SCHEMES` or ``"auto"`` (the byte
+    models choose, dense included). ``options`` (default: :func:`default_options`) carries the cost
+    model, seed, index encoding, density threshold and topology; ``seed`` / ``index_encoding``
+    override it. ``stats``, if given, is filled with this call's :class:`SyncStats` (also kept for
+    :func:`zen_ds.last_sync_stats`). Every rank of the group must call with the same shape, dtype
+    and options; a mismatch or a bad input on any rank raises the same ValueError on every rank.
     """
-    if scheme != "auto" and scheme not in scheme_names():
-        raise ValueError(f"unknown scheme {scheme!r}; choose 'auto' or one of {scheme_names()}")
-    if index_encoding not in INDEX_ENCODINGS:
-        raise ValueError(f"index_encoding must be one of {INDEX_ENCODINGS}, got {index_encoding!r}")
     started = time.perf_counter()
-    rs = _to_rowsparse(x)
+    opts = options if options is not None else _default_options
+    if isinstance(opts, SyncOptions) and (seed is not None or index_encoding is not None):
+        opts = replace(opts, seed=opts.seed if seed is None else seed,
+                       index_encoding=opts.index_encoding if index_encoding is None
+                       else index_encoding)
+    group, problems = _usable_group(group)
     comm = Communicator.for_group(group, log_prefix)
-    n = comm.world_size
-    scale = 1.0 / n if average else None
+    comm.scheme = scheme if isinstance(scheme, str) else "auto"
+    problems += _option_problems(scheme, opts, prescale, postscale)
+    device_types = _expected_device_types(comm)
+    local = inspect_input(x, out, device_types)
+    if local.error:
+        problems.append(local.error)
+    device = local.device if not local.error else _fallback_device(device_types)
+    table = _handshake(comm, local, scheme, average, opts, prescale, postscale, problems, device)
+    _raise_on_errors(table, comm, problems)
 
-    local_error = 0
-    if rs.dtype not in _DTYPE_CODES:
-        local_error = _ERR_UNSUPPORTED_DTYPE
-    elif rs.nnz and (int(rs.indices.min()) < 0 or int(rs.indices.max()) >= rs.num_rows):
-        local_error = _ERR_INDEX_RANGE
-
-    if n == 1:
-        if local_error:
-            raise ValueError(f"zen_ds.sparse_allreduce: invalid input "
-                             f"({_LOCAL_ERRORS[local_error]})")
-        result = RowSparse(rs.indices.clone(), rs.values.clone(), rs.num_rows, coalesced=True)
-        if scale is not None:
-            result.values.mul_(scale)
-        # A group of one moves nothing; "local" says so when no scheme was asked for.
-        chosen, union, predicted = ("local" if scheme == "auto" else scheme), rs.nnz, (0.0, 0.0)
-        nnz_per_rank = [rs.nnz]
-        dense = None
+    n, prescale = comm.world_size, float(prescale)
+    factor = float(postscale) / (n if average else 1)
+    scale = None if factor == 1.0 else factor
+    nothing_to_move = n == 1 or local.num_rows == 0 or local.row_numel == 0
+    if nothing_to_move:  # "local": a sync that moves nothing (a group of one, an empty tensor)
+        chosen = "local" if scheme == "auto" else scheme
+        nnz_per_rank, union = table.column("nnz"), local.nnz
+        predicted = (0.0, 0.0)
     else:
-        needs_layout = scheme == "auto" or get_scheme(scheme).needs_owner_counts
-        layout = ShardLayout(max(rs.num_rows, 1), n, seed) if needs_layout and rs.num_rows else None
-        scheme_code = 0 if scheme == "auto" else 1 + scheme_names().index(scheme)
-        fields = [rs.num_rows, rs.row_numel, _DTYPE_CODES.get(rs.dtype, 0), _shape_code(rs.row_shape),
-                  rs.nnz, scheme_code, INDEX_ENCODINGS.index(index_encoding), seed, int(average),
-                  local_error, _bits_of_float(_cost_model.alpha),
-                  _bits_of_float(_cost_model.bandwidth)]
-        assert len(fields) == HANDSHAKE_FIXED_FIELDS
-        table = _handshake(rs, comm, layout, fields)
-        _check_agreement(table)
-        nnz_per_rank = table[:, _NNZ].tolist()
-        sketches = table[:, HANDSHAKE_FIXED_FIELDS: HANDSHAKE_FIXED_FIELDS + SKETCH_SIZE]
-        union = estimate_union(sketches, nnz_per_rank, rs.num_rows) if layout else sum(nnz_per_rank)
-        singletons = estimate_singletons(sketches, union) if layout else 0
-        shape = SyncShape(n, nnz_per_rank, union, rs.num_rows, rs.row_numel,
-                          rs.values.element_size(), comm.rank, _cost_model.latency_bytes,
-                          singletons)
-        if scheme == "auto":
-            chosen, estimates = plan(shape, cost=_cost_model)
-            estimate = estimates[chosen]
+        chosen, shape, predicted = _plan(table, local, scheme, opts, comm)
+        nnz_per_rank, union = shape.nnz_per_rank, shape.union_nnz
+    comm.scheme = chosen
+
+    in_place = out is not None and local.aliases(out)
+    dense_result = out is not None or local.kind == "dense"
+    if local.kind == "dense" and (chosen == "dense" or nothing_to_move):
+        result = _dense_sum(local, out, prescale, scale, None if nothing_to_move else comm)
+        nnz_result = local.nnz if nothing_to_move else -1
+    else:
+        rs = _local_rows(local, prescale)
+        target = out if out is not None else (
+            torch.zeros(local.shape, dtype=local.dtype, device=local.device)
+            if dense_result else None)
+        if target is not None and not in_place and out is not None:
+            target.zero_()
+        if nothing_to_move:
+            summed, ctx = _scaled_copy(rs, scale), None
         else:
-            chosen, estimate = scheme, get_scheme(scheme).predict(shape)
-        handshake = (n - 1) * handshake_bytes(n)
-        predicted = (estimate.bytes_sent + handshake, estimate.bytes_received + handshake)
-        owner_counts = table[:, HANDSHAKE_FIXED_FIELDS + SKETCH_SIZE:].to(rs.device)
-        dense = _dense_result_buffer(x)
-        ctx = SyncContext(comm, seed, scale, index_encoding, nnz_per_rank,
-                          owner_counts if layout is not None else None,
-                          sorted_output=_wants_sorted(x),
-                          dense_out=None if dense is None else
-                          dense.view((rs.num_rows,) + rs.row_shape),
-                          shape=shape)
-        result = get_scheme(chosen).sync(rs, ctx)
+            ctx = SyncContext(comm, opts.seed, scale, opts.index_encoding, list(nnz_per_rank),
+                              table.owner_counts.to(local.device)
+                              if _sketched(scheme) else None,
+                              sorted_output=not dense_result,
+                              dense_out=None if target is None else
+                              target.view((local.num_rows,) + local.row_shape),
+                              shape=shape, handshake=table)
+            summed = get_scheme(chosen).sync(rs, ctx)
+        if summed is None:  # the scheme wrote the sum into ctx.dense_out
+            result, nnz_result = target, ctx.dense_nnz
+        elif target is not None:
+            _into_dense(summed, target, local, in_place)
+            result, nnz_result = target, summed.nnz
+        else:
+            result = summed if local.kind == "rowsparse" else summed.to_coo()
+            nnz_result = summed.nnz
+    if nnz_result < 0:  # a dense all-reduce: count the rows it produced
+        nnz_result = int(ops.nonzero_rows(result.reshape(local.num_rows, -1)).numel())
 
-    if result is None:  # the scheme wrote the sum into ctx.dense_out
-        out, nnz_result = dense, ctx.dense_nnz
-    else:
-        out, nnz_result = _from_rowsparse(result, x, dense), result.nnz
-    record(SyncStats(
+    sync_stats = SyncStats(
         scheme=chosen, bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
-        seconds=time.perf_counter() - started, nnz_local=rs.nnz, nnz_result=nnz_result,
-        num_rows=rs.num_rows, row_numel=rs.row_numel, world_size=n,
-        dense_bytes=rs.num_rows * rs.row_numel * rs.values.element_size(), union_estimate=union,
-        predicted_bytes_sent=predicted[0], predicted_bytes_received=predicted[1],
-        collectives=list(comm.records)))
-    return out
+        seconds=time.perf_counter() - started, nnz_local=local.nnz, nnz_result=nnz_result,
+        num_rows=local.num_rows, row_numel=local.row_numel, world_size=n,
+        dense_bytes=local.num_rows * local.row_numel * local.element_size,
+        union_estimate=union, predicted_bytes_sent=predicted[0],
+        predicted_bytes_received=predicted[1], collectives=list(comm.records))
+    record(sync_stats)
+    if stats is not None:
+        for f in fields(SyncStats):
+            setattr(stats, f.name, getattr(sync_stats, f.name))
+    return result

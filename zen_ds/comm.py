@@ -11,20 +11,38 @@ travels):
 * ``all_to_all_single``: exactly the rows sent to / received from the other ranks.
 * ``all_gather_into_tensor``: ``(n - 1) * chunk`` both ways (ring; what every rank forwards).
 * ``all_reduce``: ``2 (n - 1) / n * nbytes`` both ways (ring reduce-scatter + all-gather).
+
+A collective that fails (a peer died, or stalled past the process group's timeout) raises
+:class:`ZenSyncError`, which names the scheme and the phase (the collective's name) and chains
+the backend's error, on every rank that sees the failure.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Communicator", "CommRecord", "resolve_group"]
+__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group"]
 
 # torch >= 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ZenSyncError(RuntimeError):
+    """A collective of a zen sync failed: a peer died, stalled past the process group's timeout,
+    or called a different collective. ``phase`` is the collective's name (``handshake``,
+    ``balanced.push``, ...), ``scheme`` the scheme that was running (``auto`` while planning)."""
+
+    def __init__(self, phase: str, scheme: str, rank: int, world_size: int, cause: BaseException
+                 ) -> None:
+        self.phase, self.scheme = phase, scheme
+        super().__init__(
+            f"zen_ds: the {scheme} sync failed in phase {phase!r} on rank {rank} of {world_size} "
+            f"({type(cause).__name__}: {cause}). A peer rank died, stalled past the process "
+            "group's timeout, or called a different collective; check the other ranks' logs")
 
 
 @dataclass
@@ -58,15 +76,40 @@ def _deepspeed_comm():
         return None
 
 
+def _ds_all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group=None,
+                               async_op: bool = False, prof: bool = False,
+                               log_name: str = "all_gather_into_tensor", debug: str = ""):
+    """DeepSpeed's ``all_gather_into_tensor`` signature over torch's non-deprecated name, so the
+    comms logger records it under zen's ``log_name`` without DeepSpeed calling the old name."""
+    return _all_gather_single(output_tensor, tensor, group=group, async_op=async_op)
+
+
+_ds_all_gather_into_tensor.__name__ = "all_gather_into_tensor"  # DeepSpeed logs the op by it
+_logged_all_gather: Optional[Callable] = None
+
+
+def _ds_logged_all_gather() -> Callable:
+    global _logged_all_gather
+    if _logged_all_gather is None:
+        from deepspeed.comm.comm import timed_op
+
+        _logged_all_gather = timed_op(_ds_all_gather_into_tensor)
+    return _logged_all_gather
+
+
 @dataclass
 class Communicator:
-    """A process group plus per-call byte counting; ``log_prefix`` names the rows in DS logs."""
+    """A process group plus per-call byte counting; ``log_prefix`` names the rows in DS logs.
+
+    ``scheme`` names the running scheme in :class:`ZenSyncError` (set by the caller once planned).
+    """
 
     group: Optional[dist.ProcessGroup]
     world_size: int
     rank: int
     log_prefix: str = "zen"
     records: List[CommRecord] = field(default_factory=list)
+    scheme: str = "auto"
 
     @classmethod
     def for_group(cls, group: Optional[dist.ProcessGroup], log_prefix: str = "zen") -> "Communicator":
@@ -87,7 +130,24 @@ class Communicator:
         self.records.append(CommRecord(op, log_name, int(sent), int(received)))
         return log_name
 
+    def _run(self, name: str, collective: Callable[[], object]) -> None:
+        """Run one collective; a backend failure becomes a :class:`ZenSyncError` naming it."""
+        try:
+            collective()
+        except ZenSyncError:
+            raise
+        except RuntimeError as exc:  # gloo/NCCL errors, DistBackendError, timeouts
+            raise ZenSyncError(name, self.scheme, self.rank, self.world_size, exc) from exc
+
     # ------------------------------------------------------------------ collectives
+    def all_gather_object(self, obj: object, name: str) -> List[object]:
+        """Every rank's ``obj`` (pickled; error reports only, not counted as sync bytes)."""
+        gathered: List[object] = [None] * self.world_size
+        if self.world_size == 1:
+            return [obj]
+        self._run(name, lambda: dist.all_gather_object(gathered, obj, group=self.group))
+        return gathered
+
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         chunk = tensor.numel() * tensor.element_size()
         log_name = self._record("all_gather", name, (self.world_size - 1) * chunk,
@@ -95,11 +155,11 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(tensor.reshape(output.shape))
             return
-        ds_comm = _deepspeed_comm()
-        if ds_comm is not None:
-            ds_comm.all_gather_into_tensor(output, tensor, group=self.group, log_name=log_name)
+        if _deepspeed_comm() is not None:
+            gather = _ds_logged_all_gather()
+            self._run(name, lambda: gather(output, tensor, group=self.group, log_name=log_name))
         else:
-            _all_gather_single(output, tensor, group=self.group)
+            self._run(name, lambda: _all_gather_single(output, tensor, group=self.group))
 
     def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor,
                           output_splits: Sequence[int], input_splits: Sequence[int], name: str) -> None:
@@ -114,12 +174,13 @@ class Communicator:
         out_splits, in_splits = list(map(int, output_splits)), list(map(int, input_splits))
         ds_comm = _deepspeed_comm()
         if ds_comm is not None:
-            ds_comm.all_to_all_single(output, tensor, output_split_sizes=out_splits,
-                                      input_split_sizes=in_splits, group=self.group,
-                                      log_name=log_name)
+            self._run(name, lambda: ds_comm.all_to_all_single(
+                output, tensor, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                group=self.group, log_name=log_name))
         else:
-            dist.all_to_all_single(output, tensor, output_split_sizes=out_splits,
-                                   input_split_sizes=in_splits, group=self.group)
+            self._run(name, lambda: dist.all_to_all_single(
+                output, tensor, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                group=self.group))
 
     def all_reduce(self, tensor: torch.Tensor, name: str) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -129,6 +190,7 @@ class Communicator:
             return
         ds_comm = _deepspeed_comm()
         if ds_comm is not None:
-            ds_comm.all_reduce(tensor, op=ds_comm.ReduceOp.SUM, group=self.group, log_name=log_name)
+            self._run(name, lambda: ds_comm.all_reduce(tensor, op=ds_comm.ReduceOp.SUM,
+                                                       group=self.group, log_name=log_name))
         else:
-            dist.all_reduce(tensor, group=self.group)
+            self._run(name, lambda: dist.all_reduce(tensor, group=self.group))

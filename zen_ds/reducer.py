@@ -15,18 +15,17 @@ from __future__ import annotations
 import fnmatch
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import sparse_allreduce
-from .comm import _deepspeed_comm
+from .api import SyncOptions, default_options, sparse_allreduce
 from .config import ZenConfig
 from .sparse import RowSparse
-from .stats import last_sync_stats
+from .stats import SyncStats
 
 logger = logging.getLogger(__name__)
 
@@ -124,16 +123,10 @@ class ZenParam:
 
 
 @dataclass
-class ParamStats:
-    """What one param's sync cost this step (this rank's view)."""
+class ParamStats(SyncStats):
+    """What one param's sync cost this step (this rank's view): its :class:`SyncStats`, with
+    ``seconds`` covering zen's whole work on the param, and whether it was compressed."""
 
-    scheme: str = ""
-    density: float = 0.0
-    result_density: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    dense_bytes: int = 0
-    seconds: float = 0.0
     compressed: bool = False
 
 
@@ -147,7 +140,7 @@ class ZenReducer:
         self.params: List[ZenParam] = list(params)
         self.group = group
         self.scale = scale
-        # --- optional top-k / DGC compression of other dense params (issue 6)
+        # --- optional top-k / DGC compression of other dense params
         self.compressor = compressor
         # --- bookkeeping: optimizer steps synced so far, and the last step's per-param cost
         self.step = 0
@@ -160,24 +153,10 @@ class ZenReducer:
     def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
-    def _max_over_group(self, values: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return values
-        ds_comm = _deepspeed_comm()
-        if ds_comm is not None:
-            ds_comm.all_reduce(values, op=ds_comm.ReduceOp.MAX, group=self.group, log_name="zen.density")
-        else:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-        return values
-
-    @staticmethod
-    def _local(p: ZenParam, grad: Optional[torch.Tensor]) -> RowSparse:
-        if grad is None:
-            shape = tuple(p.param.shape)
-            return RowSparse.empty(shape[0], shape[1:], dtype=p.param.dtype, device=p.param.device)
-        if grad.is_sparse:
-            return RowSparse.from_coo(grad)
-        return RowSparse.from_dense(grad)
+    def _options(self, density_threshold: float = 1.0) -> SyncOptions:
+        return replace(default_options(), seed=self.config.seed,
+                       index_encoding=self.config.index_encoding,
+                       density_threshold=density_threshold)
 
     def _wire(self, p: ZenParam, grad: Optional[torch.Tensor], before: float) -> torch.Tensor:
         """A dense gradient as it goes on the wire: times ``before``, in the communication dtype."""
@@ -187,6 +166,42 @@ class ZenReducer:
             return (dense.float() * before).to(comm_dtype)
         return dense.to(comm_dtype)
 
+    def _sync_compressed(self, p: ZenParam, grad: Optional[torch.Tensor], rs: Optional[RowSparse],
+                         before: float, after: float, stats: SyncStats) -> torch.Tensor:
+        """A compressed param: its top-k rows (or, in warmup, the whole dense gradient)."""
+        if rs is None:  # warmup: every rank sends the dense gradient
+            # Not in place: the compressor may keep what it was handed.
+            return sparse_allreduce(self._wire(p, grad, before), self.group, "dense", postscale=after,
+                                    options=self._options(), stats=stats, log_prefix=p.log_prefix)
+        dense = torch.empty(rs.shape, dtype=rs.dtype, device=rs.device)
+        return sparse_allreduce(rs, self.group, self.config.scheme, out=dense, postscale=after,
+                                options=self._options(), stats=stats, log_prefix=p.log_prefix)
+
+    def _sync_plain(self, p: ZenParam, grad: Optional[torch.Tensor], before: float, after: float,
+                    stats: SyncStats) -> torch.Tensor:
+        """A param zen syncs as it is: a dense gradient in place (no sparse round trip), a COO
+        gradient as COO, a missing one as no rows. Returns the synced gradient in the
+        communication dtype (``grad`` itself when it already is)."""
+        comm_dtype = self.scale.comm_dtype or (grad.dtype if grad is not None else p.param.dtype)
+        kwargs = dict(prescale=before, postscale=after, stats=stats, log_prefix=p.log_prefix,
+                      options=self._options(self.config.density_threshold))
+        if grad is None:
+            shape = tuple(p.param.shape)
+            empty = RowSparse.empty(shape[0], shape[1:], dtype=comm_dtype, device=p.param.device)
+            out = None if p.native_sparse else torch.empty(shape, dtype=comm_dtype,
+                                                           device=p.param.device)
+            summed = sparse_allreduce(empty, self.group, self.config.scheme, out=out, **kwargs)
+            return summed.to_coo() if isinstance(summed, RowSparse) else summed
+        if grad.is_sparse:
+            return sparse_allreduce(grad.to(comm_dtype), self.group, self.config.scheme, **kwargs)
+        if grad.dtype == comm_dtype and grad.is_contiguous():
+            wire = grad
+        else:  # the wire dtype differs: scale once, in fp32, while casting
+            wire = self._wire(p, grad, before).contiguous()
+            kwargs["prescale"] = 1.0
+        summed = sparse_allreduce(wire, self.group, self.config.scheme, out=wire, **kwargs)
+        return RowSparse.from_dense(summed).to_coo() if p.native_sparse else summed
+
     # ---------------------------------------------------------------------- the step
     @torch.no_grad()
     def sync(self, grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
@@ -194,68 +209,37 @@ class ZenReducer:
 
         ``grads[i]`` belongs to ``self.params[i]``: a dense tensor, a sparse COO tensor or None.
         Returns one tensor per param in the gradient's layout (sparse COO for natively sparse
-        params), dtype of the given gradient (param dtype for None).
+        params), dtype of the given gradient (param dtype for None). A dense gradient in the
+        communication dtype is synced in place and returned itself. Each param costs one
+        metadata collective (the handshake also carries the density-threshold decision).
         """
         if len(grads) != len(self.params):
             raise ValueError(f"zen: {len(grads)} gradients for {len(self.params)} params")
-        n = self.world_size
-        before, after = self.scale.factors(n)
-        locals_: List[Optional[RowSparse]] = []
-        compressed: List[Optional[RowSparse]] = []
-        densities = torch.zeros(len(self.params), dtype=torch.float64)
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            if p.compressed:
-                # The compressor gets the gradient exactly as it goes on the wire (scaled, in the
-                # communication dtype), so the rounding of the sent values stays in its residual.
-                rs = self.compressor.compress(p.name, self._wire(p, g, before), self.step)
-                compressed.append(rs)
-                locals_.append(None)
-                densities[i] = 2.0 if rs is None else 0.0  # warmup: dense on every rank
-                continue
-            rs = self._local(p, g)
-            locals_.append(rs)
-            compressed.append(None)
-            densities[i] = rs.nnz / max(rs.num_rows, 1)
-        if len(self.params):
-            densities = self._max_over_group(densities)
+        before, after = self.scale.factors(self.world_size)
+        # The compressor gets the gradient exactly as it goes on the wire (scaled, in the
+        # communication dtype), so the rounding of the sent values stays in its residual.
+        compressed = [self.compressor.compress(p.name, self._wire(p, g, before), self.step)
+                      if p.compressed else None for p, g in zip(self.params, grads)]
 
         results: List[torch.Tensor] = []
         stats: Dict[str, ParamStats] = {}
-        for i, (p, g) in enumerate(zip(self.params, grads)):
+        for p, g, rs_c in zip(self.params, grads, compressed):
             started = time.perf_counter()
             out_dtype = g.dtype if g is not None else p.param.dtype
-            comm_dtype = self.scale.comm_dtype or out_dtype
+            st = SyncStats()
             if p.compressed:
-                rs_c = compressed[i]
-                if rs_c is None:  # warmup: plain dense sync
-                    summed = sparse_allreduce(self._wire(p, g, before), self.group, "dense",
-                                              log_prefix=p.log_prefix)
-                else:
-                    summed = sparse_allreduce(rs_c, self.group, self.config.scheme, seed=self.config.seed,
-                                              index_encoding=self.config.index_encoding,
-                                              log_prefix=p.log_prefix).to_dense()
-                result = (summed.to(torch.float32) * after).to(out_dtype).view_as(p.param)
+                result = self._sync_compressed(p, g, rs_c, before, after, st)
             else:
-                rs = locals_[i]
-                values = rs.values.to(comm_dtype) if before == 1.0 else (rs.values.float() * before).to(comm_dtype)
-                rs = RowSparse(rs.indices, values, rs.num_rows, coalesced=rs.coalesced)
-                force_dense = float(densities[i]) > self.config.density_threshold
-                scheme = "dense" if force_dense else self.config.scheme
-                kwargs = {} if scheme == "dense" else {"index_encoding": self.config.index_encoding}
-                out = sparse_allreduce(rs, self.group, scheme, seed=self.config.seed,
-                                       log_prefix=p.log_prefix, **kwargs)
-                vals = out.values if after == 1.0 and out.dtype == out_dtype else \
-                    (out.values.float() * after).to(out_dtype)
-                out = RowSparse(out.indices, vals, out.num_rows, coalesced=True)
-                sparse_layout = p.native_sparse or (g is not None and g.is_sparse)
-                result = out.to_coo() if sparse_layout else out.to_dense().view_as(p.param)
-            st = last_sync_stats()
-            stats[p.name] = ParamStats(
-                scheme=st.scheme if st else "", density=st.density if st else 0.0,
-                result_density=st.result_density if st else 0.0,
-                bytes_sent=st.bytes_sent if st else 0, bytes_received=st.bytes_received if st else 0,
-                dense_bytes=st.dense_bytes if st else 0, seconds=time.perf_counter() - started,
-                compressed=p.compressed and compressed[i] is not None)
+                result = self._sync_plain(p, g, before, after, st)
+            if result.dtype != out_dtype:
+                result = result.to(out_dtype)
+            if not result.is_sparse:
+                result = result.view_as(p.param)
+            summary = ParamStats(compressed=p.compressed and rs_c is not None)
+            for f in fields(SyncStats):
+                setattr(summary, f.name, getattr(st, f.name))
+            summary.seconds = time.perf_counter() - started
+            stats[p.name] = summary
             results.append(result)
         self.last_stats = stats
         if self.keep_history:

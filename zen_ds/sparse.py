@@ -33,6 +33,11 @@ class RowSparse:
         self.num_rows = int(self.num_rows)
         if self.indices.dim() != 1:
             raise ValueError(f"RowSparse indices must be 1-D, got shape {tuple(self.indices.shape)}")
+        if self.indices.dtype.is_floating_point or self.indices.dtype in (torch.bool,
+                                                                         torch.complex64,
+                                                                         torch.complex128):
+            raise TypeError(f"RowSparse indices must be an integer tensor, got "
+                            f"{self.indices.dtype}; float and bool ids are rejected, not rounded")
         if self.indices.dtype != torch.int64:
             self.indices = self.indices.to(torch.int64)
         if self.values.dim() < 1 or self.values.shape[0] != self.indices.shape[0]:
@@ -138,8 +143,10 @@ class RowSparse:
     def to_coo(self) -> torch.Tensor:
         """A coalesced hybrid sparse COO tensor (``sparse_dim == 1``)."""
         coalesced = self.coalesce()
+        # The ids are unique, ascending and in range by construction: skip torch's O(nnz)
+        # invariant check (saying so explicitly, which also keeps torch from warning).
         return torch.sparse_coo_tensor(coalesced.indices.unsqueeze(0), coalesced.values,
-                                       self.shape, is_coalesced=True)
+                                       self.shape, is_coalesced=True, check_invariants=False)
 
     def to(self, *args, **kwargs) -> "RowSparse":
         """Move/cast the values (indices follow the device)."""

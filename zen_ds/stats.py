@@ -15,15 +15,17 @@ class SyncStats:
 
     Byte counts come from the buffers handed to the collectives (see :mod:`zen_ds.comm`) and
     include the handshake; ``predicted_*`` is the chosen scheme's byte model plus the handshake.
-    ``scheme`` is the scheme that ran (``"local"`` for ``auto`` in a group of one, which moves nothing).
+    ``scheme`` is the scheme that ran (``"local"`` for ``auto`` when nothing moves: a group of
+    one, or a tensor with no elements). ``SyncStats()`` is an empty record for
+    ``sparse_allreduce(..., stats=...)`` to fill.
     """
 
-    scheme: str
-    bytes_sent: int
-    bytes_received: int
-    seconds: float
-    nnz_local: int
-    nnz_result: int
+    scheme: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    nnz_local: int = 0
+    nnz_result: int = 0
     num_rows: int = 0
     row_numel: int = 0
     world_size: int = 1

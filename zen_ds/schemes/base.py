@@ -12,23 +12,15 @@ from typing import ClassVar, List, Optional, Sequence
 import torch
 
 from ..comm import Communicator
+from ..handshake import SKETCH_SIZE, HandshakeTable, handshake_bytes
 from ..sparse import RowSparse
 
-__all__ = ["SyncShape", "ByteEstimate", "SyncContext", "Scheme", "HANDSHAKE_FIXED_FIELDS",
-           "SKETCH_SIZE", "DEFAULT_LATENCY_BYTES", "handshake_bytes"]
+__all__ = ["SyncShape", "ByteEstimate", "SyncContext", "Scheme", "SKETCH_SIZE",
+           "DEFAULT_LATENCY_BYTES", "handshake_bytes", "HandshakeTable"]
 
-# Handshake layout (int64 per rank): fixed fields, then a KMV sketch of the support, then the
-# per-owner row counts of the balanced partition. See zen_ds/api.py.
-HANDSHAKE_FIXED_FIELDS = 12
-SKETCH_SIZE = 64
 # Bytes the link moves in one latency step: what a scheme may spend in padding to save a round.
 # The default cost model's alpha (50 us) times its bandwidth (1.25 GB/s); see zen_ds.planner.
 DEFAULT_LATENCY_BYTES = 62_500.0
-
-
-def handshake_bytes(world_size: int) -> int:
-    """Bytes of one rank's handshake record."""
-    return 8 * (HANDSHAKE_FIXED_FIELDS + SKETCH_SIZE + world_size)
 
 
 @dataclass(frozen=True)
@@ -44,6 +36,7 @@ class SyncShape:
     rank: int = 0
     latency_bytes: float = DEFAULT_LATENCY_BYTES  # cost model's alpha x bandwidth
     singletons: int = 0  # rows of the union held by exactly one rank (estimate)
+    ranks_per_node: int = 0  # ranks sharing a host (0: unknown, treat as one rank per host)
 
     @property
     def row_bytes(self) -> int:
@@ -79,13 +72,17 @@ class SyncContext:
     owner_counts: Optional[torch.Tensor] = None  # [n, n] int64: row i = rank i's rows per owner
     # False when the caller scatters into a dense tensor: rows must be unique, need not be sorted.
     sorted_output: bool = True
-    # Set when the caller returns a dense tensor: zeroed, [num_rows, *row_shape], result dtype.
-    # A scheme may write its result straight into it, set ``dense_nnz`` and return None.
+    # Set when the caller returns a dense tensor: [num_rows, *row_shape], result dtype, zero
+    # except perhaps this rank's own input rows (the caller's buffer, synced in place). A scheme
+    # may write its result straight into it, every row of the union (so those rows included),
+    # set ``dense_nnz`` and return None.
     dense_out: Optional[torch.Tensor] = None
     dense_nnz: Optional[int] = None  # rows written into dense_out (set by the scheme)
     # What the planner knew (from the handshake, the same on every rank); None outside
     # sparse_allreduce. Schemes take data-independent decisions from it.
     shape: Optional[SyncShape] = None
+    # The gathered handshake (None outside sparse_allreduce), read by field name.
+    handshake: Optional[HandshakeTable] = None
 
     @property
     def world_size(self) -> int:
