@@ -2,7 +2,7 @@
 # environment that runs zen_ds, or create it, so that every documented command works without
 # activating anything first.
 #
-#   source launch/env.sh                     # activates the environment for python / zen-bench
+#   source launch/env.sh                     # its python / zen-bench first on PATH
 #   ZEN_NEEDS="megatron.core" source launch/env.sh   # also require megatron-core (train_lm.py)
 #
 # The first candidate that imports torch, deepspeed, zen_ds's dependencies and $ZEN_NEEDS wins:
