@@ -9,6 +9,7 @@ Core API::
 
 DeepSpeed plug-in::
 
+    zen_ds.enable()  # then any deepspeed.initialize with a "zen" block in its config attaches zen
     engine, optimizer, _, _ = zen_ds.initialize(model=model, config=ds_config)  # reads "zen"
     zen_ds.attach(engine)  # for engines built elsewhere
 """
@@ -32,4 +33,5 @@ SCHEMES = scheme_names()
 __all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats",
            "SyncOptions", "default_options", "set_default_options", "ZenSyncError",
            "ShardLayout", "owner", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
-           "initialize", "attach", "state_of", "ZenConfig", "ZenConfigError"]
+           "initialize", "attach", "state_of", "enable", "disable", "ZenReductionError",
+           "ZenConfig", "ZenConfigError"]

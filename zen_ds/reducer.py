@@ -4,7 +4,7 @@
 selected params, the process group, the scaling rules copied from the engine, the optional
 gradient compressor and the per-param statistics. It knows nothing about *where* the gradients
 live (``param.grad``, BF16_Optimizer's ``_hp_grad``, zen's own fp32 accumulators): the engine glue
-(:mod:`zen_ds.engine`) hands it one gradient per param and writes the results back.
+(:mod:`zen_ds.deepspeed.grads`) hands it one gradient per param and writes the results back.
 
 Every rank calls :meth:`ZenReducer.sync` with the same params in the same order once per optimizer
 step, also when it has no local gradient for a param (``None`` -> an empty RowSparse), so the
