@@ -6,7 +6,8 @@ process are untouched) and reads a few private attributes. Porting zen to anothe
 release means re-checking this file only:
 
 * ``allreduce_gradients`` / ``buffered_allreduce_fallback``: at the accumulation boundary zen syncs
-  its params first (once per optimizer step), then DeepSpeed reduces only the other params.
+  its params first (once per optimizer step), then DeepSpeed reduces only the other params (none
+  with ``"zen.shuffle"``: DS-Sync reduces them all).
 * ``_take_model_step`` (reached from ``DeepSpeedEngine.step`` and ``PipelineEngine``): the optimizer
   step; on the owned route zen steps its params after DeepSpeed's step was applied.
 * ``clip_fp32_gradients`` (fp32, ZeRO-0): DeepSpeed's in-place ``.data.mul_`` leaves sparse grads
@@ -194,6 +195,8 @@ def install(engine: Any, state: "ZenEngineState") -> None:
 
     def buffered_allreduce_fallback(grads: Any = None, elements_per_buffer: int = 500000000) -> Any:
         state.reduce()
+        if state.shuffle is not None:  # DS-Sync reduced every param inside the step's group
+            return None
         if grads is None:
             grads = _grads_for_deepspeed(engine, state)
         return orig_fallback(grads=grads, elements_per_buffer=elements_per_buffer)
