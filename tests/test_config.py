@@ -134,7 +134,7 @@ def test_shuffle_block_validated():
     ({"group_size": 2, "domains": 0}, "ranks per domain"),
     ({"group_size": 2, "domains": [[0, 1], [1, 2]]}, "at most once"),
     ({"group_size": 2, "domains": [[0, 1], []]}, "non-empty"),
-    ({"group_size": 2, "groups": 4}, r'unknown key "zen.shuffle.groups" \(valid keys: domains, full_sync_every, '
+    ({"group_size": 2, "groups": 4}, r'unknown key "zen.shuffle.groups"( \(did you mean "group_size"\?\))? \(valid keys: domains, full_sync_every, '
                                      r"group_size, mode, seed\)"),
 ])
 def test_bad_shuffle_values(block, needle):
