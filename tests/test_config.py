@@ -111,3 +111,32 @@ def test_bad_block_fails_before_deepspeed_builds_anything():
     """zen_ds.initialize raises on the block before touching DeepSpeed or torch.distributed."""
     with pytest.raises(ZenConfigError, match="unknown key"):
         zen_ds.initialize(model=_M(), config={"train_batch_size": 1, "zen": {"bogus": 1}})
+
+
+def test_shuffle_block_validated():
+    cfg = load_zen_config({"zen": {"shuffle": {"group_size": 2}}}).shuffle
+    assert (cfg.mode, cfg.full_sync_every, cfg.seed, cfg.domains) == ("parameters", 0, 0, None)
+    assert cfg.domain_lists(4) is None
+    by_count = load_zen_config({"zen": {"shuffle": {"group_size": 2, "domains": 2}}}).shuffle
+    assert by_count.domain_lists(6) == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="does not divide the data-parallel size 5"):
+        by_count.domain_lists(5)
+    listed = {"group_size": 3, "mode": "gradients", "full_sync_every": 4, "seed": 9, "domains": [[0, 2], [1, 3]]}
+    assert load_zen_config({"zen": {"shuffle": listed}}).shuffle.domain_lists(4) == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("block, needle", [
+    ({}, "zen.shuffle.group_size.*Field required"),
+    ({"group_size": 1}, "zen.shuffle.group_size"),
+    ({"group_size": 2, "mode": "models"}, "zen.shuffle.mode"),
+    ({"group_size": 2, "full_sync_every": -1}, "zen.shuffle.full_sync_every"),
+    ({"group_size": 2, "seed": -3}, "zen.shuffle.seed"),
+    ({"group_size": 2, "domains": 0}, "ranks per domain"),
+    ({"group_size": 2, "domains": [[0, 1], [1, 2]]}, "at most once"),
+    ({"group_size": 2, "domains": [[0, 1], []]}, "non-empty"),
+    ({"group_size": 2, "groups": 4}, r'unknown key "zen.shuffle.groups"( \(did you mean "group_size"\?\))? \(valid keys: domains, full_sync_every, '
+                                     r"group_size, mode, seed\)"),
+])
+def test_bad_shuffle_values(block, needle):
+    with pytest.raises(ZenConfigError, match=needle):
+        load_zen_config({"zen": {"shuffle": block}})

@@ -18,13 +18,63 @@ from .schemes import scheme_names
 
 from .compression import CompressionConfig
 
-__all__ = ["ZenConfig", "ZenConfigError", "load_zen_config", "ZEN_KEY"]
+__all__ = ["ZenConfig", "ShuffleConfig", "ZenConfigError", "load_zen_config", "ZEN_KEY"]
 
 ZEN_KEY = "zen"
 
 
 class ZenConfigError(ValueError):
     """A bad ``"zen"`` block: raised at initialize, before any training step."""
+
+
+class ShuffleConfig(BaseModel):
+    """DS-Sync (README, "DS-Sync"): data-parallel ranks synchronise in small groups that change
+    every step. With it zen takes over the data-parallel reduction of every param."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    group_size: int = Field(ge=2)
+    """Ranks per group (the last group of a step may be smaller). ``>=`` the DP size is plain data
+    parallelism."""
+
+    mode: Literal["gradients", "parameters"] = "parameters"
+    """``gradients``: average gradients inside the step's group; ``parameters``: every rank steps on
+    its own gradient, then parameters are averaged inside the group (keeps replicas close)."""
+
+    full_sync_every: int = Field(0, ge=0)
+    """Every this many optimizer steps, average over the whole DP group (``1`` = plain data
+    parallelism); ``0`` never."""
+
+    seed: int = Field(0, ge=0, lt=2 ** 62)
+    """Seed of the schedule's relabelling of ranks (must be equal on every rank)."""
+
+    domains: Union[None, int, List[List[int]]] = None
+    """Slow-link domains that groups stay inside on all but the cross-domain steps: an integer
+    (ranks per node or rack, consecutive DP ranks) or lists of DP ranks; ``null`` = uniform network."""
+
+    @field_validator("domains")
+    @classmethod
+    def _check_domains(cls, value: Union[None, int, List[List[int]]]) -> Union[None, int, List[List[int]]]:
+        if isinstance(value, int):
+            if value < 1:
+                raise ValueError(f"domains as an integer is the number of ranks per domain, >= 1; got {value}")
+            return value
+        if value is not None:
+            flat = [r for d in value for r in d]
+            if not value or any(not d for d in value):
+                raise ValueError("domains must be non-empty lists of DP ranks")
+            if any(r < 0 for r in flat) or len(flat) != len(set(flat)):
+                raise ValueError(f"domains must list each DP rank (>= 0) at most once, got {value}")
+        return value
+
+    def domain_lists(self, dp_size: int) -> Optional[List[List[int]]]:
+        """``domains`` as lists of DP ranks for a DP group of ``dp_size`` ranks."""
+        if isinstance(self.domains, int):
+            if dp_size % self.domains:
+                raise ValueError(f"shuffle.domains = {self.domains} ranks per domain does not divide the "
+                                 f"data-parallel size {dp_size}; list the domains' ranks instead")
+            return [list(range(i, i + self.domains)) for i in range(0, dp_size, self.domains)]
+        return None if self.domains is None else [list(d) for d in self.domains]
 
 
 class ZenConfig(BaseModel):
@@ -61,6 +111,9 @@ class ZenConfig(BaseModel):
     compression: Optional[CompressionConfig] = None
     """Top-k / DGC gradient compression of dense params (README, "Gradient compression");
     ``null`` = off. Params zen already syncs as sparse are excluded from it."""
+
+    shuffle: Optional[ShuffleConfig] = None
+    """DS-Sync divide-and-shuffle synchronisation (README, "DS-Sync"); ``null`` = off."""
 
     @field_validator("scheme")
     @classmethod

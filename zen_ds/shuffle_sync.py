@@ -108,6 +108,12 @@ class ShuffleSync:
         self.last_step_stats: Optional[ShuffleStepStats] = None
         self._current: Optional[ShuffleStepStats] = None
 
+    @property
+    def gradients_agree(self) -> bool:
+        """Whether this step's gradients were averaged over the whole data-parallel group, so every
+        replica holds the same gradients (between reduce_gradients and after_optimizer_step)."""
+        return self._current is not None and self._current.full
+
     # ------------------------------------------------------------------ protocol
     def reduce_gradients(self) -> None:
         """Average gradients in this step's group (all steps of mode ``gradients``, full steps)."""

@@ -1,7 +1,8 @@
 """zen's share of a DeepSpeed checkpoint: one file per rank next to DeepSpeed's own files.
 
-It holds the reducer's step counter and compression residuals, and on the owned route zen's
-optimizer state and fp32 master copies. Resuming checks that the same params are synced.
+It holds the reducer's step counter and compression residuals, on the owned route zen's
+optimizer state and fp32 master copies, and on the shuffle route the schedule position with this
+rank's own model and optimizer state. Resuming checks that the same params are synced.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
+
+from zen_ds.deepspeed.shuffling import load_shuffle_state_dict, shuffle_state_dict
 
 if TYPE_CHECKING:  # pragma: no cover
     from zen_ds.deepspeed.engine import ZenEngineState
@@ -24,6 +27,8 @@ def state_dict(state: "ZenEngineState") -> Dict[str, Any]:
                           "reducer": state.reducer.state_dict()}
     if state.owned is not None:
         sd["owned"] = state.owned.state_dict()
+    if state.shuffle is not None:
+        sd["shuffle"] = shuffle_state_dict(state.shuffle, state.engine.module, state.engine.optimizer)
     return sd
 
 
@@ -38,6 +43,11 @@ def load_state_dict(state: "ZenEngineState", sd: Dict[str, Any]) -> None:
             raise ValueError("zen checkpoint has no zen-owned optimizer state; it was saved with a "
                              "different ZeRO stage / precision. Resume with the same ds_config")
         state.owned.load_state_dict(sd["owned"])
+    if state.shuffle is not None:
+        if "shuffle" not in sd:
+            raise ValueError("zen checkpoint has no shuffle (DS-Sync) state; it was saved without "
+                             "\"zen.shuffle\". Resume with the same ds_config")
+        load_shuffle_state_dict(state.shuffle, state.engine.module, state.engine.optimizer, sd["shuffle"])
 
 
 def save(state: "ZenEngineState", save_dir: str, tag: str, rank: int) -> None:

@@ -26,7 +26,9 @@ from zen_ds.deepspeed.norms import local_sum_of_squares, model_parallel_sum
 from zen_ds.deepspeed.owned import OwnedParams, OwnedPlan, plan_owned
 from zen_ds.deepspeed.params import reducer_params
 from zen_ds.deepspeed.routes import Route, ds_config_dict, refuse, resolve_route
+from zen_ds.deepspeed.shuffling import build_shuffle
 from zen_ds.reducer import ZenReducer
+from zen_ds.shuffle_sync import ShuffleSync
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +41,18 @@ class ZenEngineState:
     """Everything zen keeps for one engine; get it with :func:`state_of`."""
 
     def __init__(self, engine: Any, config: ZenConfig, reducer: ZenReducer, route: str,
-                 owned: Optional[OwnedParams], storage: GradStorage) -> None:
+                 owned: Optional[OwnedParams], storage: GradStorage,
+                 shuffle: Optional[ShuffleSync] = None) -> None:
         # --- configuration, the reducer that communicates, where the gradients live
         self.config = config
         self.reducer = reducer
         self.route = route  # "shared" or "owned"
         self.owned = owned
         self.storage = storage
+        self.shuffle = shuffle  # shuffle route: DS-Sync reduces every param, DeepSpeed none
         self.zen_param_ids = {id(p.param) for p in reducer.params}
+        if shuffle is not None:
+            self.zen_param_ids |= {id(param) for _, param, _ in shuffle.params}
         # --- per optimizer step
         self.reduced_this_step = False
         self.last_norm: Optional[float] = None  # unscaled global norm DeepSpeed clipped with
@@ -66,6 +72,10 @@ class ZenEngineState:
         if self.reduced_this_step:
             return
         step = self.reducer.step
+        if self.shuffle is not None:
+            during_sync(self.shuffle.reduce_gradients, self.shuffle.step)
+            self.reduced_this_step = True
+            return
         grads = agree_on_failure(self._read_checked, self.reducer.group, step)
         synced = during_sync(lambda: self.reducer.sync(grads), step)
         self.storage.write(synced)
@@ -80,7 +90,14 @@ class ZenEngineState:
 
     def after_step(self) -> None:
         self.reduced_this_step = False
-        self.reducer.log_stats(dist.get_rank() if dist.is_initialized() else 0)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.shuffle is None:
+            self.reducer.log_stats(rank)
+            return
+        stats = during_sync(self.shuffle.after_optimizer_step, self.shuffle.step)
+        interval = self.config.stats_interval
+        if interval and rank == 0 and self.shuffle.step % interval == 0:
+            logger.info("zen %s, schemes %s", stats.line(), stats.schemes)
 
     def state_dict(self) -> Dict[str, Any]:
         return checkpoint.state_dict(self)
@@ -131,8 +148,12 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
     zen_params, compressor = reducer_params(engine.module, route, zcfg)
     reducer = ZenReducer(zcfg, zen_params, patches.dp_group(engine), patches.scale_rule(engine), compressor)
     owned = OwnedParams(zen_params, _plan) if route.owned else None
+    shuffle = None
+    if route.name == "shuffle":
+        shuffle = build_shuffle(engine.module, route, zcfg, engine.optimizer, patches.dp_group(engine),
+                                reducer.scale)
     state = ZenEngineState(engine, zcfg, reducer, route.name, owned,
-                           patches.grad_storage(engine, zen_params, owned))
+                           patches.grad_storage(engine, zen_params, owned), shuffle)
     _REGISTRY[engine] = state
     patches.install(engine, state)
     if engine.global_rank == 0:

@@ -6,7 +6,8 @@ process are untouched) and reads a few private attributes. Porting zen to anothe
 release means re-checking this file only:
 
 * ``allreduce_gradients`` / ``buffered_allreduce_fallback``: at the accumulation boundary zen syncs
-  its params first (once per optimizer step), then DeepSpeed reduces only the other params.
+  its params first (once per optimizer step), then DeepSpeed reduces only the other params (none
+  with ``"zen.shuffle"``: DS-Sync reduces them all).
 * ``_take_model_step`` (reached from ``DeepSpeedEngine.step`` and ``PipelineEngine``): the optimizer
   step; on the owned route zen steps its params after DeepSpeed's step was applied.
 * ``clip_fp32_gradients`` (fp32, ZeRO-0): DeepSpeed's in-place ``.data.mul_`` leaves sparse grads
@@ -194,6 +195,8 @@ def install(engine: Any, state: "ZenEngineState") -> None:
 
     def buffered_allreduce_fallback(grads: Any = None, elements_per_buffer: int = 500000000) -> Any:
         state.reduce()
+        if state.shuffle is not None:  # DS-Sync reduced every param inside the step's group
+            return None
         if grads is None:
             grads = _grads_for_deepspeed(engine, state)
         return orig_fallback(grads=grads, elements_per_buffer=elements_per_buffer)
@@ -255,19 +258,20 @@ def _clip_fp32(engine: Any, state: "ZenEngineState") -> Callable[[], torch.Tenso
     def clip_fp32_gradients() -> torch.Tensor:
         params = [p for p in engine.module.parameters() if p.grad is not None]
         max_norm = engine.gradient_clipping()
-        if not engine.pipeline_parallelism:  # DeepSpeed's own rule (TP-aware); it scales dense grads only
-            total = float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu))
-            dense_left = False
-        else:  # DeepSpeed's grid would count only one stage: zen counts the whole replica
+        # DeepSpeed averages its norm over the DP group: on a DS-Sync group step, each rank's own.
+        own_norm = engine.pipeline_parallelism or (
+            state.shuffle is not None and not state.shuffle.gradients_agree)
+        if own_norm:  # the replica's own norm (DeepSpeed's grid would count only one pipeline stage)
             total = float(replica_norm(((p, p.grad) for p in params), engine.mpu))
-            dense_left = True
+        else:  # DeepSpeed's own rule (TP-aware); it scales dense grads only
+            total = float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=engine.mpu))
         coef = clip_coefficient(max_norm, total)
         state.last_norm = total
         if coef < 1.0:
             for p in params:
                 if p.grad.is_sparse:
                     p.grad = p.grad * coef
-                elif dense_left:
+                elif own_norm:
                     p.grad.mul_(coef)
         return torch.tensor(total)
     return clip_fp32_gradients

@@ -12,6 +12,9 @@ Routes:
 * **owned**: DeepSpeed's ZeRO-1/2 optimizer cannot leave single params out of its flat buffers and
   crashes on sparse grads, and the half-precision wrappers cannot hold sparse grads either: zen
   keeps its params out of DeepSpeed's optimizer and steps them itself (see :mod:`.owned`).
+* **shuffle** (``"zen.shuffle"``, DS-Sync): zen reduces *every* param inside the step's shuffle
+  group (:mod:`.shuffling`) and DeepSpeed reduces nothing; ZeRO-0 in fp32 only, because the other
+  stages and precisions keep gradients or master weights where zen cannot average them per group.
 """
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ class DeepSpeedSetup:
 class Route:
     """The decision for one engine: which params zen syncs and whether zen steps them itself."""
 
-    name: str  # "shared" or "owned"
+    name: str  # "shared", "owned" or "shuffle"
     selected: List[SelectedParam]
     setup: DeepSpeedSetup
 
@@ -135,6 +138,9 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
         any_sparse, any_selected = _any_rank(any_sparse, any_selected)
     needs_owned = setup.zero_stage in (1, 2) or (setup.half and any_sparse)
     compression = zen_config.compression is not None
+    if zen_config.shuffle is not None:
+        _refuse_for_shuffle(setup, compression)
+        return Route("shuffle", selected, setup)
 
     if setup.zero_stage >= 3:
         refuse("ZeRO stage 3 partitions the parameters themselves; zen supports ZeRO stages 0, 1 and 2. "
@@ -167,3 +173,26 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
                "supported with zen (zen would have to own those params' optimizer step inside the "
                "pipeline). Use ZeRO stage 0 with fp32, or bf16 with dense-grad embeddings (sparse=False)")
     return Route("owned" if owned and selected else "shared", selected, setup)
+
+
+def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool) -> None:
+    """DS-Sync averages each rank's own gradients and parameters inside small groups: only a
+    setup where both live in plain fp32 ``param.grad`` / ``param.data`` on every rank works."""
+    if setup.zero_stage:
+        refuse(f"\"zen.shuffle\" (DS-Sync) needs ZeRO stage 0: ZeRO stage {setup.zero_stage} partitions "
+               "gradients or optimizer state over the whole data-parallel group, which shuffle groups "
+               "cannot average. Set zero_optimization.stage to 0 or remove the \"shuffle\" block")
+    if setup.pipeline:
+        refuse("\"zen.shuffle\" (DS-Sync) with a DeepSpeed PipelineModule is not supported; train without "
+               "pipeline parallelism or remove the \"shuffle\" block")
+    if setup.fp16 or setup.bf16:
+        refuse("\"zen.shuffle\" (DS-Sync) needs fp32 training: DeepSpeed's fp16/bf16 optimizers keep "
+               "gradients and master weights in flat buffers that shuffle groups cannot average. Disable "
+               "fp16/bf16 or remove the \"shuffle\" block")
+    if compression:
+        refuse("\"zen.shuffle\" with \"zen.compression\" is not supported yet (the error-feedback residual "
+               "would be per group); remove one of the two blocks")
+    for flag, what in ((setup.moe, "MoE layers"), (setup.sequence_parallel, "sequence parallelism"),
+                       (setup.zenflow, "DeepSpeed's ZenFlow")):
+        if flag:
+            refuse(f"\"zen.shuffle\" (DS-Sync) with {what} is not supported; remove the \"shuffle\" block")
