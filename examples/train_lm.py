@@ -347,7 +347,7 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
         "gradient_clipping": args.clip,
         "steps_per_print": 10 ** 9,
         "zen": {"enabled": bool(args.zen), "scheme": args.scheme, "params": "auto",
-                "stats_interval": args.stats_interval},
+                "stats_interval": args.stats_interval, "optimizer_state": args.optimizer_state},
     }
     if args.bf16:
         config["bf16"] = {"enabled": True}
@@ -448,6 +448,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="candidates per micro-batch for --softmax sampled")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (pp=1 only)")
+    p.add_argument("--optimizer-state", choices=("auto", "sharded", "replicated"), default="auto",
+                   help="zen.optimizer_state: where zen keeps its params' optimizer state at ZeRO-1/2")
     p.add_argument("--data", default=None, help="text file (default: synthetic Zipf stream)")
     p.add_argument("--tokenizer", choices=("hash", "byte"), default="hash",
                    help="for --data: hashed words into the vocab, or UTF-8 bytes")
@@ -479,7 +481,8 @@ def _zen_summary(engine: Any) -> Dict[str, Any]:
                                                  result_density=st.result_density,
                                                  bytes_sent=st.bytes_sent,
                                                  bytes_received=st.bytes_received,
-                                                 dense_bytes=st.dense_bytes, seconds=st.seconds)
+                                                 dense_bytes=st.dense_bytes, seconds=st.seconds,
+                                                 gather=st.gather, gather_bytes_sent=st.gather_bytes_sent)
                                       for name, st in stats.items()}}
     out["bytes_sent"] = sum(st.bytes_sent for st in stats.values())
     out["bytes_received"] = sum(st.bytes_received for st in stats.values())
@@ -604,6 +607,15 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     zen_steps = [r["zen"] for r in timed if r.get("zen")]
     if zen_steps:  # all of zen's params (input embedding, sampled head), per step
         summary["zen_bytes_sent"] = float(np.mean([z["bytes_sent"] for z in zen_steps]))
+    state = None
+    if args.zen:
+        import zen_ds
+        state = zen_ds.state_of(engine)
+    if state is not None and state.owned is not None:  # ZeRO-1/2: zen steps its params itself
+        summary["zen_optimizer_state"] = state.owned.describe()
+        summary["zen_state_bytes_per_rank"] = sum(state.owned.memory_bytes())
+        gathers = [p.get("gather_bytes_sent", 0) for z in zen_steps for p in z["params"].values()]
+        summary["zen_gather_bytes_sent"] = float(np.sum(gathers)) / max(len(zen_steps), 1)
     if rank == 0:
         print("summary " + json.dumps(summary), flush=True)
         if args.json:

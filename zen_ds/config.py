@@ -108,6 +108,18 @@ class ZenConfig(BaseModel):
     seed: int = Field(0, ge=0, lt=2 ** 62)
     """Seed of the row-ownership permutation (must be equal on every rank)."""
 
+    optimizer_state: Literal["auto", "sharded", "replicated"] = "auto"
+    """Where the optimizer state of zen-owned params lives (ZeRO stage 1/2, or half precision with
+    ``sparse=True`` embeddings). ``sharded``: each rank keeps fp32 masters and optimizer state only
+    for the rows it owns (1/n), receives only their summed gradient (sparse reduce-scatter) and
+    all-gathers the updated rows, as ZeRO does for its own params. ``replicated``: every rank keeps
+    and steps the whole param (no parameter all-gather). ``auto``: sharded when that saves at least
+    ``shard_min_mb`` per rank."""
+
+    shard_min_mb: float = Field(16.0, ge=0.0)
+    """``optimizer_state: auto`` shards a param when sharding saves at least this many MiB of masters
+    and optimizer state per rank; smaller params stay replicated (one collective less per step)."""
+
     compression: Optional[CompressionConfig] = None
     """Top-k / DGC gradient compression of dense params (README, "Gradient compression");
     ``null`` = off. Params zen already syncs as sparse are excluded from it."""

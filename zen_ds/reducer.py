@@ -24,6 +24,8 @@ from torch import nn
 
 from .api import SyncOptions, default_options, sparse_allreduce
 from .config import ZenConfig
+from .partition import ShardLayout
+from .reduce_scatter import sparse_reduce_scatter
 from .sparse import RowSparse
 from .stats import SyncStats
 
@@ -116,6 +118,9 @@ class ZenParam:
     param: nn.Parameter
     native_sparse: bool
     compressed: bool = False
+    # Set when zen's optimizer state for this param is sharded: the reducer then reduce-scatters
+    # (each rank gets the sum of the rows it owns under this layout) instead of all-reducing.
+    shard: Optional[ShardLayout] = None
 
     @property
     def log_prefix(self) -> str:
@@ -128,6 +133,10 @@ class ParamStats(SyncStats):
     ``seconds`` covering zen's whole work on the param, and whether it was compressed."""
 
     compressed: bool = False
+    # sharded optimizer state (owned route): the parameter all-gather after the step
+    gather: str = ""  # "rows", "dense", or "" when the param is not sharded
+    gather_bytes_sent: int = 0
+    gather_bytes_received: int = 0
 
 
 class ZenReducer:
@@ -202,6 +211,23 @@ class ZenReducer:
         summed = sparse_allreduce(wire, self.group, self.config.scheme, out=wire, **kwargs)
         return RowSparse.from_dense(summed).to_coo() if p.native_sparse else summed
 
+    def _sync_shard(self, p: ZenParam, grad: Optional[torch.Tensor], before: float, after: float,
+                    stats: SyncStats) -> torch.Tensor:
+        """A param with sharded optimizer state: the summed rows this rank owns, dense
+        ``[shard rows, *row_shape]`` in the communication dtype."""
+        comm_dtype = self.scale.comm_dtype or (grad.dtype if grad is not None else p.param.dtype)
+        if grad is None:
+            x = RowSparse.empty(p.param.shape[0], tuple(p.param.shape[1:]), dtype=comm_dtype,
+                                device=p.param.device)
+        elif grad.is_sparse:
+            x = RowSparse.from_coo(grad.to(comm_dtype))
+        elif grad.dtype == comm_dtype:
+            x = RowSparse.from_dense(grad)
+        else:  # the wire dtype differs: scale once, in fp32, while casting
+            x, before = RowSparse.from_dense(self._wire(p, grad, before)), 1.0
+        return sparse_reduce_scatter(x, self.group, seed=p.shard.seed, prescale=before, postscale=after,
+                                     stats=stats, log_prefix=p.log_prefix)
+
     # ---------------------------------------------------------------------- the step
     @torch.no_grad()
     def sync(self, grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
@@ -229,11 +255,13 @@ class ZenReducer:
             st = SyncStats()
             if p.compressed:
                 result = self._sync_compressed(p, g, rs_c, before, after, st)
+            elif p.shard is not None:
+                result = self._sync_shard(p, g, before, after, st)
             else:
                 result = self._sync_plain(p, g, before, after, st)
             if result.dtype != out_dtype:
                 result = result.to(out_dtype)
-            if not result.is_sparse:
+            if not result.is_sparse and p.shard is None:
                 result = result.view_as(p.param)
             summary = ParamStats(compressed=p.compressed and rs_c is not None)
             for f in fields(SyncStats):
@@ -267,9 +295,14 @@ class ZenReducer:
         for name, s in self.last_stats.items():
             wire = s.bytes_sent + s.bytes_received
             ring = 2 * 2 * (self.world_size - 1) * s.dense_bytes // max(self.world_size, 1)
+            extra = " (compressed)" if s.compressed else ""
+            if s.gather:  # sharded optimizer state: reduce-scatter, step the shard, all-gather rows
+                gathered = s.gather_bytes_sent + s.gather_bytes_received
+                extra = f" + {s.gather} param all-gather {gathered} B (optimizer state sharded)"
+                wire += gathered
             logger.info("zen step %d %s: density %.4f -> %.4f, scheme %s%s, wire %d B (sent+recv) vs "
                         "dense all-reduce %d B (%.1f%%), %.2f ms", self.step, name, s.density,
-                        s.result_density, s.scheme, " (compressed)" if s.compressed else "", wire,
+                        s.result_density, s.scheme, extra, wire,
                         ring, 100.0 * wire / max(ring, 1), 1e3 * s.seconds)
 
     # ---------------------------------------------------------------------- checkpoint state

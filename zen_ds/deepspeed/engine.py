@@ -23,7 +23,7 @@ from zen_ds.deepspeed import checkpoint, patches
 from zen_ds.deepspeed.faults import agree_on_failure, during_sync
 from zen_ds.deepspeed.grads import GradStorage, check_grads
 from zen_ds.deepspeed.norms import local_sum_of_squares, model_parallel_sum
-from zen_ds.deepspeed.owned import OwnedParams, OwnedPlan, plan_owned
+from zen_ds.deepspeed.owned import OwnedParams, OwnedPlan, clip_coefficient, plan_owned
 from zen_ds.deepspeed.params import reducer_params
 from zen_ds.deepspeed.routes import Route, ds_config_dict, refuse, resolve_route
 from zen_ds.deepspeed.shuffling import build_shuffle
@@ -84,9 +84,20 @@ class ZenEngineState:
     def zen_norm(self, local: bool = False) -> torch.Tensor:
         """Norm of zen's synced grads (owned route), in DeepSpeed's loss-scaled units; ``local``:
         this rank's share only, for optimizers that add the model-parallel ranks themselves."""
-        sum_sq = local_sum_of_squares(((p.param, g) for p, g in zip(self.reducer.params, self.owned.synced)),
-                                      self.engine.mpu)
+        pairs = list(zip(self.reducer.params, self.owned.synced))
+        sum_sq = local_sum_of_squares(((p.param, g) for p, g in pairs if p.shard is None), self.engine.mpu)
+        if any(p.shard is not None for p, _ in pairs):  # each rank holds its rows' share: add them up
+            shards = local_sum_of_squares(((p.param, g) for p, g in pairs if p.shard is not None),
+                                          self.engine.mpu)
+            if dist.is_initialized() and self.reducer.world_size > 1:
+                dist.all_reduce(shards, group=self.reducer.group)
+            sum_sq = sum_sq + shards
         return (sum_sq if local else model_parallel_sum(sum_sq, self.engine.mpu)).sqrt()
+
+    def step_owned(self, loss_scale: float, norm: Optional[float], base_lr: Optional[float]) -> None:
+        """Step zen's own params after DeepSpeed applied its step, clipped by the global ``norm``."""
+        coef = clip_coefficient(self.engine.gradient_clipping(), norm)
+        self.owned.step(loss_scale, coef, base_lr, self.reducer.last_stats)
 
     def after_step(self) -> None:
         self.reduced_this_step = False
@@ -146,8 +157,11 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
                    "DeepSpeed's optimizer. Build the engine with zen_ds.initialize(...) (same arguments as "
                    "deepspeed.initialize), which keeps them out")
     zen_params, compressor = reducer_params(engine.module, route, zcfg)
+    owned = None
+    if route.owned:
+        owned = OwnedParams(zen_params, _plan, patches.dp_group(engine), zcfg.optimizer_state,
+                            zcfg.shard_min_mb, zcfg.seed, route.setup.half)
     reducer = ZenReducer(zcfg, zen_params, patches.dp_group(engine), patches.scale_rule(engine), compressor)
-    owned = OwnedParams(zen_params, _plan) if route.owned else None
     shuffle = None
     if route.name == "shuffle":
         shuffle = build_shuffle(engine.module, route, zcfg, engine.optimizer, patches.dp_group(engine),
@@ -160,6 +174,8 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
         logger.info("zen enabled (%s route, dp world %d): %s; params: %s", state.route, reducer.world_size,
                     zcfg.model_dump(), [(p.name, "sparse" if p.native_sparse else
                                          "compressed" if p.compressed else "row-sparse") for p in zen_params])
+        if owned is not None:
+            logger.info("zen owns its params' optimizer step: %s", "; ".join(owned.describe()))
     return state
 
 

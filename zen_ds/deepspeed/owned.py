@@ -14,12 +14,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zen_ds.deepspeed.routes import Route, refuse
+from zen_ds.deepspeed.sharded import ShardedRows, should_shard, state_bytes_per_element
 from zen_ds.reducer import ZenParam
+from zen_ds.sparse import RowSparse
 
 __all__ = ["OwnedPlan", "OwnedParams", "plan_owned", "clip_coefficient"]
+
+_EMPTY = torch.empty(0)  # the data of an fp32 shard master between steps
 
 # torch optimizers zen builds for its own params from a ds_config "optimizer" block
 _TORCH_OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -71,9 +76,11 @@ def _split_optimizer(optimizer: torch.optim.Optimizer, zen_ids: Dict[int, nn.Par
 def _optimizer_from_ds_block(block: Mapping[str, Any], params: List[nn.Parameter]) -> torch.optim.Optimizer:
     kind = str(block.get("type", "")).lower()
     hp = dict(block.get("params", {}))
+    hp.pop("torch_adam", None)  # DeepSpeed's choice of implementation, not a hyper-parameter
+    if kind == "adamw":
+        hp.pop("adam_w_mode", None)
     if kind == "adam":
         adam_w = hp.pop("adam_w_mode", True)
-        hp.pop("torch_adam", None)
         cls = torch.optim.AdamW if adam_w else torch.optim.Adam
         if not adam_w and "weight_decay" not in hp:
             hp["weight_decay"] = 0.0
@@ -121,20 +128,65 @@ def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:
 
 
 class OwnedParams:
-    """fp32 accumulation, masters and optimizer for params zen steps itself."""
+    """fp32 accumulation, masters and optimizer for params zen steps itself.
 
-    def __init__(self, params: Sequence[ZenParam], plan: OwnedPlan) -> None:
+    A param whose optimizer state is sharded (``"optimizer_state"``, see :mod:`.sharded`) has a
+    master of this rank's rows only, a shard-shaped synced gradient, and its updated rows are
+    all-gathered after the step; the others keep a whole master on every rank.
+    """
+
+    def __init__(self, params: Sequence[ZenParam], plan: OwnedPlan, group: Optional[Any] = None,
+                 mode: str = "replicated", shard_min_mb: float = 0.0, seed: int = 0, half: bool = False) -> None:
         if plan.names != [p.name for p in params]:
             raise RuntimeError(f"zen: planned params {plan.names} != selected {[p.name for p in params]}")
         self.params = list(params)
-        self.masters = plan.masters
+        self.masters = list(plan.masters)
         self.optimizer = plan.optimizer
         self.lr_ratio = plan.lr_ratio
+        self.sharded: List[Optional[ShardedRows]] = [None] * len(self.params)
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        per_element = state_bytes_per_element(self.optimizer, half)
+        for i, p in enumerate(self.params):
+            if should_shard(mode, p.param, world, per_element, shard_min_mb):
+                self.sharded[i] = ShardedRows(p.param, group, seed)
+                p.shard = self.sharded[i].layout  # the reducer reduce-scatters this param
+                self.masters[i] = self.sharded[i].master_from(self.masters[i])
+                if not half:  # fp32: the param holds the master's values; materialise it per step
+                    self.masters[i].data = _EMPTY
+        if any(s is not None for s in self.sharded):
+            self.optimizer = _rebuild_optimizer(self.optimizer, plan.masters, self.masters)
+        # fp32 bytes zen keeps per rank for each param (a shard's master counts even in fp32)
+        self.state_bytes = [per_element * (s.shard_size * p.param[0].numel() if s is not None
+                                           else p.param.numel())
+                            for p, s in zip(self.params, self.sharded)]
+        self.half = half
         # --- per optimizer step: fp32 sums over micro-steps, then the synced result
         self.accum: List[Optional[torch.Tensor]] = [None] * len(self.params)
         self.synced: List[Optional[torch.Tensor]] = [None] * len(self.params)
         self.handles = [p.param.register_post_accumulate_grad_hook(self._hook(i))
                         for i, p in enumerate(self.params)]
+
+    def memory_bytes(self) -> List[int]:
+        """Bytes zen holds per param on this rank, measured: fp32 master (when it is not the param
+        itself) plus every tensor in the optimizer's state for it (zero before the first step)."""
+        out = []
+        for p, master in zip(self.params, self.masters):
+            held = master.numel() * master.element_size() if master is not p.param else 0
+            for value in self.optimizer.state.get(master, {}).values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    held += value.numel() * value.element_size()
+            out.append(held)
+        return out
+
+    def describe(self) -> List[str]:
+        """One phrase per param: where its optimizer state lives and its size on this rank
+        (measured once the optimizer has state, else the estimate the decision used)."""
+        out = []
+        for p, s, estimate, held in zip(self.params, self.sharded, self.state_bytes, self.memory_bytes()):
+            where = f"sharded 1/{s.world_size}" if s is not None else "replicated"
+            what = f"{held / 2**20:.2f} MiB" if held else f"~{estimate / 2**20:.2f} MiB (estimate)"
+            out.append(f"{p.name}: optimizer state {where}, {what} on this rank")
+        return out
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def accumulate(param: torch.Tensor) -> None:
@@ -158,31 +210,73 @@ class OwnedParams:
         self.synced = [None] * len(self.params)
 
     @torch.no_grad()
-    def step(self, loss_scale: float, clip_coef: float, base_lr: Optional[float]) -> None:
+    def step(self, loss_scale: float, clip_coef: float, base_lr: Optional[float],
+             stats: Optional[Dict[str, Any]] = None) -> None:
+        """Step zen's params with DeepSpeed's loss scale, clip coefficient and learning rate;
+        sharded params' all-gathers are recorded in ``stats`` (the reducer's per-param stats)."""
         factor = clip_coef / loss_scale
-        for master, g in zip(self.masters, self.synced):
+        sparse_only = isinstance(self.optimizer, torch.optim.SparseAdam)
+        for p, master, g, shard in zip(self.params, self.masters, self.synced, self.sharded):
+            if shard is not None and not self.half:  # this step's fp32 master: the param's rows
+                master.data = p.param.data[shard.rows]
             if g is None:
                 master.grad = None
                 continue
             g = g.float()
-            master.grad = g * factor if factor != 1.0 else g
+            g = g * factor if factor != 1.0 else g
+            if shard is not None and sparse_only:  # SparseAdam takes COO grads only
+                g = RowSparse.from_dense(g).to_coo()
+            master.grad = g
         if base_lr is not None:
             for group, ratio in zip(self.optimizer.param_groups, self.lr_ratio):
                 group["lr"] = base_lr * ratio
         self.optimizer.step()
-        for p, master in zip(self.params, self.masters):
+        for p, master, shard in zip(self.params, self.masters, self.sharded):
             master.grad = None
-            if master is not p.param:
+            if shard is not None:
+                gathered = shard.gather(master, p.param)
+                if not self.half:
+                    master.data = _EMPTY
+                if stats is not None and p.name in stats:
+                    st = stats[p.name]
+                    st.gather, st.gather_bytes_sent = gathered.mode, gathered.bytes_sent
+                    st.gather_bytes_received = gathered.bytes_received
+            elif master is not p.param:
                 p.param.data.copy_(master.data.to(p.param.dtype))
 
     def state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(),
-                "masters": [m.detach().clone() for m in self.masters]}
+                "masters": [p.param.detach()[s.rows].float().clone() if s is not None and not self.half
+                            else m.detach().clone() for p, m, s in zip(self.params, self.masters, self.sharded)],
+                "shards": [s.layout_key() if s is not None else None for s in self.sharded]}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        mine = [s.layout_key() if s is not None else None for s in self.sharded]
+        saved = sd.get("shards", [None] * len(self.sharded))
+        if saved != mine:
+            raise ValueError(f"zen checkpoint's optimizer-state layout {saved} does not match this run's "
+                             f"{mine}; resume with the same number of data-parallel ranks, \"zen.seed\" "
+                             "and \"zen.optimizer_state\"")
         self.optimizer.load_state_dict(sd["optimizer"])
         with torch.no_grad():
-            for p, m, saved in zip(self.params, self.masters, sd["masters"]):
-                m.data.copy_(saved)
-                if m is not p.param:
-                    p.param.data.copy_(saved.to(p.param.dtype))
+            for p, m, saved_m, shard in zip(self.params, self.masters, sd["masters"], self.sharded):
+                if shard is not None and not self.half:
+                    p.param.data[shard.rows] = saved_m.to(p.param.dtype)
+                    continue
+                m.data.copy_(saved_m)
+                if shard is not None:
+                    p.param.data[shard.rows] = saved_m.to(p.param.dtype)
+                elif m is not p.param:
+                    p.param.data.copy_(saved_m.to(p.param.dtype))
+
+
+def _rebuild_optimizer(optimizer: torch.optim.Optimizer, old: Sequence[nn.Parameter],
+                       new: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+    """The same optimizer type and hyper-parameters over ``new`` masters (it has no state yet)."""
+    swap = {id(o): n for o, n in zip(old, new)}
+    groups = [dict({k: v for k, v in g.items() if k != "params"},
+                   params=[swap.get(id(q), q) for q in g["params"]]) for g in optimizer.param_groups]
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except TypeError:
+        return type(optimizer)(groups)

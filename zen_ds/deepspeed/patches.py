@@ -218,7 +218,7 @@ def install(engine: Any, state: "ZenEngineState") -> None:
                 norm = state.last_norm
                 if norm is None and _is_bf16_optimizer(opt):  # BF16_Optimizer: unscaled
                     norm = engine.get_global_grad_norm()
-                state.owned.step(loss_scale, clip_coefficient(engine.gradient_clipping(), norm), base_lr)
+                state.step_owned(loss_scale, norm, base_lr)
         finally:
             state.owned.clear()
             state.after_step()

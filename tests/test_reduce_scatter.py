@@ -1,0 +1,84 @@
+"""``sparse_reduce_scatter`` on the adversarial grid of ``sync_cases``: every rank's shard equals
+the float64 sum of every rank's input restricted to the rows it owns; the shards tile the table;
+the push moves each non-zero row to its owner only (exact bytes)."""
+from __future__ import annotations
+
+import traceback
+from typing import Dict
+
+import pytest
+import torch
+
+import sync_cases
+from dist_utils import run_ranks
+
+DENSE_SHARD_MAX_ROWS = 10_000_000  # the huge case is checked in row form only
+
+
+def _as_rowsparse(x) -> "zen_ds.RowSparse":  # noqa: F821
+    from zen_ds import RowSparse
+    if isinstance(x, RowSparse):
+        return x
+    return RowSparse.from_coo(x) if x.is_sparse else RowSparse.from_dense(x)
+
+
+def _check(case: str, rank: int, n: int, average: bool) -> None:
+    from zen_ds import RowSparse, SyncStats
+    from zen_ds.partition import ShardLayout
+    from zen_ds.reduce_scatter import shard_rows, sparse_reduce_scatter
+    make = sync_cases.CASES[case]
+    inputs = [_as_rowsparse(make(r, n)) for r in range(n)]
+    mine = make(rank, n)
+    ref_rows, ref_values = sync_cases._reference_rows(inputs)
+    scale = 1.0 / n if average else 1.0
+    x = inputs[rank]
+    layout = ShardLayout(x.num_rows, n, seed=5)
+    owned = layout.owner(ref_rows) == rank
+    want_rows, want_values = ref_rows[owned], ref_values[owned] * scale
+    tol = sync_cases._tolerance(x.dtype)
+
+    stats = SyncStats()
+    got = sparse_reduce_scatter(mine, seed=5, postscale=scale, as_rows=True, stats=stats)
+    assert isinstance(got, RowSparse) and got.num_rows == x.num_rows
+    order = torch.argsort(got.indices)
+    assert torch.equal(got.indices[order], want_rows)
+    torch.testing.assert_close(got.values[order].double(), want_values.reshape(got.values[order].shape),
+                               equal_nan=True, **tol)
+    row_bytes = x.row_numel * x.values.element_size() + layout.id_dtype.itemsize
+    own = int((layout.owner(x.coalesce().indices) == rank).sum()) if x.indices.numel() else 0
+    pushed = x.coalesce().indices.numel() - own
+    assert stats.bytes_sent == pushed * row_bytes + (n - 1) * 8, (stats.bytes_sent, pushed)
+
+    if x.num_rows <= DENSE_SHARD_MAX_ROWS:
+        shard = sparse_reduce_scatter(mine, seed=5, postscale=scale)
+        mine_rows = shard_rows(layout, rank)
+        assert shard.shape == (mine_rows.numel(),) + x.row_shape
+        dense_want = torch.zeros((x.num_rows,) + x.row_shape, dtype=torch.float64)
+        dense_want[ref_rows] = ref_values * scale
+        torch.testing.assert_close(shard.double(), dense_want[mine_rows], equal_nan=True, **tol)
+
+
+def _worker(rank: int, n: int) -> Dict[str, str]:
+    import torch.distributed as dist
+    from zen_ds.partition import ShardLayout
+    from zen_ds.reduce_scatter import shard_rows
+    failures: Dict[str, str] = {}
+    for case in sync_cases.CASES:
+        for average in (False, True):
+            try:
+                _check(case, rank, n, average)
+            except Exception:  # noqa: BLE001 - reported per case
+                failures[f"{case}-mean{average}"] = traceback.format_exc()
+            dist.barrier()
+    layout = ShardLayout(103, n, seed=5)  # the shards tile the table: each row owned exactly once
+    tiles = torch.sort(torch.cat([shard_rows(layout, r) for r in range(n)])).values
+    if not torch.equal(tiles, torch.arange(103)):
+        failures["tiling"] = f"shards do not tile [0, 103): {tiles.tolist()}"
+    return failures
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_reduce_scatter_matches_dense_sum(n):
+    results = run_ranks(n, _worker, timeout=600)
+    failures = {f"rank {r} {k}": v for r, res in enumerate(results) for k, v in res.items()}
+    assert not failures, "\n".join(f"{k}:\n{v}" for k, v in list(failures.items())[:3])
