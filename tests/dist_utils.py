@@ -5,6 +5,7 @@ spawn*: the worker returns a dict of per-case results and pytest parametrizes ov
 """
 from __future__ import annotations
 
+import glob
 import os
 import queue as queue_module
 import socket
@@ -57,6 +58,19 @@ def _drain_pending(queue, reported, results, errors) -> bool:
             errors.append(f"rank {rank}:\n{payload}")
 
 
+def remove_shm_buffers(port: int) -> None:
+    """Delete DeepSpeed's CPU shared-memory all-reduce buffers of a finished group on ``port``.
+
+    DeepSpeed's CPU accelerator maps one ``/dev/shm/deepspeed_allreduce_buffer_*_<port>_<rank>``
+    file per rank (tens of MB) and never unlinks it; a suite that spawns hundreds of groups would
+    otherwise fill /dev/shm (RAM) until processes are killed."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
     ctx = mp.get_context("spawn")
@@ -102,6 +116,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+        remove_shm_buffers(port)
     if errors:
         raise AssertionError("\n".join(errors))
     return results
