@@ -256,7 +256,8 @@ def _initialize_with_zen(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]
 
 def enable() -> None:
     """After this, ``deepspeed.initialize`` attaches zen whenever its config has a ``"zen"`` block
-    (a dict, a JSON path, or ``args.deepspeed_config``). Idempotent; :func:`disable` undoes it.
+    (a dict, a JSON/HJSON path or a base64 string, as ``config=`` or ``args.deepspeed_config``).
+    Idempotent; :func:`disable` undoes it.
 
     Code that bound ``from deepspeed import initialize`` before this call keeps the original.
     """
