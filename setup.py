@@ -59,6 +59,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6"],
         "megatron": ["megatron-core>=0.16,<0.17"],
         "bench": ["matplotlib", "tqdm"],
+        "hf": ["transformers>=4.57", "accelerate>=1.15"],
     },
     entry_points={"console_scripts": ["zen-bench=zen_ds.bench.__main__:main"]},
     ext_modules=ext_modules,

@@ -9,6 +9,7 @@ the middle of a sync has its own spawn.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import tempfile
@@ -143,6 +144,15 @@ def _enable_cases(rank: int, world: int, root: str) -> Dict[str, Any]:
     out["args"] = route(engine)
     out["zero1"] = route(_build(deepspeed.initialize, rank, world, {"zero": 1}))
     out["no_block"] = route(_build(deepspeed.initialize, rank, world, {"zen": None}))
+    # the other forms DeepSpeed reads: base64 (what launchers pass around) and HJSON files
+    for name, case in (("base64", {}), ("base64_no_block", {"zen": None})):
+        encoded = base64.urlsafe_b64encode(json.dumps(dc.ds_config(case, world)).encode()).decode()
+        out[name] = route(_build(deepspeed.initialize, rank, world, case, config=encoded))
+    hjson_path = os.path.join(root, f"ds_rank{rank}.hjson")
+    with open(hjson_path, "w") as fh:
+        fh.write("# HJSON: comments and unquoted keys\n" + json.dumps(dc.ds_config({}, world), indent=1)
+                 .replace('"zen":', "zen:"))
+    out["hjson"] = route(_build(deepspeed.initialize, rank, world, {}, config=hjson_path))
     zen_ds.disable()
     zen_ds.disable()  # idempotent
     out["restored"] = deepspeed.initialize is original
@@ -256,7 +266,8 @@ def test_enable_attaches_zen_from_the_ds_config(results):
     for got in dc.case_results(results, "enable"):
         assert got["patched"] and got["restored"]
         assert (got["dict"], got["path"], got["args"], got["zero1"]) == ("shared", "shared", "shared", "owned")
-        assert got["no_block"] is None and got["after_disable"] is None
+        assert (got["base64"], got["hjson"]) == ("shared", "shared")
+        assert got["no_block"] is None and got["base64_no_block"] is None and got["after_disable"] is None
 
 
 def test_enabled_engine_trains_like_initialize_and_disable_gives_stock(results):
