@@ -24,7 +24,7 @@ _zen_imports() {  # $1 = python; true if it runs zen_ds from this checkout with 
 }
 
 _zen_extras() {  # pip extras of zen_ds for the modules in $ZEN_NEEDS
-  case " ${ZEN_NEEDS:-} " in *megatron*) echo "[megatron]" ;; *) echo "" ;; esac
+  case " ${ZEN_NEEDS:-} " in *megatron*) echo "[megatron]" ;; *transformers*) echo "[hf]" ;; *) echo "" ;; esac
 }
 
 _zen_find_python() {

@@ -16,6 +16,7 @@ SCRIPT="${SCRIPT:-${REPO}/examples/train_lm.py}"
 PORT="${MASTER_PORT:-29500}"
 # Finds (or creates) the Python environment; train_lm.py also needs megatron-core.
 [[ "${SCRIPT}" == *train_lm.py ]] && export ZEN_NEEDS="${ZEN_NEEDS:-megatron.core}"
+[[ "${SCRIPT}" == *hf_trainer.py ]] && export ZEN_NEEDS="${ZEN_NEEDS:-transformers accelerate}"
 # shellcheck source=launch/env.sh
 source "${REPO}/launch/env.sh"
 [[ "${ZEN_ENV_OK}" == 1 ]] || exit 1

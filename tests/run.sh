@@ -15,10 +15,10 @@ fi
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
-if ! python -c "import torch, deepspeed, zen_ds, pytest, hypothesis, megatron.core" 2>/dev/null; then
-    echo "== installing torch (CPU build), then zen_ds[test,megatron,bench]"
+if ! python -c "import torch, deepspeed, zen_ds, pytest, hypothesis, megatron.core, transformers, accelerate" 2>/dev/null; then
+    echo "== installing torch (CPU build), then zen_ds[test,megatron,bench,hf]"
     pip install -q "torch==2.13.0"
-    pip install -q -e ".[test,megatron,bench]"
+    pip install -q -e ".[test,megatron,bench,hf]"
 fi
 
 # JIT-built ops (zen_ds and DeepSpeed's shm_comm) are cached inside the checkout.

@@ -40,6 +40,7 @@ SMALL = {
     "launch/single_node.sh": ({}, ["--steps", "2", "--vocab", "4096"]),
     "launch/torchrun.sh": ({}, ["--steps", "2", "--vocab", "4096"]),
     "SCRIPT=examples/train_pipeline.py": ({}, ["--steps", "2"]),
+    "SCRIPT=examples/hf_trainer.py": ({}, ["--steps", "2", "--vocab", "2000"]),
     "zen-bench sync": ({}, ["--scale", "0.01", "--iters", "1", "--warmup", "0", "--no-progress"]),
     "zen-bench ops": ({}, ["--workload", "embedding", "--rows", "20000", "--repeat", "1"]),
 }

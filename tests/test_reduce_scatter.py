@@ -15,7 +15,7 @@ from dist_utils import run_ranks
 DENSE_SHARD_MAX_ROWS = 10_000_000  # the huge case is checked in row form only
 
 
-def _as_rowsparse(x) -> "zen_ds.RowSparse":  # noqa: F821
+def _as_rowsparse(x):
     from zen_ds import RowSparse
     if isinstance(x, RowSparse):
         return x

@@ -8,12 +8,9 @@ attributes on the engine.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import copy
 import inspect
 import logging
-import os
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -29,7 +26,7 @@ from zen_ds.deepspeed.grads import GradStorage, check_grads
 from zen_ds.deepspeed.norms import local_sum_of_squares, model_parallel_sum
 from zen_ds.deepspeed.owned import OwnedParams, OwnedPlan, clip_coefficient, plan_owned
 from zen_ds.deepspeed.params import reducer_params
-from zen_ds.deepspeed.routes import Route, ds_config_dict, refuse, resolve_route
+from zen_ds.deepspeed.routes import Route, ds_config_dict, read_ds_config, refuse, resolve_route
 from zen_ds.deepspeed.shuffling import build_shuffle
 from zen_ds.reducer import ZenReducer
 from zen_ds.shuffle_sync import ShuffleSync
@@ -226,30 +223,6 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
 
 
 # ----------------------------------------------------------------------------- enable / disable
-def _read_ds_config(raw: Any) -> Optional[Dict[str, Any]]:
-    """A ds_config as ``deepspeed.initialize`` reads it: a dict, a path to a JSON/HJSON file, or a
-    base64-encoded string (what the Hugging Face integration and launchers pass around). None when
-    it is none of these; DeepSpeed then reports the problem itself."""
-    if isinstance(raw, Mapping):
-        return dict(raw)
-    if not isinstance(raw, (str, os.PathLike)):
-        return None
-    import hjson  # a DeepSpeed dependency: its config files may be HJSON
-
-    def unique_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-        if len({k for k, _ in pairs}) != len(pairs):
-            raise ValueError("duplicate keys")  # DeepSpeed names them when it reads the file itself
-        return dict(pairs)
-
-    try:
-        if os.path.exists(raw):
-            with open(raw) as fh:
-                return hjson.load(fh, object_pairs_hook=unique_keys)
-        return hjson.loads(base64.urlsafe_b64decode(str(raw)).decode("utf-8"), object_pairs_hook=unique_keys)
-    except (ValueError, TypeError, UnicodeDecodeError, binascii.Error):
-        return None
-
-
 def _initialize_with_zen(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize`` while zen is enabled: a config with a ``"zen"`` block goes through
     :func:`initialize` (as a dict, wherever it came from), any other call reaches DeepSpeed untouched."""
@@ -260,7 +233,7 @@ def _initialize_with_zen(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]
     from_args = getattr(call.get("args"), "deepspeed_config", None)
     if (given is None) == (from_args is None):  # no config, or two: DeepSpeed explains either
         return original(*args, **kwargs)
-    ds_dict = _read_ds_config(given if given is not None else from_args)
+    ds_dict = read_ds_config(given if given is not None else from_args)
     if ds_dict is None or ds_dict.get("zen") is None:
         return original(*args, **kwargs)
     call["config"], call["config_params"] = ds_dict, None

@@ -18,7 +18,8 @@ Routes:
 """
 from __future__ import annotations
 
-import json
+import base64
+import binascii
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
@@ -30,7 +31,7 @@ from torch import nn
 from zen_ds.config import ZenConfig, ZenConfigError
 from zen_ds.reducer import select_params
 
-__all__ = ["DeepSpeedSetup", "Route", "resolve_route", "ds_config_dict", "refuse"]
+__all__ = ["DeepSpeedSetup", "Route", "resolve_route", "ds_config_dict", "read_ds_config", "refuse"]
 
 SelectedParam = Tuple[str, nn.Parameter, bool]  # (name, param, natively sparse)
 
@@ -40,17 +41,37 @@ def refuse(message: str) -> None:
     raise ZenConfigError("zen: " + message)
 
 
+def read_ds_config(raw: Any) -> Optional[Dict[str, Any]]:
+    """A ds_config as ``deepspeed.initialize`` reads it: a dict, a path to a JSON/HJSON file, or a
+    base64-encoded string (what the Hugging Face integration and launchers pass around). None when
+    it is none of these; DeepSpeed then reports the problem itself."""
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    if not isinstance(raw, (str, os.PathLike)):
+        return None
+    import hjson  # a DeepSpeed dependency: its config files may be HJSON
+
+    def unique_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+        if len({k for k, _ in pairs}) != len(pairs):
+            raise ValueError("duplicate keys")  # DeepSpeed names them when it reads the file itself
+        return dict(pairs)
+
+    try:
+        if os.path.exists(raw):
+            with open(raw) as fh:
+                return hjson.load(fh, object_pairs_hook=unique_keys)
+        return hjson.loads(base64.urlsafe_b64decode(str(raw)).decode("utf-8"), object_pairs_hook=unique_keys)
+    except (ValueError, TypeError, UnicodeDecodeError, binascii.Error):
+        return None
+
+
+
 def ds_config_dict(args: Any, config: Any) -> Optional[Dict[str, Any]]:
-    """The ds_config as a dict, from ``config=`` (dict or JSON path) or ``args.deepspeed_config``."""
+    """The ds_config as a dict, from ``config=`` or ``args.deepspeed_config`` (see :func:`read_ds_config`)."""
     raw = config
     if raw is None and args is not None:
         raw = getattr(args, "deepspeed_config", None)
-    if isinstance(raw, (str, os.PathLike)):
-        with open(raw) as fh:
-            return json.load(fh)
-    if isinstance(raw, Mapping):
-        return dict(raw)
-    return None  # no config, or an object DeepSpeed built: there is no "zen" block to read
+    return read_ds_config(raw)  # None: no config, or an object DeepSpeed built (no "zen" block to read)
 
 
 @dataclass(frozen=True)
