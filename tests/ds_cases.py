@@ -74,6 +74,21 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+def accept_fp16_on_cpu() -> None:
+    """Let DeepSpeed's CPU accelerator run fp16 on every CPU, not only where oneDNN has fp16.
+
+    Its ``is_fp16_supported`` asks oneDNN for native fp16 kernels (avx512_fp16 / AMX), so fp16
+    cases would run on some machines and skip on others. torch's CPU fp16 arithmetic is the same
+    IEEE arithmetic with or without those kernels, so the fp16 cases run, and are checked,
+    everywhere. GPU accelerators are left alone."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return
+    accelerator.is_fp16_supported = lambda: True
+    accelerator.supported_dtypes = lambda: [torch.float32, torch.bfloat16, torch.float16]
+
+
 def set_env(rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1",

@@ -112,26 +112,10 @@ def _ckpt_case(rank: int, world: int, case: Dict[str, Any], root: str) -> Dict[s
             "same_opt": same_opt}
 
 
-def _accept_fp16_on_cpu() -> None:
-    """Let DeepSpeed's CPU accelerator run fp16 on every CPU, not only where oneDNN has fp16.
-
-    Its ``is_fp16_supported`` asks oneDNN for native fp16 kernels (avx512_fp16 / AMX), so fp16
-    cases would run on some machines and skip on others. torch's CPU fp16 arithmetic is the same
-    IEEE arithmetic with or without those kernels, so the fp16 cases run, and are checked,
-    everywhere. GPU accelerators are left alone."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        return
-    accelerator.is_fp16_supported = lambda: True
-    accelerator.supported_dtypes = lambda: [torch.float32, torch.bfloat16, torch.float16]
-
-
 def _worker(rank: int, world: int, cases, ckpt_root: str) -> Dict[str, Any]:
     import torch.distributed as dist
     dc.set_env(rank, world)
-    _accept_fp16_on_cpu()
+    dc.accept_fp16_on_cpu()
     out: Dict[str, Any] = {}
     import warnings
     warnings.filterwarnings("ignore")

@@ -37,6 +37,11 @@ CASES = [
          zen_extra=REPLICATED),
     dict(name="z2_bf16_stock", zero=2, gas=2, clip=CLIP, sparse=False, dtype="bf16", opt="adamw",
          plain=True, zen=None),
+    # fp16 (dynamic loss scale) with dense-grad embeddings: the owned route under FP16 ZeRO
+    dict(name="z1_fp16_sharded", zero=1, gas=2, clip=CLIP, sparse=False, dtype="fp16", opt="adamw",
+         zen_extra=SHARDED),
+    dict(name="z1_fp16_replicated", zero=1, gas=2, clip=CLIP, sparse=False, dtype="fp16", opt="adamw",
+         zen_extra=REPLICATED),
     # sparse=True embeddings, plain SGD: only rows with a gradient change, so only those are gathered
     dict(name="sgd_sparse_sharded", zero=1, clip=CLIP, opt="sgd", zen_extra=SHARDED),
     dict(name="sgd_sparse_replicated", zero=1, clip=CLIP, opt="sgd", zen_extra=REPLICATED),
@@ -118,6 +123,7 @@ def _checkpoint(rank: int, world: int, root: str) -> Dict[str, Any]:
 def _worker(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
     import warnings
     dc.set_env(rank, world)
+    dc.accept_fp16_on_cpu()
     warnings.filterwarnings("ignore")
     out: Dict[str, Any] = {}
     for case in CASES:
@@ -154,11 +160,20 @@ def test_fp32_equals_stock_zero(results, name):
 def test_sharded_equals_replicated(results):
     for sharded, replicated, tol in (("z1_sharded", "z1_replicated", 1e-6),
                                      ("sgd_sparse_sharded", "sgd_sparse_replicated", 1e-6),
+                                     ("z1_fp16_sharded", "z1_fp16_replicated", 1e-3),
                                      ("z2_bf16_sharded", "z2_bf16_replicated", 1e-2)):
         a, _ = _case(results, sharded)
         b, _ = _case(results, replicated)
         errors = dc.max_rel_err(a["params"], b["params"])
         assert max(errors.values()) <= tol, (sharded, errors)
+
+
+def test_fp16_sharded_run_took_steps(results):
+    """The fp16 comparison above means something only if the loss scaler let steps through."""
+    mine, _ = _case(results, "z1_fp16_sharded")
+    initial = dc.params_of(dc.make_model(False))
+    moved = dc.max_rel_err(mine["params"], initial)
+    assert moved["emb_d.weight"] > 1e-3 and moved["emb_s.weight"] > 1e-3, moved
 
 
 def test_bf16_sharded_close_to_stock(results):
