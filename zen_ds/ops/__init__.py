@@ -122,12 +122,18 @@ def partition(rows, values, num_rows, world_size, seed, id_dtype):
     return backend().partition(rows, values, num_rows, world_size, seed, id_dtype)
 
 
-def aggregate(offsets, values, accum_dtype):
-    return backend().aggregate(offsets, values, accum_dtype)
+def aggregate(offsets, values, accum_dtype, terms=0):
+    """Sums of the rows sharing an offset (IEEE, from -0.0). ``terms``: how many contributors
+    each offset has in all; a row fewer of them sent also sums their +0.0
+    (:func:`zen_ds.ops.torch_ops.add_absent_zeros`), as a dense all-reduce would."""
+    unique, sums = backend().aggregate(offsets, values, accum_dtype)
+    return unique, torch_ops.add_absent_zeros(unique, sums, offsets, terms)
 
 
-def aggregate_bitmap(offsets, values, accum_dtype, universe):
-    return backend().aggregate_bitmap(offsets, values, accum_dtype, universe)
+def aggregate_bitmap(offsets, values, accum_dtype, universe, terms=0):
+    """:func:`aggregate` and the bitmap of its unique offsets over ``[0, universe)``."""
+    unique, sums, bitmap = backend().aggregate_bitmap(offsets, values, accum_dtype, universe)
+    return unique, torch_ops.add_absent_zeros(unique, sums, offsets, terms), bitmap
 
 
 def bitmap_encode(offsets, universe):
@@ -146,5 +152,6 @@ def scatter_shard(out, index, values, bitmap, universe, shard_start, num_rows, s
     return backend().scatter_shard(out, index, values, bitmap, universe, shard_start, num_rows, seed)
 
 
+add_zero_where = torch_ops.add_zero_where
 shard_starts = torch_ops.shard_starts
 permutation_params = torch_ops.permutation_params

@@ -10,7 +10,7 @@ intermediate values stay below 2**63 so int64 torch arithmetic and C++ arithmeti
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 
@@ -81,12 +81,20 @@ def shard_starts(num_rows: int, world_size: int) -> List[int]:
     return [(r * num_rows) // world_size for r in range(world_size)] + [num_rows]
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def nonzero_rows(values: torch.Tensor) -> torch.Tensor:
-    """Ids (int64, ascending) of rows with any element != 0; NaN counts as non-zero.
+    """Ids (int64, ascending) of rows with any element that is not +0.0; NaN counts, and so does
+    -0.0: a row that is -0.0 on every rank must be synced to sum to -0.0 as a dense all-reduce
+    gives, while a row left out counts as +0.0.
 
     ``values`` is ``[num_rows, row_numel]`` (or 1-D for element-sparse tensors). The test is
-    element-wise: a row ``[1, -1]`` is non-zero.
+    element-wise on the raw bits (one compare per element, like ``!= 0``): a row ``[1, -1]`` is
+    non-zero.
     """
+    if values.is_floating_point():
+        values = values.view(_SAME_SIZE_INT[values.element_size()])
     if values.dim() == 1:
         mask = values != 0
     else:
@@ -116,13 +124,52 @@ def partition(
 
 def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype
               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sum values that share an offset: ``(unique offsets ascending int64, sums in accum_dtype)``."""
+    """Sum values that share an offset: ``(unique offsets ascending int64, sums in accum_dtype)``.
+
+    Sums start from -0.0, the additive identity, so each is the IEEE sum of exactly the given
+    rows: -0.0 rows sum to -0.0 (a sum from +0.0 would turn them into +0.0).
+    """
     offsets = offsets.to(torch.int64)
     unique, inverse = torch.unique(offsets, sorted=True, return_inverse=True)
-    sums = torch.zeros((unique.numel(),) + tuple(values.shape[1:]), dtype=accum_dtype,
-                       device=values.device)
+    sums = torch.full((unique.numel(),) + tuple(values.shape[1:]), -0.0, dtype=accum_dtype,
+                      device=values.device)
     sums.index_add_(0, inverse, values.to(accum_dtype))
     return unique, sums
+
+
+def add_absent_zeros(unique: torch.Tensor, sums: torch.Tensor, offsets: torch.Tensor,
+                     terms: int) -> torch.Tensor:
+    """Add the +0.0 of the contributors that sent nothing for a row, in place.
+
+    ``(unique, sums)`` is :func:`aggregate` of ``offsets``, where every one of ``terms``
+    contributors (ranks, or partial sums of disjoint groups of ranks) sent each offset at most
+    once and a contributor that sent nothing holds +0.0 there. A row with fewer than ``terms``
+    contributions is therefore ``sum + (+0.0)``: a -0.0 sum becomes +0.0 (IEEE) and nothing else
+    changes. Only a sum of -0.0 elements alone is -0.0, so the common case costs one compare
+    over ``sums`` and the counts are taken only when such an element exists.
+    """
+    if terms <= 1:
+        return sums
+
+    def partial() -> torch.Tensor:
+        slots = torch.searchsorted(unique, offsets.to(torch.int64))
+        return torch.bincount(slots, minlength=unique.numel()) < terms
+
+    return add_zero_where(sums, partial)
+
+
+def add_zero_where(sums: torch.Tensor, rows: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``sums[r] += +0.0`` in place for the rows where the bool mask ``rows()`` is True: turns
+    their -0.0 elements into +0.0, nothing else. ``rows`` is called only when ``sums`` holds a
+    -0.0 at all (one compare over ``sums`` otherwise)."""
+    if not sums.numel() or not sums.is_floating_point():
+        return sums
+    bits = sums.view(_SAME_SIZE_INT[sums.element_size()])
+    negative_zero = bits == torch.iinfo(bits.dtype).min  # the bit pattern of -0.0
+    if not bool(negative_zero.any()):
+        return sums
+    mask = rows().view((-1,) + (1,) * (sums.dim() - 1))
+    return sums.masked_fill_(negative_zero & mask, 0.0)
 
 
 def aggregate_bitmap(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype,

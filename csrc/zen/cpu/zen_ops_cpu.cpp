@@ -94,13 +94,14 @@ void with_row_copy(int64_t row_bytes, const Fn& fn)
     }
 }
 
-// Element-wise "!= 0" on the raw bits: everything but the sign bit. NaN and denormals count as
-// non-zero, -0.0 as zero, exactly like IEEE comparison, and immune to fast-math flags.
+// Element-wise test on the raw bits: every element that is not +0.0 counts (NaN, denormals and
+// -0.0, so that a row that is -0.0 on every rank is synced and sums to -0.0), immune to
+// fast-math flags.
 template <typename Bits>
 int64_t nonzero_rows_chunk(const Bits* data, int64_t width, int64_t begin, int64_t end,
                            std::vector<int64_t>& found)
 {
-    constexpr Bits mask = static_cast<Bits>(~(Bits(1) << (sizeof(Bits) * 8 - 1)));
+    constexpr Bits mask = static_cast<Bits>(~Bits(0));
     constexpr int64_t kBlock = 64;
     if (width == 1) {
         int64_t i = begin;
@@ -226,8 +227,9 @@ void radix_sort_indices(const int64_t* keys, int64_t k, int64_t max_key,
     sorted_keys.swap(key_a);
 }
 
-// Sum rows sharing an offset (unique offsets ascending, sums in Acc). When `fused` (the fused
-// aggregate_bitmap), also writes every one of the `bm_bytes` bytes at `bm`: the bitmap_encode of the
+// Sum rows sharing an offset (unique offsets ascending, sums in Acc). Sums start from -0.0, the
+// additive identity, so a sum of -0.0 rows stays -0.0 as IEEE addition gives. When `fused` (the
+// fused aggregate_bitmap), also writes every one of the `bm_bytes` bytes at `bm`: the bitmap_encode of the
 // unique offsets over `universe` positions (bm_bytes = ceil(universe / 8)), from the bitset the
 // aggregation builds anyway. Offsets outside [0, universe) are refused here.
 template <typename T, typename Acc>
@@ -376,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
         u = bucket_u[nb];
         if (bm && nwords * 8 < bm_bytes) std::memset(bm + nwords * 8, 0, bm_bytes - nwords * 8);
         unique = at::empty({u}, id_opts);
-        at::Tensor sums_b = at::zeros({u, width}, acc_opts);
+        at::Tensor sums_b = at::full({u, width}, -0.0, acc_opts);  // -0.0: the additive identity
         int64_t* const uq = unique.data_ptr<int64_t>();
         Acc* const outp = sums_b.data_ptr<Acc>();
         // Phase B: unique offsets and sums of each bucket into its own output range.
@@ -467,7 +469,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
     }
 
     const int64_t* const slots = slot_vec.data();
-    at::Tensor sums = at::zeros({u, width}, acc_opts);
+    at::Tensor sums = at::full({u, width}, -0.0, acc_opts);  // -0.0 + -0.0 stays -0.0
     Acc* out = sums.data_ptr<Acc>();
     // Each thread owns a contiguous range of output slots and adds its inputs in input order, so
     // the result is deterministic and independent of the thread count. Every chunk scans the

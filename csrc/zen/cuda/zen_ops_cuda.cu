@@ -70,12 +70,13 @@ __global__ void permute_kernel(const uint64_t* __restrict__ src, uint64_t* __res
 
 // ---------------------------------------------------------------- nonzero rows
 
-// Raw-bit test (everything but the sign bit): NaN and denormals are non-zero, -0.0 is zero.
+// Raw-bit test: every element whose bits are not those of +0.0 counts (NaN, denormals and -0.0:
+// a -0.0 row is synced so that a row that is -0.0 on every rank sums to -0.0).
 template <typename Bits>
 __global__ void row_flags_kernel(const Bits* __restrict__ data, int64_t rows, int64_t width,
                                  uint8_t* __restrict__ flags)
 {
-    constexpr Bits mask = static_cast<Bits>(~(Bits(1) << (sizeof(Bits) * 8 - 1)));
+    constexpr Bits mask = static_cast<Bits>(~Bits(0));
     if (width == 1) {
         for (int64_t i = global_thread(); i < rows; i += grid_stride())
             flags[i] = (data[i] & mask) != 0;
@@ -232,7 +233,7 @@ __global__ void segment_sum_kernel(const T* __restrict__ values, const int64_t* 
     for (int64_t t = global_thread(); t < total; t += grid_stride()) {
         const int64_t s = t / width;
         const int64_t j = t - s * width;
-        Acc acc = 0;
+        Acc acc = -Acc(0);  // -0.0 is the additive identity: a sum of -0.0 stays -0.0
         for (int64_t m = starts[s]; m < starts[s + 1]; ++m)
             acc += to_acc<Acc>(values[order[m] * width + j]);
         sums[t] = acc;
