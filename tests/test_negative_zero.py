@@ -190,9 +190,12 @@ def test_aggregate_sums_from_negative_zero(impl, dtype: torch.dtype) -> None:
     assert unique.tolist() == [0, 4, 9]
     assert sums.tolist() == [[0.0, 0.0], [0.0, 0.0], [0.0, 2.0]]
     assert sums.signbit().tolist() == [[True, False], [True, False], [True, False]]
-    # With 3 contributors in all, row 9 (one contributor) also sums two +0.0.
-    unique, sums = ops.aggregate(offsets, values, accum, terms=3)
+    # With 3 contributors in all, rows 0 (two) and 9 (one) also sum the others' +0.0.
+    unique, sums = impl.aggregate(offsets, values, accum, 3)
     assert sums.signbit().tolist() == [[False, False], [True, False], [False, False]]
+    unique, sums, bitmap = impl.aggregate_bitmap(offsets, values, accum, 12, 3)
+    assert sums.signbit().tolist() == [[False, False], [True, False], [False, False]]
+    assert bitmap.tolist() == [0b00010001, 0b00000010]
 
 
 def test_add_zero_where_touches_only_negative_zeros() -> None:
@@ -217,3 +220,28 @@ def test_fully_sparse_coo_keeps_negative_zero_entries() -> None:
     assert dense.signbit().tolist() == [[False] * 3, [True, False, False], [False] * 3,
                                         [False, False, True], [False] * 3]
     assert dense[3, 1] == 5.0
+
+
+@pytest.mark.parametrize("max_offset", [50, 300_000, 10**9])  # bitset, bucketed bitset, sort
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("terms", [0, 1, 2, 4])
+def test_aggregate_terms_match_the_reference_bit_for_bit(impl, max_offset: int, width: int,
+                                                         terms: int) -> None:
+    gen = torch.Generator().manual_seed(max_offset + width + terms)
+    k = 2000
+    offsets = torch.randint(0, 40, (k,), generator=gen) * (max_offset // 40)
+    offsets[0] = max_offset  # the last offset of the range
+    values = torch.randint(-1, 2, (k, width), generator=gen).to(torch.float32)
+    values[torch.rand(k, width, generator=gen) < 0.6] = -0.0  # rows of -0.0, and mixed ones
+    for dtype in (torch.float32, torch.bfloat16):
+        got = impl.aggregate(offsets, values.to(dtype), torch.float32, terms)
+        want = torch_ops.aggregate(offsets, values.to(dtype), torch.float32, terms)
+        assert torch.equal(got[0], want[0])
+        assert torch.equal(_bits(got[1]), _bits(want[1])), (dtype, terms)
+    # The reference itself: a row's sum is -0.0 only if all `terms` sent it, each as -0.0.
+    unique, sums = torch_ops.aggregate(offsets, values, torch.float32, terms)
+    counts = torch.bincount(torch.searchsorted(unique, offsets), minlength=unique.numel())
+    negative = torch.zeros_like(sums, dtype=torch.bool).index_put_(
+        (torch.searchsorted(unique, offsets),), ~(values == 0) | ~values.signbit(), accumulate=True)
+    want_negative = ~negative & (counts >= terms).unsqueeze(1)
+    assert torch.equal((sums == 0) & sums.signbit(), want_negative)

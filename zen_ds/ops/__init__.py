@@ -123,17 +123,13 @@ def partition(rows, values, num_rows, world_size, seed, id_dtype):
 
 
 def aggregate(offsets, values, accum_dtype, terms=0):
-    """Sums of the rows sharing an offset (IEEE, from -0.0). ``terms``: how many contributors
-    each offset has in all; a row fewer of them sent also sums their +0.0
-    (:func:`zen_ds.ops.torch_ops.add_absent_zeros`), as a dense all-reduce would."""
-    unique, sums = backend().aggregate(offsets, values, accum_dtype)
-    return unique, torch_ops.add_absent_zeros(unique, sums, offsets, terms)
+    """Sums of the rows sharing an offset; ``terms``: contributors in all, for the sign of zeros
+    (see :func:`zen_ds.ops.torch_ops.aggregate`)."""
+    return backend().aggregate(offsets, values, accum_dtype, terms)
 
 
 def aggregate_bitmap(offsets, values, accum_dtype, universe, terms=0):
-    """:func:`aggregate` and the bitmap of its unique offsets over ``[0, universe)``."""
-    unique, sums, bitmap = backend().aggregate_bitmap(offsets, values, accum_dtype, universe)
-    return unique, torch_ops.add_absent_zeros(unique, sums, offsets, terms), bitmap
+    return backend().aggregate_bitmap(offsets, values, accum_dtype, universe, terms)
 
 
 def bitmap_encode(offsets, universe):

@@ -122,40 +122,29 @@ def partition(
     return counts.to(torch.int64), offsets, values[order]
 
 
-def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype
-              ) -> Tuple[torch.Tensor, torch.Tensor]:
+def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype,
+              terms: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum values that share an offset: ``(unique offsets ascending int64, sums in accum_dtype)``.
 
-    Sums start from -0.0, the additive identity, so each is the IEEE sum of exactly the given
-    rows: -0.0 rows sum to -0.0 (a sum from +0.0 would turn them into +0.0).
+    Signed zeros as in a dense all-reduce: ``terms`` contributors (ranks, or partial sums of
+    disjoint groups of ranks) each sent an offset at most once, and one that sent nothing holds
+    +0.0 there. A sum starts from -0.0, the additive identity, when all ``terms`` sent the row
+    (so -0.0 rows sum to -0.0), else from +0.0 (-0.0 + +0.0 = +0.0). ``terms <= 1``: the IEEE sum
+    of exactly the given rows.
     """
     offsets = offsets.to(torch.int64)
-    unique, inverse = torch.unique(offsets, sorted=True, return_inverse=True)
-    sums = torch.full((unique.numel(),) + tuple(values.shape[1:]), -0.0, dtype=accum_dtype,
-                      device=values.device)
+    shape = tuple(values.shape[1:])
+    if terms > 1:
+        unique, inverse, counts = torch.unique(offsets, sorted=True, return_inverse=True,
+                                               return_counts=True)
+        first = torch.where(counts < terms, 0.0, -0.0).to(accum_dtype)
+        sums = first.view((-1,) + (1,) * len(shape)).expand((unique.numel(),) + shape).contiguous()
+    else:
+        unique, inverse = torch.unique(offsets, sorted=True, return_inverse=True)
+        sums = torch.full((unique.numel(),) + shape, -0.0, dtype=accum_dtype,
+                          device=values.device)
     sums.index_add_(0, inverse, values.to(accum_dtype))
     return unique, sums
-
-
-def add_absent_zeros(unique: torch.Tensor, sums: torch.Tensor, offsets: torch.Tensor,
-                     terms: int) -> torch.Tensor:
-    """Add the +0.0 of the contributors that sent nothing for a row, in place.
-
-    ``(unique, sums)`` is :func:`aggregate` of ``offsets``, where every one of ``terms``
-    contributors (ranks, or partial sums of disjoint groups of ranks) sent each offset at most
-    once and a contributor that sent nothing holds +0.0 there. A row with fewer than ``terms``
-    contributions is therefore ``sum + (+0.0)``: a -0.0 sum becomes +0.0 (IEEE) and nothing else
-    changes. Only a sum of -0.0 elements alone is -0.0, so the common case costs one compare
-    over ``sums`` and the counts are taken only when such an element exists.
-    """
-    if terms <= 1:
-        return sums
-
-    def partial() -> torch.Tensor:
-        slots = torch.searchsorted(unique, offsets.to(torch.int64))
-        return torch.bincount(slots, minlength=unique.numel()) < terms
-
-    return add_zero_where(sums, partial)
 
 
 def add_zero_where(sums: torch.Tensor, rows: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -173,7 +162,8 @@ def add_zero_where(sums: torch.Tensor, rows: Callable[[], torch.Tensor]) -> torc
 
 
 def aggregate_bitmap(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype,
-                     universe: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     universe: int, terms: int = 0
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`aggregate` and the :func:`bitmap_encode` of its unique offsets over ``[0, universe)``.
 
     Returns ``(unique offsets ascending int64, sums in accum_dtype, bitmap uint8 of
@@ -182,7 +172,7 @@ def aggregate_bitmap(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: t
     """
     if universe < 0:
         raise ValueError(f"aggregate_bitmap: universe must be >= 0, got {universe}")
-    unique, sums = aggregate(offsets, values, accum_dtype)
+    unique, sums = aggregate(offsets, values, accum_dtype, terms)
     if unique.numel() and (int(unique[0]) < 0 or int(unique[-1]) >= universe):
         raise ValueError(f"aggregate_bitmap: offsets must lie in [0, universe={universe})")
     return unique, sums, bitmap_encode(unique, universe)
