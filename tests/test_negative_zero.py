@@ -245,3 +245,11 @@ def test_aggregate_terms_match_the_reference_bit_for_bit(impl, max_offset: int, 
         (torch.searchsorted(unique, offsets),), ~(values == 0) | ~values.signbit(), accumulate=True)
     want_negative = ~negative & (counts >= terms).unsqueeze(1)
     assert torch.equal((sums == 0) & sums.signbit(), want_negative)
+
+
+def test_aggregate_of_nothing_is_an_empty_dense_block(impl) -> None:
+    for terms in (0, 3):
+        unique, sums = impl.aggregate(torch.empty(0, dtype=torch.int64), torch.empty(0, 4),
+                                      torch.float32, terms)
+        assert unique.numel() == 0 and sums.shape == (0, 4) and sums.is_contiguous()
+        assert sums.view(torch.uint8).shape == (0, 16)  # a byte view works (the pull packs it)

@@ -138,7 +138,8 @@ def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dt
         unique, inverse, counts = torch.unique(offsets, sorted=True, return_inverse=True,
                                                return_counts=True)
         first = torch.where(counts < terms, 0.0, -0.0).to(accum_dtype)
-        sums = first.view((-1,) + (1,) * len(shape)).expand((unique.numel(),) + shape).contiguous()
+        sums = torch.empty((unique.numel(),) + shape, dtype=accum_dtype, device=values.device)
+        sums.copy_(first.view((-1,) + (1,) * len(shape)).expand_as(sums))
     else:
         unique, inverse = torch.unique(offsets, sorted=True, return_inverse=True)
         sums = torch.full((unique.numel(),) + shape, -0.0, dtype=accum_dtype,
