@@ -52,8 +52,8 @@ def test_every_op_passes_its_self_check(extension):
 
 
 def _off_by_one_sum(real):
-    def wrong(offsets, values, accum64):
-        unique, sums = real(offsets, values, accum64)
+    def wrong(offsets, values, accum64, *terms):
+        unique, sums = real(offsets, values, accum64, *terms)
         if sums.numel():
             sums = sums.clone()
             sums.view(-1)[-1] += 1  # only the last element of the last row
@@ -83,8 +83,8 @@ def test_a_wrong_op_is_reported_once_and_replaced(extension, caplog):
 def test_each_adversarial_input_alone_catches_a_wrong_op(extension, case):
     """Kernels that are wrong only on row 0, the last row, an empty input or duplicates."""
     def wrong(real):
-        def run(offsets, values, accum64):
-            unique, sums = real(offsets, values, accum64)
+        def run(offsets, values, accum64, *terms):
+            unique, sums = real(offsets, values, accum64, *terms)
             bad = {"row0": unique.numel() > 0 and int(unique[0]) == 0,
                    "last_row": unique.numel() > 0 and int(unique[-1]) == 76,
                    "empty": offsets.numel() == 0,

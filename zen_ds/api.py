@@ -288,8 +288,10 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
     torch sparse COO tensor; the result has x's dtype and shape and is coalesced. The result is
     ``postscale * sum(prescale * x) [/ n if average]``. ``out``: a contiguous dense tensor of x's
     full shape and dtype that receives the result (it may be ``x`` itself: a dense gradient synced
-    in place; rows zero on every rank then keep this rank's zeros, so a -0.0 stays -0.0); it is
-    returned. ``scheme`` is one of :data:`zen_ds.SCHEMES` or ``"auto"`` (the byte
+    in place); it is returned. Zeros keep the dense all-reduce's sign: the result equals the sum
+    of the ranks' dense tensors bit for bit where it is zero too (-0.0 only where every rank
+    holds -0.0; see :mod:`zen_ds.sparse`), for every scheme and output form, averaged or scaled
+    by a factor >= 0. ``scheme`` is one of :data:`zen_ds.SCHEMES` or ``"auto"`` (the byte
     models choose, dense included). ``options`` (default: :func:`default_options`) carries the cost
     model, seed, index encoding, density threshold and topology; ``seed`` / ``index_encoding``
     override it. ``stats``, if given, is filled with this call's :class:`SyncStats` (also kept for

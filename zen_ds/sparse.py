@@ -4,6 +4,18 @@ A RowSparse is a set of row ids plus those rows' values over a tensor of ``num_r
 embedding gradient keeps whole rows (``row_shape == (hidden,)``); an element-sparse 1-D tensor
 (top-k) is a RowSparse with ``row_shape == ()``. Nothing here allocates anything of size
 ``num_rows`` except :meth:`RowSparse.to_dense`, so tables of 2**33 rows are fine.
+
+Signed zeros. A RowSparse stands for the dense tensor that holds its rows' bits exactly and
++0.0 in every other row (duplicate rows summed in IEEE arithmetic: -0.0 + -0.0 = -0.0; a COO
+tensor likewise, as ``coalesce()`` sums it, whereas torch's ``to_dense()`` of a COO tensor turns
+a -0.0 entry into +0.0). A sync equals the dense all-reduce of those tensors bit for bit in the
+sign of zeros: an element is -0.0 in the sum exactly when it is -0.0 on every rank, since
+-0.0 + +0.0 = +0.0. To keep that exact without knowing the other ranks' zeros, a dense input's
+support is the rows with any element other than +0.0 (-0.0 included; a row left out counts as
++0.0), sums start from -0.0 (the additive identity) and a row fewer than all ranks hold also
+sums the others' +0.0 (``zen_ds.ops.aggregate(..., terms=n)``). Positive scale factors keep
+the rule (-0.0 * 0.25 = -0.0); with a negative one, rows no rank holds stay +0.0 where a dense
+all-reduce would turn them into -0.0.
 """
 from __future__ import annotations
 
@@ -90,7 +102,7 @@ class RowSparse:
 
     @classmethod
     def from_dense(cls, tensor: torch.Tensor) -> "RowSparse":
-        """Keep the rows with any non-zero element (NaN and Inf count as non-zero)."""
+        """Keep the rows with any element other than +0.0 (NaN, Inf and -0.0 count)."""
         if tensor.is_sparse:
             return cls.from_coo(tensor)
         if tensor.dim() == 0:
@@ -118,9 +130,15 @@ class RowSparse:
         row_shape = tuple(tensor.shape[1:tensor.sparse_dim()]) + tuple(values.shape[1:])
         rows, inverse = torch.unique(indices[0], sorted=True, return_inverse=True)
         accum = _accum_dtype(values.dtype)
-        block = torch.zeros((rows.numel(),) + row_shape, dtype=accum, device=values.device)
+        # From -0.0 (the additive identity, so a -0.0 entry stays -0.0); elements no entry
+        # names are +0.0.
+        block = torch.full((rows.numel(),) + row_shape, -0.0, dtype=accum, device=values.device)
         index = (inverse,) + tuple(indices[d] for d in range(1, tensor.sparse_dim()))
         block.index_put_(index, values.to(accum), accumulate=True)
+        named = torch.zeros(block.shape[:tensor.sparse_dim()], dtype=torch.bool,
+                            device=values.device)
+        named[index] = True
+        block.masked_fill_(~named.view(named.shape + (1,) * (block.dim() - named.dim())), 0.0)
         return cls(rows, block.to(values.dtype), num_rows, coalesced=True)
 
     # ------------------------------------------------------------------ conversions

@@ -48,21 +48,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
 }
 
 std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets, const at::Tensor& values,
-                                             bool accum_double)
+                                             bool accum_double, int64_t terms)
 {
     TORCH_CHECK(offsets.device() == values.device(), "zen_ds aggregate: offsets and values on different devices");
     const at::ScalarType acc = accum_double ? at::kDouble : at::kFloat;
-    return ZEN_DISPATCH(values, aggregate, offsets, values, acc);
+    return ZEN_DISPATCH(values, aggregate, offsets, values, acc, terms);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
                                                                 const at::Tensor& values,
-                                                                bool accum_double, int64_t universe)
+                                                                bool accum_double, int64_t universe,
+                                                                int64_t terms)
 {
     TORCH_CHECK(offsets.device() == values.device(),
                 "zen_ds aggregate_bitmap: offsets and values on different devices");
     const at::ScalarType acc = accum_double ? at::kDouble : at::kFloat;
-    return ZEN_DISPATCH(values, aggregate_bitmap, offsets, values, acc, universe);
+    return ZEN_DISPATCH(values, aggregate_bitmap, offsets, values, acc, universe, terms);
 }
 
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)
@@ -108,7 +109,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.doc() = "zen_ds sparse gradient sync ops (see zen_ds/ops/torch_ops.py for the semantics)";
     m.def("permute", &permute, "pi(rows) of the seeded Weyl permutation (int64)");
     m.def("unpermute", &unpermute, "pi^-1(positions) (int64)");
-    m.def("nonzero_rows", &nonzero_rows, "ids of rows with any element != 0 (NaN counts)");
+    m.def("nonzero_rows", &nonzero_rows, "ids of rows with any element other than +0.0 (NaN and -0.0 count)");
     m.def("partition", &partition, "stable counting sort of rows by owner rank");
     m.def("aggregate", &aggregate, "sum rows sharing an offset, unique offsets ascending");
     m.def("aggregate_bitmap", &aggregate_bitmap,

@@ -122,12 +122,14 @@ def partition(rows, values, num_rows, world_size, seed, id_dtype):
     return backend().partition(rows, values, num_rows, world_size, seed, id_dtype)
 
 
-def aggregate(offsets, values, accum_dtype):
-    return backend().aggregate(offsets, values, accum_dtype)
+def aggregate(offsets, values, accum_dtype, terms=0):
+    """Sums of the rows sharing an offset; ``terms``: contributors in all, for the sign of zeros
+    (see :func:`zen_ds.ops.torch_ops.aggregate`)."""
+    return backend().aggregate(offsets, values, accum_dtype, terms)
 
 
-def aggregate_bitmap(offsets, values, accum_dtype, universe):
-    return backend().aggregate_bitmap(offsets, values, accum_dtype, universe)
+def aggregate_bitmap(offsets, values, accum_dtype, universe, terms=0):
+    return backend().aggregate_bitmap(offsets, values, accum_dtype, universe, terms)
 
 
 def bitmap_encode(offsets, universe):
@@ -146,5 +148,6 @@ def scatter_shard(out, index, values, bitmap, universe, shard_start, num_rows, s
     return backend().scatter_shard(out, index, values, bitmap, universe, shard_start, num_rows, seed)
 
 
+add_zero_where = torch_ops.add_zero_where
 shard_starts = torch_ops.shard_starts
 permutation_params = torch_ops.permutation_params

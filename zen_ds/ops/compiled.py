@@ -175,33 +175,34 @@ class CompiledOps:
         return counts, offsets, out.view(values.shape)
 
     @_self_checked
-    def aggregate(self, offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def aggregate(self, offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype,
+                  terms: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
         if (accum_dtype not in _ACCUM_TYPES or values.dtype not in _FLOAT_TYPES or values.dim() == 0
                 or not self.native(offsets, values)):
-            return torch_ops.aggregate(offsets, values, accum_dtype)
+            return torch_ops.aggregate(offsets, values, accum_dtype, terms)
         if values.shape[0] != offsets.numel():
             raise ValueError(f"aggregate: {offsets.numel()} offsets but values has "
                              f"{values.shape[0]} rows")
         unique, sums = self.module.aggregate(_ids(offsets), _as_rows(values),
-                                             accum_dtype == torch.float64)
+                                             accum_dtype == torch.float64, int(terms))
         return unique, sums.view((unique.numel(),) + tuple(values.shape[1:]))
 
     @_self_checked
     def aggregate_bitmap(self, offsets: torch.Tensor, values: torch.Tensor,
-                         accum_dtype: torch.dtype, universe: int
+                         accum_dtype: torch.dtype, universe: int, terms: int = 0
                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if (accum_dtype not in _ACCUM_TYPES or values.dtype not in _FLOAT_TYPES or values.dim() == 0
                 or not self.native(offsets, values)):
-            return torch_ops.aggregate_bitmap(offsets, values, accum_dtype, universe)
+            return torch_ops.aggregate_bitmap(offsets, values, accum_dtype, universe, terms)
         if not hasattr(self.module, "aggregate_bitmap"):  # a prebuilt module from before the op
-            unique, sums = self.aggregate(offsets, values, accum_dtype)
+            unique, sums = self.aggregate(offsets, values, accum_dtype, terms)
             return unique, sums, self.bitmap_encode(unique, universe)
         if values.shape[0] != offsets.numel():
             raise ValueError(f"aggregate_bitmap: {offsets.numel()} offsets but values has "
                              f"{values.shape[0]} rows")
         unique, sums, bitmap = self.module.aggregate_bitmap(
-            _ids(offsets), _as_rows(values), accum_dtype == torch.float64, int(universe))
+            _ids(offsets), _as_rows(values), accum_dtype == torch.float64, int(universe),
+            int(terms))
         return unique, sums.view((unique.numel(),) + tuple(values.shape[1:])), bitmap
 
     @_self_checked

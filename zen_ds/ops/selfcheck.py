@@ -80,7 +80,9 @@ def _aggregate_cases(with_universe: bool) -> List[Case]:
                              (torch.float64, torch.float64)):
             values = _values(offsets.numel(), 6 + i, dtype=dtype)
             extra = (universe,) if with_universe else ()
-            cases.append(lambda d, o=offsets, v=values, a=accum, e=extra: (o.to(d), v.to(d), a, *e))
+            for terms in (0, 3):  # 3: rows fewer than three inputs share start from +0.0
+                cases.append(lambda d, o=offsets, v=values, a=accum, e=extra + (terms,):
+                             (o.to(d), v.to(d), a, *e))
     return cases
 
 

@@ -10,7 +10,7 @@ intermediate values stay below 2**63 so int64 torch arithmetic and C++ arithmeti
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 
@@ -81,12 +81,20 @@ def shard_starts(num_rows: int, world_size: int) -> List[int]:
     return [(r * num_rows) // world_size for r in range(world_size)] + [num_rows]
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def nonzero_rows(values: torch.Tensor) -> torch.Tensor:
-    """Ids (int64, ascending) of rows with any element != 0; NaN counts as non-zero.
+    """Ids (int64, ascending) of rows with any element that is not +0.0; NaN counts, and so does
+    -0.0: a row that is -0.0 on every rank must be synced to sum to -0.0 as a dense all-reduce
+    gives, while a row left out counts as +0.0.
 
     ``values`` is ``[num_rows, row_numel]`` (or 1-D for element-sparse tensors). The test is
-    element-wise: a row ``[1, -1]`` is non-zero.
+    element-wise on the raw bits (one compare per element, like ``!= 0``): a row ``[1, -1]`` is
+    non-zero.
     """
+    if values.is_floating_point():
+        values = values.view(_SAME_SIZE_INT[values.element_size()])
     if values.dim() == 1:
         mask = values != 0
     else:
@@ -114,19 +122,49 @@ def partition(
     return counts.to(torch.int64), offsets, values[order]
 
 
-def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype
-              ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sum values that share an offset: ``(unique offsets ascending int64, sums in accum_dtype)``."""
+def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype,
+              terms: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sum values that share an offset: ``(unique offsets ascending int64, sums in accum_dtype)``.
+
+    Signed zeros as in a dense all-reduce: ``terms`` contributors (ranks, or partial sums of
+    disjoint groups of ranks) each sent an offset at most once, and one that sent nothing holds
+    +0.0 there. A sum starts from -0.0, the additive identity, when all ``terms`` sent the row
+    (so -0.0 rows sum to -0.0), else from +0.0 (-0.0 + +0.0 = +0.0). ``terms <= 1``: the IEEE sum
+    of exactly the given rows.
+    """
     offsets = offsets.to(torch.int64)
-    unique, inverse = torch.unique(offsets, sorted=True, return_inverse=True)
-    sums = torch.zeros((unique.numel(),) + tuple(values.shape[1:]), dtype=accum_dtype,
-                       device=values.device)
+    shape = tuple(values.shape[1:])
+    if terms > 1:
+        unique, inverse, counts = torch.unique(offsets, sorted=True, return_inverse=True,
+                                               return_counts=True)
+        first = torch.where(counts < terms, 0.0, -0.0).to(accum_dtype)
+        sums = torch.empty((unique.numel(),) + shape, dtype=accum_dtype, device=values.device)
+        sums.copy_(first.view((-1,) + (1,) * len(shape)).expand_as(sums))
+    else:
+        unique, inverse = torch.unique(offsets, sorted=True, return_inverse=True)
+        sums = torch.full((unique.numel(),) + shape, -0.0, dtype=accum_dtype,
+                          device=values.device)
     sums.index_add_(0, inverse, values.to(accum_dtype))
     return unique, sums
 
 
+def add_zero_where(sums: torch.Tensor, rows: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``sums[r] += +0.0`` in place for the rows where the bool mask ``rows()`` is True: turns
+    their -0.0 elements into +0.0, nothing else. ``rows`` is called only when ``sums`` holds a
+    -0.0 at all (one compare over ``sums`` otherwise)."""
+    if not sums.numel() or not sums.is_floating_point():
+        return sums
+    bits = sums.view(_SAME_SIZE_INT[sums.element_size()])
+    negative_zero = bits == torch.iinfo(bits.dtype).min  # the bit pattern of -0.0
+    if not bool(negative_zero.any()):
+        return sums
+    mask = rows().view((-1,) + (1,) * (sums.dim() - 1))
+    return sums.masked_fill_(negative_zero & mask, 0.0)
+
+
 def aggregate_bitmap(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype,
-                     universe: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     universe: int, terms: int = 0
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`aggregate` and the :func:`bitmap_encode` of its unique offsets over ``[0, universe)``.
 
     Returns ``(unique offsets ascending int64, sums in accum_dtype, bitmap uint8 of
@@ -135,7 +173,7 @@ def aggregate_bitmap(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: t
     """
     if universe < 0:
         raise ValueError(f"aggregate_bitmap: universe must be >= 0, got {universe}")
-    unique, sums = aggregate(offsets, values, accum_dtype)
+    unique, sums = aggregate(offsets, values, accum_dtype, terms)
     if unique.numel() and (int(unique[0]) < 0 or int(unique[-1]) >= universe):
         raise ValueError(f"aggregate_bitmap: offsets must lie in [0, universe={universe})")
     return unique, sums, bitmap_encode(unique, universe)

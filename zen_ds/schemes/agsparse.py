@@ -33,7 +33,7 @@ class AllGatherSparseScheme(Scheme):
         keep = torch.cat([torch.arange(i * max_nnz, i * max_nnz + m, device=x.device)
                           for i, m in enumerate(ctx.nnz_per_rank)])
         gathered = all_values[keep].view(x.dtype).reshape(-1, x.row_numel)
-        rows, sums = ops.aggregate(all_indices[keep], gathered, accum_dtype(x.dtype))
+        rows, sums = ops.aggregate(all_indices[keep], gathered, accum_dtype(x.dtype), terms=n)
         if ctx.scale is not None:
             sums.mul_(ctx.scale)
         return RowSparse(rows, sums.to(x.dtype).reshape((rows.numel(),) + x.row_shape),

@@ -293,8 +293,9 @@ class _Pull:
         return shards
 
     def _owner_arithmetic(self, values: torch.Tensor) -> torch.Tensor:
-        """What the owner would have sent for rows with one contribution, bit for bit: a sum
-        from zero in the accumulation dtype (so -0.0 becomes +0.0, as there), scaled, cast back."""
+        """What the owner would have sent for rows with one contribution, bit for bit: the
+        value plus the other ranks' +0.0 in the accumulation dtype (so -0.0 becomes +0.0, as
+        there), scaled, cast back."""
         sums = torch.zeros(values.shape, dtype=accum_dtype(self.x.dtype), device=values.device)
         sums.add_(values)
         if self.ctx.scale is not None:
@@ -339,9 +340,10 @@ class BalancedScheme(Scheme):
         if choose_encoding(recv_offsets.numel(), universe, id_bytes,
                            ctx.index_encoding) == ENCODING_BITMAP:
             shard_rows, sums, bitmap = ops.aggregate_bitmap(recv_offsets, recv_values,
-                                                            accum_dtype(x.dtype), universe)
+                                                            accum_dtype(x.dtype), universe, terms=n)
         else:
-            shard_rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype))
+            shard_rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype),
+                                             terms=n)
         row_bytes = row_numel * x.values.element_size()
         bound_mode = ctx.owner_counts is not None and ctx.shape is not None and pads_pull(
             ctx.shape, id_bytes + row_bytes)

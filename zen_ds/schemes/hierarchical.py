@@ -100,7 +100,8 @@ class HierarchicalScheme(Scheme):
         for s in handled[node.rank]:
             parts = [received[i][s] if i != node.rank else mine[s] for i in range(node.world_size)]
             rows, sums = ops.aggregate(torch.cat([p[0] for p in parts]),
-                                       torch.cat([p[1] for p in parts]), acc)
+                                       torch.cat([p[1] for p in parts]), acc,
+                                       terms=node.world_size)
             # 2. Inter-node, slice by slice in slice order (the same order on every node).
             rows, sums = self._across(rows, sums, layout.shard_size(s), across[s], ctx)
             if ctx.scale is not None:

@@ -8,7 +8,7 @@ point of comparing it with ``balanced``).
 The tensor is cut into blocks of ``block_size`` elements; for row tensors a block is a run of
 ``block_rows = max(1, block_size // row_numel)`` rows, so an embedding row at least
 ``block_size`` wide is a block of its own. A block is non-zero when it holds a row of the
-rank's support (``RowSparse`` keeps rows with any non-zero element, NaN included, -0.0 not).
+rank's support (``RowSparse`` keeps rows with any element other than +0.0: NaN and -0.0 too).
 Block ``b`` is aggregated by rank ``b mod n``. The steps:
 
 1. every rank all-gathers its per-aggregator block counts (and its ``block_size``, which all
@@ -131,7 +131,7 @@ class OmniReduceScheme(Scheme):
         parts = [(ids[at[rank]: at[rank + 1]], blocks[at[rank]: at[rank + 1]]) if i == rank
                  else decode(got.get(i, _NOTHING), int(pushed[i, rank])) for i in range(n)]
         mine, sums = ops.aggregate(torch.cat([p[0] for p in parts]),
-                                   torch.cat([p[1] for p in parts]), acc)
+                                   torch.cat([p[1] for p in parts]), acc, terms=n)
         if ctx.scale is not None:
             sums.mul_(ctx.scale)
         sums = sums.to(x.dtype)

@@ -35,8 +35,8 @@ The model estimates ``c_ij = m_i |range j| / N`` and ``u_j = U |range j| / N`` (
 supports): exact for dense data, an estimate otherwise (skewed ids make it optimistic).
 
 The variant follows the byte models under the cost model's latency (``ctx.shape``), so every rank
-picks the same one. Once a stream is dense, rows whose sum is exactly zero drop out of the
-result, as with ``dense``.
+picks the same one. Once a stream is dense, rows whose sum is +0.0 drop out of the result, as
+with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.sparse` for the signed-zero rule).
 """
 from __future__ import annotations
 
@@ -84,18 +84,14 @@ class _Stream:
     values: Optional[torch.Tensor] = None
     dense: Optional[torch.Tensor] = None
 
-    def add_into(self, out: torch.Tensor) -> None:
-        if self.dense is not None:
-            out.add_(self.dense)
-        elif self.rows.numel():
-            out.index_add_(0, self.rows, self.values)
-
     def densified(self, num_rows: int) -> "_Stream":
+        """The same partial sum as a dense block: its rows' bits exactly, +0.0 elsewhere."""
         if self.dense is not None:
             return self
         out = torch.zeros((num_rows, self.values.shape[1]), dtype=self.values.dtype,
                           device=self.values.device)
-        self.add_into(out)
+        if self.rows.numel():
+            out.index_copy_(0, self.rows, self.values)
         return _Stream(dense=out)
 
     def sparse_parts(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -133,16 +129,13 @@ def _decode(buffer: torch.Tensor, bound: int, wire: _Wire, dtype: torch.dtype, r
 
 
 def _merge(low: _Stream, high: _Stream, dense: bool, num_rows: int, dtype: torch.dtype) -> _Stream:
-    """Sum two partials, the lower block's first: both partners compute the same bits."""
+    """Sum two partials, the lower block's first: both partners compute the same bits. A row one
+    partial lacks is +0.0 there (IEEE: -0.0 + +0.0 = +0.0), as in a dense all-reduce."""
     if dense:
-        row_numel = (low.dense if low.dense is not None else low.values).shape[1]
-        out = torch.zeros((num_rows, row_numel), dtype=dtype,
-                          device=(low.dense if low.dense is not None else low.values).device)
-        low.add_into(out)
-        high.add_into(out)
-        return _Stream(dense=out)
+        return _Stream(dense=torch.add(low.densified(num_rows).dense.to(dtype),
+                                       high.densified(num_rows).dense.to(dtype)))
     rows, values = ops.aggregate(torch.cat([low.rows, high.rows]),
-                                 torch.cat([low.values, high.values]), dtype)
+                                 torch.cat([low.values, high.values]), dtype, terms=2)
     return _Stream(rows, values)
 
 
@@ -308,16 +301,22 @@ class SparCMLScheme(Scheme):
                  decode(got.get(i, _NOTHING), recv_counts[i], mine,
                         x.dtype) for i in range(n)]
         if any(s.dense is not None for s in parts):
-            reduced = torch.zeros((mine.num_rows, row_numel), dtype=acc, device=x.device)
+            # From -0.0 (the additive identity); then the rows a sparse part lacks also sum
+            # that part's +0.0.
+            reduced = torch.full((mine.num_rows, row_numel), -0.0, dtype=acc, device=x.device)
+            sparse = [s for s in parts if s.dense is None]
             for s in parts:  # rank order
                 if s.dense is not None:
                     reduced.add_(s.dense.to(acc))
                 elif s.rows.numel():
                     reduced.index_add_(0, s.rows, s.values.to(acc))
+            if sparse:
+                ops.add_zero_where(reduced, lambda: torch.bincount(
+                    torch.cat([s.rows for s in sparse]), minlength=mine.num_rows) < len(sparse))
             summed = _Stream(dense=reduced)
         else:
             rows, sums = ops.aggregate(torch.cat([s.rows for s in parts]),
-                                       torch.cat([s.values for s in parts]), acc)
+                                       torch.cat([s.values for s in parts]), acc, terms=n)
             summed = _Stream(rows, sums)
         rows, final = _finish(summed, x, ctx)
 

@@ -94,13 +94,14 @@ void with_row_copy(int64_t row_bytes, const Fn& fn)
     }
 }
 
-// Element-wise "!= 0" on the raw bits: everything but the sign bit. NaN and denormals count as
-// non-zero, -0.0 as zero, exactly like IEEE comparison, and immune to fast-math flags.
+// Element-wise test on the raw bits: every element that is not +0.0 counts (NaN, denormals and
+// -0.0, so that a row that is -0.0 on every rank is synced and sums to -0.0), immune to
+// fast-math flags.
 template <typename Bits>
 int64_t nonzero_rows_chunk(const Bits* data, int64_t width, int64_t begin, int64_t end,
                            std::vector<int64_t>& found)
 {
-    constexpr Bits mask = static_cast<Bits>(~(Bits(1) << (sizeof(Bits) * 8 - 1)));
+    constexpr Bits mask = static_cast<Bits>(~Bits(0));
     constexpr int64_t kBlock = 64;
     if (width == 1) {
         int64_t i = begin;
@@ -226,13 +227,25 @@ void radix_sort_indices(const int64_t* keys, int64_t k, int64_t max_key,
     sorted_keys.swap(key_a);
 }
 
-// Sum rows sharing an offset (unique offsets ascending, sums in Acc). When `fused` (the fused
-// aggregate_bitmap), also writes every one of the `bm_bytes` bytes at `bm`: the bitmap_encode of the
-// unique offsets over `universe` positions (bm_bytes = ceil(universe / 8)), from the bitset the
-// aggregation builds anyway. Offsets outside [0, universe) are refused here.
+// Start one output row: the sum of `count` rows out of `terms` contributors. -0.0 is the additive
+// identity, so a sum of -0.0 rows stays -0.0 as IEEE addition gives; a row fewer than `terms`
+// contributors sent also sums the others' +0.0, so it starts from +0.0 (-0.0 + +0.0 = +0.0).
+template <typename Acc>
+inline void start_row(Acc* __restrict row, int64_t width, int64_t count, int64_t terms)
+{
+    const Acc first = count < terms ? Acc(0) : -Acc(0);
+    for (int64_t j = 0; j < width; ++j) row[j] = first;
+}
+
+// Sum rows sharing an offset (unique offsets ascending, sums in Acc), each row as the sum of its
+// inputs and of the +0.0 of the `terms` - count contributors that sent none (start_row). When
+// `fused` (the fused aggregate_bitmap), also writes every one of the `bm_bytes` bytes at `bm`: the
+// bitmap_encode of the unique offsets over `universe` positions (bm_bytes = ceil(universe / 8)),
+// from the bitset the aggregation builds anyway. Offsets outside [0, universe) are refused here.
 template <typename T, typename Acc>
 std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, const at::Tensor& values,
-                                                  at::ScalarType accum_dtype, bool fused = false,
+                                                  at::ScalarType accum_dtype, int64_t terms,
+                                                  bool fused = false,
                                                   uint8_t* bm = nullptr, int64_t bm_bytes = 0,
                                                   int64_t universe = 0)
 {
@@ -376,7 +389,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
         u = bucket_u[nb];
         if (bm && nwords * 8 < bm_bytes) std::memset(bm + nwords * 8, 0, bm_bytes - nwords * 8);
         unique = at::empty({u}, id_opts);
-        at::Tensor sums_b = at::zeros({u, width}, acc_opts);
+        at::Tensor sums_b = at::empty({u, width}, acc_opts);  // rows started per bucket
         int64_t* const uq = unique.data_ptr<int64_t>();
         Acc* const outp = sums_b.data_ptr<Acc>();
         // Phase B: unique offsets and sums of each bucket into its own output range.
@@ -393,6 +406,12 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
                     const WordRank wr = t[l >> 6];
                     return wr.rank + __builtin_popcountll(wr.bits & ((1ull << (l & 63)) - 1));
                 };
+                const int64_t rows_b = bu[bk + 1] - base;
+                std::vector<int64_t> count(terms > 1 ? rows_b : 0, 0);
+                if (terms > 1)
+                    for (int64_t d = d0; d < d1; ++d) ++count[slot_of(lb[d])];
+                for (int64_t s = 0; s < rows_b; ++s)
+                    start_row<Acc>(ob + s * width, width, terms > 1 ? count[s] : terms, terms);
                 // Every unique offset has at least one input, so writing the offset at the
                 // input's slot fills `unique` without a data-dependent loop over set bits
                 // (duplicates write the same value again).
@@ -467,7 +486,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
     }
 
     const int64_t* const slots = slot_vec.data();
-    at::Tensor sums = at::zeros({u, width}, acc_opts);
+    at::Tensor sums = at::empty({u, width}, acc_opts);  // each chunk starts its rows (start_row)
     Acc* out = sums.data_ptr<Acc>();
     // Each thread owns a contiguous range of output slots and adds its inputs in input order, so
     // the result is deterministic and independent of the thread count. Every chunk scans the
@@ -475,6 +494,12 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
     const int64_t out_chunks = num_chunks(k * std::max<int64_t>(width, 4), 1 << 16);
     for_each_chunk(out_chunks, u, [&](int64_t, int64_t sb, int64_t se) {
         if (bitset) {
+            std::vector<int64_t> count(terms > 1 ? se - sb : 0, 0);
+            if (terms > 1)
+                for (int64_t i = 0; i < k; ++i)
+                    if (slots[i] >= sb && slots[i] < se) ++count[slots[i] - sb];
+            for (int64_t s = sb; s < se; ++s)
+                start_row<Acc>(out + s * width, width, terms > 1 ? count[s - sb] : terms, terms);
             if (width == 1) {
                 for (int64_t i = 0; i < k; ++i) {
                     const int64_t s = slots[i];
@@ -487,9 +512,11 @@ std::tuple<at::Tensor, at::Tensor> aggregate_impl(const at::Tensor& offsets, con
                 }
             }
         } else {
-            for (int64_t s = sb; s < se; ++s)
+            for (int64_t s = sb; s < se; ++s) {
+                start_row<Acc>(out + s * width, width, group[s + 1] - group[s], terms);
                 for (int64_t j = group[s]; j < group[s + 1]; ++j)
                     add_row<T, Acc>(out + s * width, val + order[j] * width, width);
+            }
         }
     });
     return {unique, sums};
@@ -712,7 +739,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
 
 std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
                                              const at::Tensor& values,
-                                             at::ScalarType accum_dtype)
+                                             at::ScalarType accum_dtype,
+                                             int64_t terms)
 {
     check_ids(offsets, "aggregate offsets");
     TORCH_CHECK(values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 &&
@@ -723,9 +751,9 @@ std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
     std::tuple<at::Tensor, at::Tensor> result;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "zen_aggregate", [&] {
         if (accum_dtype == at::kFloat)
-            result = aggregate_impl<scalar_t, float>(offsets, values, accum_dtype);
+            result = aggregate_impl<scalar_t, float>(offsets, values, accum_dtype, terms);
         else
-            result = aggregate_impl<scalar_t, double>(offsets, values, accum_dtype);
+            result = aggregate_impl<scalar_t, double>(offsets, values, accum_dtype, terms);
     });
     return result;
 }
@@ -733,7 +761,7 @@ std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
                                                                 const at::Tensor& values,
                                                                 at::ScalarType accum_dtype,
-                                                                int64_t universe)
+                                                                int64_t universe, int64_t terms)
 {
     check_ids(offsets, "aggregate_bitmap offsets");
     TORCH_CHECK(values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 &&
@@ -749,9 +777,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor
     std::tuple<at::Tensor, at::Tensor> result;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "zen_aggregate_bitmap", [&] {
         if (accum_dtype == at::kFloat)
-            result = aggregate_impl<scalar_t, float>(offsets, values, accum_dtype, true, bm, nbytes, universe);
+            result = aggregate_impl<scalar_t, float>(offsets, values, accum_dtype, terms, true, bm, nbytes, universe);
         else
-            result = aggregate_impl<scalar_t, double>(offsets, values, accum_dtype, true, bm, nbytes, universe);
+            result = aggregate_impl<scalar_t, double>(offsets, values, accum_dtype, terms, true, bm, nbytes, universe);
     });
     return {std::get<0>(result), std::get<1>(result), bitmap};
 }

@@ -70,12 +70,13 @@ __global__ void permute_kernel(const uint64_t* __restrict__ src, uint64_t* __res
 
 // ---------------------------------------------------------------- nonzero rows
 
-// Raw-bit test (everything but the sign bit): NaN and denormals are non-zero, -0.0 is zero.
+// Raw-bit test: every element whose bits are not those of +0.0 counts (NaN, denormals and -0.0:
+// a -0.0 row is synced so that a row that is -0.0 on every rank sums to -0.0).
 template <typename Bits>
 __global__ void row_flags_kernel(const Bits* __restrict__ data, int64_t rows, int64_t width,
                                  uint8_t* __restrict__ flags)
 {
-    constexpr Bits mask = static_cast<Bits>(~(Bits(1) << (sizeof(Bits) * 8 - 1)));
+    constexpr Bits mask = static_cast<Bits>(~Bits(0));
     if (width == 1) {
         for (int64_t i = global_thread(); i < rows; i += grid_stride())
             flags[i] = (data[i] & mask) != 0;
@@ -226,13 +227,15 @@ __device__ __forceinline__ Acc to_acc(T v)
 template <typename T, typename Acc>
 __global__ void segment_sum_kernel(const T* __restrict__ values, const int64_t* __restrict__ order,
                                    const int64_t* __restrict__ starts, int64_t u, int64_t width,
-                                   Acc* __restrict__ sums)
+                                   int64_t terms, Acc* __restrict__ sums)
 {
     const int64_t total = u * width;
     for (int64_t t = global_thread(); t < total; t += grid_stride()) {
         const int64_t s = t / width;
         const int64_t j = t - s * width;
-        Acc acc = 0;
+        // -0.0 is the additive identity (a sum of -0.0 stays -0.0); a row fewer than `terms`
+        // contributors sent also sums the others' +0.0, so it starts from +0.0.
+        Acc acc = starts[s + 1] - starts[s] < terms ? Acc(0) : -Acc(0);
         for (int64_t m = starts[s]; m < starts[s + 1]; ++m)
             acc += to_acc<Acc>(values[order[m] * width + j]);
         sums[t] = acc;
@@ -446,7 +449,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
 
 std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
                                              const at::Tensor& values,
-                                             at::ScalarType accum_dtype)
+                                             at::ScalarType accum_dtype,
+                                             int64_t terms)
 {
     check_ids(offsets, "aggregate offsets");
     TORCH_CHECK(values.is_cuda() && values.is_contiguous() && values.dim() == 2 &&
@@ -483,11 +487,11 @@ std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
         if (accum_dtype == at::kFloat)
             segment_sum_kernel<scalar_t, float><<<grid_for(u * width), kThreads, 0, stream>>>(
                 values.const_data_ptr<scalar_t>(), order.data_ptr<int64_t>(),
-                starts.data_ptr<int64_t>(), u, width, sums.data_ptr<float>());
+                starts.data_ptr<int64_t>(), u, width, terms, sums.data_ptr<float>());
         else
             segment_sum_kernel<scalar_t, double><<<grid_for(u * width), kThreads, 0, stream>>>(
                 values.const_data_ptr<scalar_t>(), order.data_ptr<int64_t>(),
-                starts.data_ptr<int64_t>(), u, width, sums.data_ptr<double>());
+                starts.data_ptr<int64_t>(), u, width, terms, sums.data_ptr<double>());
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {unique, sums};
@@ -518,12 +522,12 @@ at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
                                                                 const at::Tensor& values,
                                                                 at::ScalarType accum_dtype,
-                                                                int64_t universe)
+                                                                int64_t universe, int64_t terms)
 {
     TORCH_CHECK(universe >= 0, "zen_ds aggregate_bitmap: universe must be >= 0");
     // The segmented sum already sorts the offsets; the bitmap is one kernel over the (sorted,
     // unique) result, which also checks the range.
-    auto result = aggregate(offsets, values, accum_dtype);
+    auto result = aggregate(offsets, values, accum_dtype, terms);
     at::Tensor bitmap = bitmap_encode(std::get<0>(result), universe);
     return {std::get<0>(result), std::get<1>(result), bitmap};
 }

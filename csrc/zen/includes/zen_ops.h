@@ -28,11 +28,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
                                                          bool int32_ids);
 std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
                                              const at::Tensor& values,
-                                             at::ScalarType accum_dtype);
+                                             at::ScalarType accum_dtype,
+                                             int64_t terms);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
                                                                 const at::Tensor& values,
                                                                 at::ScalarType accum_dtype,
-                                                                int64_t universe);
+                                                                int64_t universe, int64_t terms);
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
 at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
 void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
@@ -51,11 +52,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> partition(const at::Tensor& rows,
                                                          bool int32_ids);
 std::tuple<at::Tensor, at::Tensor> aggregate(const at::Tensor& offsets,
                                              const at::Tensor& values,
-                                             at::ScalarType accum_dtype);
+                                             at::ScalarType accum_dtype,
+                                             int64_t terms);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor& offsets,
                                                                 const at::Tensor& values,
                                                                 at::ScalarType accum_dtype,
-                                                                int64_t universe);
+                                                                int64_t universe, int64_t terms);
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
 at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
 void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
