@@ -76,8 +76,9 @@ def case_all_empty_coo(rank: int, n: int):
 
 
 def case_signed_zero(rank: int, n: int):
-    """Rows held by one rank only, with -0.0 elements: the holder rebuilds them (balanced skips
-    sending a row back to its only contributor) and must get the owner's bits (0 + -0.0 = +0.0)."""
+    """Every row is -0.0 on every rank (so every row is synced), with a few rows that also hold
+    values, shared or held once: each element must come back with the dense sum's bits, -0.0 where
+    all ranks have -0.0. Single-holder -0.0 rows are covered in test_negative_zero.py."""
     # Dense (the result is scattered as is, not re-summed by a sort), 32-byte rows (wide enough
     # for the skip, see balanced.SKIP_MIN_ROW_BYTES).
     x = torch.full((1000, 8), -0.0)

@@ -171,8 +171,8 @@ def _check_specs(rank: int, n: int, batch: List[Spec]) -> List[str]:
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("n", [2, 3, 4])
 # Two examples: hypothesis generates the minimal one first (twelve empty one-row specs); the
-# second is a random batch.
-@settings(max_examples=2, deadline=None, phases=[Phase.generate],
+# second is a random batch (derandomized: the same one on every run, so CI is repeatable).
+@settings(max_examples=2, deadline=None, phases=[Phase.generate], derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(batch=st.lists(specs, min_size=12, max_size=12))
 def test_every_scheme_equals_the_dense_sum(n, batch) -> None:

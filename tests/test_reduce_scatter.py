@@ -70,6 +70,19 @@ def _worker(rank: int, n: int) -> Dict[str, str]:
             except Exception:  # noqa: BLE001 - reported per case
                 failures[f"{case}-mean{average}"] = traceback.format_exc()
             dist.barrier()
+    from zen_ds.reduce_scatter import sparse_reduce_scatter
+    # Signed zeros as the dense all-reduce has them: -0.0 only where every rank has -0.0.
+    x = torch.full((11, 3), -0.0)
+    x[4, 1] = 0.0 if rank == n - 1 else -0.0  # +0.0 on one rank: the sum is +0.0
+    if rank > 0:
+        x[7] = 0.0  # row 7 is -0.0 on rank 0 only: the others do not send it, and add +0.0
+    expected = torch.ones((11, 3), dtype=torch.bool)
+    expected[4, 1] = False
+    expected[7] = n == 1
+    shard = sparse_reduce_scatter(x, seed=5)
+    if not torch.equal(torch.signbit(shard), expected[shard_rows(ShardLayout(11, n, seed=5), rank)]):
+        failures["signed_zero"] = f"sign bits {torch.signbit(shard).tolist()}"
+    dist.barrier()
     layout = ShardLayout(103, n, seed=5)  # the shards tile the table: each row owned exactly once
     tiles = torch.sort(torch.cat([shard_rows(layout, r) for r in range(n)])).values
     if not torch.equal(tiles, torch.arange(103)):

@@ -66,7 +66,7 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     del send
     recv_offsets = _view_as(received[:, :id_bytes], layout.id_dtype).flatten()
     recv_values = _view_as(received[:, id_bytes:], x.dtype).reshape(-1, x.row_numel)
-    rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype))
+    rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype), n)  # n: -0.0 rule
     if postscale != 1.0:
         sums.mul_(postscale)
     if stats is not None:
