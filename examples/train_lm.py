@@ -349,6 +349,9 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
         "zen": {"enabled": bool(args.zen), "scheme": args.scheme, "params": "auto",
                 "stats_interval": args.stats_interval, "optimizer_state": args.optimizer_state},
     }
+    if args.shuffle:  # DS-Sync: every param synced inside groups of --shuffle ranks, reshuffled each step
+        config["zen"]["shuffle"] = {"group_size": args.shuffle, "mode": args.shuffle_mode,
+                                    "full_sync_every": args.full_sync_every}
     if args.bf16:
         config["bf16"] = {"enabled": True}
     if args.zero:
@@ -448,6 +451,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="candidates per micro-batch for --softmax sampled")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (pp=1 only)")
+    p.add_argument("--shuffle", type=int, default=0, metavar="G",
+                   help="DS-Sync: synchronise in groups of G data-parallel ranks (0: off; ZeRO-0, fp32)")
+    p.add_argument("--shuffle-mode", choices=("parameters", "gradients"), default="parameters")
+    p.add_argument("--full-sync-every", type=int, default=0, help="DS-Sync: a full sync every K steps")
     p.add_argument("--optimizer-state", choices=("auto", "sharded", "replicated"), default="auto",
                    help="zen.optimizer_state: where zen keeps its params' optimizer state at ZeRO-1/2")
     p.add_argument("--data", default=None, help="text file (default: synthetic Zipf stream)")
