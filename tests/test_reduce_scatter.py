@@ -24,6 +24,7 @@ def _as_rowsparse(x):
 
 def _check(case: str, rank: int, n: int, average: bool) -> None:
     from zen_ds import RowSparse, SyncStats
+    from zen_ds.handshake import handshake_bytes
     from zen_ds.partition import ShardLayout
     from zen_ds.reduce_scatter import shard_rows, sparse_reduce_scatter
     make = sync_cases.CASES[case]
@@ -47,7 +48,8 @@ def _check(case: str, rank: int, n: int, average: bool) -> None:
     row_bytes = x.row_numel * x.values.element_size() + layout.id_dtype.itemsize
     own = int((layout.owner(x.coalesce().indices) == rank).sum()) if x.indices.numel() else 0
     pushed = x.coalesce().indices.numel() - own
-    assert stats.bytes_sent == pushed * row_bytes + (n - 1) * 8, (stats.bytes_sent, pushed)
+    handshake = (n - 1) * handshake_bytes(n)  # the all-gather of every rank's record
+    assert stats.bytes_sent == pushed * row_bytes + handshake, (stats.bytes_sent, pushed)
 
     if x.num_rows <= DENSE_SHARD_MAX_ROWS:
         shard = sparse_reduce_scatter(mine, seed=5, postscale=scale)
@@ -83,6 +85,25 @@ def _worker(rank: int, n: int) -> Dict[str, str]:
     if not torch.equal(torch.signbit(shard), expected[shard_rows(ShardLayout(11, n, seed=5), rank)]):
         failures["signed_zero"] = f"sign bits {torch.signbit(shard).tolist()}"
     dist.barrier()
+    # A bad input on one rank (not a tensor, a shape mismatch) raises on every rank; the next call
+    # is exact.
+    for bad in ("not_a_tensor", "shape"):
+        good = torch.ones(8, 2)
+        mine = good
+        if rank == n - 1 and bad == "not_a_tensor":
+            mine = [[1.0, 1.0]] * 8
+        elif rank == n - 1:
+            mine = torch.ones(9, 2)
+        try:
+            sparse_reduce_scatter(mine, seed=5)
+            raised = n == 1 and bad == "shape"  # nothing to disagree with in a group of one
+        except ValueError as exc:
+            raised = "every rank" in str(exc).lower()
+        if not raised:
+            failures[f"bad_{bad}"] = "no ValueError on this rank"
+        again = sparse_reduce_scatter(good, seed=5)
+        if not torch.equal(again, torch.full_like(again, float(n))):
+            failures[f"after_bad_{bad}"] = str(again.tolist())
     layout = ShardLayout(103, n, seed=5)  # the shards tile the table: each row owned exactly once
     tiles = torch.sort(torch.cat([shard_rows(layout, r) for r in range(n)])).values
     if not torch.equal(tiles, torch.arange(103)):

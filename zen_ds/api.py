@@ -276,6 +276,26 @@ def _plan(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptio
     return chosen, shape, (estimate.bytes_sent + handshake, estimate.bytes_received + handshake)
 
 
+def agree(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
+          prescale: object, postscale: object, log_prefix: str
+          ) -> Tuple[Communicator, LocalInput, HandshakeTable]:
+    """Check this rank's input and options, then the one handshake: every rank learns every
+    rank's sizes (and, for schemes that need them, its rows per owner); a bad input or a mismatch
+    on any rank raises the same ValueError on every rank, and the group stays aligned."""
+    group, problems = _usable_group(group)
+    comm = Communicator.for_group(group, log_prefix)
+    comm.scheme = scheme if isinstance(scheme, str) else "auto"
+    problems += _option_problems(scheme, opts, prescale, postscale)
+    device_types = _expected_device_types(comm)
+    local = inspect_input(x, out, device_types)
+    if local.error:
+        problems.append(local.error)
+    device = local.device if not local.error else _fallback_device(device_types)
+    table = _handshake(comm, local, scheme, average, opts, prescale, postscale, problems, device)
+    _raise_on_errors(table, comm, problems)
+    return comm, local, table
+
+
 def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
                      scheme: str = "auto", average: bool = False, *,
                      out: Optional[torch.Tensor] = None, prescale: float = 1.0,
@@ -304,17 +324,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         opts = replace(opts, seed=opts.seed if seed is None else seed,
                        index_encoding=opts.index_encoding if index_encoding is None
                        else index_encoding)
-    group, problems = _usable_group(group)
-    comm = Communicator.for_group(group, log_prefix)
-    comm.scheme = scheme if isinstance(scheme, str) else "auto"
-    problems += _option_problems(scheme, opts, prescale, postscale)
-    device_types = _expected_device_types(comm)
-    local = inspect_input(x, out, device_types)
-    if local.error:
-        problems.append(local.error)
-    device = local.device if not local.error else _fallback_device(device_types)
-    table = _handshake(comm, local, scheme, average, opts, prescale, postscale, problems, device)
-    _raise_on_errors(table, comm, problems)
+    comm, local, table = agree(x, out, group, scheme, average, opts, prescale, postscale, log_prefix)
 
     n, prescale = comm.world_size, float(prescale)
     factor = float(postscale) / (n if average else 1)

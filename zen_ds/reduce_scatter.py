@@ -11,15 +11,17 @@ Per rank the push moves ``(n-1)/n`` of its non-zero rows (each row to its owner 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import ops
-from .comm import Communicator
+from .api import _local_rows, agree, default_options
 from .partition import ShardLayout
-from .schemes.balanced import _as_bytes, _view_as
+from .schemes.balanced import push
+from .schemes.base import SyncContext
 from .sparse import RowSparse, accum_dtype
 from .stats import SyncStats
 
@@ -42,33 +44,27 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     rank sent, as a :class:`RowSparse` over the whole table (global row ids, in shard order).
 
     ``x`` is a :class:`RowSparse`, a sparse COO tensor or a dense tensor (its non-zero rows are
-    sent). Every rank must pass the same shape and dtype. ``prescale`` multiplies the values before
+    sent). Every rank must pass the same shape and dtype: a mismatch or a bad input on any rank
+    raises the same ValueError on every rank (the handshake of :func:`zen_ds.sparse_allreduce`,
+    which also tells each owner how many rows it will receive). ``prescale`` multiplies the values before
     they are sent, ``postscale`` the sum (in the accumulation dtype: fp32 for fp16/bf16) before it
     is cast back, as :func:`zen_ds.sparse_allreduce` does. The shard's rows are
     ``shard_rows(ShardLayout(num_rows, world_size, seed), rank)``.
     """
-    if isinstance(x, torch.Tensor):
-        x = RowSparse.from_coo(x) if x.is_sparse else RowSparse.from_dense(x)
-    comm = Communicator.for_group(group, log_prefix)
+    comm, local, table = agree(x, None, group, "balanced", False, replace(default_options(), seed=seed),
+                               prescale, postscale, log_prefix)
     comm.scheme = "reduce_scatter"
     n, rank = comm.world_size, comm.rank
+    x = _local_rows(local, float(prescale))
     layout = ShardLayout(x.num_rows, n, seed)
-    id_bytes = layout.id_dtype.itemsize
-    values = x.values_2d()
-    if prescale != 1.0:
-        values = (values.to(accum_dtype(x.dtype)) * prescale).to(x.dtype)
-    counts, offsets, grouped = ops.partition(x.indices, values, x.num_rows, n, seed, layout.id_dtype)
-    recv_counts = torch.empty_like(counts)
-    comm.all_to_all_single(recv_counts, counts, [1] * n, [1] * n, "reduce_scatter.counts")
-    send = torch.cat([_as_bytes(offsets), _as_bytes(grouped)], dim=1)
-    received = torch.empty((int(recv_counts.sum()), send.shape[1]), dtype=torch.uint8, device=x.device)
-    comm.all_to_all_single(received, send, recv_counts.tolist(), counts.tolist(), "reduce_scatter.push")
-    del send
-    recv_offsets = _view_as(received[:, :id_bytes], layout.id_dtype).flatten()
-    recv_values = _view_as(received[:, id_bytes:], x.dtype).reshape(-1, x.row_numel)
+    owner_counts = table.owner_counts if n > 1 and x.num_rows and x.row_numel else None
+    ctx = SyncContext(comm, seed, None, "auto",
+                      owner_counts=None if owner_counts is None else owner_counts.to(x.device))
+    pushed = push(x, ctx, layout, "reduce_scatter")
+    recv_offsets, recv_values = pushed.recv_offsets, pushed.recv_values
     rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype), n)  # n: -0.0 rule
     if postscale != 1.0:
-        sums.mul_(postscale)
+        sums.mul_(float(postscale))
     if stats is not None:
         stats.scheme = "reduce_scatter"
         stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received

@@ -72,7 +72,6 @@ class GatherStats:
     """One parameter all-gather: which way it went and what it moved (this rank's view)."""
 
     mode: str = ""  # "rows" (changed rows only) or "dense" (every shard)
-    rows: int = 0  # rows changed over all ranks
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -96,7 +95,6 @@ class ShardedRows:
         if any(s != self.max_rows for s in sizes):
             self.valid = torch.cat([torch.arange(r * self.max_rows, r * self.max_rows + s, dtype=torch.int64)
                                     for r, s in enumerate(sizes)]).to(param.device)
-        self.last = GatherStats()
 
     @property
     def shard_size(self) -> int:
@@ -127,7 +125,7 @@ class ShardedRows:
         row_bytes = flat_new.shape[1] * param.element_size()
         rows_bytes = max(per_rank) * (row_bytes + 8) * self.world_size
         dense_bytes = self.max_rows * row_bytes * self.world_size
-        stats = GatherStats(rows=int(sum(per_rank)))
+        stats = GatherStats()
         if rows_bytes < dense_bytes:
             stats.mode = "rows"
             self._gather_rows(comm, param, flat_new, changed_rows, per_rank)
@@ -135,7 +133,6 @@ class ShardedRows:
             stats.mode = "dense"
             self._gather_dense(comm, param, new)
         stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
-        self.last = stats
         return stats
 
     def _gather_rows(self, comm: Communicator, param: nn.Parameter, flat_new: torch.Tensor,

@@ -23,7 +23,7 @@ received with the skip, ``S_r`` = this rank's single-holder rows).
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -303,6 +303,42 @@ class _Pull:
         return sums.to(self.x.dtype).reshape(-1, self.x.row_numel)
 
 
+class Pushed(NamedTuple):
+    """One push, seen from this rank: what it received for its shard (shard-relative offsets and
+    values ``[rows, row_numel]``, views of one buffer, in sender order), and its own send buffer
+    (rows grouped by owner) with the splits both ways."""
+
+    recv_offsets: torch.Tensor
+    recv_values: torch.Tensor
+    send_splits: List[int]
+    recv_splits: List[int]
+    sent_offsets: torch.Tensor
+    sent_values: torch.Tensor
+
+
+def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balanced") -> Pushed:
+    """Send every row to its owner: one all-to-all of (shard offset, values) rows with exact
+    splits (the handshake's owner counts, else one small all-to-all of counts first)."""
+    n, rank = ctx.world_size, ctx.rank
+    counts, offsets, values = ops.partition(x.indices, x.values_2d(), x.num_rows, n, ctx.seed,
+                                            layout.id_dtype)
+    send_splits = counts.tolist()
+    if ctx.owner_counts is not None:
+        recv_splits = ctx.owner_counts[:, rank].tolist()
+    else:  # called outside sparse_allreduce: exchange the counts here
+        recv = torch.empty_like(counts)
+        ctx.comm.all_to_all_single(recv, counts, [1] * n, [1] * n, f"{name}.counts")
+        recv_splits = recv.tolist()
+    send = torch.cat([_as_bytes(offsets), _as_bytes(values)], dim=1)
+    received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=x.device)
+    ctx.comm.all_to_all_single(received, send, recv_splits, send_splits, f"{name}.push")
+    del send
+    id_bytes = layout.id_dtype.itemsize
+    return Pushed(_view_as(received[:, :id_bytes], layout.id_dtype).flatten(),
+                  _view_as(received[:, id_bytes:], x.dtype).reshape(-1, x.row_numel),
+                  send_splits, recv_splits, offsets, values)
+
+
 class BalancedScheme(Scheme):
     name = "balanced"
     needs_owner_counts = True
@@ -313,25 +349,10 @@ class BalancedScheme(Scheme):
         id_bytes = layout.id_dtype.itemsize
         row_numel = x.row_numel
 
-        # Push: one all-to-all of (shard offset, values) rows with exact splits.
-        counts, offsets, values = ops.partition(x.indices, x.values_2d(), x.num_rows, n, ctx.seed,
-                                                layout.id_dtype)
-        send_splits = counts.tolist()
-        if ctx.owner_counts is not None:
-            recv_splits = ctx.owner_counts[:, rank].tolist()
-        else:  # called outside sparse_allreduce: exchange the counts here
-            recv = torch.empty_like(counts)
-            ctx.comm.all_to_all_single(recv, counts, [1] * n, [1] * n, "balanced.counts")
-            recv_splits = recv.tolist()
-        send = torch.cat([_as_bytes(offsets), _as_bytes(values)], dim=1)
-        received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8,
-                               device=x.device)
-        ctx.comm.all_to_all_single(received, send, recv_splits, send_splits, "balanced.push")
-        del send
+        pushed = push(x, ctx, layout)
+        recv_offsets, recv_values = pushed.recv_offsets, pushed.recv_values
 
         # Aggregate my shard.
-        recv_offsets = _view_as(received[:, :id_bytes], layout.id_dtype).flatten()
-        recv_values = _view_as(received[:, id_bytes:], x.dtype).reshape(-1, row_numel)
         # When the bitmap can win (it is never bigger than the received ids, which bound the
         # unique rows), aggregate_bitmap builds it in the aggregation's own pass over the shard's
         # offsets instead of a separate bitmap_encode of the result.
@@ -352,7 +373,8 @@ class BalancedScheme(Scheme):
         # padded pull's sizes are fixed before anyone knows which rows are single).
         skip = not bound_mode and skips_single_holders(row_bytes)
         sole = _sole_contributors(shard_rows, recv_offsets) if skip else None
-        del received, recv_offsets, recv_values
+        del recv_offsets, recv_values  # the received buffer (pushed keeps only my own rows)
+        pushed = pushed._replace(recv_offsets=None, recv_values=None)
         if ctx.scale is not None:
             sums.mul_(ctx.scale)
         shard_values = sums.to(x.dtype)
@@ -361,7 +383,8 @@ class BalancedScheme(Scheme):
         if bound_mode:
             shards = pull.padded([int(b) for b in ctx.owner_counts.sum(dim=0).tolist()])
         else:
-            shards = pull.exchanged(sole, send_splits, recv_splits, offsets, values)
+            shards = pull.exchanged(sole, pushed.send_splits, pushed.recv_splits, pushed.sent_offsets,
+                                    pushed.sent_values)
 
         if ctx.dense_out is not None:
             # The caller wants a dense tensor: scatter every shard straight into it through the
