@@ -19,6 +19,10 @@
 Every owner aggregates an equal share however the rows are skewed, so per-rank bytes are
 ``(n-1)/n * m * c`` for the push and ``(n-1)/n * U * c`` for the pull (``(n-1)/n * (U - S_r)`` rows
 received with the skip, ``S_r`` = this rank's single-holder rows).
+
+:func:`push` alone is :func:`zen_ds.sparse_reduce_scatter`. The module is over 400 lines because
+the pull's two size modes, the single-holder skip and the dense scatter share the push's buffers
+and the shard's layout; splitting them would pass that state across modules.
 """
 from __future__ import annotations
 
