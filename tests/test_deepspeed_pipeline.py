@@ -186,8 +186,6 @@ CASES = [
     dict(name="tied_plain_dense", tied=True, zen=None, sparse=False),
     dict(name="tied_zen_dense", tied=True, sparse=False, zen_extra={"scheme": "balanced"}),
     dict(name="refused_bf16_sparse", dtype="bf16"),
-    dict(name="refused_compression", sparse=False,
-         zen_extra={"compression": {"type": "topk", "density": 0.05, "min_numel": 16}}),
 ]
 
 
@@ -248,8 +246,3 @@ def test_pipeline_bf16_sparse_is_refused(results):
         err = res["refused_bf16_sparse"].get("error", "")
         assert "PipelineModule" in err and "sparse=True" in err, err
 
-
-def test_pipeline_compression_is_refused(results):
-    for res in results:
-        err = res["refused_compression"].get("error", "")
-        assert "PipelineModule" in err and "compression" in err, err

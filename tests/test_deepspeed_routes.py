@@ -13,11 +13,14 @@ from zen_ds.config import ZenConfigError, load_zen_config  # noqa: E402
 from zen_ds.deepspeed.routes import DeepSpeedSetup, resolve_route  # noqa: E402
 
 COMPRESSION = {"compression": {"type": "topk", "density": 0.05, "min_numel": 16}}
+COMPRESSED = ["mlp.0.weight", "mlp.0.bias", "mlp.2.weight"]
 
 
-def _route(case, sparse=True):
+def _route(case, sparse=True, **setup):
     cfg = dc.ds_config(case, world=2)
-    return resolve_route(cfg, dc.make_model(sparse), load_zen_config(cfg))
+    model = dc.make_model(sparse)
+    facts = DeepSpeedSetup(**dict(vars(DeepSpeedSetup.from_config(cfg, model)), **setup)) if setup else cfg
+    return resolve_route(facts, model, load_zen_config(cfg))
 
 
 @pytest.mark.parametrize("case, sparse, route", [
@@ -25,25 +28,46 @@ def _route(case, sparse=True):
     ({"dtype": "bf16"}, True, "owned"), ({"zero": 1}, True, "owned"), ({"zero": 2, "dtype": "bf16"}, False, "owned"),
     ({"zero": 1, "dtype": "fp16"}, True, "owned"), ({"zen_extra": COMPRESSION}, False, "shared"),
     ({"dtype": "bf16", "zen_extra": COMPRESSION}, False, "shared"),
+    # compressed dense params join the owned route wherever zen owns params
+    ({"zero": 1, "zen_extra": COMPRESSION}, False, "owned"), ({"zero": 2, "zen_extra": COMPRESSION}, True, "owned"),
+    ({"zero": 2, "dtype": "bf16", "zen_extra": COMPRESSION}, False, "owned"),
+    ({"dtype": "bf16", "zen_extra": COMPRESSION}, True, "owned"),
 ])
 def test_routes_from_the_config(case, sparse, route):
     got = _route(case, sparse)
     assert got.name == route
     assert got.names == ["emb_s.weight", "emb_d.weight"]
+    compressed = COMPRESSED if "zen_extra" in case else []
+    assert [name for name, _, _ in got.synced] == got.names + compressed
 
 
-@pytest.mark.parametrize("case, sparse, words", [
-    ({"zero": 3}, True, "ZeRO stage 3"),
-    ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, "fp16 with \"zen.compression\""),
-    ({"zero": 1, "zen_extra": COMPRESSION}, False, "compression needs zen's shared route"),
-    ({"dtype": "bf16", "zen_extra": COMPRESSION}, True, "compression needs zen's shared route"),
-    ({"dtype": "fp16"}, True, "fp16 with sparse=True embeddings under ZeRO stage 0"),
-    ({"ds_extra": {"sequence_parallel_size": 2}}, True, "sequence parallelism"),
-    ({"ds_extra": {"zero_optimization": {"stage": 1, "zenflow": {}}}}, True, "ZenFlow"),
+def test_compression_alone_makes_zero_params_owned():
+    """A model without embeddings: the compressed params alone take the owned route under ZeRO-2."""
+    from torch import nn
+    model = dc.make_model().mlp
+    cfg = dc.ds_config({"zero": 2, "zen_extra": COMPRESSION}, world=2)
+    got = resolve_route(cfg, model, load_zen_config(cfg))
+    assert got.name == "owned" and got.names == []
+    assert [name for name, _, _ in got.synced] == ["0.weight", "0.bias", "2.weight"]
+    assert resolve_route(dc.ds_config({"zero": 2}, world=2), nn.Sequential(model),
+                         load_zen_config(dc.ds_config({"zero": 2}, world=2))).name == "shared"
+
+
+@pytest.mark.parametrize("case, sparse, setup, words", [
+    ({"zero": 3}, True, {}, "ZeRO stage 3"),
+    ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, {}, "fp16 with \"zen.compression\""),
+    ({"zero": 1, "dtype": "fp16", "zen_extra": COMPRESSION}, True, {}, "fp16 with \"zen.compression\""),
+    # a pipeline's ZeRO-1/2 would make zen own params inside the pipeline, compressed ones too
+    ({"zero": 1, "zen_extra": COMPRESSION}, False, {"pipeline": True}, "PipelineModule with ZeRO stage 1/2"),
+    ({"zen_extra": dict(COMPRESSION, shuffle={"group_size": 2})}, False, {},
+     "\"zen.shuffle\" with \"zen.compression\""),
+    ({"dtype": "fp16"}, True, {}, "fp16 with sparse=True embeddings under ZeRO stage 0"),
+    ({"ds_extra": {"sequence_parallel_size": 2}}, True, {}, "sequence parallelism"),
+    ({"ds_extra": {"zero_optimization": {"stage": 1, "zenflow": {}}}}, True, {}, "ZenFlow"),
 ])
-def test_refusals_come_from_the_config_alone(case, sparse, words):
+def test_refusals_come_from_the_config_alone(case, sparse, setup, words):
     with pytest.raises(ZenConfigError, match="^zen: ") as err:
-        _route(case, sparse)
+        _route(case, sparse, **setup)
     assert words in str(err.value)
 
 

@@ -204,6 +204,7 @@ class GradientCompressor:
                             "build one with CompressionConfig(**the_zen_compression_dict)")
         self.config = config
         self._states: Dict[str, _ParamState] = {}
+        self._params: Dict[str, torch.nn.Parameter] = {}
         named_parameters = list(named_parameters)
         all_names = [name for name, _ in named_parameters]
         if config.params is not None:
@@ -227,6 +228,7 @@ class GradientCompressor:
             if name in self._states:
                 raise ValueError(f"duplicate parameter name {name!r} passed to GradientCompressor")
             self._states[name] = _ParamState(param.numel(), tuple(param.shape))
+            self._params[name] = param
         self._last_step: Optional[int] = None
         self._last_compressed_step: Optional[int] = None
         self._compressed_steps = 0  # distinct steps at which anything was compressed
@@ -248,6 +250,10 @@ class GradientCompressor:
     def selected_names(self) -> List[str]:
         """Names of the compressed parameters, in the order they were passed in."""
         return list(self._states)
+
+    def selected_params(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        """``(name, param)`` of the compressed parameters, in :meth:`selected_names` order."""
+        return list(self._params.items())
 
     # ------------------------------------------------------------------ the per-step work
     def compress(self, name: str, grad: torch.Tensor, step: int) -> Optional[RowSparse]:

@@ -261,7 +261,7 @@ class ZenReducer:
                 result = self._sync_plain(p, g, before, after, st)
             if result.dtype != out_dtype:
                 result = result.to(out_dtype)
-            if not result.is_sparse and p.shard is None:
+            if not result.is_sparse and (p.shard is None or p.compressed):  # a shard stays shard-shaped
                 result = result.view_as(p.param)
             summary = ParamStats(compressed=p.compressed and rs_c is not None)
             for f in fields(SyncStats):

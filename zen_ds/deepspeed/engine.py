@@ -150,14 +150,15 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
     route = _route if _route is not None else resolve_route(patches.setup_of(engine), engine.module, zcfg)
     if route.owned:
         in_ds = patches.params_in_ds_optimizer(engine)
-        clash = [name for name, p, _ in route.selected if id(p) in in_ds]
+        clash = [name for name, p, _ in route.synced if id(p) in in_ds]
         if _plan is None or clash:
             why = (f"ZeRO stage {route.setup.zero_stage}" if route.setup.zero_stage
                    else "fp16/bf16 with sparse=True embeddings")
-            refuse(f"{why}: zen must own its params {clash or route.names}, but they are already inside "
+            names = clash or [name for name, _, _ in route.synced]
+            refuse(f"{why}: zen must own its params {names}, but they are already inside "
                    "DeepSpeed's optimizer. Build the engine with zen_ds.initialize(...) (same arguments as "
                    "deepspeed.initialize), which keeps them out")
-    zen_params, compressor = reducer_params(engine.module, route, zcfg)
+    zen_params, compressor = reducer_params(route)
     owned = None
     if route.owned:
         owned = OwnedParams(zen_params, _plan, patches.dp_group(engine), zcfg.optimizer_state,

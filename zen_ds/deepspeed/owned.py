@@ -1,11 +1,11 @@
 """The owned route's optimizer: zen steps its params itself, outside DeepSpeed's optimizer.
 
 Under ZeRO-1/2 (and half precision with ``sparse=True`` embeddings) :func:`plan_owned` takes zen's
-params out of what DeepSpeed's optimizer will see *before* ``deepspeed.initialize``, and builds a
-twin optimizer of the same type for them (fp32 master copies when the model trains in half
-precision). :class:`OwnedParams` then accumulates their grads in fp32 across micro-steps (DeepSpeed
-never sees them), holds the synced result and steps them with DeepSpeed's clip coefficient, loss
-scale and learning-rate schedule.
+params (compressed ones included) out of what DeepSpeed's optimizer will see *before*
+``deepspeed.initialize``, and builds a twin optimizer of the same type for them (fp32 master copies
+when the model trains in half precision). :class:`OwnedParams` then accumulates their grads in fp32
+across micro-steps (DeepSpeed never sees them), holds the synced result and steps them with
+DeepSpeed's clip coefficient, loss scale and learning-rate schedule.
 """
 from __future__ import annotations
 
@@ -96,9 +96,10 @@ def plan_owned(route: Route, model: nn.Module, optimizer: Any, model_parameters:
                ds_config: Mapping[str, Any]) -> "tuple[OwnedPlan, List[nn.Parameter]]":
     """zen's optimizer for its params, and the params left for DeepSpeed's ``model_parameters``."""
     half = route.setup.half
-    zen_ids = {id(p): p for _, p, _ in route.selected}
-    masters = {id(p): (nn.Parameter(p.detach().clone().float()) if half else p) for _, p, _ in route.selected}
-    ordered_masters = [masters[id(p)] for _, p, _ in route.selected]
+    owned = route.synced  # selected params, then compressed ones
+    zen_ids = {id(p): p for _, p, _ in owned}
+    masters = {id(p): (nn.Parameter(p.detach().clone().float()) if half else p) for _, p, _ in owned}
+    ordered_masters = [masters[id(p)] for _, p, _ in owned]
     base = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if base and isinstance(base[0], dict):
         refuse("model_parameters given as param-group dicts are not supported with zen-owned params; "
@@ -116,7 +117,7 @@ def plan_owned(route: Route, model: nn.Module, optimizer: Any, model_parameters:
         refuse("zen-owned params (ZeRO stage 1/2, or half precision with sparse=True embeddings) need "
                "an optimizer: pass optimizer= or an \"optimizer\" block in the ds_config")
     ratios = [(g["lr"] / ds_lr) if ds_lr else 1.0 for g in zen_opt.param_groups]
-    plan = OwnedPlan(route.names, ordered_masters, zen_opt, ratios, from_engine)
+    plan = OwnedPlan([name for name, _, _ in owned], ordered_masters, zen_opt, ratios, from_engine)
     return plan, [p for p in base if id(p) not in zen_ids]
 
 
@@ -162,7 +163,7 @@ class OwnedParams:
         self.half = half
         # --- per optimizer step: fp32 sums over micro-steps, then the synced result
         self.accum: List[Optional[torch.Tensor]] = [None] * len(self.params)
-        self.synced: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        self.synced = [None] * len(self.params)
         self.handles = [p.param.register_post_accumulate_grad_hook(self._hook(i))
                         for i, p in enumerate(self.params)]
 
@@ -204,6 +205,19 @@ class OwnedParams:
                     self.accum[i].add_(grad.detach().float())
             param.grad = None  # zen holds it in fp32; DeepSpeed never sees it
         return accumulate
+
+    @property
+    def synced(self) -> List[Optional[torch.Tensor]]:
+        """This step's synced gradients, held until the step (a sharded param's: its rows only)."""
+        return self._synced
+
+    @synced.setter
+    def synced(self, synced: Sequence[Optional[torch.Tensor]]) -> None:
+        # A compressed param is synced whole even when its state is sharded (its gradient is
+        # element-sparse, the shards are rows; the sum is the one replicated state gets): keep
+        # this rank's rows of it.
+        self._synced = [g.view_as(p.param)[s.rows] if g is not None and s is not None and p.compressed
+                        else g for p, g, s in zip(self.params, synced, self.sharded)]
 
     def clear(self) -> None:
         self.accum = [None] * len(self.params)

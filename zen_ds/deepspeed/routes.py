@@ -11,7 +11,9 @@ Routes:
   place (ZeRO-0 in fp32, fp16/bf16 with dense-grad zen params).
 * **owned**: DeepSpeed's ZeRO-1/2 optimizer cannot leave single params out of its flat buffers and
   crashes on sparse grads, and the half-precision wrappers cannot hold sparse grads either: zen
-  keeps its params out of DeepSpeed's optimizer and steps them itself (see :mod:`.owned`).
+  keeps its params out of DeepSpeed's optimizer and steps them itself (see :mod:`.owned`). With
+  ``"zen.compression"`` the compressed dense params are owned too: ZeRO would reduce their whole
+  gradient densely inside its flat buffers, and zen must sync the compressed one instead.
 * **shuffle** (``"zen.shuffle"``, DS-Sync): zen reduces *every* param inside the step's shuffle
   group (:mod:`.shuffling`) and DeepSpeed reduces nothing; ZeRO-0 in fp32 only, because the other
   stages and precisions keep gradients or master weights where zen cannot average them per group.
@@ -109,6 +111,8 @@ class Route:
     name: str  # "shared", "owned" or "shuffle"
     selected: List[SelectedParam]
     setup: DeepSpeedSetup
+    # "zen.compression": the compressor, which chose the dense params it compresses (else None)
+    compressor: Optional[Any] = None
 
     @property
     def owned(self) -> bool:
@@ -117,6 +121,14 @@ class Route:
     @property
     def names(self) -> List[str]:
         return [name for name, _, _ in self.selected]
+
+    @property
+    def synced(self) -> List[SelectedParam]:
+        """Every param zen syncs (and on the owned route steps): the selected ones, then the
+        compressed ones, in the order every rank uses."""
+        if self.compressor is None:
+            return list(self.selected)
+        return self.selected + [(name, param, False) for name, param in self.compressor.selected_params()]
 
 
 def _enabled(ds_config: Mapping[str, Any], section: str) -> bool:
@@ -153,11 +165,6 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     """
     setup = ds_config if isinstance(ds_config, DeepSpeedSetup) else DeepSpeedSetup.from_config(ds_config, model)
     selected = select_params(model, zen_config)
-    any_sparse = any(sparse for _, _, sparse in selected)
-    any_selected = bool(selected)
-    if setup.pipeline:
-        any_sparse, any_selected = _any_rank(any_sparse, any_selected)
-    needs_owned = setup.zero_stage in (1, 2) or (setup.half and any_sparse)
     compression = zen_config.compression is not None
     if zen_config.shuffle is not None:
         _refuse_for_shuffle(setup, compression)
@@ -176,24 +183,32 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
         refuse("fp16 with \"zen.compression\" is not supported: the error-feedback residual would be kept "
                "in loss-scaled units and be wrong whenever the dynamic loss scale changes. Use bf16 or fp32 "
                "with compression, or remove the \"compression\" block")
-    if compression and setup.pipeline:
-        refuse("\"zen.compression\" with a DeepSpeed PipelineModule is not supported yet (untested: each "
-               "stage would compress over its data-parallel group); remove the \"compression\" block or "
-               "train without pipeline parallelism")
-    if compression and needs_owned:
-        refuse("compression needs zen's shared route, but this config makes zen own its params (ZeRO stage "
-               "1/2, or fp16/bf16 with sparse=True embeddings); use ZeRO stage 0 and fp32, or bf16 with "
-               "dense-grad embeddings (sparse=False)")
+    compressor = _compressor(model, zen_config, selected) if compression else None
+    any_sparse = any(sparse for _, _, sparse in selected)
+    any_synced = bool(selected) or bool(compressor is not None and compressor.selected_names())
+    if setup.pipeline:
+        any_sparse, any_synced = _any_rank(any_sparse, any_synced)
+    needs_owned = setup.zero_stage in (1, 2) or (setup.half and any_sparse)
     if setup.fp16 and any_sparse and setup.zero_stage == 0:
         refuse("fp16 with sparse=True embeddings under ZeRO stage 0 is not supported (DeepSpeed's FP16 "
                "optimizer flattens dense grads); use bf16, or ZeRO stage 1/2. Note: torch on CPU cannot "
                "compute fp16 sparse embedding grads at all")
-    owned = needs_owned and any_selected
+    owned = needs_owned and any_synced
     if setup.pipeline and owned:
         refuse("PipelineModule with ZeRO stage 1/2, or with fp16/bf16 and sparse=True embeddings, is not "
                "supported with zen (zen would have to own those params' optimizer step inside the "
                "pipeline). Use ZeRO stage 0 with fp32, or bf16 with dense-grad embeddings (sparse=False)")
-    return Route("owned" if owned and selected else "shared", selected, setup)
+    route = Route("shared", selected, setup, compressor)
+    if owned and route.synced:
+        route.name = "owned"
+    return route
+
+
+def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[SelectedParam]) -> Any:
+    """The gradient compressor; it picks the dense params it compresses (never zen's selected ones)."""
+    from zen_ds.compression import GradientCompressor
+    return GradientCompressor(zen_config.compression, list(model.named_parameters()),
+                              {name for name, _, _ in selected})
 
 
 def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool) -> None:

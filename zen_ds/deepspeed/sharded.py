@@ -20,6 +20,7 @@ the whole tensor, so the sharded and replicated routes give the same parameters.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -115,8 +116,9 @@ class ShardedRows:
         comm = Communicator.for_group(self.group, "zen.gather")
         comm.scheme = "owned"
         new = master.detach().to(param.dtype)
-        flat_new = new.reshape(self.shard_size, -1)
-        changed = (flat_new != param.data[self.rows].reshape(self.shard_size, -1)).any(dim=1)
+        row_numel = math.prod(param.shape[1:])  # explicit: a rank may own no rows at all
+        flat_new = new.reshape(self.shard_size, row_numel)
+        changed = (flat_new != param.data[self.rows].reshape(self.shard_size, row_numel)).any(dim=1)
         changed_rows = torch.nonzero(changed).flatten()
         counts = torch.empty(self.world_size, dtype=torch.int64, device=param.device)
         comm.all_gather_into_tensor(counts, torch.tensor([changed_rows.numel()], dtype=torch.int64,
