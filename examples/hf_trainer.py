@@ -3,12 +3,15 @@ ds_config alone, and compare zen's per-param bytes with DeepSpeed's.
 
     deepspeed --num_gpus 4 examples/hf_trainer.py --model llama --zero 2
     deepspeed --num_gpus 4 examples/hf_trainer.py --model gpt2 --zero 0 --no-zen
+    deepspeed --num_gpus 4 examples/hf_trainer.py --model gpt2 --zero 2 --compress 0.01
 
 The model is built from a config (random init, nothing downloaded): ``llama`` is a Llama-style
 model with an untied input embedding (its gradient touches only the rows of the batch's tokens),
 ``gpt2`` a GPT-2-style one whose embedding is tied to the output layer (its gradient is dense).
 Token ids are synthetic, drawn from a Zipf law like real text (frequent tokens are shared by every
-rank). The script writes a ds_config JSON with a ``"zen"`` block (``--no-zen`` leaves it out) and
+rank). The script writes a ds_config JSON with a ``"zen"`` block (``--no-zen`` leaves it out;
+``--compress D`` adds top-k compression at density D of the dense weights: the tied GPT-2 embedding's
+gradient is dense, so there the rest of the model is where the bytes are) and
 hands its path to ``TrainingArguments(deepspeed=...)``; the only zen line in the training code is
 ``zen_ds.enable()``. Runs on CPU (gloo) and unchanged on GPUs.
 
@@ -77,7 +80,8 @@ def build_model(kind: str, vocab: int, hidden: int, layers: int, seq_len: int, s
     raise ValueError(f"unknown --model {kind!r}: use llama (untied embedding) or gpt2 (tied)")
 
 
-def ds_config(zero: int, zen: bool, stats_interval: int) -> Dict[str, Any]:
+def ds_config(zero: int, zen: bool, stats_interval: int, compress: float = 0.0,
+              compress_min_numel: int = 4096) -> Dict[str, Any]:
     """The ds_config the Trainer fills in: ``"auto"`` values come from ``TrainingArguments``."""
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": "auto",
@@ -89,6 +93,9 @@ def ds_config(zero: int, zen: bool, stats_interval: int) -> Dict[str, Any]:
     }
     if zen:
         config["zen"] = {"enabled": True, "stats_interval": stats_interval}
+        if compress > 0:
+            config["zen"]["compression"] = {"type": "topk", "density": compress,
+                                            "min_numel": compress_min_numel}
     return config
 
 
@@ -163,6 +170,10 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compress", type=float, default=0.0, metavar="DENSITY",
+                   help="top-k compression of the dense weights at this density (0: off)")
+    p.add_argument("--compress-min-numel", type=int, default=4096,
+                   help="weights with fewer elements are not compressed")
     p.add_argument("--stats-interval", type=int, default=0, help="zen's own per-param log lines")
     p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
@@ -177,7 +188,8 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
 
     zen_ds.enable()  # the one zen line: deepspeed.initialize now reads the "zen" block
     workdir = tempfile.mkdtemp(prefix="zen_hf_")
-    config: Any = ds_config(args.zero, not args.no_zen, args.stats_interval)
+    config: Any = ds_config(args.zero, not args.no_zen, args.stats_interval, args.compress,
+                            args.compress_min_numel)
     if not config_as_dict:
         config_path = os.path.join(workdir, "ds_config.json")
         with open(config_path, "w") as fh:
@@ -204,9 +216,13 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
 
     engine = trainer.model_wrapped
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    summary: Dict[str, Any] = {"model": args.model, "zero": args.zero, "zen": zen_ds.state_of(engine) is not None,
+    state = zen_ds.state_of(engine)
+    summary: Dict[str, Any] = {"model": args.model, "zero": args.zero, "zen": state is not None,
                                "world": world, "steps": args.steps, "mean_loss": float(result.training_loss),
-                               "final_loss": float(losses[-1]) if losses else float("nan"), "params": {}}
+                               "final_loss": float(losses[-1]) if losses else float("nan"), "losses": losses,
+                               "route": state.route if state else None,
+                               "compressed": [p.name for p in state.reducer.params if p.compressed] if state else [],
+                               "params": {}}
     params = dict(engine.module.named_parameters())
     names = list(zen_bytes.wire) or [n for n in embedding_param_names(engine.module) if n in params]
     for name in names:
