@@ -9,6 +9,7 @@ per step (from ``zen_ds.last_sync_stats()``, summed over the step's syncs, max o
     python examples/compression_convergence.py                    # 4 ranks, all modes
     python examples/compression_convergence.py --selection-bench  # exact vs sampled top-k timing
     python examples/compression_convergence.py --shuffle 2        # DS-Sync groups of 2 vs full sync
+    python examples/compression_convergence.py --zero 2 --modes dense topk_ef   # through DeepSpeed
     python -m zen_ds.cluster --hosts 4 --rate 200mbit --slow 3:50mbit -- \
         python examples/compression_convergence.py --shuffle 2 --json out.json   # emulated cluster
 
@@ -18,7 +19,14 @@ step and wall time and the divergence between replicas (max over ranks of
 ``||p_rank - p_mean|| / ||p_mean||``, measured outside the timed region) in the JSON output. Under
 ``python -m zen_ds.cluster`` (``RANK``/``MASTER_ADDR`` set) every rank runs in its own process.
 
-This is a benchmark, not a test: it prints a table (and writes --json) for BENCHMARKS.md.
+With ``--zero S`` every run goes through a DeepSpeed engine at ZeRO stage S built by
+``zen_ds.initialize``: ``dense`` is stock DeepSpeed (no ``"zen"`` block), the compressed modes put
+their compression config in the ``"zen"`` block (under ZeRO-1/2 zen syncs and steps the compressed
+weights itself); bytes are zen's own counts for the compressed weights (the biases stay with
+DeepSpeed), and for ``dense`` what DeepSpeed's dense reduction sends.
+
+This is a benchmark, not a test: it prints a table (and writes --json) for BENCHMARKS.md. It is a
+little over 400 lines: one script holds the three training loops the table compares.
 """
 from __future__ import annotations
 
@@ -92,6 +100,8 @@ def train_one(mode: str, args: argparse.Namespace, rank: int, world: int, teache
     model = make_model(args.seed, args.in_dim, args.hidden, args.classes)
     if mode == "shuffle":
         return train_shuffle(model, args, rank, teacher)
+    if args.zero is not None:
+        return train_engine(mode, model, args, rank, world, teacher)
     cfg_dict = MODES[mode]
     compressor = None
     if cfg_dict is not None:
@@ -162,6 +172,44 @@ def train_one(mode: str, args: argparse.Namespace, rank: int, world: int, teache
             "schemes": sorted(schemes), "log": log}
 
 
+def train_engine(mode: str, model: torch.nn.Module, args: argparse.Namespace, rank: int, world: int,
+                 teacher: Teacher) -> Dict[str, Any]:
+    """The same training through ``zen_ds.initialize`` at ZeRO stage ``--zero`` (see the docstring)."""
+    cfg_dict = MODES[mode]
+    config: Dict[str, Any] = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                              "gradient_clipping": 0.0, "zero_optimization": {"stage": args.zero},
+                              "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+    if cfg_dict is not None:
+        compression = {**cfg_dict, "density": args.density, "warmup_steps": args.warmup}
+        config["zen"] = {"enabled": True, "scheme": args.scheme, "compression": compression}
+    lr, momentum = args.lr, args.momentum
+    if cfg_dict is not None and cfg_dict["type"] == "dgc":  # as in train_one
+        lr, momentum = args.lr * (1 - cfg_dict["momentum"]) / (1 - args.momentum), 0.0
+    engine, *_ = zen_ds.initialize(model=model, config=config,
+                                   optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum))
+    state = zen_ds.state_of(engine)
+    sent: List[int] = []
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        if state is not None:
+            sent.append(sum(st.bytes_sent for st in state.reducer.last_stats.values()))
+        return loss
+
+    train_losses, log, seconds = run_steps(args, model, rank, teacher, step_fn)
+    numel = sum(p.numel() for p in model.parameters())
+    # stock DeepSpeed: what its dense reduction sends per rank (ring all-reduce, or ZeRO's
+    # reduce-scatter + parameter all-gather: the same volume)
+    compressed = sent[args.warmup:] or sent or [2 * (world - 1) * 4 * numel // world]
+    return {"mode": mode, **evaluate(model, args, teacher, train_losses), "seconds": seconds,
+            "bytes_per_step": sum(compressed) / len(compressed),
+            "dense_bytes_per_step": 4 * numel,
+            "union_over_local": None, "route": state.route if state else None,
+            "compressor": state.reducer.compressor.stats() if state else None, "schemes": [], "log": log}
+
+
 def evaluate(model: torch.nn.Module, args: argparse.Namespace, teacher: Teacher,
              train_losses: List[float]) -> Dict[str, Any]:
     """This replica's held-out loss/accuracy and its training-loss curve (means over 50 steps)."""
@@ -193,6 +241,21 @@ def _log_point(args: argparse.Namespace, step: int, model: torch.nn.Module,
     return time.perf_counter() - t0
 
 
+def run_steps(args: argparse.Namespace, model: torch.nn.Module, rank: int, teacher: Teacher,
+              step_fn: Any) -> "tuple[List[float], List[Dict[str, float]], float]":
+    """--steps steps of ``step_fn(x, y) -> loss`` on this rank's own sample stream, logged by
+    :func:`_log_point`; returns (training losses, log, seconds spent training)."""
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    train_losses: List[float] = []
+    log: List[Dict[str, float]] = []
+    started = time.perf_counter()
+    for step in range(args.steps):
+        x, y = teacher.sample(args.batch, gen)
+        train_losses.append(float(step_fn(x, y).detach()))
+        started += _log_point(args, step, model, train_losses, started, log)
+    return train_losses, log, time.perf_counter() - started
+
+
 def train_shuffle(model: torch.nn.Module, args: argparse.Namespace, rank: int, teacher: Teacher
                   ) -> Dict[str, Any]:
     """DS-Sync over every parameter: groups of --shuffle, reshuffled every step."""
@@ -200,14 +263,10 @@ def train_shuffle(model: torch.nn.Module, args: argparse.Namespace, rank: int, t
                        group_size=args.shuffle, mode=args.shuffle_mode,
                        full_sync_every=args.full_sync_every, seed=args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    train_losses: List[float] = []
     sent: List[int] = []
     dense_equivalent: List[int] = []
-    log: List[Dict[str, float]] = []
-    started = time.perf_counter()
-    for step in range(args.steps):
-        x, y = teacher.sample(args.batch, gen)
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=False)
         loss.backward()
@@ -216,9 +275,9 @@ def train_shuffle(model: torch.nn.Module, args: argparse.Namespace, rank: int, t
         stats = sync.after_optimizer_step()
         sent.append(stats.bytes_sent)
         dense_equivalent.append(stats.dense_bytes)
-        train_losses.append(float(loss.detach()))
-        started += _log_point(args, step, model, train_losses, started, log)
-    seconds = time.perf_counter() - started
+        return loss
+
+    train_losses, log, seconds = run_steps(args, model, rank, teacher, step_fn)
     return {"mode": "shuffle", **evaluate(model, args, teacher, train_losses), "seconds": seconds,
             "bytes_per_step": sum(sent) / len(sent),
             "dense_bytes_per_step": sum(dense_equivalent) / len(dense_equivalent),
@@ -234,6 +293,10 @@ def worker(rank: int, world: int, port: Optional[int], args: argparse.Namespace,
 
     ``port`` None: the process group comes from the environment (``python -m zen_ds.cluster``)."""
     torch.set_num_threads(1)
+    if args.zero is not None:  # DeepSpeed reads the process group's facts from the environment
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port or 29500))
     if port is None:
         dist.init_process_group("gloo")
     else:
@@ -372,6 +435,8 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--test", type=int, default=8192, help="held-out samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2], default=None,
+                        help="train through a DeepSpeed engine at this ZeRO stage (zen_ds.initialize)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--selection-bench", action="store_true",
                         help="time exact vs sampled top-k selection instead of training")
@@ -381,6 +446,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.modes is None:
         args.modes = ["dense", "shuffle"] if args.shuffle else [m for m in MODES if m != "shuffle"]
+    if args.zero is not None and (args.shuffle or args.selection_bench):
+        parser.error("--zero trains through DeepSpeed; it does not combine with --shuffle or --selection-bench")
     if "shuffle" in args.modes and args.shuffle < 2:
         parser.error("mode 'shuffle' needs --shuffle G with G >= 2")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
