@@ -32,7 +32,8 @@ from ..schemes.streams import round8, row_id_dtype
 from ..schemes.topology import Topology as NodeTopology
 from ..schemes.topology import ranks_per_node
 from .supports import Supports, handshake_shape
-from .traffic import OP_ALL_TO_ALL, Phase, Traffic, register_traffic, traffic_function
+from .traffic import (OP_ALL_TO_ALL, Phase, Traffic, agsparse_traffic, balanced_traffic,
+                      register_traffic)
 
 __all__ = ["sparcml_traffic", "omnireduce_traffic", "hierarchical_traffic"]
 
@@ -162,6 +163,8 @@ def omnireduce_traffic(s: Supports, shape: SyncShape, index_encoding: str) -> Tr
 
 
 # ---------------------------------------------------------------------- hierarchical
+_INNER_TRAFFIC = {"balanced": balanced_traffic, "agsparse": agsparse_traffic}
+
 def _as_matrix(phase: Phase, group: Sequence[int], n: int) -> torch.Tensor:
     """A group's collective as global [src, dst] bytes: an all-to-all as is, a ring as each
     member sending its share to the next member (what a ring puts on each link)."""
@@ -265,7 +268,7 @@ def hierarchical_traffic(s: Supports, shape: SyncShape, index_encoding: str) -> 
         final[j] = sub.union
         inner_shape = handshake_shape(sub, shape.latency_bytes)
         inner = _inner_scheme(inner_shape)
-        body = traffic_function(inner.name)(sub, inner_shape, index_encoding)
+        body = _INNER_TRAFFIC[inner.name](sub, inner_shape, index_encoding)
         stage_of[j] = 1 + max(last_stage[r] for r in group)
         for r in group:
             last_stage[r] = stage_of[j]
