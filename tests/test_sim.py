@@ -23,7 +23,7 @@ from zen_ds.schemes.base import ByteEstimate
 from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SPLIT_ALLGATHER, SparCMLScheme
 from zen_ds.schemes.topology import RANKS_PER_NODE_ENV
 from zen_ds.sim import (AUTO, DEEPSPEED, Phase, SimCost, Supports, Topology,
-                        handshake_shape, lossless_bound, simulate, traffic_function)
+                        handshake_shape, lossless_bound, simulate)
 from zen_ds.sim import traffic as traffic_module
 from zen_ds.sim.simulate import scheme_traffic
 from zen_ds.sim.cli import main as sim_main
@@ -309,3 +309,60 @@ def test_cli_rejects_bad_input(capsys) -> None:
     assert sim_main(["--workload", "lm", "--ranks", "1"]) == 2
     assert sim_main(["--workload", "nosuch", "--ranks", "4"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_validate_replays_a_bench_run_with_equal_bytes(tmp_path, capsys) -> None:
+    """zen-bench sync on 3 loopback ranks, then the validator on its JSON: every cell's simulated
+    bytes equal the measured ones, and the table, summary and JSON come out."""
+    from zen_ds.bench.cli import main as bench_main
+    from zen_ds.sim.validate import main as validate_main
+
+    run, report = tmp_path / "run.json", tmp_path / "validate.json"
+    assert bench_main(["sync", "--local", "3", "-w", "lm:rows=3000,width=16,tokens=300",
+                       "-w", "synthetic:rows=20000,width=0,density=0.01,overlap=0.3",
+                       "--iters", "1", "--warmup", "1", "--no-progress", "--no-check",
+                       "--schemes", "all", "auto", "deepspeed", "--json", str(run)]) == 0
+    capsys.readouterr()
+    code = validate_main([str(run), "--bandwidth", "1gbit", "--compute", "none",
+                          "--json", str(report)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    data = json.loads(report.read_text())
+    rows = data["rows"]
+    assert len(rows) == 2 * (len(zen_ds.SCHEMES) + 2)
+    assert all(r["bytes_equal"] and r["method"] == "exact" for r in rows)
+    assert all(r["ran"] == r["simulated_ran"] for r in rows)
+    assert data["summary"]["bytes_differ"] == 0 and "DIFFER" not in printed
+    assert "worst |ratio - 1|" in printed
+
+
+def test_validate_rejects_bad_input(tmp_path, capsys) -> None:
+    from zen_ds.sim.validate import main as validate_main
+
+    assert validate_main([]) == 2
+    missing = tmp_path / "nothing.json"
+    assert validate_main([str(missing)]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def _quickstart_report():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "launch", "quickstart_report.py")
+    spec = importlib.util.spec_from_file_location("quickstart_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_prediction_lines() -> None:
+    report = _quickstart_report()
+    run = {"vocab": 20_000, "hidden": 16, "micro_batch": 8, "context": 32,
+           "wire_element_bytes": 4, "embedding_grad": "sparse"}
+    lines = report.scale_prediction(run, (16, 32))
+    assert lines[0].startswith("PREDICTION, not measured") and "validated" in lines[0]
+    assert [ln.split()[0] for ln in lines[2:]] == ["16", "32"]
+    assert all(ln.split()[1] in zen_ds.SCHEMES for ln in lines[2:])
+    # A failure is one line, never an exception.
+    broken = report.scale_prediction(dict(run, wire_element_bytes=3), (16,))
+    assert len(broken) == 1 and "unavailable" in broken[0]

@@ -96,7 +96,7 @@ class OmniReduceScheme(Scheme):
         n, rank, num_rows, row_numel = ctx.world_size, ctx.rank, x.num_rows, x.row_numel
         x = x.coalesce()
         size = block_size()
-        block_rows, num_blocks, id_dtype = block_geometry(num_rows, row_numel, size)
+        block_rows, _, id_dtype = block_geometry(num_rows, row_numel, size)
         acc = accum_dtype(x.dtype)
         block_numel = block_rows * row_numel
         block_bytes = block_numel * x.values.element_size()

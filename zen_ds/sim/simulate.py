@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..planner import plan, planning_ranks
+from ..planner import CostModel, plan, planning_ranks
 from ..schemes import get_scheme, scheme_names
 from ..schemes.base import SyncShape
 from .cost import SimCost
@@ -143,12 +143,18 @@ def _deepspeed_traffic(supports: Supports, sparse: bool) -> Traffic:
 
 
 def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
-             index_encoding: str = "auto", sparse: bool = True) -> SimResult:
-    """Every scheme (default: all registered), ``auto`` and ``deepspeed`` on ``supports``."""
+             index_encoding: str = "auto", sparse: bool = True,
+             planning: Optional[CostModel] = None) -> SimResult:
+    """Every scheme (default: all registered), ``auto`` and ``deepspeed`` on ``supports``.
+
+    ``planning``: the cost model the ranks plan with (their SyncOptions'), when it is not the
+    network's: the schemes' data-independent choices and ``auto`` follow it, the time follows
+    ``cost`` (replaying a run whose ranks used the default model on a slower link)."""
     n = supports.world_size
     if n < 2:
         raise ValueError("simulate needs at least 2 ranks: a group of one moves nothing")
-    latency_bytes = cost.model.latency_bytes
+    planning = cost.model if planning is None else planning
+    latency_bytes = planning.latency_bytes
     per_node = cost.topology.ranks_per_node  # what SyncOptions.ranks_per_node would say
     auto_shape = replace(handshake_shape(supports, latency_bytes), ranks_per_node=per_node)
     rows: List[SchemeResult] = []
@@ -162,7 +168,7 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
             rows.append(_result(name, "model", traffic, cost, supports.row_numel))
         else:
             rows.append(_result(name, "exact", traffic, cost, supports.row_numel))
-    chosen, _ = plan(auto_shape, cost=cost.model)
+    chosen, _ = plan(auto_shape, cost=planning)
     traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding)
     method = "exact"
     if traffic is None:
