@@ -323,8 +323,9 @@ def test_validate_replays_a_bench_run_with_equal_bytes(tmp_path, capsys) -> None
                        "--iters", "1", "--warmup", "1", "--no-progress", "--no-check",
                        "--schemes", "all", "auto", "deepspeed", "--json", str(run)]) == 0
     capsys.readouterr()
+    # The run is its own loopback run here: only the plumbing of --loopback is checked.
     code = validate_main([str(run), "--bandwidth", "1gbit", "--compute", "none",
-                          "--json", str(report)])
+                          "--loopback", str(run), "--json", str(report)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     data = json.loads(report.read_text())
@@ -333,6 +334,10 @@ def test_validate_replays_a_bench_run_with_equal_bytes(tmp_path, capsys) -> None
     assert all(r["bytes_equal"] and r["method"] == "exact" for r in rows)
     assert all(r["ran"] == r["simulated_ran"] for r in rows)
     assert data["summary"]["bytes_differ"] == 0 and "DIFFER" not in printed
+    measured = {(r["workload"], r["scheme"]): r["time_s"]
+                for r in json.loads(run.read_text())["rows"]}
+    assert all(r["loopback_s"] == measured[(r["workload"], r["scheme"])] for r in rows)
+    assert data["summary"]["local"]["loopback_s_per_mb"] > 0
     assert "worst |ratio - 1|" in printed
 
 

@@ -17,6 +17,9 @@ and measured times differ systematically, the summary's least-squares fit of
 ``measured = a * latency steps + b * bytes time + compute`` says which input is off: ``a`` is
 the per-step latency the runs show, ``1 / b`` the share of the link rate they reach; pass them
 back as ``--latency`` and ``--bandwidth`` (calibrating inputs, never scaling outputs).
+``--loopback FILE`` (the same bench command with ``--local N``: no shaped link) puts each cell's
+local cost beside the model's compute term: a sync slower on loopback than the modelled link
+takes is CPU-bound, and the gap is local work the compute rates do not cover.
 """
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local op rates: measure | none | FILE.json | op=seconds_per_element,...")
     p.add_argument("--tolerance", type=float, default=None, metavar="FRACTION",
                    help="exit 1 when a time ratio is off by more than this (e.g. 0.25)")
+    p.add_argument("--loopback", action="append", default=[], metavar="FILE",
+                   help="a `zen-bench sync --local N --json` run of the same command (no link "
+                        "limit): shows each cell's local cost next to the model's compute term")
     p.add_argument("--json", default=None, help="write every row and the fit to this file")
     run = p.add_argument_group("--run: take the measurement first")
     run.add_argument("--run", action="store_true",
@@ -156,6 +162,35 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
     return out
 
 
+def add_loopback(rows: Sequence[Dict[str, object]], path: str) -> None:
+    """Each cell's time on loopback (same command, no shaped link) as ``loopback_s``: what the
+    sync costs when only the ranks' local work and the backend's per-call cost remain."""
+    with open(path) as f:
+        data = json.load(f)
+    n = int(data["context"]["world_size"])
+    times = {(r["workload"], r["scheme"]): r["time_s"] for r in data["rows"]}
+    for row in rows:
+        if row["world_size"] == n and (row["workload"], row["scheme"]) in times:
+            row["loopback_s"] = times[(row["workload"], row["scheme"])]
+
+
+def local_cost(rows: Sequence[Dict[str, object]]) -> Dict[str, float]:
+    """Median loopback seconds per MB on the wire (busier direction), against the link's."""
+    per_mb = sorted(float(r["loopback_s"]) / (max(int(r["bytes_sent"]),
+                                                  int(r["bytes_received"])) / 1e6)
+                    for r in rows if "loopback_s" in r and r["bytes_sent"])
+    if not per_mb:
+        return {}
+    link = [float(r["bytes_time_s"]) / (max(int(r["simulated_bytes_sent"]),
+                                            int(r["simulated_bytes_received"])) / 1e6)
+            for r in rows if r["simulated_bytes_sent"]]
+    cpu_bound = sum(float(r["loopback_s"]) >= float(r["bytes_time_s"]) for r in rows
+                    if "loopback_s" in r)
+    return {"loopback_s_per_mb": per_mb[len(per_mb) // 2],
+            "link_s_per_mb": sorted(link)[len(link) // 2] if link else float("nan"),
+            "cpu_bound_cells": cpu_bound}
+
+
 def fit_inputs(rows: Sequence[Dict[str, object]]) -> Dict[str, float]:
     """Least squares ``measured - compute = a * steps + b * bytes time`` in relative error (each
     cell weighs alike, whatever its size): the per-step latency and the link-rate factor the
@@ -184,7 +219,8 @@ def format_rows(rows: Sequence[Dict[str, object]]) -> str:
             f"{r['simulated_s'] * 1e3:>9.2f} {r['ratio']:>6.2f} {r['latency_s'] * 1e3:>7.2f} "
             f"{r['bytes_time_s'] * 1e3:>8.2f} {r['compute_s'] * 1e3:>7.2f} "
             f"{r['bytes_sent'] / 1e6:>9.3f} {r['simulated_bytes_sent'] / 1e6:>9.3f}  "
-            f"{'equal' if r['bytes_equal'] else 'DIFFER'}")
+            f"{'equal' if r['bytes_equal'] else 'DIFFER'}"
+            + (f"  loopback {float(r['loopback_s']) * 1e3:.2f} ms" if "loopback_s" in r else ""))
     return "\n".join(lines)
 
 
@@ -200,7 +236,8 @@ def summary(rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
     return {"cells": len(rows), "bytes_differ": sum(not r["bytes_equal"] for r in rows),
             "choice_differs": sum(r["ran"] != r["simulated_ran"] for r in rows),
             "worst_ratio": worst["ratio"], "worst_cell": f"{worst['workload']}/{worst['scheme']}",
-            "worst_error": abs(float(worst["ratio"]) - 1.0), "fit": fit_inputs(rows)}
+            "worst_error": abs(float(worst["ratio"]) - 1.0), "fit": fit_inputs(rows),
+            "local": local_cost(rows)}
 
 
 def _run_cluster(args: argparse.Namespace) -> str:
@@ -235,6 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows: List[Dict[str, object]] = []
         for path in files:
             rows += validate_file(path, per_node, bandwidth, intra, latency, rates)
+        for path in args.loopback:
+            add_loopback(rows, path)
     except (ValueError, OSError, KeyError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -252,6 +291,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if fit:
         print(f"# fit: measured - compute = {fit['latency_per_step_s'] * 1e6:.0f} us x steps + "
               f"{fit['bytes_time_factor']:.2f} x bytes time (1.00: the link rate is reached)")
+    local = result["local"]
+    if local:
+        print(f"# loopback: {local['loopback_s_per_mb'] * 1e3:.1f} ms per MB on the wire (median) "
+              f"vs the link's {local['link_s_per_mb'] * 1e3:.1f}; {local['cpu_bound_cells']} cells "
+              "take longer on loopback than on the modelled link (CPU-bound: local work the "
+              "compute term does not cover)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "summary": result}, f, indent=1)
