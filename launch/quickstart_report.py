@@ -1,6 +1,6 @@
 """The quick start's summaries: zen vs stock DeepSpeed from the two runs' JSON files, the lossless
-bytes bound of the run's own supports, a verdict line a person can quote, and the error line of a
-failed run.
+bytes bound of the run's own supports, the simulator's prediction for the same model and batch at
+16, 128 and 1024 ranks, a verdict line a person can quote, and the error line of a failed run.
 
     python launch/quickstart_report.py compare ZEN.json DEEPSPEED.json [--verdict FILE]
     python launch/quickstart_report.py unsupported ZEN.json DEEPSPEED.log --config CFG [--verdict FILE]
@@ -31,6 +31,7 @@ _NOT_A_CAUSE = ("CalledProcessError", "Traceback")
 _UNSUPPORTED = re.compile(r"Could not run 'aten::\w+' with arguments from the 'Sparse\w*' backend")
 
 ZIPF_WORLD_SIZES = (2, 4, 8, 16, 32, 64)
+PREDICTED_WORLD_SIZES = (16, 128, 1024)  # the simulator's prediction in the compare summary
 
 
 def error_line(log_text: str, limit: int = 240) -> str:
@@ -125,6 +126,39 @@ def _footnote(run: Dict) -> str:
             f"MLP = ring all-reduce 2(n-1)/n x its size at {e} B/element, both runs)")
 
 
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.1f} MB"
+
+
+def scale_prediction(run: Dict, world_sizes: Sequence[int] = PREDICTED_WORLD_SIZES) -> List[str]:
+    """The simulator's prediction for this run's embedding and batch per rank at more ranks:
+    what auto chooses, its bytes and time against DeepSpeed's reduction. Never fails the quick
+    start: any error becomes one line."""
+    try:
+        from zen_ds.sim.scale import predict_embedding, validation_note
+
+        rows = predict_embedding(run["vocab"], run["hidden"], run["micro_batch"] * run["context"],
+                                 run["wire_element_bytes"], run["embedding_grad"] == "sparse",
+                                 world_sizes)
+    except Exception as e:  # noqa: BLE001 - a prediction must never stop the quick start
+        return [f"prediction at {'/'.join(map(str, world_sizes))} ranks unavailable "
+                f"({type(e).__name__}: {e})"]
+    first = rows[0]
+    lines = [f"PREDICTION, not measured (zen_ds.sim: the same embedding and {run['micro_batch']} x "
+             f"{run['context']} Zipf ids per rank; {first['ranks_per_node']} ranks per node, "
+             f"{first['inter_bandwidth'] * 8 / 1e9:g} Gbit/s between nodes; embedding sync only; "
+             f"{validation_note()}):",
+             f"{'ranks':>8s}{'auto chooses':>14s}{'zen bytes/rank':>16s}{'DeepSpeed':>12s}"
+             f"{'zen time':>11s}{'DeepSpeed':>11s}"]
+    for r in rows:
+        speedup = r["deepspeed_seconds"] / max(r["auto_seconds"], 1e-12)
+        lines.append(f"{r['world_size']:>8d}{r['chosen']:>14s}{_mb(r['auto_bytes_sent']):>16s}"
+                     f"{_mb(r['deepspeed_bytes_sent']):>12s}{1e3 * r['auto_seconds']:>8.1f} ms"
+                     f"{1e3 * r['deepspeed_seconds']:>8.1f} ms  "
+                     f"({'same time' if abs(speedup - 1) < 0.02 else _times(speedup, 'faster', 'slower')})")
+    return lines
+
+
 def compare(zen: Dict, ds: Dict) -> str:
     """Print the side-by-side table; return the verdict clause for this embedding kind."""
     lz, ld = [r["loss"] for r in zen["records"]], [r["loss"] for r in ds["records"]]
@@ -146,6 +180,8 @@ def compare(zen: Dict, ds: Dict) -> str:
     if zen["embedding_grad"] == "sparse":
         for line in explain_sparse(zen):
             print(line)
+    for line in scale_prediction(zen):
+        print(line)
     kind = "sparse=True" if zen["embedding_grad"] == "sparse" else "dense-grad embedding"
     amount = _fewer(bytes_ratio)
     return (f"{kind}: zen sends {amount} embedding bytes {'as' if amount == 'the same' else 'than'} DeepSpeed "

@@ -129,6 +129,9 @@ def test_quickstart_from_a_plain_shell(quickstart):
     assert len(verdict) == 1 and "fewer embedding bytes" in verdict[0] and "losses agree to" in verdict[0]
     assert "lossless bound (this run's supports)" in proc.stdout
     assert re.search(r"all-gather / bound as the ranks grow .*n=8: \d", proc.stdout)
+    # The scale story: the simulator's prediction at 16, 128 and 1024 ranks, labelled as such.
+    assert proc.stdout.count("PREDICTION, not measured") == 2
+    assert re.search(r"^ +1024 +\w+ +[\d.,]+ MB", proc.stdout, re.M)
 
 
 def test_quickstart_raises_no_warning_from_zen_ds(quickstart):

@@ -47,7 +47,8 @@ from ..sparse import RowSparse, accum_dtype
 from .base import ByteEstimate, Scheme, SyncContext, SyncShape
 from .streams import exchange, pack, positive_int_env, round8, row_id_dtype, unpack
 
-__all__ = ["OmniReduceScheme", "DEFAULT_BLOCK_SIZE", "BLOCK_SIZE_ENV", "block_size"]
+__all__ = ["OmniReduceScheme", "DEFAULT_BLOCK_SIZE", "BLOCK_SIZE_ENV", "block_size",
+           "block_geometry", "blocks_payload_bytes"]
 
 DEFAULT_BLOCK_SIZE = 256
 BLOCK_SIZE_ENV = "ZEN_DS_OMNIREDUCE_BLOCK"
@@ -74,6 +75,20 @@ def _empty_fraction(rows: float, num_rows: int, block_rows: int) -> float:
     return math.exp(log_p)
 
 
+def block_geometry(num_rows: int, row_numel: int, size: int) -> Tuple[int, int, torch.dtype]:
+    """(rows per block, number of blocks, block id dtype on the wire) for ``size``-element
+    blocks: a block is a run of whole rows, at least one."""
+    block_rows = max(1, size // row_numel)
+    num_blocks = -(-num_rows // block_rows)
+    return block_rows, num_blocks, row_id_dtype(max(num_blocks, 1))
+
+
+def blocks_payload_bytes(blocks: int, id_bytes: int, block_bytes: int) -> int:
+    """Bytes of a message of ``blocks`` blocks: ``[block ids][values]`` in 8-byte areas (works on
+    int64 tensors of counts too)."""
+    return round8(blocks * id_bytes) + round8(blocks * block_bytes)
+
+
 class OmniReduceScheme(Scheme):
     name = "omnireduce"
 
@@ -81,9 +96,7 @@ class OmniReduceScheme(Scheme):
         n, rank, num_rows, row_numel = ctx.world_size, ctx.rank, x.num_rows, x.row_numel
         x = x.coalesce()
         size = block_size()
-        block_rows = max(1, size // row_numel)
-        num_blocks = -(-num_rows // block_rows)
-        id_dtype = row_id_dtype(max(num_blocks, 1))
+        block_rows, _, id_dtype = block_geometry(num_rows, row_numel, size)
         acc = accum_dtype(x.dtype)
         block_numel = block_rows * row_numel
         block_bytes = block_numel * x.values.element_size()
@@ -114,7 +127,7 @@ class OmniReduceScheme(Scheme):
         pushed = table[:, 1:]
 
         def payload_bytes(blocks_count: int) -> int:
-            return round8(blocks_count * id_dtype.itemsize) + round8(blocks_count * block_bytes)
+            return blocks_payload_bytes(blocks_count, id_dtype.itemsize, block_bytes)
 
         def decode(buffer: torch.Tensor, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
             got_ids, values = unpack(buffer, [

@@ -102,6 +102,13 @@ class _Stream:
         return rows, self.dense.index_select(0, rows)
 
 
+def range_part_bytes(wire: _Wire, count: int, id_dtype: torch.dtype) -> int:
+    """Bytes of one split-allgather part of ``count`` rows over ``wire``'s range: the whole
+    range's values once dense by the break-even, else ``[ids][values]`` in 8-byte areas."""
+    return int(wire.num_rows * wire.row_bytes if wire.is_dense(count) else
+               round8(count * id_dtype.itemsize) + round8(count * wire.row_bytes))
+
+
 def _encode(stream: _Stream, bound: Optional[int], wire: _Wire) -> torch.Tensor:
     """A stream as bytes: dense values, or ``[count][ids][values]`` (padded to ``bound`` rows
     when given, so the receiver knows the size)."""
@@ -285,8 +292,7 @@ class SparCMLScheme(Scheme):
             return _Stream(ids.to(torch.int64), vals.reshape(count, row_numel))
 
         def size(wire: _Wire, count: int) -> int:
-            return int(wire.num_rows * wire.row_bytes if wire.is_dense(count) else
-                       round8(count * id_dtype.itemsize) + round8(count * wire.row_bytes))
+            return range_part_bytes(wire, count, id_dtype)
 
         # Reduce-scatter by range: counts first, then each part sparse or dense.
         recv_counts = torch.empty(n, dtype=torch.int64, device=x.device)

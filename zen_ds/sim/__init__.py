@@ -3,10 +3,13 @@ planner's cost model on a topology (``python -m zen_ds.sim``; see :mod:`zen_ds.s
 
 Pieces: :mod:`~zen_ds.sim.supports` (ids only, and what the handshake derives from them),
 :mod:`~zen_ds.sim.traffic` (per-scheme exact bytes; the registration point for new schemes),
+:mod:`~zen_ds.sim.peers` (the same for sparcml, omnireduce and hierarchical),
 :mod:`~zen_ds.sim.cost` (the planner's :class:`~zen_ds.planner.CostModel` per collective, with
 shared NICs and a compute term), :mod:`~zen_ds.sim.simulate` (all schemes, ``auto``,
-``deepspeed``), :mod:`~zen_ds.sim.throughput` (training step time) and
-:mod:`~zen_ds.sim.report` (tables, JSON, plot).
+``deepspeed``), :mod:`~zen_ds.sim.throughput` (training step time),
+:mod:`~zen_ds.sim.report` (tables, JSON, plot), :mod:`~zen_ds.sim.validate` (against measured
+``zen-bench sync`` runs on the emulated cluster) and :mod:`~zen_ds.sim.scale` (one embedding's
+prediction at more ranks, for the quick start).
 
 The planner plans on a flat network (every rank its own link). :class:`SimCost` reduces to it
 with one rank per node; with several ranks per node an all-to-all loads the shared NIC with all

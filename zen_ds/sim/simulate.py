@@ -17,11 +17,12 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..planner import plan, planning_ranks
+from ..planner import CostModel, plan, planning_ranks
 from ..schemes import get_scheme, scheme_names
 from ..schemes.base import SyncShape
 from .cost import SimCost
 from .supports import LosslessBound, Supports, handshake_shape, lossless_bound
+from . import peers  # noqa: F401  (registers the peer schemes' traffic functions)
 from .traffic import (Phase, Traffic, agsparse_traffic, dense_traffic, handshake_phase,
                       traffic_function)
 
@@ -110,17 +111,6 @@ def scheme_traffic(supports: Supports, name: str, shape: SyncShape, index_encodi
     return Traffic([handshake_phase(supports.world_size)] + body.phases, body.compute)
 
 
-@dataclass
-class _StepsPhase(Phase):
-    """A phase whose latency steps come from a byte model rather than one collective."""
-
-    steps: int = 0
-
-    @property
-    def latency_steps(self) -> int:
-        return self.steps
-
-
 def _model_traffic(supports: Supports, name: str, shape: SyncShape) -> Traffic:
     """A scheme without a traffic function: its ``predict`` at the ranks the planner checks,
     as one flat phase per rank (the largest estimate for ranks it did not check)."""
@@ -137,7 +127,7 @@ def _model_traffic(supports: Supports, name: str, shape: SyncShape) -> Traffic:
     for r, e in estimates.items():
         sent[r], received[r] = int(e.bytes_sent), int(e.bytes_received)
     steps = max(e.latency_steps for e in estimates.values())
-    phase = _StepsPhase(name, "model", sent, received, steps=steps)
+    phase = Phase(name, "model", sent, received, steps=steps)
     return Traffic([handshake_phase(n), phase])
 
 
@@ -153,24 +143,32 @@ def _deepspeed_traffic(supports: Supports, sparse: bool) -> Traffic:
 
 
 def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
-             index_encoding: str = "auto", sparse: bool = True) -> SimResult:
-    """Every scheme (default: all registered), ``auto`` and ``deepspeed`` on ``supports``."""
+             index_encoding: str = "auto", sparse: bool = True,
+             planning: Optional[CostModel] = None) -> SimResult:
+    """Every scheme (default: all registered), ``auto`` and ``deepspeed`` on ``supports``.
+
+    ``planning``: the cost model the ranks plan with (their SyncOptions'), when it is not the
+    network's: the schemes' data-independent choices and ``auto`` follow it, the time follows
+    ``cost`` (replaying a run whose ranks used the default model on a slower link)."""
     n = supports.world_size
     if n < 2:
         raise ValueError("simulate needs at least 2 ranks: a group of one moves nothing")
-    latency_bytes = cost.model.latency_bytes
-    auto_shape = handshake_shape(supports, latency_bytes)
+    planning = cost.model if planning is None else planning
+    latency_bytes = planning.latency_bytes
+    per_node = cost.topology.ranks_per_node  # what SyncOptions.ranks_per_node would say
+    auto_shape = replace(handshake_shape(supports, latency_bytes), ranks_per_node=per_node)
     rows: List[SchemeResult] = []
     for name in (tuple(schemes) or scheme_names()):
-        shape = handshake_shape(supports, latency_bytes,
-                                with_layout=get_scheme(name).needs_owner_counts)
+        shape = replace(handshake_shape(supports, latency_bytes,
+                                        with_layout=get_scheme(name).needs_owner_counts),
+                        ranks_per_node=per_node)
         traffic = scheme_traffic(supports, name, shape, index_encoding)
         if traffic is None:
             traffic = _model_traffic(supports, name, auto_shape)
             rows.append(_result(name, "model", traffic, cost, supports.row_numel))
         else:
             rows.append(_result(name, "exact", traffic, cost, supports.row_numel))
-    chosen, _ = plan(auto_shape, cost=cost.model)
+    chosen, _ = plan(auto_shape, cost=planning)
     traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding)
     method = "exact"
     if traffic is None:

@@ -160,13 +160,13 @@ def handshake_shape(supports: Supports, latency_bytes: float = DEFAULT_LATENCY_B
                     rank: int = 0, with_layout: bool = True) -> SyncShape:
     """The SyncShape ``sparse_allreduce`` builds from the handshake: sketch-estimated union and
     singletons when a layout is in play (``auto`` or a scheme needing owner counts), else the
-    sum of nnz and no singletons, as there."""
+    sum of nnz (at most every row) and no singletons, as there."""
     nnz = supports.nnz.tolist()
     if with_layout and supports.num_rows:
         union = estimate_union(supports.sketches, nnz, supports.num_rows)
         singletons = estimate_singletons(supports.sketches, union)
     else:
-        union, singletons = sum(nnz), 0
+        union, singletons = min(sum(nnz), supports.num_rows), 0
     return SyncShape(supports.world_size, nnz, union, supports.num_rows, supports.row_numel,
                      supports.value_bytes, rank, latency_bytes, singletons)
 

@@ -19,7 +19,7 @@ simulated from its ``predict`` and marked ``model`` instead of ``exact``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,13 +38,19 @@ OP_ALL_TO_ALL = "all_to_all"
 
 @dataclass
 class Phase:
-    """One collective: per-rank bytes (int64 [n]) and, for an all-to-all, who sends whom what."""
+    """One collective: per-rank bytes (int64 [n]) and, for an all-to-all, who sends whom what.
+
+    A phase of sub-groups running side by side (a two-level scheme's node or slice groups) sets
+    ``members`` (the ranks that record it: a rank outside every group of the phase calls no
+    collective) and ``steps`` (its groups' latency steps, not the world's)."""
 
     name: str
     op: str  # "all_gather" | "all_reduce" | "all_to_all"
     sent: torch.Tensor
     received: torch.Tensor
     matrix: Optional[torch.Tensor] = None  # all_to_all: int64 [src, dst] bytes, zero diagonal
+    members: Optional[torch.Tensor] = None  # bool [n]; None: every rank records this collective
+    steps: Optional[int] = None  # latency steps; None: one collective over all n ranks
 
     @classmethod
     def ring(cls, name: str, op: str, per_rank: torch.Tensor,
@@ -52,15 +58,20 @@ class Phase:
         return cls(name, op, per_rank, per_rank if received is None else received)
 
     @classmethod
-    def all_to_all(cls, name: str, matrix: torch.Tensor) -> "Phase":
+    def all_to_all(cls, name: str, matrix: torch.Tensor, steps: Optional[int] = None,
+                   members: Optional[torch.Tensor] = None) -> "Phase":
         matrix = matrix.clone()
         matrix.fill_diagonal_(0)  # a rank's own share never travels
-        return cls(name, OP_ALL_TO_ALL, matrix.sum(1), matrix.sum(0), matrix)
+        return cls(name, OP_ALL_TO_ALL, matrix.sum(1), matrix.sum(0), matrix, members, steps)
 
     @property
     def latency_steps(self) -> int:
         """Latency steps of one collective, as the schemes' ``predict`` count them."""
-        return self.sent.numel() - 1
+        return self.sent.numel() - 1 if self.steps is None else self.steps
+
+    def records(self, rank: int) -> bool:
+        """Whether ``rank`` calls this collective (and so has a byte record of it)."""
+        return self.members is None or bool(self.members[rank])
 
 
 @dataclass
@@ -70,6 +81,12 @@ class Traffic:
 
     phases: List[Phase]
     compute: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def rank_records(self, rank: int) -> List[Tuple[int, int]]:
+        """(sent, received) of every collective ``rank`` calls, in its call order: what that
+        rank's :class:`~zen_ds.comm.Communicator` records list."""
+        return [(int(p.sent[rank]), int(p.received[rank])) for p in self.phases
+                if p.records(rank)]
 
     @property
     def bytes_sent(self) -> torch.Tensor:
