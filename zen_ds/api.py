@@ -25,9 +25,10 @@ from .comm import Communicator
 from .handshake import DTYPE_CODES, HandshakeTable, encode_record, row_dims_slots
 from .inputs import LocalInput, inspect_input
 from .partition import ShardLayout
-from .planner import CostModel, estimate_singletons, estimate_union, plan
-from .schemes import get_scheme, scheme_names
+from .planner import CostModel, estimate_singletons, estimate_union, plan, slowest_seconds
+from .schemes import auto_candidates, get_scheme, scheme_names
 from .schemes.base import SKETCH_SIZE, SyncContext, SyncShape, handshake_bytes
+from .schemes.topology import ranks_per_node
 from .sparse import RowSparse, accum_dtype
 from .stats import SyncStats, record
 
@@ -134,7 +135,14 @@ def _fallback_device(types: Optional[Tuple[str, ...]]) -> torch.device:
 
 
 # ----------------------------------------------------------------------------- handshake
-_DISPLAY = {"cost_alpha": "cost model alpha", "cost_bandwidth": "cost model bandwidth"}
+_DISPLAY = {"cost_alpha": "cost model alpha", "cost_bandwidth": "cost model bandwidth",
+            "cost_model": "cost model (intra-node bandwidth or compute rates)"}
+
+
+def effective_ranks_per_node(opts: SyncOptions) -> int:
+    """The options' ranks per node, or the environment's (:func:`zen_ds.schemes.topology.
+    ranks_per_node`) when they leave it 0."""
+    return opts.ranks_per_node or ranks_per_node()
 
 
 def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool,
@@ -160,8 +168,10 @@ def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool
             "scheme": 0 if scheme == "auto" else 1 + scheme_names().index(scheme),
             "index_encoding": INDEX_ENCODINGS.index(opts.index_encoding), "seed": opts.seed,
             "average": int(bool(average)), "prescale": prescale, "postscale": postscale,
-            "density_threshold": opts.density_threshold, "ranks_per_node": opts.ranks_per_node,
+            "density_threshold": opts.density_threshold,
+            "ranks_per_node": effective_ranks_per_node(opts),
             "cost_alpha": opts.cost_model.alpha, "cost_bandwidth": opts.cost_model.bandwidth,
+            "cost_model": opts.cost_model.digest(),
         }, sketch, owner_counts, n)
     record_ = record_.to(device)
     gathered = torch.empty(n * record_.numel(), dtype=torch.int64, device=device)
@@ -253,9 +263,20 @@ def _sketched(scheme: str) -> bool:
     return scheme == "auto" or get_scheme(scheme).needs_owner_counts
 
 
+def auto_candidates_for(comm: Communicator, shape: SyncShape) -> Tuple[str, ...]:
+    """The schemes ``auto`` may pick for this group: hierarchical only on the default group
+    (its node groups are made by every rank of the world; the planner further keeps it to
+    several nodes of several ranks)."""
+    names = auto_candidates()
+    whole_world = comm.group is None or not dist.is_initialized() or \
+        list(dist.get_process_group_ranks(comm.group)) == list(range(dist.get_world_size()))
+    return names if whole_world else tuple(name for name in names if name != "hierarchical")
+
+
 def _plan(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptions,
-          comm: Communicator) -> Tuple[str, SyncShape, Tuple[float, float]]:
-    """(scheme to run, what the planner knew, predicted bytes sent/received)."""
+          comm: Communicator) -> Tuple[str, SyncShape, Tuple[float, float, float]]:
+    """(scheme to run, what the planner knew, predicted bytes sent/received and the model's
+    seconds on the slowest rank)."""
     n, num_rows = comm.world_size, local.num_rows
     nnz_per_rank = table.column("nnz")
     if _sketched(scheme):
@@ -264,16 +285,20 @@ def _plan(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptio
     else:
         union, singletons = min(sum(nnz_per_rank), num_rows), 0
     shape = SyncShape(n, nnz_per_rank, union, num_rows, local.row_numel, local.element_size,
-                      comm.rank, opts.cost_model.latency_bytes, singletons, opts.ranks_per_node)
+                      comm.rank, opts.cost_model.latency_bytes, singletons,
+                      table.column("ranks_per_node")[0])
     if max(nnz_per_rank) > opts.density_threshold * num_rows:
-        chosen, estimate = "dense", get_scheme("dense").predict(shape)
+        chosen = "dense"
     elif scheme == "auto":
-        chosen, estimates = plan(shape, cost=opts.cost_model)
-        estimate = estimates[chosen]
+        chosen, _ = plan(shape, auto_candidates_for(comm, shape), opts.cost_model)
     else:
-        chosen, estimate = scheme, get_scheme(scheme).predict(shape)
+        chosen = scheme
+    estimate = get_scheme(chosen).predict(shape)
     handshake = (n - 1) * handshake_bytes(n)
-    return chosen, shape, (estimate.bytes_sent + handshake, estimate.bytes_received + handshake)
+    seconds = slowest_seconds(chosen, shape, opts.cost_model) + opts.cost_model.link_seconds(
+        handshake, 0.0, n - 1)
+    return chosen, shape, (estimate.bytes_sent + handshake, estimate.bytes_received + handshake,
+                           seconds)
 
 
 def agree(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
@@ -333,7 +358,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
     if nothing_to_move:  # "local": a sync that moves nothing (a group of one, an empty tensor)
         chosen = "local" if scheme == "auto" else scheme
         nnz_per_rank, union = table.column("nnz"), local.nnz
-        predicted = (0.0, 0.0)
+        predicted = (0.0, 0.0, 0.0)
     else:
         chosen, shape, predicted = _plan(table, local, scheme, opts, comm)
         nnz_per_rank, union = shape.nnz_per_rank, shape.union_nnz
@@ -379,7 +404,8 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         num_rows=local.num_rows, row_numel=local.row_numel, world_size=n,
         dense_bytes=local.num_rows * local.row_numel * local.element_size,
         union_estimate=union, predicted_bytes_sent=predicted[0],
-        predicted_bytes_received=predicted[1], collectives=list(comm.records))
+        predicted_bytes_received=predicted[1], predicted_seconds=predicted[2],
+        collectives=list(comm.records))
     record(sync_stats)
     if stats is not None:
         for f in fields(SyncStats):

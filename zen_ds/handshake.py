@@ -46,6 +46,7 @@ FIELDS: Tuple[Tuple[str, int, str], ...] = (
     ("ranks_per_node", 1, "ranks per host (0 unknown)"),
     ("cost_alpha", 1, "float bits: cost model latency (s)"),
     ("cost_bandwidth", 1, "float bits: cost model bandwidth (B/s)"),
+    ("cost_model", 1, "digest of the whole cost model (intra-node bandwidth, compute rates)"),
 )
 # Every field but these must be equal on every rank.
 AGREED_FIELDS = tuple(name for name, _, _ in FIELDS if name not in ("error", "nnz"))

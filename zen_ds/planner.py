@@ -10,9 +10,11 @@ schemes and deadlock in mismatched collectives.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -21,23 +23,79 @@ from .schemes.base import ByteEstimate, SyncShape
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CostModel", "estimate_union", "estimate_singletons", "plan"]
+__all__ = ["CostModel", "DEFAULT_COMPUTE_RATES", "COMPUTE_OPS", "estimate_union",
+           "estimate_singletons", "plan", "slowest_seconds"]
+
+
+# Seconds per element of zen's local ops when nothing was measured: the compiled CPU ops on one
+# core of a 2-vCPU x86 VM. :func:`zen_ds.calibrate.measure_compute_rates` replaces them with this
+# process's own rates (the plug-in and ``zen-bench`` do so at start-up, max over the group).
+DEFAULT_COMPUTE_RATES: Tuple[Tuple[str, float], ...] = (
+    ("partition", 1.0e-9), ("aggregate", 4.0e-10), ("scatter", 5.0e-10), ("scan", 2.0e-10))
+COMPUTE_OPS = tuple(op for op, _ in DEFAULT_COMPUTE_RATES)
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Alpha-beta cost: ``latency_steps * alpha + wire_bytes / bandwidth`` seconds."""
+    """Time of one sync on one rank: latency, link bytes and local work.
+
+    ``seconds = steps * alpha + nic_bytes / bandwidth + intra_bytes / intra_bandwidth
+    + sum_op elements_op * rate_op``. ``bandwidth`` is one node's NIC (with one rank per node,
+    the rank's link), ``intra_bandwidth`` one rank's links inside its node; which bytes load which
+    link comes from the scheme's :class:`ByteEstimate` (see :func:`zen_ds.schemes.base.link_split`).
+    ``compute`` holds seconds per element of each local op (:data:`COMPUTE_OPS`). The simulator
+    times its exact traffic with the same methods, so planner and simulator share one model.
+    """
 
     alpha: float = 50e-6  # seconds per latency step (gloo/TCP order of magnitude)
     bandwidth: float = 1.25e9  # bytes per second (10 Gbit/s)
+    # Bytes per second over one rank's links inside its node; 0: as ``bandwidth`` (no advantage
+    # assumed until measured: ``zen-bench calibrate`` prints it).
+    intra_bandwidth: float = 0.0
+    compute: Tuple[Tuple[str, float], ...] = DEFAULT_COMPUTE_RATES
+
+    def __post_init__(self) -> None:
+        if not (self.alpha >= 0 and self.bandwidth > 0 and self.intra_bandwidth >= 0):
+            raise ValueError(f"cost model: alpha must be >= 0 and bandwidths > 0, got alpha="
+                             f"{self.alpha}, bandwidth={self.bandwidth}, intra_bandwidth (0: as bandwidth)="
+                             f"{self.intra_bandwidth}")
+        unknown = [op for op, _ in self.compute if op not in COMPUTE_OPS]
+        if unknown or any(not rate >= 0 for _, rate in self.compute):
+            raise ValueError(f"cost model: compute rates must be non-negative seconds per element "
+                             f"of {COMPUTE_OPS}, got {dict(self.compute)}")
 
     @property
     def latency_bytes(self) -> float:
         """Bytes the link moves in one latency step (schemes trade padding against rounds)."""
         return self.alpha * self.bandwidth
 
+    @property
+    def intra_rate(self) -> float:
+        return self.intra_bandwidth or self.bandwidth
+
+    def link_seconds(self, nic_bytes: float, intra_bytes: float, latency_steps: int) -> float:
+        return (latency_steps * self.alpha + nic_bytes / self.bandwidth
+                + intra_bytes / self.intra_rate)
+
+    def compute_seconds(self, elements: Mapping[str, float]) -> float:
+        rates = dict(self.compute)
+        return sum(count * rates.get(op, 0.0) for op, count in elements.items())
+
     def seconds(self, estimate: ByteEstimate) -> float:
-        return estimate.latency_steps * self.alpha + estimate.wire_bytes / self.bandwidth
+        return (self.link_seconds(estimate.nic_bytes, estimate.intra_bytes,
+                                  estimate.latency_steps) + self.compute_seconds(estimate.compute))
+
+    def digest(self) -> int:
+        """One int64 naming every constant: ranks must plan with the same model (the handshake
+        compares it), or they could choose different schemes and deadlock."""
+        values = (self.alpha, self.bandwidth, self.intra_bandwidth) + tuple(
+            v for pair in sorted(self.compute) for v in (COMPUTE_OPS.index(pair[0]), pair[1]))
+        data = struct.pack(f"<{len(values)}d", *values)
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+    def with_compute(self, rates: Mapping[str, float]) -> "CostModel":
+        return replace(self, compute=tuple((op, float(rates[op])) for op in COMPUTE_OPS
+                                           if op in rates))
 
 
 def estimate_union(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int) -> int:
@@ -88,17 +146,19 @@ def planning_ranks(shape: SyncShape) -> List[int]:
     return sorted({most, fewest})
 
 
+def slowest_seconds(name: str, shape: SyncShape, cost: CostModel) -> float:
+    """The model's time of scheme ``name`` on ``shape``: its slowest planning rank's."""
+    scheme = get_scheme(name)
+    return max(cost.seconds(scheme.predict(replace(shape, rank=r))) for r in planning_ranks(shape))
+
+
 def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = CostModel()
          ) -> Tuple[str, Dict[str, ByteEstimate]]:
     """Fastest scheme for ``shape`` (by its slowest rank: the same answer on every rank) and each
     candidate's estimate for ``shape.rank``."""
     names = tuple(candidates) or auto_candidates()
-    ranks = planning_ranks(shape)
-
-    def slowest(name: str) -> float:
-        scheme = get_scheme(name)
-        return max(cost.seconds(scheme.predict(replace(shape, rank=r))) for r in ranks)
-
-    best = min(names, key=slowest)
+    if not 1 < shape.ranks_per_node < shape.world_size:  # one node, or a node per rank
+        names = tuple(name for name in names if name != "hierarchical") or names
+    best = min(names, key=lambda name: slowest_seconds(name, shape, cost))
     estimates = {name: get_scheme(name).predict(shape) for name in names}
     return best, estimates

@@ -14,7 +14,8 @@ class SyncStats:
     """The calling rank's view of one :func:`zen_ds.sparse_allreduce`.
 
     Byte counts come from the buffers handed to the collectives (see :mod:`zen_ds.comm`) and
-    include the handshake; ``predicted_*`` is the chosen scheme's byte model plus the handshake.
+    include the handshake; ``predicted_*`` is the chosen scheme's byte model plus the handshake,
+    and ``predicted_seconds`` the planner's time for it (compare with ``seconds``).
     ``scheme`` is the scheme that ran (``"local"`` for ``auto`` when nothing moves: a group of
     one, or a tensor with no elements). ``SyncStats()`` is an empty record for
     ``sparse_allreduce(..., stats=...)`` to fill.
@@ -33,6 +34,7 @@ class SyncStats:
     union_estimate: int = 0  # the planner's union estimate (exact for small supports)
     predicted_bytes_sent: float = 0.0
     predicted_bytes_received: float = 0.0
+    predicted_seconds: float = 0.0  # the cost model's time of the chosen scheme (slowest rank)
     collectives: List[CommRecord] = field(default_factory=list, repr=False)
 
     @property

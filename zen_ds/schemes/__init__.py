@@ -37,10 +37,9 @@ def scheme_names() -> Tuple[str, ...]:
 
 
 def auto_candidates() -> Tuple[str, ...]:
-    """The schemes ``auto`` chooses among. The peer schemes (sparcml, omnireduce, hierarchical)
-    spend local compute that the byte-only model does not see, so they stay out until the
-    planner prices compute; they run when named."""
-    return ("dense", "agsparse", "balanced")
+    """The schemes ``auto`` chooses among: every registered scheme (the planner prices bytes on
+    each link class, latency and local work, so a scheme only wins where it is faster)."""
+    return scheme_names()
 
 
 for _scheme in (DenseScheme(), AllGatherSparseScheme(), BalancedScheme(), SparCMLScheme(),

@@ -11,7 +11,7 @@ import torch
 
 from .. import ops
 from ..sparse import RowSparse, accum_dtype
-from .base import ByteEstimate, Scheme, SyncContext, SyncShape
+from .base import RING, ByteEstimate, Scheme, SyncContext, SyncShape, on_links
 
 
 class AllGatherSparseScheme(Scheme):
@@ -42,4 +42,7 @@ class AllGatherSparseScheme(Scheme):
     def predict(self, shape: SyncShape) -> ByteEstimate:
         n = shape.world_size
         padded = (n - 1) * max(shape.nnz_per_rank) * (8 + shape.row_bytes)
-        return ByteEstimate(padded, padded, 2 * (n - 1))
+        # Every rank sums every rank's rows, then writes the union.
+        compute = {"aggregate": sum(shape.nnz_per_rank) * shape.row_numel,
+                   "scatter": shape.union_nnz * shape.row_numel}
+        return on_links(ByteEstimate(padded, padded, 2 * (n - 1)), shape, RING, compute)

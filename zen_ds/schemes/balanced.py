@@ -34,7 +34,7 @@ import torch
 from .. import ops
 from ..partition import ShardLayout
 from ..sparse import RowSparse, accum_dtype
-from .base import ByteEstimate, Scheme, SyncContext, SyncShape
+from .base import SPREAD, ByteEstimate, Scheme, SyncContext, SyncShape, on_links
 
 ENCODING_COO = 0
 ENCODING_BITMAP = 1
@@ -438,6 +438,9 @@ class BalancedScheme(Scheme):
         push_sent = nnz[r] * (n - 1) / n * entry
         push_received = sum(m for i, m in enumerate(nnz) if i != r) / n * entry
         shard_size = shape.num_rows / n
+        # Partition my rows, sum what my shard received, write the union.
+        compute = {"partition": nnz[r] * shape.row_numel, "aggregate": total / n * shape.row_numel,
+                   "scatter": shape.union_nnz * shape.row_numel}
 
         def index(rows: float) -> float:  # + mean padding of the index and value areas to 8
             return min(rows * id_bytes, (shard_size + 7) // 8) + 7
@@ -446,7 +449,8 @@ class BalancedScheme(Scheme):
             # Every shard padded to the rows its owner received (~sum(m)/n), plus its header.
             bound = total / n
             pull = (n - 1) * (8 + index(bound) + bound * shape.row_bytes)
-            return ByteEstimate(push_sent + pull, push_received + pull, 2 * (n - 1))
+            return on_links(ByteEstimate(push_sent + pull, push_received + pull, 2 * (n - 1)),
+                            shape, SPREAD, compute)
         # Exchanged sizes: each single-holder row skips its holder; single-holder rows are
         # spread over ranks like their non-zeros, and every shard holds ~U/n rows.
         skip = skips_single_holders(shape.row_bytes)
@@ -461,4 +465,5 @@ class BalancedScheme(Scheme):
 
         sent = sum(payload(d) for d in range(n) if d != r)
         received = (n - 1) * payload(r)
-        return ByteEstimate(push_sent + meta + sent, push_received + meta + received, 3 * (n - 1))
+        return on_links(ByteEstimate(push_sent + meta + sent, push_received + meta + received,
+                                     3 * (n - 1)), shape, SPREAD, compute)

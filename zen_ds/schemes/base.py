@@ -6,8 +6,8 @@ A scheme is a small object with two entry points: :meth:`Scheme.sync` moves the 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import ClassVar, List, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,7 +16,8 @@ from ..handshake import SKETCH_SIZE, HandshakeTable, handshake_bytes
 from ..sparse import RowSparse
 
 __all__ = ["SyncShape", "ByteEstimate", "SyncContext", "Scheme", "SKETCH_SIZE",
-           "DEFAULT_LATENCY_BYTES", "handshake_bytes", "HandshakeTable"]
+           "DEFAULT_LATENCY_BYTES", "handshake_bytes", "HandshakeTable", "RING", "SPREAD",
+           "nodes_of", "link_split", "on_links"]
 
 # Bytes the link moves in one latency step: what a scheme may spend in padding to save a round.
 # The default cost model's alpha (50 us) times its bandwidth (1.25 GB/s); see zen_ds.planner.
@@ -49,15 +50,70 @@ class SyncShape:
 
 @dataclass(frozen=True)
 class ByteEstimate:
-    """Predicted per-rank wire bytes and latency steps (the alpha term) of one sync."""
+    """Predicted per-rank wire bytes and latency steps (the alpha term) of one sync, which links
+    carry them, and the rank's local work.
+
+    ``nic``: bytes through this rank's node NIC (max of in and out, every rank of the node
+    counted), None for the flat model (one rank per node: ``wire_bytes``); ``intra``: bytes over
+    this rank's links inside the node; ``compute``: elements each local op processes
+    (:data:`zen_ds.planner.COMPUTE_OPS`). :meth:`zen_ds.planner.CostModel.seconds` times it.
+    """
 
     bytes_sent: float
     bytes_received: float
     latency_steps: int
+    nic: Optional[float] = None
+    intra: float = 0.0
+    compute: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def wire_bytes(self) -> float:
         return max(self.bytes_sent, self.bytes_received)
+
+    @property
+    def nic_bytes(self) -> float:
+        return self.wire_bytes if self.nic is None else self.nic
+
+    @property
+    def intra_bytes(self) -> float:
+        return self.intra
+
+
+RING = "ring"  # node-ordered ring or pairwise chain: the NIC carries one rank's bytes
+SPREAD = "spread"  # all-to-all, bytes spread evenly over the other ranks
+
+
+def nodes_of(shape: SyncShape) -> Tuple[int, int]:
+    """(ranks per node, nodes) of the shape's group: consecutive ranks share a node."""
+    n = shape.world_size
+    k = min(max(shape.ranks_per_node, 1), max(n, 1))
+    return k, -(-n // k)
+
+
+def link_split(wire: float, shape: SyncShape, pattern: str) -> Tuple[float, float]:
+    """(NIC bytes, intra-node bytes) of ``wire`` bytes per rank moved in ``pattern``.
+
+    One rank per node: all on its NIC. One node: all inside it. A ring ordered node by node puts
+    one rank's bytes on each NIC (its intra hops run alongside). A spread pattern sends
+    ``(n - k) / (n - 1)`` of every rank's bytes off the node, all ``k`` ranks through one NIC."""
+    n = shape.world_size
+    k, nodes = nodes_of(shape)
+    if k == 1:
+        return wire, 0.0
+    if nodes == 1:
+        return 0.0, wire
+    if pattern == RING:
+        return wire, 0.0
+    cross = wire * (n - k) / (n - 1)
+    return k * cross, wire - cross
+
+
+def on_links(estimate: ByteEstimate, shape: SyncShape, pattern: str,
+             compute: Optional[Mapping[str, float]] = None) -> ByteEstimate:
+    """``estimate`` with its bytes placed on the links by :func:`link_split` and its local work."""
+    nic, intra = link_split(estimate.wire_bytes, shape, pattern)
+    return replace(estimate, nic=nic, intra=intra,
+                   compute=dict(compute if compute is not None else estimate.compute))
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..sparse import RowSparse, accum_dtype
-from .base import ByteEstimate, Scheme, SyncContext, SyncShape
+from .base import RING, ByteEstimate, Scheme, SyncContext, SyncShape, on_links
 
 
 def dense_allreduce(tensor: torch.Tensor, ctx: SyncContext, name: str = "dense") -> torch.Tensor:
@@ -28,4 +28,7 @@ class DenseScheme(Scheme):
         n = shape.world_size
         # fp16/bf16 travel as fp32 (accumulated in fp32 on the wire).
         ring = 2 * (n - 1) * shape.num_rows * shape.row_numel * max(shape.value_bytes, 4) / n
-        return ByteEstimate(ring, ring, 2 * (n - 1))
+        elements = shape.num_rows * shape.row_numel
+        # Two passes over the tensor (to and from the wire dtype), and the ring's reduce steps.
+        compute = {"scan": 2 * elements, "aggregate": 2 * (n - 1) * elements / n}
+        return on_links(ByteEstimate(ring, ring, 2 * (n - 1)), shape, RING, compute)

@@ -83,7 +83,8 @@ class HierarchicalScheme(Scheme):
         x = x.coalesce()
         if x.num_rows == 0:
             return RowSparse.empty(0, x.row_shape, dtype=x.dtype, device=x.device)
-        topology, node, across = topology_for(ctx.comm, x.device)
+        per_node = ctx.shape.ranks_per_node if ctx.shape is not None else None
+        topology, node, across = topology_for(ctx.comm, x.device, per_node)
         layout = ShardLayout(x.num_rows, topology.slices, ctx.seed)
         wire = _Wire(layout, x.row_numel)
         acc = accum_dtype(x.dtype)
@@ -166,7 +167,7 @@ class HierarchicalScheme(Scheme):
     # ------------------------------------------------------------------ model
     def predict(self, shape: SyncShape) -> ByteEstimate:
         n, r = shape.world_size, shape.rank
-        topology = Topology.consecutive(n, ranks_per_node())
+        topology = Topology.consecutive(n, shape.ranks_per_node or ranks_per_node())
         if shape.num_rows == 0:
             return ByteEstimate(0, 0, 0)
         layout = ShardLayout(shape.num_rows, topology.slices, 0)
@@ -190,16 +191,26 @@ class HierarchicalScheme(Scheme):
                                          shape.row_bytes) for i in range(size) if i != local)
         steps = 4 * (size - 1)
         mine = handled[local]
+        across_sent = across_received = 0.0
+        compute = {"partition": nnz[r] * shape.row_numel,
+                   "aggregate": nnz[r] * shape.row_numel,  # ~ what my slices receive in the node
+                   "scatter": shape.union_nnz * shape.row_numel}
         for s in mine:
             estimate = self._predict_across(shape, topology, s, frac[s], node_union, universe)
-            sent += estimate.bytes_sent
-            received += estimate.bytes_received
+            across_sent += estimate.bytes_sent
+            across_received += estimate.bytes_received
             steps += estimate.latency_steps
+            for op, count in estimate.compute.items():
+                compute[op] = compute.get(op, 0.0) + count
         final = [shape.union_nnz * f for f in frac]
         sent += (size - 1) * sum(entries(final[s], shape.row_bytes) for s in mine)
         received += sum(entries(final[s], shape.row_bytes) for d in range(size) if d != local
                         for s in handled[d])
-        return ByteEstimate(sent, received, steps)
+        # The node's ranks sync their slices across nodes side by side, all through its NIC;
+        # the rest stays inside the node.
+        nic = size * max(across_sent, across_received) if len(nodes) > 1 else 0.0
+        return ByteEstimate(sent + across_sent, received + across_received, steps, nic,
+                            max(sent, received), compute)
 
     @staticmethod
     def _predict_across(shape: SyncShape, topology: Topology, slice_: int, frac: float,
@@ -223,7 +234,7 @@ class HierarchicalScheme(Scheme):
         estimate = _inner_scheme(inner_shape).predict(inner_shape)
         handshake = (g - 1) * 8 * (1 + SKETCH_SIZE + g)
         return ByteEstimate(estimate.bytes_sent + handshake, estimate.bytes_received + handshake,
-                            estimate.latency_steps + g - 1)
+                            estimate.latency_steps + g - 1, compute=estimate.compute)
 
 
 def _spans(counts: Sequence[int]) -> List[Tuple[int, int]]:

@@ -44,7 +44,7 @@ import torch
 
 from .. import ops
 from ..sparse import RowSparse, accum_dtype
-from .base import ByteEstimate, Scheme, SyncContext, SyncShape
+from .base import SPREAD, ByteEstimate, Scheme, SyncContext, SyncShape, on_links
 from .streams import exchange, pack, positive_int_env, round8, row_id_dtype, unpack
 
 __all__ = ["OmniReduceScheme", "DEFAULT_BLOCK_SIZE", "BLOCK_SIZE_ENV", "block_size",
@@ -199,4 +199,8 @@ class OmniReduceScheme(Scheme):
         sent += (n - 1) * entry(union_fill * striped[r])
         received = headers + sum(entry(fill[i] * striped[r]) for i in range(n) if i != r)
         received += sum(entry(union_fill * striped[j]) for j in range(n) if j != r)
-        return ByteEstimate(sent, received, 4 * (n - 1))
+        # Find my non-zero blocks, sum the blocks pushed to my stripe, write the union.
+        compute = {"partition": shape.nnz_per_rank[r] * shape.row_numel,
+                   "aggregate": sum(fill) * striped[r] * block_rows * shape.row_numel,
+                   "scatter": shape.union_nnz * shape.row_numel}
+        return on_links(ByteEstimate(sent, received, 4 * (n - 1)), shape, SPREAD, compute)

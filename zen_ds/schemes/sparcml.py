@@ -41,13 +41,13 @@ with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.sparse` for the signed-zero r
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import ops
 from ..sparse import RowSparse, accum_dtype
-from .base import ByteEstimate, Scheme, SyncContext, SyncShape
+from .base import SPREAD, ByteEstimate, Scheme, SyncContext, SyncShape, nodes_of, on_links
 from .streams import exchange, latency_cost, pack, round8, row_id_dtype, unpack, view_as
 
 __all__ = ["SparCMLScheme", "RECURSIVE_DOUBLING", "SPLIT_ALLGATHER"]
@@ -154,6 +154,30 @@ def _finish(stream: _Stream, x: RowSparse, ctx: SyncContext) -> Tuple[torch.Tens
     return rows, values.to(x.dtype)
 
 
+def _pairs_on_links(shape: SyncShape,
+                    exchanges: Sequence[Tuple[Callable[[int], Optional[int]], float, float]]
+                    ) -> Tuple[float, float]:
+    """(NIC bytes, intra-node bytes) of point-to-point rounds: a round whose partner is on
+    another node loads the NIC with the bytes of every rank of my node that crosses in it."""
+    k, _ = nodes_of(shape)
+    n, r = shape.world_size, shape.rank
+    node = range((r // k) * k, min((r // k + 1) * k, n))
+    nic = intra = 0.0
+    for partner, sent, received in exchanges:
+        own = partner(r)
+        if own is None:
+            continue
+        if k == 1 or own // k != r // k:
+            crossing = sum(1 for m in node if partner(m) is not None and partner(m) // k != m // k)
+            nic += max(crossing, 1) * max(sent, received)
+        else:
+            intra += max(sent, received)
+    return nic, intra
+
+
+_VARIANTS: Dict[SyncShape, str] = {}  # the choice depends on the shape only, not on the rank
+
+
 class SparCMLScheme(Scheme):
     name = "sparcml"
     #: Pin one variant (benchmarks, tests); None lets the byte models choose.
@@ -169,6 +193,15 @@ class SparCMLScheme(Scheme):
         if shape is None or len(shape.nnz_per_rank) != shape.world_size:
             return SPLIT_ALLGATHER
 
+        key = replace(shape, rank=0, nnz_per_rank=tuple(shape.nnz_per_rank))
+        cached = _VARIANTS.get(key)
+        if cached is None:
+            cached = _VARIANTS[key] = self._choose_variant(shape)
+            while len(_VARIANTS) > 256:  # the planner asks once per rank: keep the recent shapes
+                _VARIANTS.pop(next(iter(_VARIANTS)))
+        return cached
+
+    def _choose_variant(self, shape: SyncShape) -> str:
         from ..planner import planning_ranks  # the planner imports the schemes
 
         ranks = planning_ranks(shape)
@@ -367,18 +400,31 @@ class SparCMLScheme(Scheme):
         rounds = p.bit_length() - 1
         steps = rounds + (2 if extras else 0)
         total = message(0, p)
+        # (partner of every rank or None, bytes I send, bytes I receive), round by round
+        exchanges: List[Tuple[Callable[[int], Optional[int]], float, float]] = []
+
+        def fold_partner(i: int) -> Optional[int]:
+            return i - p if i >= p else (i + p if i < extras else None)
+
         if r >= p:
             own = self._message_bytes(wire, min(nnz[r], num_rows))
-            return ByteEstimate(own, total, steps)
-        sent = received = 0
-        if r < extras:
-            received += self._message_bytes(wire, min(nnz[r + p], num_rows))
-            sent += total
-        for t in range(rounds):
-            size = 1 << t
-            sent += message(r & ~(size - 1), size)
-            received += message((r ^ size) & ~(size - 1), size)
-        return ByteEstimate(sent, received, steps)
+            exchanges.append((fold_partner, own, total))  # fold out, result back
+        else:
+            if r < extras:
+                exchanges.append((fold_partner, total,
+                                  self._message_bytes(wire, min(nnz[r + p], num_rows))))
+            for t in range(rounds):
+                size = 1 << t
+                exchanges.append(((lambda i, size=size: i ^ size if i < p else None),
+                                  message(r & ~(size - 1), size),
+                                  message((r ^ size) & ~(size - 1), size)))
+        sent = sum(e[1] for e in exchanges)
+        received = sum(e[2] for e in exchanges)
+        nic, intra = _pairs_on_links(shape, exchanges)
+        merged = sum(e[2] for e in exchanges) / max(wire.row_bytes, 1)  # rows merged per round
+        compute = {"aggregate": merged * shape.row_numel,
+                   "scatter": shape.union_nnz * shape.row_numel}
+        return ByteEstimate(sent, received, steps, nic, intra, compute)
 
     def _predict_split(self, shape: SyncShape) -> ByteEstimate:
         n, r, num_rows = shape.world_size, shape.rank, shape.num_rows
@@ -399,4 +445,8 @@ class SparCMLScheme(Scheme):
         sent += (n - 1) * part(shape.union_nnz * share[r], r)
         received = headers + sum(part(nnz[i] * share[r], r) for i in range(n) if i != r)
         received += sum(part(shape.union_nnz * share[j], j) for j in range(n) if j != r)
-        return ByteEstimate(sent, received, 4 * (n - 1))
+        # Split my rows by range, sum my range's parts, write the union.
+        compute = {"partition": nnz[r] * shape.row_numel,
+                   "aggregate": sum(nnz) * share[r] * shape.row_numel,
+                   "scatter": shape.union_nnz * shape.row_numel}
+        return on_links(ByteEstimate(sent, received, 4 * (n - 1)), shape, SPREAD, compute)

@@ -109,13 +109,14 @@ def _check_agreement(comm: Communicator, per_node: int, device: torch.device) ->
                          f"{RANKS_PER_NODE_ENV} (or LOCAL_WORLD_SIZE) alike on every rank")
 
 
-def topology_for(comm: Communicator, device: torch.device
+def topology_for(comm: Communicator, device: torch.device, per_node: Optional[int] = None
                  ) -> Tuple[Topology, Communicator, Dict[int, Communicator]]:
     """This group's topology, my node's communicator and my slices' cross-node communicators.
 
-    The communicators share ``comm``'s byte records. The first call for a (group, layout)
-    checks that the ranks agree on it and creates the groups; later calls reuse them."""
-    per_node = ranks_per_node()
+    ``per_node``: ranks per node (the sync's option; None or 0: :func:`ranks_per_node`). The
+    communicators share ``comm``'s byte records. The first call for a (group, layout) checks that
+    the ranks agree on it and creates the groups; later calls reuse them."""
+    per_node = per_node or ranks_per_node()
     global_ranks = _global_ranks(comm.group, comm.world_size)
     if dist.is_initialized() and global_ranks != list(range(dist.get_world_size())):
         raise ValueError("hierarchical: runs on the default process group only (group=None): its "
