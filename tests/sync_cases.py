@@ -346,6 +346,16 @@ def check_mismatch_errors(rank: int, n: int) -> Dict[str, str]:
         out["cost_model"] = str(exc)
     finally:
         zen_ds.set_cost_model(CostModel())
+    # ... and on every other constant, compute rates included (the plan depends on them)
+    zen_ds.set_cost_model(CostModel().with_compute({"partition": 1e-6}) if rank == 1
+                          else CostModel())
+    try:
+        zen_ds.sparse_allreduce(torch.ones(4, 2), scheme="auto")
+        out["compute_rates"] = "no error raised"
+    except ValueError as exc:
+        out["compute_rates"] = str(exc)
+    finally:
+        zen_ds.set_cost_model(CostModel())
     # the group still works afterwards
     y = zen_ds.sparse_allreduce(torch.ones(4, 2), scheme="balanced")
     out["after"] = "ok" if torch.equal(y, torch.full((4, 2), float(n))) else f"bad result {y}"

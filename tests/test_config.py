@@ -140,3 +140,31 @@ def test_shuffle_block_validated():
 def test_bad_shuffle_values(block, needle):
     with pytest.raises(ZenConfigError, match=needle):
         load_zen_config({"zen": {"shuffle": block}})
+
+
+def test_network_block_builds_the_planners_cost_model():
+    from zen_ds.calibrate import cost_model_for
+    from zen_ds.planner import DEFAULT_COMPUTE_RATES
+
+    net = load_zen_config({"zen": {"network": {"alpha": 1e-4, "bandwidth": 1e8,
+                                               "intra_bandwidth": 1e10, "ranks_per_node": 2,
+                                               "compute": {"partition": 2e-9}}}}).network
+    model = cost_model_for(net.alpha, net.bandwidth, net.intra_bandwidth, net.compute)
+    assert (model.alpha, model.bandwidth, model.intra_bandwidth) == (1e-4, 1e8, 1e10)
+    rates = dict(model.compute)
+    assert rates["partition"] == 2e-9  # given; the others keep their defaults
+    assert rates["aggregate"] == dict(DEFAULT_COMPUTE_RATES)["aggregate"]
+    assert net.ranks_per_node == 2
+    default = load_zen_config({"zen": {}}).network
+    assert default.compute == "measure" and default.intra_bandwidth == 0.0
+    measured = cost_model_for(1e-4, 1e8, 0.0, "measure")  # no process group: this process's rates
+    assert set(dict(measured.compute)) == set(rates) and all(r > 0 for _, r in measured.compute)
+
+
+@pytest.mark.parametrize("network,needle", [({"bandwidth": 0}, "bandwidth"),
+                                            ({"compute": {"encode": 1e-9}}, "compute"),
+                                            ({"compute": "fast"}, "compute"),
+                                            ({"ranks_per_node": -1}, "ranks_per_node")])
+def test_bad_network_values(network, needle):
+    with pytest.raises(ZenConfigError, match=needle):
+        load_zen_config({"zen": {"network": network}})

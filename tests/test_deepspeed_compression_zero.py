@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import numpy as np
 import pytest

@@ -215,14 +215,12 @@ def test_ranks_per_node_from_environment(monkeypatch) -> None:
         ranks_per_node()
 
 
-def test_peer_schemes_registered_but_not_auto_candidates() -> None:
+def test_every_scheme_is_an_auto_candidate() -> None:
     import zen_ds
     from zen_ds.schemes import auto_candidates
 
-    for name in ("sparcml", "omnireduce", "hierarchical"):
-        assert name in zen_ds.SCHEMES
-        assert name not in auto_candidates()
-    assert set(auto_candidates()) == {"dense", "agsparse", "balanced"}
+    assert set(auto_candidates()) == set(zen_ds.SCHEMES)
+    assert {"sparcml", "omnireduce", "hierarchical"} <= set(zen_ds.SCHEMES)
 
 
 def test_overlap_model_limits() -> None:

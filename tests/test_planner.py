@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -105,3 +106,63 @@ def test_singletons_from_sketches() -> None:
     # Large supports: half the union's smallest positions are held once.
     full = torch.stack([torch.arange(0, 64), torch.arange(32, 96)]) * 10
     assert estimate_singletons(full, 1000) == 500
+
+
+# A row-sparse embedding on 16 ranks: ~9000 rows of 256 B per rank, about half of them shared.
+_EMBEDDING = SyncShape(16, [9000] * 16, 79_200, 400_000, 64, 4, singletons=57_600)
+_CLUSTER = CostModel(bandwidth=25e9 / 8, intra_bandwidth=150e9)
+
+
+def test_shared_nic_moves_auto_from_balanced_to_hierarchical() -> None:
+    # One NIC per rank: balanced's all-to-all is the cheapest. Eight ranks behind one NIC: the
+    # all-to-all puts all eight ranks' off-node bytes on it, and the two-level scheme, which sends
+    # each row across nodes once per node, wins.
+    assert plan(_EMBEDDING, cost=_CLUSTER)[0] == "balanced"
+    eight = replace(_EMBEDDING, ranks_per_node=8)
+    assert plan(eight, cost=_CLUSTER)[0] == "hierarchical"
+    # The same bytes cost more through a shared NIC than through a rank's own link.
+    balanced = get_scheme("balanced")
+    assert _CLUSTER.seconds(balanced.predict(eight)) > 2 * _CLUSTER.seconds(
+        balanced.predict(_EMBEDDING))
+
+
+def test_hierarchical_is_no_candidate_on_one_node_or_one_rank_per_node() -> None:
+    for per_node in (1, 16):
+        chosen, estimates = plan(replace(_EMBEDDING, ranks_per_node=per_node), cost=_CLUSTER)
+        assert "hierarchical" not in estimates and chosen != "hierarchical"
+
+
+def test_latency_bound_tensor_takes_recursive_doubling() -> None:
+    # 20 rows of 16 floats per rank on 8 ranks: log2(8) = 3 rounds beat 2 (n - 1) = 14 steps.
+    from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SparCMLScheme
+
+    small = SyncShape(8, [20] * 8, 100, 1000, 16, 4, singletons=60)
+    for cost in (CostModel(), CostModel(alpha=1e-3)):
+        assert plan(small, cost=cost)[0] == "sparcml"
+    assert SparCMLScheme().variant(small) == RECURSIVE_DOUBLING
+
+
+def test_compute_term_prices_local_work() -> None:
+    # Make partitioning very slow: the schemes that partition every row (balanced) lose to one
+    # that does not (agsparse), with the same bytes model.
+    slow_partition = CostModel(compute=(("partition", 1e-3), ("aggregate", 0.0),
+                                        ("scatter", 0.0), ("scan", 0.0)))
+    shape = SyncShape(4, [2000] * 4, 6000, 1_000_000, 64, 4, singletons=4000)
+    assert plan(shape, candidates=("agsparse", "balanced"))[0] == "balanced"
+    assert plan(shape, candidates=("agsparse", "balanced"), cost=slow_partition)[0] == "agsparse"
+    estimate = get_scheme("balanced").predict(shape)
+    assert estimate.compute["partition"] == 2000 * 64
+    assert slow_partition.seconds(estimate) >= 2000 * 64 * 1e-3
+
+
+def test_cost_model_digest_names_every_constant() -> None:
+    base = CostModel()
+    others = [CostModel(alpha=1e-4), CostModel(bandwidth=1e9), CostModel(intra_bandwidth=1e11),
+              base.with_compute({"aggregate": 1e-9}), CostModel(compute=())]
+    digests = {base.digest()} | {m.digest() for m in others}
+    assert len(digests) == len(others) + 1
+    assert CostModel().digest() == base.digest()
+    with pytest.raises(ValueError, match="compute rates"):
+        CostModel(compute=(("encode", 1e-9),))
+    with pytest.raises(ValueError, match="bandwidth"):
+        CostModel(bandwidth=0)

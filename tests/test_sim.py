@@ -22,7 +22,7 @@ from zen_ds.planner import CostModel
 from zen_ds.schemes.base import ByteEstimate
 from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SPLIT_ALLGATHER, SparCMLScheme
 from zen_ds.schemes.topology import RANKS_PER_NODE_ENV
-from zen_ds.sim import (AUTO, DEEPSPEED, Phase, SimCost, Supports, Topology,
+from zen_ds.sim import (AUTO, DEEPSPEED, ComputeRates, Phase, SimCost, Supports, Topology,
                         handshake_shape, lossless_bound, simulate)
 from zen_ds.sim import traffic as traffic_module
 from zen_ds.sim.simulate import scheme_traffic
@@ -155,7 +155,8 @@ def _check_simulation(case: str, n: int, real, per_node: int = 1) -> int:
     encoding, alpha = CASES[case][2], CASES[case][4]
     # The real runs use the default bandwidth and the case's alpha on a flat network.
     cost = SimCost(Topology(per_node, CostModel.bandwidth, CostModel.bandwidth, alpha))
-    result = simulate(supports, cost, index_encoding=encoding)
+    # ... and plan with that model's default compute rates.
+    result = simulate(supports, cost, index_encoding=encoding, planning=CostModel(alpha=alpha))
     checked = 0
     for row in result.rows:
         if row.scheme == DEEPSPEED or f"{case}/{row.scheme}" not in real[0]:
@@ -261,12 +262,22 @@ def test_all_to_all_loads_the_shared_nic() -> None:
     phase = Phase.all_to_all("a2a", matrix)
     topo = Topology(2, inter_bandwidth=1e9, intra_bandwidth=1e10, latency=0.0)
     nic = max(10 + 20 + 30 + 40, 1 + 1 + 2 + 2)
-    intra = max(7, 5, 9, 3) / 10  # at a tenth of the inter-node cost per byte
-    assert SimCost(topo).effective_bytes(phase) == max(nic, intra)
+    intra = max(7, 5, 9, 3)
+    assert SimCost(topo).link_loads(phase) == (nic, intra)
+    assert SimCost(topo).phase_seconds(phase) == pytest.approx(nic / 1e9 + intra / 1e10)
     ring = Phase.ring("ring", "all_reduce", torch.tensor([100, 100, 100, 100]))
-    assert SimCost(topo).effective_bytes(ring) == 100  # one rank's share per NIC
+    assert SimCost(topo).link_loads(ring) == (100, 0)  # one rank's share per NIC
     one_node = Topology(4, inter_bandwidth=1e9, intra_bandwidth=1e10, latency=0.0)
-    assert SimCost(one_node).effective_bytes(ring) == pytest.approx(10)
+    assert SimCost(one_node).link_loads(ring) == (0, 100)
+    assert SimCost(one_node).phase_seconds(ring) == pytest.approx(100 / 1e10)
+
+
+def test_planner_estimate_and_simulator_share_the_cost_model() -> None:
+    # The same bytes on the same links cost the same through a ByteEstimate and a Phase.
+    topo = Topology(2, inter_bandwidth=1e9, intra_bandwidth=1e10, latency=1e-5)
+    model = SimCost(topo, ComputeRates({"aggregate": 1e-9})).model
+    estimate = ByteEstimate(400, 400, 3, nic=300, intra=40, compute={"aggregate": 1000})
+    assert model.seconds(estimate) == pytest.approx(3e-5 + 300 / 1e9 + 40 / 1e10 + 1e-6)
 
 
 def test_scheme_without_traffic_function_is_modelled(monkeypatch) -> None:

@@ -58,7 +58,8 @@ def test_scheme_equals_dense_sum(ops_choice: str, n: int, case: str, variant) ->
 
 def test_mismatch_raises_same_error_on_every_rank() -> None:
     per_rank = run_ranks(3, sync_cases.check_mismatch_errors)
-    for name in ("num_rows", "row_shape", "dtype", "index_range", "scheme", "cost_model"):
+    for name in ("num_rows", "row_shape", "dtype", "index_range", "scheme", "cost_model",
+                 "compute_rates"):
         messages = {result[name] for result in per_rank}
         assert len(messages) == 1, f"{name}: ranks saw different errors {messages}"
         message = messages.pop()
@@ -72,6 +73,7 @@ def test_mismatch_raises_same_error_on_every_rank() -> None:
     assert "scheme" in per_rank[0]["scheme"]
     assert "cost model alpha" in per_rank[0]["cost_model"]
     assert "rank 1: 0.001" in per_rank[0]["cost_model"]
+    assert "compute rates" in per_rank[0]["compute_rates"]
     assert all(result["after"] == "ok" for result in per_rank)
 
 

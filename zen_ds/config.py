@@ -18,7 +18,7 @@ from .schemes import scheme_names
 
 from .compression import CompressionConfig
 
-__all__ = ["ZenConfig", "ShuffleConfig", "ZenConfigError", "load_zen_config", "ZEN_KEY"]
+__all__ = ["ZenConfig", "ShuffleConfig", "NetworkConfig", "ZenConfigError", "load_zen_config", "ZEN_KEY"]
 
 ZEN_KEY = "zen"
 
@@ -77,6 +77,44 @@ class ShuffleConfig(BaseModel):
         return None if self.domains is None else [list(d) for d in self.domains]
 
 
+class NetworkConfig(BaseModel):
+    """The planner's cost model (README, "Choosing a scheme"): links, latency, topology and the
+    compute rates of zen's local ops. ``zen-bench calibrate`` measures the links and prints this
+    block."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    alpha: float = Field(50e-6, ge=0.0)
+    """Seconds per latency step of one collective (gloo/TCP order: tens of microseconds)."""
+
+    bandwidth: float = Field(1.25e9, gt=0.0)
+    """Bytes per second through one node's NIC (with one rank per node: the rank's link)."""
+
+    intra_bandwidth: float = Field(0.0, ge=0.0)
+    """Bytes per second over one rank's links inside its node; ``0`` = as ``bandwidth``."""
+
+    ranks_per_node: int = Field(0, ge=0)
+    """Ranks sharing a node (consecutive ranks); ``0`` = from ``ZEN_DS_RANKS_PER_NODE``, else the
+    launcher's ``LOCAL_WORLD_SIZE``, else 1."""
+
+    compute: Union[Literal["measure", "default"], dict] = "measure"
+    """Seconds per element of zen's local ops: ``measure`` (a sub-second micro-benchmark at
+    start-up, the slowest rank's rate), ``default`` (built-in CPU rates), or a mapping of
+    ``partition``/``aggregate``/``scatter``/``scan`` to seconds per element."""
+
+    @field_validator("compute")
+    @classmethod
+    def _check_compute(cls, value: Union[str, dict]) -> Union[str, dict]:
+        if isinstance(value, dict):
+            from .planner import COMPUTE_OPS
+            bad = {k: v for k, v in value.items()
+                   if k not in COMPUTE_OPS or not isinstance(v, (int, float)) or v < 0}
+            if bad:
+                raise ValueError(f"compute rates must map {list(COMPUTE_OPS)} to seconds per "
+                                 f"element >= 0; bad entries: {bad}")
+        return value
+
+
 class ZenConfig(BaseModel):
     """Options of the ``"zen"`` ds_config block (see README, "Configuration")."""
 
@@ -126,6 +164,9 @@ class ZenConfig(BaseModel):
 
     shuffle: Optional[ShuffleConfig] = None
     """DS-Sync divide-and-shuffle synchronisation (README, "DS-Sync"); ``null`` = off."""
+
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    """The cost model ``auto`` plans with (links, latency, ranks per node, compute rates)."""
 
     @field_validator("scheme")
     @classmethod

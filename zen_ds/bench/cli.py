@@ -48,6 +48,14 @@ def _sync_parser(p: argparse.ArgumentParser) -> None:
                         "(zen_ds.set_cost_model; default 50e-6)")
     p.add_argument("--bandwidth", type=float, default=None, metavar="BYTES_PER_S",
                    help="cost model bandwidth (default 1.25e9)")
+    p.add_argument("--intra-bandwidth", type=float, default=0.0, metavar="BYTES_PER_S",
+                   help="cost model intra-node bandwidth (default 0: as --bandwidth)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="ranks sharing a node for the planner and hierarchical (default 0: "
+                        "ZEN_DS_RANKS_PER_NODE, else LOCAL_WORLD_SIZE, else 1)")
+    p.add_argument("--compute", default="measure", choices=("measure", "default"),
+                   help="compute rates auto plans with: measured at start-up (slowest rank, the "
+                        "default, as the plug-in does) or the built-in defaults")
     p.add_argument("--local", type=int, default=None, metavar="N",
                    help="spawn N gloo ranks on loopback (no network: CPU-bound timings)")
     p.add_argument("--no-check", action="store_true",
@@ -62,6 +70,7 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
                  port: Optional[int]) -> None:
     import torch.distributed as dist
 
+    from ..calibrate import apply_network
     from . import report, runner
     from .workloads import parse_workload
 
@@ -77,13 +86,8 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
     else:
         runner.init_from_env()
     try:
-        if args.alpha is not None or args.bandwidth is not None:
-            import zen_ds
-
-            default = zen_ds.CostModel()
-            zen_ds.set_cost_model(zen_ds.CostModel(
-                alpha=default.alpha if args.alpha is None else args.alpha,
-                bandwidth=default.bandwidth if args.bandwidth is None else args.bandwidth))
+        network = _network_args(args)
+        model = apply_network(network)
         specs = list(args.workload or ([] if args.grad_file else None) or _default_workloads())
         specs += [f"file:{p}" for p in args.grad_file]
         workloads = [parse_workload(s, args.scale) for s in specs]
@@ -94,6 +98,10 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
         rows = runner.run_sync(workloads, cfg)
         if dist.get_rank() == 0:
             ctx = report.context_info(dist.get_world_size(), cfg.rate_bps, cfg.iters, argv)
+            ctx["cost_model"] = {"alpha": model.alpha, "bandwidth": model.bandwidth,
+                                 "intra_bandwidth": model.intra_bandwidth,
+                                 "compute": dict(model.compute),
+                                 "ranks_per_node": network.ranks_per_node}
             print(report.format_table(rows, ctx), flush=True)
             if args.json:
                 report.write_json(args.json, rows, ctx)
@@ -105,6 +113,81 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _network_args(args: argparse.Namespace):
+    from ..config import NetworkConfig
+
+    default = NetworkConfig()
+    return NetworkConfig(alpha=default.alpha if args.alpha is None else args.alpha,
+                         bandwidth=default.bandwidth if args.bandwidth is None else args.bandwidth,
+                         intra_bandwidth=args.intra_bandwidth, ranks_per_node=args.ranks_per_node,
+                         compute=args.compute)
+
+
+def _calibrate_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--local", type=int, default=None, metavar="N",
+                   help="spawn N gloo ranks on loopback (else join the launcher's group)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="ranks sharing a node (default: ZEN_DS_RANKS_PER_NODE, LOCAL_WORLD_SIZE, 1)")
+    p.add_argument("--bytes", type=int, default=4 << 20, help="bytes per rank of the large "
+                   "all-gather that measures bandwidth (default 4 MiB)")
+    p.add_argument("--repeats", type=int, default=5)
+
+
+def _calibrate_worker(rank: int, world_size: int, args: argparse.Namespace,
+                      port: Optional[int]) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from .. import calibrate
+    from ..schemes.topology import ranks_per_node
+    from . import runner
+
+    if port is not None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+    else:
+        runner.init_from_env()
+    try:
+        links = calibrate.measure_links(args.ranks_per_node or ranks_per_node(), args.bytes,
+                                        args.repeats)
+        rates = calibrate.agree_compute_rates(calibrate.measure_compute_rates())
+        if dist.get_rank() == 0:
+            block = {"zen": {"network": {
+                "alpha": float(f"{links['alpha']:.3g}"),
+                "bandwidth": float(f"{links['bandwidth']:.3g}"),
+                "intra_bandwidth": float(f"{links['intra_bandwidth']:.3g}"),
+                "ranks_per_node": int(links["ranks_per_node"]),
+                "compute": {op: float(f"{r:.3g}") for op, r in rates.items()}}}}
+            print(f"# measured over {dist.get_world_size()} ranks; paste into the ds_config "
+                  "(or keep \"compute\": \"measure\" to measure at every start-up)")
+            print(json.dumps(block, indent=2), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from . import runner
+
+    if args.local is not None:
+        if args.local < 2:
+            print("error: --local needs N >= 2 (links need two ends)", file=sys.stderr)
+            return 2
+        import torch.multiprocessing as mp
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        mp.spawn(_calibrate_worker, args=(args.local, args, runner.free_port()),
+                 nprocs=args.local, join=True)
+        return 0
+    if "RANK" not in os.environ:
+        print("error: no process group: pass --local N, or launch under `python -m zen_ds.cluster` "
+              "/ torchrun / the deepspeed launcher", file=sys.stderr)
+        return 2
+    _calibrate_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+    return 0
 
 
 def _default_workloads() -> List[str]:
@@ -167,6 +250,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("ops", help="op kernels (see `zen-bench ops --help`)", add_help=False)
     sub.add_parser("sim", help="every scheme at 4-1024 ranks, simulated from generated supports "
                                "(see `zen-bench sim --help`)", add_help=False)
+    sub.add_parser("validate", help="simulated vs measured time and bytes of zen-bench sync runs "
+                                    "(see `zen-bench validate --help`)", add_help=False)
+    _calibrate_parser(sub.add_parser("calibrate", help="measure the group's links and compute "
+                                     "rates; print the \"network\" config block"))
     rp = sub.add_parser("report", help="re-print tables (and a plot) from --json files")
     rp.add_argument("files", nargs="+")
     rp.add_argument("--plot", default=None, help="PNG of the first file's rows")
@@ -178,9 +265,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..sim import cli as sim_cli
 
         return sim_cli.main(argv[1:])
+    if argv[:1] == ["validate"]:
+        from ..sim import validate
+
+        return int(validate.main(argv[1:]) or 0)
     args = parser.parse_args(argv)
     if args.cmd == "report":
         return _report(args)
+    if args.cmd == "calibrate":
+        return _run_calibrate(args)
     return _run_sync(args, ["zen-bench", *argv])
 
 

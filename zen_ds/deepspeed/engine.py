@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zen_ds import ops
+from zen_ds.calibrate import apply_network
 from zen_ds.config import ZenConfig, load_zen_config
 from zen_ds.deepspeed import checkpoint, patches
 from zen_ds.deepspeed.faults import agree_on_failure, during_sync
@@ -159,6 +160,7 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
                    "DeepSpeed's optimizer. Build the engine with zen_ds.initialize(...) (same arguments as "
                    "deepspeed.initialize), which keeps them out")
     zen_params, compressor = reducer_params(route)
+    apply_network(zcfg.network, patches.dp_group(engine))  # the cost model auto plans with
     owned = None
     if route.owned:
         owned = OwnedParams(zen_params, _plan, patches.dp_group(engine), zcfg.optimizer_state,

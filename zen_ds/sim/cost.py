@@ -1,17 +1,17 @@
 """Time of simulated traffic: the planner's cost model, applied per collective on a topology.
 
-Every collective's time is :meth:`zen_ds.planner.CostModel.seconds` of a
-:class:`~zen_ds.schemes.base.ByteEstimate` (``latency_steps * alpha + bytes / bandwidth``), with
-the inter-node link as the model's bandwidth. What the topology adds is which bytes load which
-link, expressed as *effective bytes* at the inter-node rate:
+Every collective is timed by :meth:`zen_ds.planner.CostModel.link_seconds` (``latency_steps *
+alpha + NIC bytes / bandwidth + intra-node bytes / intra_bandwidth``) and local work by
+:meth:`~zen_ds.planner.CostModel.compute_seconds`: the methods the planner's estimates go through.
+What the simulator adds is the exact load of each link class:
 
 * ranks are packed ``ranks_per_node`` to a node; a node's NIC (``inter_bandwidth``) carries all
   its ranks' traffic to other nodes; a rank's traffic to ranks of its own node goes over the
   intra-node links (``intra_bandwidth`` per rank);
 * ring collectives (all-gather, all-reduce) are ordered node by node, so each node's NIC carries
-  one rank's share and every hop carries the same bytes: the slowest link class decides;
-* an all-to-all loads each NIC with the sum of its ranks' off-node bytes: the busiest NIC or the
-  busiest intra-node link decides.
+  one rank's share (on one node, the intra-node links carry it);
+* an all-to-all loads each NIC with the sum of its ranks' off-node bytes, and each rank's intra
+  links with its on-node bytes: the busiest of each.
 
 With one rank per node this is exactly the planner's flat model. Local work is
 ``rows x row_numel x seconds per element`` per op (:class:`ComputeRates`), the slowest rank
@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..planner import CostModel
-from ..schemes.base import ByteEstimate
+from .. import calibrate
+from ..planner import COMPUTE_OPS, CostModel
 from .traffic import OP_ALL_TO_ALL, Phase, Traffic
 
 logger = logging.getLogger(__name__)
@@ -54,8 +52,9 @@ class Topology:
 
     @property
     def cost_model(self) -> CostModel:
-        """The planner's model for this network: its alpha and the inter-node bandwidth."""
-        return CostModel(alpha=self.latency, bandwidth=self.inter_bandwidth)
+        """The planner's model for this network (no compute term: :class:`SimCost` adds it)."""
+        return CostModel(alpha=self.latency, bandwidth=self.inter_bandwidth,
+                         intra_bandwidth=self.intra_bandwidth, compute=())
 
 
 @dataclass(frozen=True)
@@ -93,63 +92,37 @@ class ComputeRates:
         return asdict(self)
 
 
-_MEASURED_OPS = ("partition", "aggregate", "scatter", "scan")
-
-
-def _best_of(fn, repeats: int = 3) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
+_MEASURED_OPS = COMPUTE_OPS
 
 
 def measure_compute_rates(rows: int = 65_536, width: int = 64, world_size: int = 8
                           ) -> ComputeRates:
-    """Seconds per element of zen's ops on this machine (its current ops backend, fp32): a short
-    micro-benchmark (well under a second) of partition, aggregate (rows repeated ~4x), scatter
-    into a dense tensor, and one memory pass (a copy) for the dense scheme's conversions."""
+    """This machine's rates (:func:`zen_ds.calibrate.measure_compute_rates`, the ops backend the
+    planner of a real run would measure)."""
     from .. import ops
 
-    gen = torch.Generator().manual_seed(0)
-    num_rows = rows * 4
-    ids = torch.randperm(num_rows, generator=gen)[:rows].sort().values
-    values = torch.randn(rows, width, generator=gen)
-    offsets = torch.randint(0, rows // 4, (rows,), generator=gen)
-    out = torch.zeros(num_rows, width)
-    elements = rows * width
-    timings = {
-        "partition": _best_of(lambda: ops.partition(ids, values, num_rows, world_size, 0,
-                                                    torch.int32)),
-        "aggregate": _best_of(lambda: ops.aggregate(offsets, values, torch.float32)),
-        "scatter": _best_of(lambda: ops.scatter_rows(out, ids, values)),
-        "scan": _best_of(lambda: values.clone()),
-    }
+    rates = calibrate.measure_compute_rates(rows, width, world_size)
     backend = ops.backend_info().get("implementation", "?")
-    return ComputeRates({op: t / elements for op, t in timings.items()},
-                        f"measured here ({backend} ops, {torch.get_num_threads()} threads)")
+    return ComputeRates(rates, f"measured here ({backend} ops, {torch.get_num_threads()} threads)")
 
 
 class SimCost:
-    """Times a :class:`Traffic` on a :class:`Topology` with the planner's :class:`CostModel`."""
+    """Times a :class:`Traffic` on a :class:`Topology` with the planner's :class:`CostModel`
+    (the topology's links and latency, the given compute rates): the methods the planner's
+    estimates go through, fed with exact per-link loads."""
 
     def __init__(self, topology: Topology, rates: Optional[ComputeRates] = None) -> None:
         self.topology = topology
-        self.model = topology.cost_model
         self.rates = rates or ComputeRates()
+        self.model = topology.cost_model.with_compute(self.rates.seconds_per_element)
 
-    def effective_bytes(self, phase: Phase) -> float:
-        """Bytes at the inter-node rate that take as long as the phase's busiest link."""
-        topo = self.topology
+    def link_loads(self, phase: Phase) -> Tuple[float, float]:
+        """(bytes through the busiest NIC, bytes over the busiest rank's intra-node links)."""
         n = phase.sent.numel()
-        k = min(topo.ranks_per_node, n)
-        intra_scale = topo.inter_bandwidth / topo.intra_bandwidth
+        k = min(self.topology.ranks_per_node, n)
         if phase.op != OP_ALL_TO_ALL:
             per_rank = float(torch.maximum(phase.sent, phase.received).max())
-            if k == n:  # one node: only intra-node links
-                return per_rank * intra_scale
-            return per_rank * max(1.0, intra_scale)
+            return (0.0, per_rank) if k == n and k > 1 else (per_rank, 0.0)
         node = torch.arange(n) // k
         same = node[:, None] == node[None, :]
         matrix = phase.matrix
@@ -159,19 +132,22 @@ class SimCost:
         nic_out = torch.zeros(nodes, dtype=torch.int64).index_add_(0, node, cross.sum(1))
         nic_in = torch.zeros(nodes, dtype=torch.int64).index_add_(0, node, cross.sum(0))
         intra_max = float(torch.maximum(intra.sum(1), intra.sum(0)).max())
-        return max(intra_max * intra_scale, float(torch.maximum(nic_out, nic_in).max()))
+        return float(torch.maximum(nic_out, nic_in).max()), intra_max
 
     def phase_seconds(self, phase: Phase) -> float:
-        eff = self.effective_bytes(phase)
-        return self.model.seconds(ByteEstimate(eff, eff, phase.latency_steps))
+        nic, intra = self.link_loads(phase)
+        return self.model.link_seconds(nic, intra, phase.latency_steps)
 
     def comm_seconds(self, traffic: Traffic) -> float:
         """Collectives run one after another; each ends with its slowest link."""
         return sum(self.phase_seconds(p) for p in traffic.phases)
 
     def compute_seconds(self, traffic: Traffic, row_numel: int) -> float:
+        """The slowest rank's local work: rows x ``row_numel`` elements per op, at the model's
+        rates (:meth:`CostModel.compute_seconds`)."""
         if not traffic.compute:
             return 0.0
-        per_rank = sum(self.rates.seconds(op, rows * row_numel)
-                       for op, rows in traffic.compute.items())
-        return float(per_rank.max())
+        n = next(iter(traffic.compute.values())).numel()
+        return max(self.model.compute_seconds({op: float(rows[r]) * row_numel
+                                               for op, rows in traffic.compute.items()})
+                   for r in range(n))

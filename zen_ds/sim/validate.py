@@ -122,9 +122,15 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
     rate = bandwidth if bandwidth is not None else (context.get("rate_bps") or 0) / 8
     if not rate:
         raise ValueError(f"{path}: the run recorded no link rate; pass --bandwidth")
-    default = CostModel()
-    planning = CostModel(alpha=default.alpha if args.alpha is None else args.alpha,
-                         bandwidth=default.bandwidth if args.bandwidth is None else args.bandwidth)
+    recorded = context.get("cost_model")
+    if recorded:  # the model the ranks planned with, compute rates included
+        planning = CostModel(recorded["alpha"], recorded["bandwidth"],
+                             recorded["intra_bandwidth"]).with_compute(recorded["compute"])
+    else:  # a file from before the bench recorded it
+        default = CostModel()
+        planning = CostModel(alpha=default.alpha if args.alpha is None else args.alpha,
+                             bandwidth=default.bandwidth if args.bandwidth is None
+                             else args.bandwidth)
     specs = list(args.workload or ([] if args.grad_file else DEFAULT_WORKLOADS))
     workloads = {w.name: w for w in (parse_workload(s, args.scale) for s in specs)}
     cost = SimCost(Topology(ranks_per_node, rate, intra_bandwidth, latency), rates)

@@ -1,0 +1,172 @@
+"""Measure what the planner's :class:`~zen_ds.planner.CostModel` needs on the machine it runs on.
+
+* :func:`measure_compute_rates`: seconds per element of zen's local ops (partition, aggregate,
+  scatter into a dense tensor, one memory pass), by a short micro-benchmark of this process's own
+  ops backend (compiled or torch), well under a second.
+* :func:`agree_compute_rates`: the slowest rank's rate for every op (one all-reduce), so every rank
+  plans with the same model (the handshake checks it) and the model prices the rank that finishes
+  last.
+* :func:`measure_links`: latency per step and bandwidth of the group's links, inside a node and
+  between nodes, from timed all-gathers (``zen-bench calibrate`` prints the resulting config).
+* :func:`cost_model_for`: the model a ``"zen": {"network": ...}`` block describes, compute rates
+  measured and agreed when it asks for that.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import replace
+from typing import Callable, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import _all_gather_single
+from .planner import COMPUTE_OPS, DEFAULT_COMPUTE_RATES, CostModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["measure_compute_rates", "agree_compute_rates", "measure_links", "cost_model_for",
+           "apply_network"]
+
+
+def _best_of(fn: Callable[[], object], repeats: int = 3) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_compute_rates(rows: int = 65_536, width: int = 64, world_size: int = 8
+                          ) -> Dict[str, float]:
+    """Seconds per element of zen's ops here, fp32: partition of sorted ids over ``world_size``
+    owners, aggregate of rows repeated ~4x, scatter into a dense tensor, and one copy (the dense
+    scheme's passes). Best of three each, after one warm-up."""
+    from . import ops
+
+    gen = torch.Generator().manual_seed(0)
+    num_rows = rows * 4
+    ids = torch.randperm(num_rows, generator=gen)[:rows].sort().values
+    values = torch.randn(rows, width, generator=gen)
+    offsets = torch.randint(0, rows // 4, (rows,), generator=gen)
+    out = torch.zeros(num_rows, width)
+    runs = {
+        "partition": lambda: ops.partition(ids, values, num_rows, world_size, 0, torch.int32),
+        "aggregate": lambda: ops.aggregate(offsets, values, torch.float32),
+        "scatter": lambda: ops.scatter_rows(out, ids, values),
+        "scan": lambda: values.clone(),
+    }
+    elements = rows * width
+    rates = {}
+    for op in COMPUTE_OPS:
+        runs[op]()  # warm-up: first-call dispatch, page faults
+        rates[op] = _best_of(runs[op]) / elements
+    return rates
+
+
+def agree_compute_rates(rates: Mapping[str, float], group: Optional[dist.ProcessGroup] = None
+                        ) -> Dict[str, float]:
+    """Every op's largest rate over the group (one all-reduce; the rates unchanged without a
+    process group)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return dict(rates)
+    values = torch.tensor([float(rates.get(op, 0.0)) for op in COMPUTE_OPS], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(COMPUTE_OPS, values.tolist()))
+
+
+def quantized(rates: Mapping[str, float]) -> Dict[str, float]:
+    """Rates rounded to a power of two: a rerun on the same machine measures within a few tens of
+    percent, and should plan (and so sum) the same way, not flip between near-equal schemes."""
+    return {op: (2.0 ** round(math.log2(rate)) if rate > 0 else 0.0) for op, rate in rates.items()}
+
+
+def _timed_all_gather(nbytes: int, group: Optional[dist.ProcessGroup], size: int, repeats: int
+                      ) -> float:
+    """Median seconds of an all-gather of ``nbytes`` per rank, the slowest rank's each time."""
+    send = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+    recv = torch.empty(size * send.numel(), dtype=torch.uint8)
+    times: List[float] = []
+    for _ in range(repeats + 1):
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        _all_gather_single(recv, send, group=group)
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        times.append(float(elapsed))
+    return statistics.median(times[1:])  # the first includes connection set-up
+
+
+def _link(group: Optional[dist.ProcessGroup], size: int, nbytes: int, repeats: int
+          ) -> Dict[str, float]:
+    """alpha (s/step) and bandwidth (B/s) of a ring all-gather over ``size`` ranks: the small
+    message gives the latency, the large one the rate after its latency is taken off."""
+    steps = size - 1
+    small = _timed_all_gather(8, group, size, repeats)
+    large = _timed_all_gather(nbytes, group, size, repeats)
+    alpha = small / steps
+    transfer = max(large - steps * alpha, 1e-9)
+    return {"alpha": alpha, "bandwidth": steps * nbytes / transfer}
+
+
+def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int = 5
+                  ) -> Dict[str, float]:
+    """Latency per step and bandwidths of the default group, as the cost model uses them.
+
+    With several nodes the ring all-gather over every rank runs at the NIC's rate (the model's
+    ``bandwidth``); with several ranks per node, all-gathers inside each node give
+    ``intra_bandwidth``. Collective: every rank of the world must call it with the same
+    arguments; every rank returns the same numbers."""
+    n = dist.get_world_size()
+    k = min(max(ranks_per_node, 1), n)
+    whole = _link(None, n, nbytes, repeats)
+    result = {"alpha": whole["alpha"], "bandwidth": whole["bandwidth"], "intra_bandwidth": 0.0,
+              "ranks_per_node": k}
+    if 1 < k < n:
+        nodes = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
+        groups = [dist.new_group(members) for members in nodes]  # every rank creates every group
+        mine = groups[dist.get_rank() // k]
+        local = _link(mine, len(nodes[dist.get_rank() // k]), nbytes, repeats)
+        slowest = torch.tensor([local["bandwidth"]], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+        result["intra_bandwidth"] = float(slowest)
+    elif k == n:  # one node: every link is an intra-node link
+        result["intra_bandwidth"] = whole["bandwidth"]
+    return result
+
+
+def cost_model_for(alpha: float, bandwidth: float, intra_bandwidth: float,
+                   compute: "str | Mapping[str, float]",
+                   group: Optional[dist.ProcessGroup] = None) -> CostModel:
+    """The cost model of a ``network`` config: ``compute`` is ``"measure"`` (this process's ops,
+    the group's slowest rank: collective), ``"default"`` (:data:`DEFAULT_COMPUTE_RATES`) or
+    seconds per element by op."""
+    model = CostModel(alpha=alpha, bandwidth=bandwidth, intra_bandwidth=intra_bandwidth)
+    if compute == "default":
+        return model
+    if compute == "measure":
+        rates = quantized(agree_compute_rates(measure_compute_rates(), group))
+        logger.info("zen: measured compute rates (s/element, slowest rank): %s",
+                    {op: f"{rate:.2e}" for op, rate in rates.items()})
+        return model.with_compute(rates)
+    if isinstance(compute, Mapping):
+        return model.with_compute({**dict(DEFAULT_COMPUTE_RATES), **compute})
+    raise ValueError(f"network.compute must be 'measure', 'default' or a mapping of "
+                     f"{list(COMPUTE_OPS)} to seconds per element, got {compute!r}")
+
+
+def apply_network(network: object, group: Optional[dist.ProcessGroup] = None) -> CostModel:
+    """Make a ``"zen": {"network": ...}`` block (:class:`zen_ds.config.NetworkConfig`) the
+    process's default sync options: its cost model (compute rates measured over ``group`` when
+    it says ``measure``: collective) and ranks per node. Returns the cost model."""
+    from .api import default_options, set_default_options
+
+    model = cost_model_for(network.alpha, network.bandwidth, network.intra_bandwidth,
+                           network.compute, group)
+    set_default_options(replace(default_options(), cost_model=model,
+                                ranks_per_node=network.ranks_per_node))
+    return model
