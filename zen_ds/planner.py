@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 import torch
 
 from .schemes import auto_candidates, get_scheme
-from .schemes.base import ByteEstimate, SyncShape
+from .schemes.base import ByteEstimate, SyncShape, with_rank
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def planning_ranks(shape: SyncShape) -> List[int]:
 def slowest_seconds(name: str, shape: SyncShape, cost: CostModel) -> float:
     """The model's time of scheme ``name`` on ``shape``: its slowest planning rank's."""
     scheme = get_scheme(name)
-    return max(cost.seconds(scheme.predict(replace(shape, rank=r))) for r in planning_ranks(shape))
+    return max(cost.seconds(scheme.predict(with_rank(shape, r))) for r in planning_ranks(shape))
 
 
 def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = CostModel()
@@ -159,6 +159,18 @@ def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = Cos
     names = tuple(candidates) or auto_candidates()
     if not 1 < shape.ranks_per_node < shape.world_size:  # one node, or a node per rank
         names = tuple(name for name in names if name != "hierarchical") or names
-    best = min(names, key=lambda name: slowest_seconds(name, shape, cost))
-    estimates = {name: get_scheme(name).predict(shape) for name in names}
-    return best, estimates
+    ranks = planning_ranks(shape)
+    estimates: Dict[str, ByteEstimate] = {}
+    slowest: Dict[str, float] = {}
+    for name in names:
+        scheme = get_scheme(name)
+        worst = 0.0
+        for r in ranks:
+            estimate = scheme.predict(with_rank(shape, r))
+            worst = max(worst, cost.seconds(estimate))
+            if r == shape.rank:
+                estimates[name] = estimate
+        if name not in estimates:
+            estimates[name] = scheme.predict(shape)
+        slowest[name] = worst
+    return min(names, key=slowest.__getitem__), estimates

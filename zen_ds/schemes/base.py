@@ -5,8 +5,9 @@ A scheme is a small object with two entry points: :meth:`Scheme.sync` moves the 
 """
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import ClassVar, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -17,7 +18,7 @@ from ..sparse import RowSparse
 
 __all__ = ["SyncShape", "ByteEstimate", "SyncContext", "Scheme", "SKETCH_SIZE",
            "DEFAULT_LATENCY_BYTES", "handshake_bytes", "HandshakeTable", "RING", "SPREAD",
-           "nodes_of", "link_split", "on_links"]
+           "nodes_of", "link_split", "on_links", "with_rank"]
 
 # Bytes the link moves in one latency step: what a scheme may spend in padding to save a round.
 # The default cost model's alpha (50 us) times its bandwidth (1.25 GB/s); see zen_ds.planner.
@@ -46,6 +47,16 @@ class SyncShape:
     @property
     def dense_bytes(self) -> int:
         return self.num_rows * self.row_bytes
+
+
+def with_rank(shape: SyncShape, rank: int) -> SyncShape:
+    """``shape`` seen from ``rank``: ``dataclasses.replace`` without re-running ``__init__``
+    (the planner asks every scheme for every rank of every sync; this keeps that cheap)."""
+    if shape.rank == rank:
+        return shape
+    seen = copy.copy(shape)
+    object.__setattr__(seen, "rank", rank)
+    return seen
 
 
 @dataclass(frozen=True)
@@ -112,8 +123,8 @@ def on_links(estimate: ByteEstimate, shape: SyncShape, pattern: str,
              compute: Optional[Mapping[str, float]] = None) -> ByteEstimate:
     """``estimate`` with its bytes placed on the links by :func:`link_split` and its local work."""
     nic, intra = link_split(estimate.wire_bytes, shape, pattern)
-    return replace(estimate, nic=nic, intra=intra,
-                   compute=dict(compute if compute is not None else estimate.compute))
+    return ByteEstimate(estimate.bytes_sent, estimate.bytes_received, estimate.latency_steps, nic,
+                        intra, compute if compute is not None else estimate.compute)
 
 
 @dataclass

@@ -39,7 +39,6 @@ with ``s`` ranks in my node, ``e(c) = round8(c id) + round8(c row_bytes)``.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -51,7 +50,7 @@ from ..sparse import RowSparse, accum_dtype
 from .agsparse import AllGatherSparseScheme
 from .balanced import BalancedScheme
 from .base import (DEFAULT_LATENCY_BYTES, SKETCH_SIZE, ByteEstimate, Scheme, SyncContext,
-                   SyncShape)
+                   SyncShape, with_rank)
 from .streams import (effective_universe, exchange, expected_union, latency_cost, pack, round8,
                       unpack)
 from .topology import Topology, ranks_per_node, topology_for
@@ -71,7 +70,7 @@ def _inner_scheme(shape: SyncShape) -> Scheme:
     ranks = planning_ranks(shape)
 
     def slowest(scheme: Scheme) -> float:
-        return max(latency_cost(scheme.predict(replace(shape, rank=r)), shape.latency_bytes)
+        return max(latency_cost(scheme.predict(with_rank(shape, r)), shape.latency_bytes)
                    for r in ranks)
     return min(_INNER, key=slowest)
 

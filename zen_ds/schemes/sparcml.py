@@ -40,14 +40,15 @@ with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.sparse` for the signed-zero r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import ops
 from ..sparse import RowSparse, accum_dtype
-from .base import SPREAD, ByteEstimate, Scheme, SyncContext, SyncShape, nodes_of, on_links
+from .base import (SPREAD, ByteEstimate, Scheme, SyncContext, SyncShape, nodes_of, on_links,
+                   with_rank)
 from .streams import exchange, latency_cost, pack, round8, row_id_dtype, unpack, view_as
 
 __all__ = ["SparCMLScheme", "RECURSIVE_DOUBLING", "SPLIT_ALLGATHER"]
@@ -175,7 +176,7 @@ def _pairs_on_links(shape: SyncShape,
     return nic, intra
 
 
-_VARIANTS: Dict[SyncShape, str] = {}  # the choice depends on the shape only, not on the rank
+_VARIANTS: Dict[Tuple, str] = {}  # the choice depends on the shape only, not on the rank
 
 
 class SparCMLScheme(Scheme):
@@ -193,7 +194,9 @@ class SparCMLScheme(Scheme):
         if shape is None or len(shape.nnz_per_rank) != shape.world_size:
             return SPLIT_ALLGATHER
 
-        key = replace(shape, rank=0, nnz_per_rank=tuple(shape.nnz_per_rank))
+        key = (shape.world_size, tuple(shape.nnz_per_rank), shape.union_nnz, shape.num_rows,
+               shape.row_numel, shape.value_bytes, shape.latency_bytes, shape.singletons,
+               shape.ranks_per_node)
         cached = _VARIANTS.get(key)
         if cached is None:
             cached = _VARIANTS[key] = self._choose_variant(shape)
@@ -207,7 +210,7 @@ class SparCMLScheme(Scheme):
         ranks = planning_ranks(shape)
 
         def slowest(model) -> float:
-            return max(latency_cost(model(replace(shape, rank=r)), shape.latency_bytes)
+            return max(latency_cost(model(with_rank(shape, r)), shape.latency_bytes)
                        for r in ranks)
 
         rd, sa = slowest(self._predict_doubling), slowest(self._predict_split)
