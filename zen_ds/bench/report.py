@@ -32,7 +32,8 @@ def _ratio(x: Optional[float]) -> str:
 
 COLUMNS = (
     ("workload", 10), ("scheme", 13), ("n", 2), ("size", 8), ("nnz/rank", 8), ("density", 7),
-    ("overlap", 7), ("sent", 8), ("recv", 8), ("time_ms", 9), ("algbw", 9), ("busbw", 9),
+    ("overlap", 7), ("sent", 8), ("pred_sent", 9), ("recv", 8), ("time_ms", 9), ("pred_ms", 8),
+    ("algbw", 9), ("busbw", 9),
     ("vs_dense", 8), ("vs_ds", 7), ("bound_ms", 8), ("/bound", 6), ("ok", 3),
 )
 
@@ -46,6 +47,8 @@ def format_table(rows: Sequence[Dict[str, Any]], context: Optional[Dict[str, Any
                f"  iters={ctx.get('iters', '')} (median, max over ranks)")
     out.append("# size = dense bytes; sent/recv = max over ranks of wire bytes per call (handshake "
                "included); algbw = size/time; busbw = algbw*2(n-1)/n;")
+    out.append("# pred_sent / pred_ms = the chosen scheme's byte model and the planner's time for "
+               "it (its cost model, slowest rank; median over calls)")
     out.append("# vs_dense / vs_ds = time of dense all-reduce / DeepSpeed's path over this time (same "
                "run); bound = max(sent,recv)/link rate; /bound = time/bound; overlap 0=disjoint 1=identical")
     out.append("  ".join(f"{name:>{w}}" for name, w in COLUMNS))
@@ -55,14 +58,22 @@ def format_table(rows: Sequence[Dict[str, Any]], context: Optional[Dict[str, Any
         cells = [
             r["workload"], scheme, str(r["world_size"]), _si(r["dense_bytes"], "B"),
             _si(r["nnz_mean"]), f"{r['density']:.4f}", f"{r['overlap']:.2f}",
-            _si(r["bytes_sent_max"], "B"), _si(r["bytes_received_max"], "B"),
-            f"{r['time_s'] * 1e3:.2f}", _si(r["algbw_Bps"], "B/s"), _si(r["busbw_Bps"], "B/s"),
+            _si(r["bytes_sent_max"], "B"), _predicted(r.get("predicted_bytes_sent"), "B"),
+            _si(r["bytes_received_max"], "B"), f"{r['time_s'] * 1e3:.2f}",
+            _predicted(None if r.get("predicted_seconds") is None
+                       else r["predicted_seconds"] * 1e3, ""), _si(r["algbw_Bps"], "B/s"), _si(r["busbw_Bps"], "B/s"),
             _ratio(r.get("speedup_vs_dense")), _ratio(r.get("speedup_vs_deepspeed")),
             "-" if r.get("bound_s") is None else f"{r['bound_s'] * 1e3:.2f}",
             "-" if r.get("time_over_bound") is None else f"{r['time_over_bound']:.2f}", ok,
         ]
         out.append("  ".join(f"{c:>{w}.{max(w, 12)}}" for c, (_, w) in zip(cells, COLUMNS)))
     return "\n".join(out)
+
+
+def _predicted(value: Optional[float], unit: str) -> str:
+    if value is None:
+        return "-"
+    return _si(value, unit) if unit else f"{value:.2f}"
 
 
 def context_info(world_size: int, rate_bps: Optional[float], iters: int, argv: Sequence[str]) -> Dict[str, Any]:

@@ -196,6 +196,7 @@ def _row(w: Workload, scheme: str, stats: Any, n: int, nnz: List[int], union: in
          times: List[float], bmax: List[int], bsum: List[int], err: float, cfg: SyncConfig,
          reference: Optional[torch.Tensor]) -> Dict[str, Any]:
     med = statistics.median(times)
+    predicted_seconds = stats.predicted_seconds  # the same on every rank (slowest rank's model)
     algbw = w.dense_bytes / med if med > 0 else float("inf")
     row: Dict[str, Any] = {
         "workload": w.name, "description": w.description, "scheme": scheme,
@@ -208,6 +209,7 @@ def _row(w: Workload, scheme: str, stats: Any, n: int, nnz: List[int], union: in
         "bytes_sent_total": bsum[0], "bytes_received_total": bsum[1],
         "predicted_bytes_sent": stats.predicted_bytes_sent,
         "predicted_bytes_received": stats.predicted_bytes_received,
+        "predicted_seconds": predicted_seconds,
         "time_s": med, "time_min_s": min(times), "times_s": times, "iters": len(times),
         "algbw_Bps": algbw, "busbw_Bps": algbw * 2 * (n - 1) / n if n > 1 else algbw,
         "max_abs_err": None if err < 0 else err,
