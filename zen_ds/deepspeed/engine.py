@@ -160,7 +160,9 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
                    "DeepSpeed's optimizer. Build the engine with zen_ds.initialize(...) (same arguments as "
                    "deepspeed.initialize), which keeps them out")
     zen_params, compressor = reducer_params(route)
-    apply_network(zcfg.network, patches.dp_group(engine))  # the cost model auto plans with
+    # The cost model auto plans with, agreed over the world: a pipeline's tied weights sync
+    # across data-parallel groups, so every rank must plan with the same model.
+    apply_network(zcfg.network)
     owned = None
     if route.owned:
         owned = OwnedParams(zen_params, _plan, patches.dp_group(engine), zcfg.optimizer_state,
