@@ -1,0 +1,222 @@
+"""``"zen": {"overlap": true}`` on 3 gloo ranks: training with zen's sync overlapped with backward
+gives bit-identical parameters, losses and per-param sync statistics to the synchronous path
+(ZeRO-0 shared route in fp32 and bf16, ZeRO-1/2 owned route replicated and sharded, accumulation,
+clipping, a ``sparse=True`` and a dense-gradient embedding, a compressed dense param, a param some
+ranks leave out of some backwards); engines where zen cannot overlap fall back to the synchronous path; a
+failure in zen's comm thread is raised at ``engine.step()`` on every rank, the group stays usable
+and no thread is left behind.
+
+One spawn runs every case (module fixture); each test checks its case.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from dist_utils import run_ranks  # noqa: E402
+import ds_cases as dc  # noqa: E402
+
+WORLD = 3  # the rows of both embeddings are not divisible by it
+CLIP = 0.05  # binds on every step of this model
+STEPS = 4
+THREAD = "zen-overlap-sync"
+
+COMPRESS = {"type": "topk", "density": 0.25, "params": ["mlp.0.weight"], "min_numel": 1}
+CASES = {
+    "zero0_gas2_clip": dict(gas=2, clip=CLIP),
+    "zero0_balanced": dict(zen_extra={"scheme": "balanced"}),
+    "zero0_dense_emb_compressed": dict(sparse=False, clip=CLIP, zen_extra={"compression": COMPRESS}),
+    "zero0_skips": dict(gas=2, clip=CLIP, skip=True),
+    "zero2_gas2_clip": dict(zero=2, gas=2, clip=CLIP),
+    "zero2_sharded_skips": dict(zero=2, gas=2, clip=CLIP, skip=True,
+                                zen_extra={"optimizer_state": "sharded"}),
+    "zero1_dense_emb": dict(zero=1, sparse=False, clip=CLIP),
+    "bf16_dense_emb": dict(dtype="bf16", sparse=False, clip=CLIP),
+    "shuffle": dict(clip=CLIP, zen_extra={"shuffle": {"group_size": 2}}),  # DS-Sync: no overlap
+}
+FALLS_BACK = {"shuffle"}
+
+
+class SkipNet(dc.Net):
+    """Leaves the dense-gradient embedding out of the graph in some micro-batches (data-dependent,
+    so it differs between ranks): its hook does not fire on those ranks."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        x = self.emb_s(a).sum(1)
+        if int(b.sum()) % 3 != 0:
+            x = x + self.emb_d(b).sum(1)
+        return self.mlp(x.to(self.mlp[0].weight.dtype)).squeeze(-1)
+
+
+def _stats(history: List[Dict[str, Any]]) -> List[Dict[str, tuple]]:
+    return [{name: (s.scheme, s.bytes_sent, s.bytes_received, s.density, s.result_density, s.compressed,
+                    s.gather, s.gather_bytes_sent, s.gather_bytes_received)
+             for name, s in step.items()} for step in history]
+
+
+def _train(rank: int, case: Dict[str, Any], overlap: bool) -> Dict[str, Any]:
+    import zen_ds
+    torch.manual_seed(1234)
+    model = SkipNet(case.get("sparse", True)) if case.get("skip") else dc.Net(case.get("sparse", True))
+    config = dc.ds_config(dict(case, zen_extra=dict(case.get("zen_extra", {}), overlap=overlap)), WORLD)
+    engine, _, _, _ = zen_ds.initialize(model=model, optimizer=dc.make_optimizer(model.parameters()),
+                                        config=config)
+    state = zen_ds.state_of(engine)
+    state.reducer.keep_history = True
+    losses, hooked = [], 0
+    for step in range(STEPS):
+        for micro in range(case.get("gas", 1)):
+            a, b, y = dc.batch(step, micro, rank)
+            loss = dc.loss_fn(engine(a, b), y)
+            engine.backward(loss)
+            engine.step()
+            hooked += state.overlap.last_by_hooks if state.overlap is not None else 0
+            losses.append(float(loss.detach()))
+    alive = [t.name for t in threading.enumerate() if t.name == THREAD]
+    return {"params": dc.params_of(engine.module), "losses": losses, "stats": _stats(state.reducer.history),
+            "overlap": state.overlap is not None, "threads": alive, "hooked": hooked, "step": state.reducer.step}
+
+
+# ----------------------------------------------------------------------------- failures
+def _fault_engine(rank: int):
+    import zen_ds
+    torch.manual_seed(1234)
+    model = dc.Net(True)
+    config = dc.ds_config(dict(zen_extra={"overlap": True}), WORLD)
+    engine, _, _, _ = zen_ds.initialize(model=model, optimizer=dc.make_optimizer(model.parameters()),
+                                        config=config)
+    return engine, zen_ds.state_of(engine)
+
+
+def _step_raises(rank: int, engine: Any) -> Dict[str, Any]:
+    """One training step; where it raised (backward or step) and what."""
+    from zen_ds import ZenReductionError
+    import torch.distributed as dist
+    a, b, y = dc.batch(0, 0, rank)
+    engine.backward(dc.loss_fn(engine(a, b), y))
+    raised = {"backward": None, "step": None}
+    try:
+        engine.step()
+    except ZenReductionError as exc:
+        raised["step"] = str(exc)
+        raised["cause"] = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
+    one = torch.ones(1)
+    dist.all_reduce(one)  # the data-parallel group is still aligned
+    raised["aligned"] = float(one)
+    raised["threads"] = [t.name for t in threading.enumerate() if t.name == THREAD]
+    return raised
+
+
+def _bad_tensor_on_one_rank(rank: int) -> Dict[str, Any]:
+    engine, state = _fault_engine(rank)
+    read = state.overlap.read
+    if rank == 1:  # an integer "gradient" for the dense-gradient embedding
+        state.overlap.read = lambda i: torch.zeros(state.reducer.params[i].param.shape, dtype=torch.long) \
+            if i == 1 else read(i)
+    return _step_raises(rank, engine)
+
+
+def _sync_raises_in_thread(rank: int) -> Dict[str, Any]:
+    engine, state = _fault_engine(rank)
+    real = state.reducer.sync_param
+
+    def broken(index: int, grad: Any, group: Any = None) -> Any:
+        if index == 1:
+            raise RuntimeError("injected fault in the sync of param 1")
+        return real(index, grad, group)
+    state.reducer.sync_param = broken
+    return _step_raises(rank, engine)
+
+
+def _two_backwards_at_the_boundary(rank: int) -> Dict[str, Any]:
+    engine, _ = _fault_engine(rank)
+    a, b, y = dc.batch(0, 0, rank)
+    engine.backward(dc.loss_fn(engine(a, b), y))
+    return _step_raises(rank, engine)
+
+
+def _worker(rank: int, world: int) -> Dict[str, Any]:
+    import warnings
+    warnings.filterwarnings("ignore")
+    dc.set_env(rank, world)
+    jobs: Dict[str, Any] = {}
+    for name, case in CASES.items():
+        for overlap in (False, True):
+            jobs[f"{name}/{overlap}"] = (lambda c=case, o=overlap: _train(rank, c, o))
+    jobs["fault_bad_tensor"] = lambda: _bad_tensor_on_one_rank(rank)
+    jobs["fault_sync_raises"] = lambda: _sync_raises_in_thread(rank)
+    jobs["fault_two_backwards"] = lambda: _two_backwards_at_the_boundary(rank)
+    return dc.run_jobs(jobs)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(WORLD, _worker)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_overlap_is_bit_identical_to_sync(results, name):
+    sync = dc.case_results(results, f"{name}/False")
+    over = dc.case_results(results, f"{name}/True")
+    for rank in range(WORLD):
+        assert over[rank]["overlap"] is (name not in FALLS_BACK)
+        assert not sync[rank]["overlap"]
+        assert over[rank]["losses"] == sync[rank]["losses"]
+        for param, want in sync[rank]["params"].items():
+            np.testing.assert_array_equal(over[rank]["params"][param], want, err_msg=f"rank {rank} {param}")
+        assert over[rank]["stats"] == sync[rank]["stats"]
+        assert over[rank]["step"] == sync[rank]["step"]
+        assert over[rank]["threads"] == []
+        if name not in FALLS_BACK:  # syncs really started during backward, from the hooks
+            assert over[rank]["step"] == STEPS
+            assert over[rank]["hooked"] > 0
+
+
+def test_overlap_matches_single_process_reference(results):
+    """Not only equal to the synchronous path: right (the sum the data-parallel mean needs)."""
+    case = dict(CASES["zero0_gas2_clip"])
+    want = dc.reference(case, WORLD, steps=STEPS)
+    errs = dc.max_rel_err(dc.case_results(results, "zero0_gas2_clip/True")[0]["params"], want)
+    assert max(errs.values()) < 1e-5, errs
+
+
+def test_compressed_case_compresses(results):
+    stats = dc.case_results(results, "zero0_dense_emb_compressed/True")[0]["stats"]
+    assert any(step["mlp.0.weight"][5] for step in stats)  # compressed flag
+
+
+def test_sharded_case_gathers(results):
+    stats = dc.case_results(results, "zero2_sharded_skips/True")[0]["stats"]
+    assert all(step["emb_s.weight"][6] for step in stats)  # sharded params all-gather rows
+
+
+def test_bad_tensor_raises_at_step_on_every_rank(results):
+    got = dc.case_results(results, "fault_bad_tensor")
+    for rank in range(WORLD):
+        assert got[rank]["backward"] is None
+        assert got[rank]["step"] is not None and "emb_d.weight" in got[rank]["step"]
+        assert "rank 1" in got[rank]["step"]
+        assert got[rank]["aligned"] == WORLD
+        assert got[rank]["threads"] == []
+
+
+def test_error_in_comm_thread_raises_at_step(results):
+    got = dc.case_results(results, "fault_sync_raises")
+    for rank in range(WORLD):
+        assert got[rank]["step"] is not None and "injected fault" in got[rank]["step"]
+        assert got[rank]["cause"] == "RuntimeError"
+        assert got[rank]["aligned"] == WORLD
+        assert got[rank]["threads"] == []
+
+
+def test_second_backward_at_the_boundary_is_refused(results):
+    got = dc.case_results(results, "fault_two_backwards")
+    for rank in range(WORLD):
+        assert got[rank]["step"] is not None and "one backward" in got[rank]["step"]
+        assert got[rank]["threads"] == []
