@@ -220,3 +220,53 @@ def test_second_backward_at_the_boundary_is_refused(results):
     for rank in range(WORLD):
         assert got[rank]["step"] is not None and "one backward" in got[rank]["step"]
         assert got[rank]["threads"] == []
+
+
+# ----------------------------------------------------------------------------- Megatron TP x DP
+LM_COMMON = ["--vocab", "3000", "--hidden", "32", "--heads", "4", "--layers", "2", "--seq", "16",
+             "--micro-batch", "2", "--steps", "3", "--stats-interval", "0", "--lr", "1e-2"]
+LM_CASES = {  # two data-parallel groups ({0, 2} and {1, 3}): zen's thread gets a group per pair
+    "tp2_dp2_clip_ga2": ["--tp", "2", "--clip", "0.5", "--grad-accum", "2"],
+    "dp4_sampled_head_zero2": ["--softmax", "sampled", "--samples", "300", "--zero", "2", "--clip", "0.5"],
+}
+
+
+def _lm_worker(rank: int, world: int) -> Dict[str, Any]:
+    from megatron.core import parallel_state
+    from test_megatron import _load_example
+    import zen_ds
+    dc.set_env(rank, world)
+    train_lm = _load_example()
+    out: Dict[str, Any] = {}
+    for name, extra in LM_CASES.items():
+        for overlap in ("--no-overlap", "--overlap"):
+            torch.manual_seed(0)
+            run = train_lm.main(LM_COMMON + extra + [overlap])
+            engine = run["engine"]
+            state = zen_ds.state_of(engine)
+            out[f"{name}/{overlap}"] = {
+                "params": dc.params_of(engine.module), "losses": run["summary"]["losses"],
+                "overlap": state.overlap is not None,
+                "zen_ranks": torch.distributed.get_process_group_ranks(state.overlap.group)
+                if state.overlap is not None else None,
+                "dp_ranks": torch.distributed.get_process_group_ranks(state.reducer.group)}
+            del engine, run, state
+            parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def lm_results():
+    pytest.importorskip("megatron.core")
+    return run_ranks(4, _lm_worker)
+
+
+@pytest.mark.parametrize("name", sorted(LM_CASES))
+def test_lm_example_overlap_is_bit_identical(lm_results, name):
+    for rank, res in enumerate(lm_results):
+        sync, over = res[f"{name}/--no-overlap"], res[f"{name}/--overlap"]
+        assert over["overlap"] and not sync["overlap"]
+        assert over["zen_ranks"] == over["dp_ranks"] and rank in over["dp_ranks"]
+        assert over["losses"] == sync["losses"]
+        for param, want in sync["params"].items():
+            np.testing.assert_array_equal(over["params"][param], want, err_msg=f"rank {rank} {param}")
