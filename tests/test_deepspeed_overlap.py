@@ -80,7 +80,8 @@ def _train(rank: int, case: Dict[str, Any], overlap: bool) -> Dict[str, Any]:
             losses.append(float(loss.detach()))
     alive = [t.name for t in threading.enumerate() if t.name == THREAD]
     return {"params": dc.params_of(engine.module), "losses": losses, "stats": _stats(state.reducer.history),
-            "overlap": state.overlap is not None, "threads": alive, "hooked": hooked, "step": state.reducer.step}
+            "overlap": state.overlap is not None, "threads": alive, "hooked": hooked,
+            "order": state.overlap.order if state.overlap is not None else None, "step": state.reducer.step}
 
 
 # ----------------------------------------------------------------------------- failures
@@ -176,6 +177,9 @@ def test_overlap_is_bit_identical_to_sync(results, name):
         if name not in FALLS_BACK:  # syncs really started during backward, from the hooks
             assert over[rank]["step"] == STEPS
             assert over[rank]["hooked"] > 0
+            # one sync order on every rank, learnt from rank 0's hooks
+            assert over[rank]["order"] == over[0]["order"]
+            assert sorted(over[rank]["order"]) == list(range(len(over[rank]["stats"][0])))
 
 
 def test_overlap_matches_single_process_reference(results):

@@ -2,8 +2,10 @@
 
 In the last backward of an optimizer step, a post-accumulate-grad hook hands each zen param's
 gradient to one comm thread as soon as it is final; the thread syncs the params one after the
-other, always in the reducer's order (param ``i`` waits until params ``0..i-1`` were handed over),
-so every rank issues the same collectives in the same order whatever order its hooks fire in. Its
+other in one order shared by every rank (a param waits until the params before it were handed
+over), so every rank issues the same collectives in the same order whatever order its hooks fire
+in. The order starts as the reverse of the reducer's (backward reaches the last layers first) and,
+after the first step, becomes the order in which rank 0's hooks fired (one broadcast). Its
 collectives run on a process group of their own (the data-parallel ranks, created once at attach),
 so they cannot interleave with DeepSpeed's reduction of the other params on the data-parallel group,
 which goes on meanwhile in the main thread. The optimizer step (and the clip norm) waits for the
@@ -79,7 +81,7 @@ class _StepJob:
         self.stats: Dict[str, ParamStats] = {}
         self.error: Optional[BaseException] = None
         self.misuse: Optional[str] = None
-        self.by_hooks = 0  # params handed over by their hooks (the rest when backward ended)
+        self.fired: List[int] = []  # params handed over by their hooks, in that order
         self.thread: Optional[threading.Thread] = None
 
 
@@ -94,6 +96,9 @@ class OverlappedSync:
         self.at_boundary = at_boundary
         self._job: Optional[_StepJob] = None
         self.last_by_hooks = 0  # last finished step: params whose sync started during backward
+        # the order the thread syncs params in, equal on every rank; learnt once from rank 0
+        self.order: List[int] = list(reversed(range(len(reducer.params))))
+        self.order_learnt = False
         self.handles = [p.param.register_post_accumulate_grad_hook(self._hook(i))
                         for i, p in enumerate(reducer.params)]
 
@@ -106,9 +111,7 @@ class OverlappedSync:
         def hand_over(param: torch.Tensor) -> None:
             if self._job is None and not self.at_boundary():
                 return  # an earlier micro-step: the gradient is not final yet
-            job = self._job or self._start()
-            if self._hand_over(job, index):
-                job.by_hooks += 1
+            self._hand_over(self._job or self._start(), index, by_hook=True)
         return hand_over
 
     def _start(self) -> _StepJob:
@@ -118,7 +121,7 @@ class OverlappedSync:
         job.thread.start()
         return job
 
-    def _hand_over(self, job: _StepJob, index: int) -> bool:
+    def _hand_over(self, job: _StepJob, index: int, by_hook: bool = False) -> None:
         grad = self.read(index)
         event = None
         if grad is not None and grad.is_cuda:  # the thread must see the finished gradient
@@ -129,11 +132,12 @@ class OverlappedSync:
                 job.misuse = (f"the gradient of {self.reducer.params[index].name} changed after zen started "
                               "syncing it: with \"zen.overlap\" a micro-step may run one backward, and "
                               "only before engine.step(); set \"overlap\": false for other loops")
-                return False
+                return
             job.handed[index] = True
             job.grads[index] = (grad, event)
+            if by_hook:
+                job.fired.append(index)
             job.lock.notify_all()
-        return True
 
     def close(self) -> None:
         """Backward has ended: hand over every param whose hook did not fire (starts the thread
@@ -154,17 +158,19 @@ class OverlappedSync:
         assert job is not None and job.thread is not None
         job.thread.join()
         self._job = None
-        self.last_by_hooks = job.by_hooks
+        self.last_by_hooks = len(job.fired)
         if job.error is not None:
             raise job.error
         if job.misuse is not None:
             raise ZenReductionError(f"zen: gradient sync of step {job.step} failed: {job.misuse}")
-        self.reducer.end_step(job.stats)
+        self.reducer.end_step({p.name: job.stats[p.name] for p in self.reducer.params})
         return job.results
 
     def _run(self, job: _StepJob) -> None:
-        """The comm thread: sync param 0, 1, ... as each is handed over; stop at the first error."""
-        for index, p in enumerate(self.reducer.params):
+        """The comm thread: sync the params in ``self.order`` as each is handed over; stop at the
+        first error. After the first complete step, adopt rank 0's hook order."""
+        for index in self.order:
+            p = self.reducer.params[index]
             with job.lock:
                 job.lock.wait_for(lambda: job.handed[index])
                 grad, event = job.grads[index]
@@ -182,6 +188,21 @@ class OverlappedSync:
                 job.error = ZenReductionError(f"{exc} [zen param {p.name}, synced by zen's comm thread]")
                 job.error.__cause__ = exc.__cause__ if isinstance(exc, ZenReductionError) else exc
                 return
+        if not self.order_learnt:
+            try:
+                self.order = during_sync(lambda: self._agree_order(job.fired), job.step)
+                self.order_learnt = True
+            except BaseException as exc:
+                job.error = exc
+
+    def _agree_order(self, fired: List[int]) -> List[int]:
+        """Rank 0's hook order (then the params whose hook did not fire there), for every rank."""
+        order = fired + [i for i in self.order if i not in fired]
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            agreed = torch.tensor(order, dtype=torch.int64)
+            dist.broadcast(agreed, group_src=0, group=self.group)
+            order = agreed.tolist()
+        return order
 
     def remove(self) -> None:
         """Take the hooks off the params."""
