@@ -142,6 +142,23 @@ def _two_backwards_at_the_boundary(rank: int) -> Dict[str, Any]:
     return _step_raises(rank, engine)
 
 
+def _model_given_to_a_second_engine(rank: int) -> Dict[str, Any]:
+    """The newest engine's hooks alone fire: the first engine would otherwise sync the second
+    engine's gradients on its own (and the result be averaged twice)."""
+    import zen_ds
+    engine1, state1 = _fault_engine(rank)
+    config = dc.ds_config(dict(zen_extra={"overlap": True}), WORLD)
+    engine2, _, _, _ = zen_ds.initialize(model=engine1.module, optimizer=dc.make_optimizer(
+        engine1.module.parameters()), config=config)
+    a, b, y = dc.batch(0, 0, rank)
+    engine2.backward(dc.loss_fn(engine2(a, b), y))
+    first_started = state1.overlap.active
+    engine2.step()
+    return {"first_started": first_started, "first_hooks": len(state1.overlap.handles),
+            "second_by_hooks": zen_ds.state_of(engine2).overlap.last_by_hooks,
+            "threads": [t.name for t in threading.enumerate() if t.name == THREAD]}
+
+
 def _worker(rank: int, world: int) -> Dict[str, Any]:
     import warnings
     warnings.filterwarnings("ignore")
@@ -153,6 +170,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     jobs["fault_bad_tensor"] = lambda: _bad_tensor_on_one_rank(rank)
     jobs["fault_sync_raises"] = lambda: _sync_raises_in_thread(rank)
     jobs["fault_two_backwards"] = lambda: _two_backwards_at_the_boundary(rank)
+    jobs["second_engine"] = lambda: _model_given_to_a_second_engine(rank)
     return dc.run_jobs(jobs)
 
 
@@ -274,3 +292,10 @@ def test_lm_example_overlap_is_bit_identical(lm_results, name):
         assert over["losses"] == sync["losses"]
         for param, want in sync["params"].items():
             np.testing.assert_array_equal(over["params"][param], want, err_msg=f"rank {rank} {param}")
+
+
+def test_model_given_to_a_second_engine(results):
+    for got in dc.case_results(results, "second_engine"):
+        assert not got["first_started"] and got["first_hooks"] == 0
+        assert got["second_by_hooks"] > 0
+        assert got["threads"] == []

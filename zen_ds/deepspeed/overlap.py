@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["OverlappedSync", "grad_reader", "mirror_group"]
 
 GradReader = Callable[[int], Optional[torch.Tensor]]
+
+# id(param) -> (the param, the OverlappedSync whose hook it carries: the newest engine's). Not an
+# attribute on the param: that would travel with torch.save(model) and copy.deepcopy(model).
+_HOOKED: Dict[int, Tuple["weakref.ref[torch.Tensor]", "OverlappedSync"]] = {}
+
+
+def _take_over_hooks(param: torch.Tensor, sync: "OverlappedSync") -> None:
+    for key in [k for k, (ref, _) in _HOOKED.items() if ref() is None]:
+        del _HOOKED[key]
+    entry = _HOOKED.get(id(param))
+    if entry is not None and entry[0]() is param:
+        entry[1].remove()
+    _HOOKED[id(param)] = (weakref.ref(param), sync)
 
 
 def grad_reader(storage: GradStorage) -> Optional[GradReader]:
@@ -99,6 +113,8 @@ class OverlappedSync:
         # the order the thread syncs params in, equal on every rank; learnt once from rank 0
         self.order: List[int] = list(reversed(range(len(reducer.params))))
         self.order_learnt = False
+        for p in reducer.params:  # a model given to a new engine: the old engine's hooks go
+            _take_over_hooks(p.param, self)
         self.handles = [p.param.register_post_accumulate_grad_hook(self._hook(i))
                         for i, p in enumerate(reducer.params)]
 
@@ -205,9 +221,11 @@ class OverlappedSync:
         return order
 
     def remove(self) -> None:
-        """Take the hooks off the params."""
+        """Take the hooks off the params: every param is then handed over when backward has
+        ended (the synchronous path's timing, on zen's thread)."""
         for handle in self.handles:
             handle.remove()
+        self.handles = []
 
 
 def _checked(p: ZenParam, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
