@@ -1,6 +1,6 @@
 """``"zen": {"overlap": true}`` on 3 gloo ranks: training with zen's sync overlapped with backward
 gives bit-identical parameters, losses and per-param sync statistics to the synchronous path
-(ZeRO-0 shared route in fp32 and bf16, ZeRO-1/2 owned route replicated and sharded, accumulation,
+(ZeRO-0 shared route in fp32, bf16 and fp16 with an overflow, ZeRO-1/2 owned route replicated and sharded, accumulation,
 clipping, a ``sparse=True`` and a dense-gradient embedding, a compressed dense param, a param some
 ranks leave out of some backwards); engines where zen cannot overlap fall back to the synchronous path; a
 failure in zen's comm thread is raised at ``engine.step()`` on every rank, the group stays usable
@@ -38,6 +38,8 @@ CASES = {
                                 zen_extra={"optimizer_state": "sharded"}),
     "zero1_dense_emb": dict(zero=1, sparse=False, clip=CLIP),
     "bf16_dense_emb": dict(dtype="bf16", sparse=False, clip=CLIP),
+    # fp16 (dynamic loss scale), one step overflowing on one rank: skipped on every rank alike
+    "fp16_dense_emb_inf": dict(dtype="fp16", sparse=False, yscale=16.0, inf_at=(2, 1)),
     "shuffle": dict(clip=CLIP, zen_extra={"shuffle": {"group_size": 2}}),  # DS-Sync: no overlap
 }
 FALLS_BACK = {"shuffle"}
@@ -72,7 +74,10 @@ def _train(rank: int, case: Dict[str, Any], overlap: bool) -> Dict[str, Any]:
     losses, hooked = [], 0
     for step in range(STEPS):
         for micro in range(case.get("gas", 1)):
-            a, b, y = dc.batch(step, micro, rank)
+            a, b, y = dc.batch(step, micro, rank, case.get("yscale", 1.0))
+            if case.get("inf_at") == (step, rank) and micro == 0:
+                y = y.clone()
+                y[0] = float("inf")
             loss = dc.loss_fn(engine(a, b), y)
             engine.backward(loss)
             engine.step()
@@ -81,7 +86,8 @@ def _train(rank: int, case: Dict[str, Any], overlap: bool) -> Dict[str, Any]:
     alive = [t.name for t in threading.enumerate() if t.name == THREAD]
     return {"params": dc.params_of(engine.module), "losses": losses, "stats": _stats(state.reducer.history),
             "overlap": state.overlap is not None, "threads": alive, "hooked": hooked,
-            "order": state.overlap.order if state.overlap is not None else None, "step": state.reducer.step}
+            "order": state.overlap.order if state.overlap is not None else None,
+            "skipped": engine.skipped_steps, "step": state.reducer.step}
 
 
 # ----------------------------------------------------------------------------- failures
@@ -164,6 +170,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     import warnings
     warnings.filterwarnings("ignore")
     dc.set_env(rank, world)
+    dc.accept_fp16_on_cpu()
     jobs: Dict[str, Any] = {}
     for name, case in CASES.items():
         for overlap in (False, True):
@@ -188,6 +195,7 @@ def test_overlap_is_bit_identical_to_sync(results, name):
         assert over[rank]["overlap"] is (name not in FALLS_BACK)
         assert not sync[rank]["overlap"]
         assert over[rank]["losses"] == sync[rank]["losses"]
+        assert over[rank]["skipped"] == sync[rank]["skipped"]
         for param, want in sync[rank]["params"].items():
             np.testing.assert_array_equal(over[rank]["params"][param], want, err_msg=f"rank {rank} {param}")
         assert over[rank]["stats"] == sync[rank]["stats"]
@@ -242,3 +250,7 @@ def test_model_given_to_a_second_engine(results):
         assert not got["first_started"] and got["first_hooks"] == 0
         assert got["second_by_hooks"] > 0
         assert got["threads"] == []
+
+
+def test_fp16_overflow_case_skips(results):
+    assert dc.case_results(results, "fp16_dense_emb_inf/True")[0]["skipped"] >= 1
