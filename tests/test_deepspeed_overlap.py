@@ -1,12 +1,13 @@
 """``"zen": {"overlap": true}`` on 3 gloo ranks: training with zen's sync overlapped with backward
-gives bit-identical parameters, losses and per-param sync statistics to the synchronous path
-(ZeRO-0 shared route in fp32, bf16 and fp16 with an overflow, ZeRO-1/2 owned route replicated and sharded, accumulation,
-clipping, a ``sparse=True`` and a dense-gradient embedding, a compressed dense param, a param some
-ranks leave out of some backwards); engines where zen cannot overlap fall back to the synchronous path; a
-failure in zen's comm thread is raised at ``engine.step()`` on every rank, the group stays usable
-and no thread is left behind.
+gives bit-identical parameters, losses, skipped steps and per-param sync statistics to the
+synchronous path (ZeRO-0 shared route in fp32, bf16, and fp16 with an overflow; ZeRO-1/2 owned
+route, replicated and sharded; accumulation; clipping; a ``sparse=True`` and a dense-gradient
+embedding; a compressed dense param; a param some ranks leave out of some backwards). Engines
+where zen cannot overlap fall back to the synchronous path. A failure in zen's comm thread is
+raised at ``engine.step()`` on every rank, the group stays usable and no thread is left behind.
 
-One spawn runs every case (module fixture); each test checks its case.
+One 3-rank spawn runs those cases (module fixture); a 4-rank spawn runs ``examples/train_lm.py``
+with and without ``--overlap`` (Megatron TP=2 x DP=2; a sampled-softmax head at ZeRO-2).
 """
 from __future__ import annotations
 
