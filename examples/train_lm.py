@@ -347,7 +347,8 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
         "gradient_clipping": args.clip,
         "steps_per_print": 10 ** 9,
         "zen": {"enabled": bool(args.zen), "scheme": args.scheme, "params": "auto",
-                "stats_interval": args.stats_interval, "optimizer_state": args.optimizer_state},
+                "stats_interval": args.stats_interval, "optimizer_state": args.optimizer_state,
+                "overlap": bool(args.overlap)},
     }
     if args.shuffle:  # DS-Sync: every param synced inside groups of --shuffle ranks, reshuffled each step
         config["zen"]["shuffle"] = {"group_size": args.shuffle, "mode": args.shuffle_mode,
@@ -429,6 +430,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--zen", action=argparse.BooleanOptionalAction, default=True,
                    help="sync with zen (--no-zen: DeepSpeed's own reduction)")
     p.add_argument("--scheme", default="auto", help="zen scheme (auto, balanced, agsparse, dense, ...)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                   help="zen.overlap: sync zen's params during backward, on zen's comm thread")
     p.add_argument("--vocab", type=int, default=50304, help="vocabulary size (up to 262144)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)

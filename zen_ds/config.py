@@ -158,6 +158,16 @@ class ZenConfig(BaseModel):
     """``optimizer_state: auto`` shards a param when sharding saves at least this many MiB of masters
     and optimizer state per rank; smaller params stay replicated (one collective less per step)."""
 
+    overlap: bool = False
+    """Sync each zen param as soon as its gradient is final in the last backward of an optimizer
+    step (a post-accumulate-grad hook hands it to one comm thread on a process group of the same
+    ranks as the data-parallel group), overlapping zen's communication with the rest of backward
+    and with DeepSpeed's reduction of the other params; the optimizer step waits for it. Same
+    results as ``false``; one backward per micro-step, and post-accumulate-grad hooks added after
+    ``zen_ds.initialize`` may see a gradient while zen syncs it. Engines where zen cannot see
+    gradients become final (pipelines, the bf16 optimizer's fp32 accumulators, ``shuffle``) sync
+    after backward as with ``false``."""
+
     compression: Optional[CompressionConfig] = None
     """Top-k / DGC gradient compression of dense params (README, "Gradient compression");
     ``null`` = off. Params zen already syncs as sparse are excluded from it."""

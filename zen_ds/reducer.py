@@ -176,18 +176,19 @@ class ZenReducer:
         return dense.to(comm_dtype)
 
     def _sync_compressed(self, p: ZenParam, grad: Optional[torch.Tensor], rs: Optional[RowSparse],
-                         before: float, after: float, stats: SyncStats) -> torch.Tensor:
+                         before: float, after: float, stats: SyncStats,
+                         group: Optional[dist.ProcessGroup]) -> torch.Tensor:
         """A compressed param: its top-k rows (or, in warmup, the whole dense gradient)."""
         if rs is None:  # warmup: every rank sends the dense gradient
             # Not in place: the compressor may keep what it was handed.
-            return sparse_allreduce(self._wire(p, grad, before), self.group, "dense", postscale=after,
+            return sparse_allreduce(self._wire(p, grad, before), group, "dense", postscale=after,
                                     options=self._options(), stats=stats, log_prefix=p.log_prefix)
         dense = torch.empty(rs.shape, dtype=rs.dtype, device=rs.device)
-        return sparse_allreduce(rs, self.group, self.config.scheme, out=dense, postscale=after,
+        return sparse_allreduce(rs, group, self.config.scheme, out=dense, postscale=after,
                                 options=self._options(), stats=stats, log_prefix=p.log_prefix)
 
     def _sync_plain(self, p: ZenParam, grad: Optional[torch.Tensor], before: float, after: float,
-                    stats: SyncStats) -> torch.Tensor:
+                    stats: SyncStats, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
         """A param zen syncs as it is: a dense gradient in place (no sparse round trip), a COO
         gradient as COO, a missing one as no rows. Returns the synced gradient in the
         communication dtype (``grad`` itself when it already is)."""
@@ -199,20 +200,20 @@ class ZenReducer:
             empty = RowSparse.empty(shape[0], shape[1:], dtype=comm_dtype, device=p.param.device)
             out = None if p.native_sparse else torch.empty(shape, dtype=comm_dtype,
                                                            device=p.param.device)
-            summed = sparse_allreduce(empty, self.group, self.config.scheme, out=out, **kwargs)
+            summed = sparse_allreduce(empty, group, self.config.scheme, out=out, **kwargs)
             return summed.to_coo() if isinstance(summed, RowSparse) else summed
         if grad.is_sparse:
-            return sparse_allreduce(grad.to(comm_dtype), self.group, self.config.scheme, **kwargs)
+            return sparse_allreduce(grad.to(comm_dtype), group, self.config.scheme, **kwargs)
         if grad.dtype == comm_dtype and grad.is_contiguous():
             wire = grad
         else:  # the wire dtype differs: scale once, in fp32, while casting
             wire = self._wire(p, grad, before).contiguous()
             kwargs["prescale"] = 1.0
-        summed = sparse_allreduce(wire, self.group, self.config.scheme, out=wire, **kwargs)
+        summed = sparse_allreduce(wire, group, self.config.scheme, out=wire, **kwargs)
         return RowSparse.from_dense(summed).to_coo() if p.native_sparse else summed
 
     def _sync_shard(self, p: ZenParam, grad: Optional[torch.Tensor], before: float, after: float,
-                    stats: SyncStats) -> torch.Tensor:
+                    stats: SyncStats, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
         """A param with sharded optimizer state: the summed rows this rank owns, dense
         ``[shard rows, *row_shape]`` in the communication dtype."""
         comm_dtype = self.scale.comm_dtype or (grad.dtype if grad is not None else p.param.dtype)
@@ -225,7 +226,7 @@ class ZenReducer:
             x = RowSparse.from_dense(grad)
         else:  # the wire dtype differs: scale once, in fp32, while casting
             x, before = RowSparse.from_dense(self._wire(p, grad, before)), 1.0
-        return sparse_reduce_scatter(x, self.group, seed=p.shard.seed, prescale=before, postscale=after,
+        return sparse_reduce_scatter(x, group, seed=p.shard.seed, prescale=before, postscale=after,
                                      stats=stats, log_prefix=p.log_prefix)
 
     # ---------------------------------------------------------------------- the step
@@ -241,39 +242,52 @@ class ZenReducer:
         """
         if len(grads) != len(self.params):
             raise ValueError(f"zen: {len(grads)} gradients for {len(self.params)} params")
+        results: List[torch.Tensor] = []
+        stats: Dict[str, ParamStats] = {}
+        for index, grad in enumerate(grads):
+            result, stats[self.params[index].name] = self.sync_param(index, grad)
+            results.append(result)
+        self.end_step(stats)
+        return results
+
+    @torch.no_grad()
+    def sync_param(self, index: int, grad: Optional[torch.Tensor],
+                   group: Optional[dist.ProcessGroup] = None) -> Tuple[torch.Tensor, ParamStats]:
+        """One param's part of :meth:`sync` (result and cost), over ``group`` (default: the
+        reducer's). Every rank must sync the same params in the same order on a group; the
+        overlapped sync calls this from its comm thread on a group of the same ranks."""
+        p = self.params[index]
+        group = self.group if group is None else group
+        started = time.perf_counter()
         before, after = self.scale.factors(self.world_size)
         # The compressor gets the gradient exactly as it goes on the wire (scaled, in the
         # communication dtype), so the rounding of the sent values stays in its residual.
-        compressed = [self.compressor.compress(p.name, self._wire(p, g, before), self.step)
-                      if p.compressed else None for p, g in zip(self.params, grads)]
+        rs_c = (self.compressor.compress(p.name, self._wire(p, grad, before), self.step)
+                if p.compressed else None)
+        out_dtype = grad.dtype if grad is not None else p.param.dtype
+        st = SyncStats()
+        if p.compressed:
+            result = self._sync_compressed(p, grad, rs_c, before, after, st, group)
+        elif p.shard is not None:
+            result = self._sync_shard(p, grad, before, after, st, group)
+        else:
+            result = self._sync_plain(p, grad, before, after, st, group)
+        if result.dtype != out_dtype:
+            result = result.to(out_dtype)
+        if not result.is_sparse and (p.shard is None or p.compressed):  # a shard stays shard-shaped
+            result = result.view_as(p.param)
+        summary = ParamStats(compressed=p.compressed and rs_c is not None)
+        for f in fields(SyncStats):
+            setattr(summary, f.name, getattr(st, f.name))
+        summary.seconds = time.perf_counter() - started
+        return result, summary
 
-        results: List[torch.Tensor] = []
-        stats: Dict[str, ParamStats] = {}
-        for p, g, rs_c in zip(self.params, grads, compressed):
-            started = time.perf_counter()
-            out_dtype = g.dtype if g is not None else p.param.dtype
-            st = SyncStats()
-            if p.compressed:
-                result = self._sync_compressed(p, g, rs_c, before, after, st)
-            elif p.shard is not None:
-                result = self._sync_shard(p, g, before, after, st)
-            else:
-                result = self._sync_plain(p, g, before, after, st)
-            if result.dtype != out_dtype:
-                result = result.to(out_dtype)
-            if not result.is_sparse and (p.shard is None or p.compressed):  # a shard stays shard-shaped
-                result = result.view_as(p.param)
-            summary = ParamStats(compressed=p.compressed and rs_c is not None)
-            for f in fields(SyncStats):
-                setattr(summary, f.name, getattr(st, f.name))
-            summary.seconds = time.perf_counter() - started
-            stats[p.name] = summary
-            results.append(result)
+    def end_step(self, stats: Dict[str, ParamStats]) -> None:
+        """Record one optimizer step's per-param cost (``stats`` in the params' order)."""
         self.last_stats = stats
         if self.keep_history:
             self.history.append(stats)
         self.step += 1
-        return results
 
     # ---------------------------------------------------------------------- norms and logging
     @staticmethod

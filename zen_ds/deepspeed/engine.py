@@ -25,6 +25,7 @@ from zen_ds.deepspeed import checkpoint, patches
 from zen_ds.deepspeed.faults import agree_on_failure, during_sync
 from zen_ds.deepspeed.grads import GradStorage, check_grads
 from zen_ds.deepspeed.norms import local_sum_of_squares, model_parallel_sum
+from zen_ds.deepspeed.overlap import OverlappedSync, grad_reader, mirror_group
 from zen_ds.deepspeed.owned import OwnedParams, OwnedPlan, clip_coefficient, plan_owned
 from zen_ds.deepspeed.params import reducer_params
 from zen_ds.deepspeed.routes import Route, ds_config_dict, read_ds_config, refuse, resolve_route
@@ -55,6 +56,8 @@ class ZenEngineState:
         self.zen_param_ids = {id(p.param) for p in reducer.params}
         if shuffle is not None:
             self.zen_param_ids |= {id(param) for _, param, _ in shuffle.params}
+        # --- sync overlapped with backward ("overlap": true), set by attach where possible
+        self.overlap: Optional[OverlappedSync] = None
         # --- per optimizer step
         self.reduced_this_step = False
         self.last_norm: Optional[float] = None  # unscaled global norm DeepSpeed clipped with
@@ -69,8 +72,17 @@ class ZenEngineState:
         check_grads(self.reducer.params, grads)
         return grads
 
+    def start_reduce(self) -> None:
+        """Backward has ended: with overlap, let zen's thread sync what is left and return at
+        once (DeepSpeed reduces its params meanwhile); without, :meth:`reduce`."""
+        if self.overlap is None:
+            self.reduce()
+        elif not self.reduced_this_step:
+            self.overlap.close()
+
     def reduce(self) -> None:
-        """Sync zen's params once per optimizer step; a failure on any rank raises on every rank."""
+        """Sync zen's params once per optimizer step (with overlap: wait for zen's thread); a
+        failure on any rank raises on every rank."""
         if self.reduced_this_step:
             return
         step = self.reducer.step
@@ -78,8 +90,11 @@ class ZenEngineState:
             during_sync(self.shuffle.reduce_gradients, self.shuffle.step)
             self.reduced_this_step = True
             return
-        grads = agree_on_failure(self._read_checked, self.reducer.group, step)
-        synced = during_sync(lambda: self.reducer.sync(grads), step)
+        if self.overlap is not None:
+            synced = self.overlap.finish()
+        else:
+            grads = agree_on_failure(self._read_checked, self.reducer.group, step)
+            synced = during_sync(lambda: self.reducer.sync(grads), step)
         self.storage.write(synced)
         self.reduced_this_step = True
 
@@ -174,6 +189,8 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
                                 reducer.scale)
     state = ZenEngineState(engine, zcfg, reducer, route.name, owned,
                            patches.grad_storage(engine, zen_params, owned), shuffle)
+    if zcfg.overlap:
+        state.overlap = _overlapped_sync(engine, state, route)
     _REGISTRY[engine] = state
     patches.install(engine, state)
     if engine.global_rank == 0:
@@ -183,6 +200,23 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
         if owned is not None:
             logger.info("zen owns its params' optimizer step: %s", "; ".join(owned.describe()))
     return state
+
+
+def _overlapped_sync(engine: Any, state: ZenEngineState, route: Route) -> Optional[OverlappedSync]:
+    """zen's sync overlapped with backward, or None (logged) where zen cannot see a gradient
+    become final: pipelines (many backwards per step), DS-Sync, the bf16 optimizer's fp32
+    accumulators. Every rank decides alike (same config, same engine type)."""
+    read = grad_reader(state.storage)
+    why = ("a pipeline runs many backwards per step" if route.setup.pipeline
+           else '"shuffle" syncs every param itself' if state.shuffle is not None
+           else "the bf16 optimizer accumulates gradients where zen's hooks cannot see them" if read is None
+           else None)
+    if why is not None:
+        if engine.global_rank == 0:
+            logger.info("zen: \"overlap\" is off for this engine (%s); zen syncs after backward", why)
+        return None
+    return OverlappedSync(state.reducer, read, mirror_group(state.reducer.group),
+                          engine.is_gradient_accumulation_boundary)
 
 
 def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,

@@ -6,10 +6,10 @@ process are untouched) and reads a few private attributes. Porting zen to anothe
 release means re-checking this file only:
 
 * ``allreduce_gradients`` / ``buffered_allreduce_fallback``: at the accumulation boundary zen syncs
-  its params first (once per optimizer step), then DeepSpeed reduces only the other params (none
-  with ``"zen.shuffle"``: DS-Sync reduces them all).
+  its params first (with ``"zen.overlap"`` its thread goes on meanwhile), then DeepSpeed reduces
+  only the other params (none with ``"zen.shuffle"``: DS-Sync reduces them all).
 * ``_take_model_step`` (reached from ``DeepSpeedEngine.step`` and ``PipelineEngine``): the optimizer
-  step; on the owned route zen steps its params after DeepSpeed's step was applied.
+  step (it waits for zen's sync); on the owned route zen steps its params after DeepSpeed's.
 * ``clip_fp32_gradients`` (fp32, ZeRO-0): DeepSpeed's in-place ``.data.mul_`` leaves sparse grads
   unclipped, and under a PipelineModule it counts only one stage's params.
 * the optimizer's norm (``scaled_global_norm`` / ``get_grads_for_norm`` / the FP16 overflow check):
@@ -190,11 +190,11 @@ def install(engine: Any, state: "ZenEngineState") -> None:
 
     def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
         if engine.is_gradient_accumulation_boundary():  # ZeRO-2 calls this every micro-step
-            state.reduce()
+            state.start_reduce()
         return orig_allreduce(*args, **kwargs)
 
     def buffered_allreduce_fallback(grads: Any = None, elements_per_buffer: int = 500000000) -> Any:
-        state.reduce()
+        state.start_reduce()
         if state.shuffle is not None:  # DS-Sync reduced every param inside the step's group
             return None
         if grads is None:
