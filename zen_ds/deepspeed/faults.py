@@ -6,7 +6,8 @@ synced makes *every* rank raise :class:`ZenReductionError` at the same point, an
 stays aligned (no collective was skipped). A failure during the collectives themselves (a peer that
 died, an op that failed on one rank) cannot be agreed on: the failing rank raises, its process
 exits, and the peers' collectives fail with the transport's error, which zen re-raises as
-:class:`ZenReductionError` naming the param and the step. zen starts no threads for either.
+:class:`ZenReductionError` naming the param and the step. Without ``overlap`` zen starts no threads;
+with it, the comm thread applies the same agreement per param and its error is raised at the step.
 """
 from __future__ import annotations
 
