@@ -78,7 +78,7 @@ class ShuffleConfig(BaseModel):
 
 
 class NetworkConfig(BaseModel):
-    """The planner's cost model (README, "Choosing a scheme"): links, latency, topology and the
+    """The planner's cost model (README, "Configuration"): links, latency, topology and the
     compute rates of zen's local ops. ``zen-bench calibrate`` measures the links and prints this
     block."""
 
