@@ -62,8 +62,9 @@ def test_planning_ranks_for_large_groups_are_the_bottlenecks() -> None:
     nnz = [10] * 100
     nnz[37], nnz[80] = 1000, 0
     shape = SyncShape(100, nnz, 2000, 10_000, 8, 4)
-    assert planning_ranks(shape) == [37, 80]
+    assert planning_ranks(shape) == [0, 37, 80, 99]  # most, fewest, and the two ends
     assert planning_ranks(SyncShape(8, [1] * 8, 8, 100, 1, 4)) == list(range(8))
+    assert planning_ranks(SyncShape(9, [1] * 9, 9, 100, 1, 4)) == [0, 8]
 
 
 def test_pull_pads_only_when_its_padding_costs_less_than_the_size_exchange() -> None:
