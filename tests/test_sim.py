@@ -69,7 +69,7 @@ CASES: Dict[str, Tuple[str, torch.dtype, str, Tuple[int, ...], float]] = {
     "edges": ("synthetic:rows=1001,width=4,density=0.1", torch.bfloat16, "auto", (),
               TINY_ALPHA),
 }
-WORLD_SIZES = (2, 3, 5, 8)
+WORLD_SIZES = (2, 5, 8)  # 3, 4, 6 and 7 in the per-node and variant tests below
 # Cases for the extra grids (hierarchical per node, forced sparcml variants, n = 6).
 SMALL_CASES = ("lm64", "topk", "disjoint", "denseish_x", "one_empty", "all_empty", "identical",
                "dense", "edges")
@@ -181,7 +181,7 @@ def real_run_per_node(n: int, per_node: int) -> List[Dict[str, Dict[str, object]
     return run_ranks(n, _real_bytes, per_node, SMALL_CASES, ("hierarchical", "auto"))
 
 
-@pytest.mark.parametrize("n,per_node", [(4, 2), (5, 2), (6, 3), (8, 3), (3, 2)])
+@pytest.mark.parametrize("n,per_node", [(4, 2), (6, 3), (3, 2)])
 @pytest.mark.parametrize("case", SMALL_CASES)
 def test_hierarchical_per_node_bytes_equal_real_syncstats(case: str, n: int, per_node: int,
                                                           monkeypatch) -> None:
@@ -196,7 +196,7 @@ def real_run_variants(n: int) -> List[Dict[str, Dict[str, object]]]:
                      (RECURSIVE_DOUBLING, SPLIT_ALLGATHER))
 
 
-@pytest.mark.parametrize("n", (2, 3, 6, 7))
+@pytest.mark.parametrize("n", (3, 7))
 @pytest.mark.parametrize("case", SMALL_CASES)
 def test_sparcml_variants_and_omnireduce_equal_real_syncstats(case: str, n: int) -> None:
     real = real_run_variants(n)
