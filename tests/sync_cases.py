@@ -337,25 +337,19 @@ def check_mismatch_errors(rank: int, n: int) -> Dict[str, str]:
         out["scheme"] = "no error raised"
     except ValueError as exc:
         out["scheme"] = str(exc)
-    # cost model mismatch: it decides balanced's pull mode, so ranks must agree on it
-    zen_ds.set_cost_model(CostModel(alpha=1e-3) if rank == 1 else CostModel())
-    try:
-        zen_ds.sparse_allreduce(torch.ones(4, 2), scheme="balanced")
-        out["cost_model"] = "no error raised"
-    except ValueError as exc:
-        out["cost_model"] = str(exc)
-    finally:
-        zen_ds.set_cost_model(CostModel())
-    # ... and on every other constant, compute rates included (the plan depends on them)
-    zen_ds.set_cost_model(CostModel().with_compute({"partition": 1e-6}) if rank == 1
-                          else CostModel())
-    try:
-        zen_ds.sparse_allreduce(torch.ones(4, 2), scheme="auto")
-        out["compute_rates"] = "no error raised"
-    except ValueError as exc:
-        out["compute_rates"] = str(exc)
-    finally:
-        zen_ds.set_cost_model(CostModel())
+    # cost model mismatch: it decides balanced's pull mode and auto's choice, so ranks must agree
+    # on every constant of it, compute rates included
+    for name, odd, scheme in (("cost_model", CostModel(alpha=1e-3), "balanced"),
+                              ("compute_rates", CostModel().with_compute({"partition": 1e-6}),
+                               "auto")):
+        zen_ds.set_cost_model(odd if rank == 1 else CostModel())
+        try:
+            zen_ds.sparse_allreduce(torch.ones(4, 2), scheme=scheme)
+            out[name] = "no error raised"
+        except ValueError as exc:
+            out[name] = str(exc)
+        finally:
+            zen_ds.set_cost_model(CostModel())
     # the group still works afterwards
     y = zen_ds.sparse_allreduce(torch.ones(4, 2), scheme="balanced")
     out["after"] = "ok" if torch.equal(y, torch.full((4, 2), float(n))) else f"bad result {y}"
