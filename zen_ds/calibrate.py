@@ -89,8 +89,9 @@ def agree_compute_rates(rates: Mapping[str, float], group: Optional[dist.Process
 
 
 def quantized(rates: Mapping[str, float]) -> Dict[str, float]:
-    """Rates rounded to a power of two: a rerun on the same machine measures within a few tens of
-    percent, and should plan (and so sum) the same way, not flip between near-equal schemes."""
+    """Rates rounded to a power of two, to damp run-to-run noise in the plan. A rate near a step
+    can still round differently between runs on a loaded machine; pin ``network.compute`` where
+    scheme choices must be reproducible."""
     return {op: (2.0 ** round(math.log2(rate)) if rate > 0 else 0.0) for op, rate in rates.items()}
 
 
