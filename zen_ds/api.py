@@ -25,7 +25,7 @@ from .comm import Communicator
 from .handshake import DTYPE_CODES, HandshakeTable, encode_record, row_dims_slots
 from .inputs import LocalInput, inspect_input
 from .partition import ShardLayout
-from .planner import CostModel, estimate_singletons, estimate_union, plan, slowest_seconds
+from .planner import CostModel, estimate_singletons, estimate_union, plan_and_price
 from .schemes import auto_candidates, get_scheme, scheme_names
 from .schemes.base import SKETCH_SIZE, SyncContext, SyncShape, handshake_bytes
 from .schemes.topology import ranks_per_node
@@ -288,15 +288,15 @@ def _plan(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptio
                       comm.rank, opts.cost_model.latency_bytes, singletons,
                       table.column("ranks_per_node")[0])
     if max(nnz_per_rank) > opts.density_threshold * num_rows:
-        chosen = "dense"
+        names: Tuple[str, ...] = ("dense",)
     elif scheme == "auto":
-        chosen, _ = plan(shape, auto_candidates_for(comm, shape), opts.cost_model)
+        names = auto_candidates_for(comm, shape)
     else:
-        chosen = scheme
-    estimate = get_scheme(chosen).predict(shape)
+        names = (scheme,)
+    chosen, slowest, estimates = plan_and_price(shape, names, opts.cost_model)
+    estimate = estimates[chosen]
     handshake = (n - 1) * handshake_bytes(n)
-    seconds = slowest_seconds(chosen, shape, opts.cost_model) + opts.cost_model.link_seconds(
-        handshake, 0.0, n - 1)
+    seconds = slowest[chosen] + opts.cost_model.link_seconds(handshake, 0.0, n - 1)
     return chosen, shape, (estimate.bytes_sent + handshake, estimate.bytes_received + handshake,
                            seconds)
 

@@ -24,7 +24,7 @@ from .schemes.base import ByteEstimate, SyncShape, with_rank
 logger = logging.getLogger(__name__)
 
 __all__ = ["CostModel", "DEFAULT_COMPUTE_RATES", "COMPUTE_OPS", "estimate_union",
-           "estimate_singletons", "plan", "slowest_seconds"]
+           "estimate_singletons", "plan", "plan_and_price", "price"]
 
 
 # Seconds per element of zen's local ops when nothing was measured: the compiled CPU ops on one
@@ -82,7 +82,7 @@ class CostModel:
         return sum(count * rates.get(op, 0.0) for op, count in elements.items())
 
     def seconds(self, estimate: ByteEstimate) -> float:
-        return (self.link_seconds(estimate.nic_bytes, estimate.intra_bytes,
+        return (self.link_seconds(estimate.nic_bytes, estimate.intra,
                                   estimate.latency_steps) + self.compute_seconds(estimate.compute))
 
     def digest(self) -> int:
@@ -149,19 +149,10 @@ def planning_ranks(shape: SyncShape) -> List[int]:
     return sorted({most, fewest, 0, n - 1})
 
 
-def slowest_seconds(name: str, shape: SyncShape, cost: CostModel) -> float:
-    """The model's time of scheme ``name`` on ``shape``: its slowest planning rank's."""
-    scheme = get_scheme(name)
-    return max(cost.seconds(scheme.predict(with_rank(shape, r))) for r in planning_ranks(shape))
-
-
-def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = CostModel()
-         ) -> Tuple[str, Dict[str, ByteEstimate]]:
-    """Fastest scheme for ``shape`` (by its slowest rank: the same answer on every rank) and each
-    candidate's estimate for ``shape.rank``."""
-    names = tuple(candidates) or auto_candidates()
-    if not 1 < shape.ranks_per_node < shape.world_size:  # one node, or a node per rank
-        names = tuple(name for name in names if name != "hierarchical") or names
+def price(shape: SyncShape, names: Iterable[str], cost: CostModel
+          ) -> Tuple[Dict[str, float], Dict[str, ByteEstimate]]:
+    """Each scheme's model time on its slowest planning rank, and its estimate for
+    ``shape.rank``: one pass over the planning ranks per scheme."""
     ranks = planning_ranks(shape)
     estimates: Dict[str, ByteEstimate] = {}
     slowest: Dict[str, float] = {}
@@ -176,4 +167,23 @@ def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = Cos
         if name not in estimates:
             estimates[name] = scheme.predict(shape)
         slowest[name] = worst
-    return min(names, key=slowest.__getitem__), estimates
+    return slowest, estimates
+
+
+def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = CostModel()
+         ) -> Tuple[str, Dict[str, ByteEstimate]]:
+    """Fastest scheme for ``shape`` (by its slowest rank: the same answer on every rank) and each
+    candidate's estimate for ``shape.rank``."""
+    chosen, _, estimates = plan_and_price(shape, candidates, cost)
+    return chosen, estimates
+
+
+def plan_and_price(shape: SyncShape, candidates: Iterable[str] = (),
+                   cost: CostModel = CostModel()
+                   ) -> Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]:
+    """:func:`plan`, plus every candidate's model time (what the stats report as predicted)."""
+    names = tuple(candidates) or auto_candidates()
+    if not 1 < shape.ranks_per_node < shape.world_size:  # one node, or a node per rank
+        names = tuple(name for name in names if name != "hierarchical") or names
+    slowest, estimates = price(shape, names, cost)
+    return min(names, key=slowest.__getitem__), slowest, estimates

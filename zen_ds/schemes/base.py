@@ -85,10 +85,6 @@ class ByteEstimate:
     def nic_bytes(self) -> float:
         return self.wire_bytes if self.nic is None else self.nic
 
-    @property
-    def intra_bytes(self) -> float:
-        return self.intra
-
 
 RING = "ring"  # node-ordered ring or pairwise chain: the NIC carries one rank's bytes
 SPREAD = "spread"  # all-to-all, bytes spread evenly over the other ranks

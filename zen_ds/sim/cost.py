@@ -147,7 +147,6 @@ class SimCost:
         rates (:meth:`CostModel.compute_seconds`)."""
         if not traffic.compute:
             return 0.0
-        n = next(iter(traffic.compute.values())).numel()
-        return max(self.model.compute_seconds({op: float(rows[r]) * row_numel
+        per_rank = self.model.compute_seconds({op: rows.double() * row_numel
                                                for op, rows in traffic.compute.items()})
-                   for r in range(n))
+        return float(per_rank.max())
