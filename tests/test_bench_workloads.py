@@ -151,3 +151,19 @@ def test_sync_end_to_end_two_local_ranks(tmp_path):
     for r in rows:
         assert r["bytes_sent_max"] > 0 and r["bound_s"] > 0 and r["speedup_vs_dense"] > 0
     assert "vs_dense" in p.stdout
+
+
+def test_sync_dense_input_is_synced_in_place_and_compared_with_dense_allreduce(tmp_path):
+    """``--dense-input``: sparse workloads go in as dense tensors written in place (out=), every
+    iteration from a fresh copy, so repeated calls stay correct; DeepSpeed's path is then dense."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "zen_ds.bench", "sync", "--local", "2", "--no-progress",
+                        "-w", "synthetic:rows=3001,width=4,density=0.03,overlap=0.3",
+                        "-s", "balanced", "agsparse", "deepspeed", "--dense-input",
+                        "--iters", "2", "--warmup", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["correct"] and r["input"] == "dense" for r in rows.values())
+    assert rows["deepspeed"]["scheme_run"] == "dense"
+    assert rows["balanced"]["bytes_sent_max"] < rows["deepspeed"]["bytes_sent_max"]

@@ -58,6 +58,10 @@ def _sync_parser(p: argparse.ArgumentParser) -> None:
                         "default, as the plug-in does) or the built-in defaults")
     p.add_argument("--local", type=int, default=None, metavar="N",
                    help="spawn N gloo ranks on loopback (no network: CPU-bound timings)")
+    p.add_argument("--dense-input", action="store_true",
+                   help="hand each rank's gradient over as a dense tensor synced in place (out=), as "
+                        "the plug-in does for a dense-gradient embedding; DeepSpeed's path is then "
+                        "the dense all-reduce")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check against torch's dense all-reduce")
     p.add_argument("--json", default=None, help="write all rows and the run context to this file")
@@ -94,7 +98,8 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
         cfg = runner.SyncConfig(schemes=runner.resolve_schemes(args.schemes), iters=args.iters,
                                 warmup=args.warmup, seed=args.seed, check=not args.no_check,
                                 rate_bps=_rate(args.rate), progress=not args.no_progress,
-                                index_encoding=args.index_encoding)
+                                index_encoding=args.index_encoding,
+                                dense_input=args.dense_input)
         rows = runner.run_sync(workloads, cfg)
         if dist.get_rank() == 0:
             ctx = report.context_info(dist.get_world_size(), cfg.rate_bps, cfg.iters, argv)

@@ -50,8 +50,8 @@ def resolve_schemes(requested: Sequence[str]) -> List[str]:
     return names
 
 
-def deepspeed_equivalent(workload: Workload) -> str:
-    return "agsparse" if workload.sparse else "dense"
+def deepspeed_equivalent(workload: Workload, dense_input: bool = False) -> str:
+    return "agsparse" if workload.sparse and not dense_input else "dense"
 
 
 @dataclasses.dataclass
@@ -64,6 +64,10 @@ class SyncConfig:
     rate_bps: Optional[float] = None  # link rate for the bytes/rate bound; None: not reported
     progress: bool = True
     index_encoding: str = "auto"  # balanced's pull encoding: auto | coo | bitmap
+    # Hand sparse workloads over as dense tensors synced in place (``out=`` the input), as the
+    # plug-in does for a dense-gradient embedding: the timed call then includes finding the
+    # non-zero rows and writing the result back; DeepSpeed's path for them is the dense all-reduce.
+    dense_input: bool = False
 
 
 class _Progress:
@@ -143,7 +147,9 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
         for w in workloads:
             t_gen = time.perf_counter()
             g = w.generate(rank, n, cfg.seed)
-            x = _to_input(g)
+            x = g.to_dense() if cfg.dense_input else _to_input(g)
+            # In-place syncs overwrite their input: each call gets a fresh copy (untimed).
+            work = torch.empty_like(x) if cfg.dense_input else None
             nnz_list, union = _gather_support(g, group)
             logger.info("workload %s generated in %.2fs: nnz/rank %s, union %d", w.name,
                         time.perf_counter() - t_gen, nnz_list, union)
@@ -153,15 +159,21 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
                 dist.all_reduce(reference, group=group)
             wl_rows: List[Dict[str, Any]] = []
             for scheme in cfg.schemes:
-                real = deepspeed_equivalent(w) if scheme == DEEPSPEED else scheme
+                real = deepspeed_equivalent(w, cfg.dense_input) if scheme == DEEPSPEED else scheme
                 times: List[float] = []
                 stats = None
                 max_err = float("nan")
                 for it in range(cfg.warmup + cfg.iters):
+                    if work is not None:
+                        work.copy_(x)
                     dist.barrier(group)
                     t0 = time.perf_counter()
-                    out = zen_ds.sparse_allreduce(x, group=group, scheme=real,
-                                                  index_encoding=cfg.index_encoding)
+                    if work is not None:
+                        out = zen_ds.sparse_allreduce(work, group=group, scheme=real, out=work,
+                                                      index_encoding=cfg.index_encoding)
+                    else:
+                        out = zen_ds.sparse_allreduce(x, group=group, scheme=real,
+                                                      index_encoding=cfg.index_encoding)
                     elapsed = time.perf_counter() - t0
                     stats = zen_ds.last_sync_stats()
                     if it == 0 and reference is not None:
@@ -184,9 +196,9 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
                 dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
                 wl_rows.append(_row(w, scheme, stats, n, nnz_list, union, t.tolist(),
                                     bmax.tolist(), bsum.tolist(), float(err), cfg, reference))
-            _add_ratios(wl_rows, deepspeed_equivalent(w))
+            _add_ratios(wl_rows, deepspeed_equivalent(w, cfg.dense_input))
             rows.extend(wl_rows)
-            del x, g, reference
+            del x, g, reference, work
     finally:
         progress.close()
     return rows
@@ -214,7 +226,7 @@ def _row(w: Workload, scheme: str, stats: Any, n: int, nnz: List[int], union: in
         "algbw_Bps": algbw, "busbw_Bps": algbw * 2 * (n - 1) / n if n > 1 else algbw,
         "max_abs_err": None if err < 0 else err,
         "correct": None if reference is None or err < 0 else bool(err <= _tolerance(reference, n)),
-        "rate_bps": cfg.rate_bps,
+        "rate_bps": cfg.rate_bps, "input": "dense" if cfg.dense_input or not w.sparse else "sparse",
     }
     if cfg.rate_bps:
         # Full-duplex link: the busier direction bounds the time.
