@@ -3,26 +3,36 @@
 # cluster"): per topology, `zen-bench calibrate` measures latency, bandwidth and compute rates,
 # then `zen-bench sync` runs all six schemes and auto with that cost model. Needs root (network
 # namespaces, tc). Results: bench_out/design_{h4,h4x2,h8}.{json,txt}, bench_out/cal_*.txt.
+#   RATE=200mbit ITERS=3 TAG=_200m bash launch/design_space_runs.sh h4 h4x2 h8 h16
+# picks the link rate, the iterations and a suffix for the file names; the arguments name the
+# topologies (hH = H hosts of one rank, hHxK = H hosts of K ranks; default h4 h4x2 h8).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$PWD/.venv/bin/python}
 mkdir -p bench_out
 export TORCH_EXTENSIONS_DIR=$PWD/.torch_extensions OMP_NUM_THREADS=1
+RATE=${RATE:-1gbit}
+ITERS=${ITERS:-5}
+TAG=${TAG:-}
 WL="-w lstm -w topk1 -w synthetic:rows=2000,width=16,density=0.01,overlap=0.5,skew=1.0 -w synthetic:rows=400000,width=64,density=0.02,overlap=0.9,skew=1.2"
 run() {  # name hosts rph
-  local name=$1 hosts=$2 rph=$3
-  $PY -m zen_ds.cluster --hosts $hosts --ranks-per-host $rph --rate 1gbit --timeout 580 -- \
+  local name=$1$TAG hosts=$2 rph=$3
+  $PY -m zen_ds.cluster --hosts $hosts --ranks-per-host $rph --rate $RATE --timeout 580 -- \
       $PY -m zen_ds.bench calibrate --repeats 5 > bench_out/cal_$name.txt 2>&1
   local alpha=$($PY -c "import json,re,sys;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['alpha'])")
   local bw=$($PY -c "import json;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['bandwidth'])")
   local ibw=$($PY -c "import json;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['intra_bandwidth'])")
   echo "$name alpha=$alpha bw=$bw intra=$ibw" >> bench_out/design_log.txt
-  $PY -m zen_ds.cluster --hosts $hosts --ranks-per-host $rph --rate 1gbit --timeout 1500 -- \
-      $PY -m zen_ds.bench sync $WL --schemes all auto --iters 5 --no-progress --alpha $alpha --bandwidth $bw --intra-bandwidth $ibw \
+  $PY -m zen_ds.cluster --hosts $hosts --ranks-per-host $rph --rate $RATE --timeout 2400 -- \
+      $PY -m zen_ds.bench sync $WL --schemes all auto --iters $ITERS --no-progress --alpha $alpha --bandwidth $bw --intra-bandwidth $ibw \
       --json bench_out/design_$name.json > bench_out/design_$name.txt 2>&1
   echo "$name done rc=$? $(date)" >> bench_out/design_log.txt
 }
 date >> bench_out/design_log.txt
-run h4 4 1
-run h4x2 4 2
-run h8 8 1
+for topo in "${@:-h4 h4x2 h8}"; do
+  for t in $topo; do
+    hosts=${t#h}; rph=1
+    case $hosts in *x*) rph=${hosts#*x}; hosts=${hosts%x*};; esac
+    run $t $hosts $rph
+  done
+done

@@ -167,3 +167,21 @@ def test_sync_dense_input_is_synced_in_place_and_compared_with_dense_allreduce(t
     assert all(r["correct"] and r["input"] == "dense" for r in rows.values())
     assert rows["deepspeed"]["scheme_run"] == "dense"
     assert rows["balanced"]["bytes_sent_max"] < rows["deepspeed"]["bytes_sent_max"]
+
+
+def test_calibrate_prints_a_network_block_with_the_sync_latency():
+    """``zen-bench calibrate`` on 2 loopback ranks prints a ``network`` block the config accepts;
+    its latency per step is the one zen's own syncs show, never below a bare all-gather's."""
+    from zen_ds.config import load_zen_config
+
+    p = subprocess.run([sys.executable, "-m", "zen_ds.bench", "calibrate", "--local", "2",
+                        "--repeats", "1", "--bytes", "65536"],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = p.stdout
+    block = json.loads(text[text.index("{"):text.rindex("}") + 1])
+    network = load_zen_config({"zen": block["zen"]}).network
+    assert network.alpha > 0 and network.bandwidth > 0 and network.ranks_per_node == 1
+    line = next(line for line in text.splitlines() if line.startswith("# latency per step"))
+    sync_ms, bare_ms = (float(part.split(" ms")[0].split()[-1]) for part in line.split(","))
+    assert sync_ms >= bare_ms > 0

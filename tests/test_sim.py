@@ -331,6 +331,7 @@ def test_validate_replays_a_bench_run_with_equal_bytes(tmp_path, capsys) -> None
     run, report = tmp_path / "run.json", tmp_path / "validate.json"
     assert bench_main(["sync", "--local", "3", "-w", "lm:rows=3000,width=16,tokens=300",
                        "-w", "synthetic:rows=20000,width=0,density=0.01,overlap=0.3",
+                       "-w", "synthetic:rows=20000,width=0,density=0.02,overlap=0.8",
                        "--iters", "1", "--warmup", "1", "--no-progress", "--no-check",
                        "--schemes", "all", "auto", "deepspeed", "--json", str(run)]) == 0
     capsys.readouterr()
@@ -341,15 +342,24 @@ def test_validate_replays_a_bench_run_with_equal_bytes(tmp_path, capsys) -> None
     assert code == 0, printed
     data = json.loads(report.read_text())
     rows = data["rows"]
-    assert len(rows) == 2 * (len(zen_ds.SCHEMES) + 2)
+    assert len(rows) == 3 * (len(zen_ds.SCHEMES) + 2)  # two `synthetic:` specs kept apart
     assert all(r["bytes_equal"] and r["method"] == "exact" for r in rows)
     assert all(r["ran"] == r["simulated_ran"] for r in rows)
     assert data["summary"]["bytes_differ"] == 0 and "DIFFER" not in printed
-    measured = {(r["workload"], r["scheme"]): r["time_s"]
+    measured = {(r["description"], r["scheme"]): r["time_s"]
                 for r in json.loads(run.read_text())["rows"]}
-    assert all(r["loopback_s"] == measured[(r["workload"], r["scheme"])] for r in rows)
+    assert all(r["loopback_s"] == measured[(r["description"], r["scheme"])] for r in rows)
     assert data["summary"]["local"]["loopback_s_per_mb"] > 0
     assert "worst |ratio - 1|" in printed
+    # By default the time model is the one the ranks planned with, as the run recorded it.
+    assert validate_main([str(run), "--json", str(report)]) == 0
+    assert "recorded cost model" in capsys.readouterr().out
+    recorded = json.loads(run.read_text())["context"]["cost_model"]
+    rows = json.loads(report.read_text())["rows"]
+    assert all(r["bytes_equal"] for r in rows)
+    steps = [r for r in rows if r["latency_steps"]]
+    assert steps and all(abs(r["latency_s"] - r["latency_steps"] * recorded["alpha"]) < 1e-12
+                         for r in steps)
 
 
 def test_validate_rejects_bad_input(tmp_path, capsys) -> None:

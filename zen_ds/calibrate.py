@@ -111,6 +111,36 @@ def _timed_all_gather(nbytes: int, group: Optional[dist.ProcessGroup], size: int
     return statistics.median(times[1:])  # the first includes connection set-up
 
 
+def _sync_alpha(repeats: int) -> float:
+    """Seconds per latency step as zen's syncs see them: the median time of a tiny ``agsparse``
+    sync over the default group divided by the latency steps the cost model counts for it
+    (handshake included). It holds what a bare collective's latency leaves out: each
+    collective's host-side work, and ranks that do not reach a step at the same moment (on an
+    oversubscribed host, whichever rank the scheduler has not run yet). Collective."""
+    from .api import SyncOptions, sparse_allreduce
+    from .sparse import RowSparse
+    from .stats import SyncStats
+
+    # alpha 1 s, no bandwidth or compute cost: the predicted time *is* the number of steps.
+    steps_model = CostModel(alpha=1.0, bandwidth=1e18, intra_bandwidth=1e18).with_compute(
+        {op: 0.0 for op in COMPUTE_OPS})
+    options = SyncOptions(cost_model=steps_model)
+    rank = dist.get_rank()
+    x = RowSparse(torch.tensor([rank], dtype=torch.int64), torch.ones(1, 4), dist.get_world_size())
+    times: List[float] = []
+    steps = 0.0
+    for _ in range(repeats + 1):
+        stats = SyncStats()
+        dist.barrier()
+        started = time.perf_counter()
+        sparse_allreduce(x, scheme="agsparse", options=options, stats=stats)
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+        steps = stats.predicted_seconds
+    return statistics.median(times[1:]) / max(steps, 1.0)
+
+
 def _link(group: Optional[dist.ProcessGroup], size: int, nbytes: int, repeats: int
           ) -> Dict[str, float]:
     """alpha (s/step) and bandwidth (B/s) of a ring all-gather over ``size`` ranks: the small
@@ -127,6 +157,9 @@ def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int =
                   ) -> Dict[str, float]:
     """Latency per step and bandwidths of the default group, as the cost model uses them.
 
+    ``alpha`` is the latency per step of zen's own syncs (:func:`_sync_alpha`), never below the
+    bare all-gather's (``collective_alpha``, also returned).
+
     With several nodes the ring all-gather over every rank runs at the NIC's rate (the model's
     ``bandwidth``); with several ranks per node, all-gathers inside each node give
     ``intra_bandwidth``. Collective: every rank of the world must call it with the same
@@ -134,8 +167,10 @@ def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int =
     n = dist.get_world_size()
     k = min(max(ranks_per_node, 1), n)
     whole = _link(None, n, nbytes, repeats)
-    result = {"alpha": whole["alpha"], "bandwidth": whole["bandwidth"], "intra_bandwidth": 0.0,
-              "ranks_per_node": k}
+    # The larger of the two: a sync's steps cost at least a bare collective's.
+    alpha = max(whole["alpha"], _sync_alpha(repeats)) if n > 1 else whole["alpha"]
+    result = {"alpha": alpha, "collective_alpha": whole["alpha"], "bandwidth": whole["bandwidth"],
+              "intra_bandwidth": 0.0, "ranks_per_node": k}
     if 1 < k < n:
         nodes = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
         groups = [dist.new_group(members) for members in nodes]  # every rank creates every group

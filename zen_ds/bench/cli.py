@@ -168,6 +168,8 @@ def _calibrate_worker(rank: int, world_size: int, args: argparse.Namespace,
                 "compute": {op: float(f"{r:.3g}") for op, r in rates.items()}}}}
             print(f"# measured over {dist.get_world_size()} ranks; paste into the ds_config "
                   "(or keep \"compute\": \"measure\" to measure at every start-up)")
+            print(f"# latency per step: {links['alpha'] * 1e3:.3g} ms in zen's syncs, "
+                  f"{links['collective_alpha'] * 1e3:.3g} ms for a bare all-gather")
             print(json.dumps(block, indent=2), flush=True)
         dist.barrier()
     finally:

@@ -10,9 +10,12 @@ measured against simulated bytes (which must be equal: both count the same colle
     python -m zen_ds.sim.validate --run --hosts 4 --rate 1gbit --iters 3 -w lm -w topk1
 
 ``--run`` launches the cluster and the bench itself, then validates its file. The ranks plan
-with the run's cost model (its ``--alpha`` / ``--bandwidth``, else the default), so the
-simulation does too; the time model is the planner's (:mod:`zen_ds.sim.cost`) with the link rate
-of the run (or ``--bandwidth``), ``--latency`` per step and ``--compute`` rates. When simulated
+with the run's cost model (what ``zen-bench calibrate`` measured and the bench was given, plus the
+compute rates the ranks measured at start-up; the file records it), so the simulation does too,
+and by default it also *times* with that model: latency per step, inter- and intra-node
+bandwidth and compute rates as recorded. ``--latency``, ``--bandwidth``, ``--intra-bandwidth``
+and ``--compute`` replace one input each (``--bandwidth`` defaults to the link rate for files
+that recorded no model). When simulated
 and measured times differ systematically, the summary's least-squares fit of
 ``measured = a * latency steps + b * bytes time + compute`` says which input is off: ``a`` is
 the per-step latency the runs show, ``1 / b`` the share of the link rate they reach; pass them
@@ -50,11 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks per emulated host (default: --ranks-per-host with --run, else 1)")
     p.add_argument("--bandwidth", default=None,
                    help="inter-host link rate, tc units (default: the run's recorded rate)")
-    p.add_argument("--intra-bandwidth", default="10gbit",
-                   help="one rank's bandwidth to ranks of its own host (default 10gbit)")
-    p.add_argument("--latency", default="50us", help="seconds per latency step (default 50us)")
-    p.add_argument("--compute", default="measure",
-                   help="local op rates: measure | none | FILE.json | op=seconds_per_element,...")
+    p.add_argument("--intra-bandwidth", default=None,
+                   help="one rank's bandwidth to ranks of its own host (default: the run's model, "
+                        "else 10gbit)")
+    p.add_argument("--latency", default=None,
+                   help="seconds per latency step (default: the run's model, else 50us)")
+    p.add_argument("--compute", default="recorded",
+                   help="local op rates: recorded (the ranks' own, default) | measure | none | "
+                        "FILE.json | op=seconds_per_element,...")
     p.add_argument("--tolerance", type=float, default=None, metavar="FRACTION",
                    help="exit 1 when a time ratio is off by more than this (e.g. 0.25)")
     p.add_argument("--loopback", action="append", default=[], metavar="FILE",
@@ -105,12 +111,14 @@ def _ranks_per_node_env(k: int) -> Iterator[None]:
 
 
 def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
-                  intra_bandwidth: float, latency: float, rates) -> List[Dict[str, object]]:
-    """One row per measured (workload, scheme): measured vs simulated time and bytes."""
+                  intra_bandwidth: Optional[float], latency: Optional[float], rates
+                  ) -> List[Dict[str, object]]:
+    """One row per measured (workload, scheme): measured vs simulated time and bytes. A ``None``
+    input (and ``rates`` None) is taken from the cost model the run recorded."""
     from ..bench.runner import DEEPSPEED, deepspeed_equivalent
     from ..bench.workloads import DEFAULT_WORKLOADS, parse_workload
     from ..planner import CostModel
-    from .cost import SimCost, Topology
+    from .cost import ComputeRates, SimCost, Topology
     from .simulate import AUTO, simulate
     from .supports import generate_supports
 
@@ -119,9 +127,6 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
     context, measured = data["context"], data["rows"]
     args = _bench_args(context["command"])
     n = int(context["world_size"])
-    rate = bandwidth if bandwidth is not None else (context.get("rate_bps") or 0) / 8
-    if not rate:
-        raise ValueError(f"{path}: the run recorded no link rate; pass --bandwidth")
     recorded = context.get("cost_model")
     if recorded:  # the model the ranks planned with, compute rates included
         planning = CostModel(recorded["alpha"], recorded["bandwidth"],
@@ -131,17 +136,31 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
         planning = CostModel(alpha=default.alpha if args.alpha is None else args.alpha,
                              bandwidth=default.bandwidth if args.bandwidth is None
                              else args.bandwidth)
+    if bandwidth is None:
+        bandwidth = planning.bandwidth if recorded else (context.get("rate_bps") or 0) / 8
+    if not bandwidth:
+        raise ValueError(f"{path}: the run recorded no link rate; pass --bandwidth")
+    if intra_bandwidth is None:
+        intra_bandwidth = (planning.intra_bandwidth or planning.bandwidth) if recorded else 10e9 / 8
+    if latency is None:
+        latency = planning.alpha if recorded else 50e-6
+    if rates is None:
+        if not recorded:
+            raise ValueError(f"{path}: the run recorded no compute rates; pass --compute")
+        rates = ComputeRates(dict(planning.compute), "recorded by the run's ranks")
     specs = list(args.workload or ([] if args.grad_file else DEFAULT_WORKLOADS))
-    workloads = {w.name: w for w in (parse_workload(s, args.scale) for s in specs)}
-    cost = SimCost(Topology(ranks_per_node, rate, intra_bandwidth, latency), rates)
+    # Keyed by description: two specs of one generator (say two `synthetic:` mixes) share a name.
+    workloads = {w.description: w for w in (parse_workload(s, args.scale) for s in specs)}
+    cost = SimCost(Topology(ranks_per_node, bandwidth, intra_bandwidth, latency), rates)
     out: List[Dict[str, object]] = []
-    for name in dict.fromkeys(r["workload"] for r in measured):
-        workload = workloads.get(name)
+    for description in dict.fromkeys(r["description"] for r in measured):
+        workload = workloads.get(description)
+        rows = [r for r in measured if r["description"] == description]
+        name = rows[0]["workload"]
         if workload is None:
             logger.warning("%s: workload %s cannot be regenerated (a gradient file?); skipped",
                            path, name)
             continue
-        rows = [r for r in measured if r["workload"] == name]
         supports = generate_supports(workload, n, args.seed)
         schemes = sorted({deepspeed_equivalent(workload) if r["scheme"] == DEEPSPEED
                           else r["scheme"] for r in rows} - {AUTO})
@@ -153,7 +172,7 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
             sim = result.row(deepspeed_equivalent(workload) if scheme == DEEPSPEED else scheme)
             steps_time = sim.latency_steps * latency
             out.append({
-                "file": path, "workload": name, "world_size": n,
+                "file": path, "workload": name, "description": description, "world_size": n,
                 "ranks_per_node": ranks_per_node, "scheme": scheme, "ran": r["scheme_run"],
                 "simulated_ran": sim.chosen or sim.scheme, "method": sim.method,
                 "measured_s": r["time_s"], "simulated_s": sim.seconds,
@@ -174,10 +193,11 @@ def add_loopback(rows: Sequence[Dict[str, object]], path: str) -> None:
     with open(path) as f:
         data = json.load(f)
     n = int(data["context"]["world_size"])
-    times = {(r["workload"], r["scheme"]): r["time_s"] for r in data["rows"]}
+    times = {(r["description"], r["scheme"]): r["time_s"] for r in data["rows"]}
     for row in rows:
-        if row["world_size"] == n and (row["workload"], row["scheme"]) in times:
-            row["loopback_s"] = times[(row["workload"], row["scheme"])]
+        key = (row["description"], row["scheme"])
+        if row["world_size"] == n and key in times:
+            row["loopback_s"] = times[key]
 
 
 def local_cost(rows: Sequence[Dict[str, object]]) -> Dict[str, float]:
@@ -246,6 +266,14 @@ def summary(rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
             "local": local_cost(rows)}
 
 
+def _inputs(args: argparse.Namespace, rates) -> str:
+    given = [f"{name} {value}" for name, value in (("latency", args.latency),
+             ("bandwidth", args.bandwidth), ("intra-bandwidth", args.intra_bandwidth)) if value]
+    if rates is not None:
+        given.append(f"compute {rates.source}")
+    return "the run's recorded cost model" + ("; given: " + ", ".join(given) if given else "")
+
+
 def _run_cluster(args: argparse.Namespace) -> str:
     """Run ``zen-bench sync`` on the emulated cluster; returns its JSON path."""
     out = args.out or tempfile.mkstemp(prefix="zen_validate_", suffix=".json")[1]
@@ -272,8 +300,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         per_node = args.ranks_per_node or (args.ranks_per_host if args.run else 1)
         bandwidth = None if args.bandwidth is None else _bytes_per_second(args.bandwidth)
-        intra, latency = _bytes_per_second(args.intra_bandwidth), _seconds(args.latency)
-        rates = ComputeRates.parse(args.compute)
+        intra = None if args.intra_bandwidth is None else _bytes_per_second(args.intra_bandwidth)
+        latency = None if args.latency is None else _seconds(args.latency)
+        rates = None if args.compute == "recorded" else ComputeRates.parse(args.compute)
         files = [_run_cluster(args)] if args.run else list(args.files)
         rows: List[Dict[str, object]] = []
         for path in files:
@@ -286,8 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not rows:
         print("error: no row could be simulated", file=sys.stderr)
         return 2
-    print(f"# compute: {rates.source}; latency {latency * 1e6:g} us/step; ratio = simulated / "
-          "measured; bytes: max over ranks, sent")
+    print(f"# time model: {_inputs(args, rates)}; ratio = simulated / measured; bytes: max "
+          "over ranks, sent")
     print(format_rows(rows))
     result = summary(rows)
     fit = result["fit"]
