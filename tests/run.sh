@@ -28,7 +28,7 @@ echo "== building the zen_ds C++ ops (cached after the first run)"
 python -m zen_ds.report --build || echo "(compiled ops unavailable: the torch fallback is tested)"
 
 set +e
-python -m pytest tests "$@"
+python -m pytest tests --durations=25 "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

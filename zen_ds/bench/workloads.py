@@ -338,7 +338,7 @@ def reference_workloads(scale: float = DEFAULT_SCALE) -> Dict[str, Callable[[], 
         "topk0.1": lambda: topk_workload("topk0.1", int(25_600_000 * min(1.0, 16 * scale)),
                                          0.001),
         "lm": lambda: zipf_workload("lm", 200_000, 128, tokens=8192, s=1.0,
-                                    description="issue-2 LM embedding 200k x 128, 8192 Zipf(1.0) "
+                                    description="LM embedding 200k x 128, 8192 Zipf(1.0) "
                                                 "tokens/rank"),
     }
 
