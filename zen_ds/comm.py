@@ -11,6 +11,10 @@ travels):
 * ``all_to_all_single``: exactly the rows sent to / received from the other ranks.
 * ``all_gather_into_tensor``: ``(n - 1) * chunk`` both ways (ring; what every rank forwards).
 * ``all_reduce``: ``2 (n - 1) / n * nbytes`` both ways (ring reduce-scatter + all-gather).
+* ``send_recv``: exactly the buffers sent to / received from the named peers. Point to point:
+  only those peers take part, so a pairwise step costs one latency, not a whole-group
+  collective; every rank still records it (zero bytes when it has no partner), so every rank's
+  records line up phase by phase.
 
 A collective that fails (a peer died, or stalled past the process group's timeout) raises
 :class:`ZenSyncError`, which names the scheme and the phase (the collective's name) and chains
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -181,6 +185,32 @@ class Communicator:
             self._run(name, lambda: dist.all_to_all_single(
                 output, tensor, output_split_sizes=out_splits, input_split_sizes=in_splits,
                 group=self.group))
+
+    def send_recv(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
+                  name: str) -> None:
+        """Send ``sends[peer]`` to each peer and receive ``recvs[peer]`` (filled in place) from
+        each; peers are ranks of this group, both ends must agree on every size (empty buffers
+        are skipped on both ends), and a rank with no partner calls it with empty maps."""
+        def nbytes(buffers: Mapping[int, torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for p, t in buffers.items() if p != self.rank)
+
+        self._record("send_recv", name, nbytes(sends), nbytes(recvs))
+        ops = [dist.P2POp(op, t, self._global_rank(peer), self.group)
+               for op, buffers in ((dist.isend, sends), (dist.irecv, recvs))
+               for peer, t in buffers.items() if peer != self.rank and t.numel()]
+        if not ops:
+            return
+
+        def run() -> None:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+        self._run(name, run)
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
 
     def all_reduce(self, tensor: torch.Tensor, name: str) -> None:
         nbytes = tensor.numel() * tensor.element_size()

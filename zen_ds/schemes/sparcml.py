@@ -16,7 +16,9 @@ largest power of two ``p`` first fold into ``rank - p`` and get the result back 
 Partial sums travel in the accumulation dtype (fp32 for fp16/bf16) and both partners add the
 lower block's partial first, so every rank ends with the same bits. Messages are padded to the
 union bound every rank knows from the handshake (``min(sum of the block's nnz, N)``): no size
-exchange (one latency step a round), at the price of the overlap's bytes. Per rank and round::
+exchange, at the price of the overlap's bytes. Rounds are point to point between the partners
+(:func:`~zen_ds.schemes.streams.exchange_pairwise`), so a round costs one latency step and no
+rank waits for a rank it does not talk to. Per rank and round::
 
     bytes(b) = N * row_acc                           if dense(b)
              = 8 + round8(b * id) + round8(b * row_acc)  otherwise
@@ -49,7 +51,7 @@ from .. import ops
 from ..sparse import RowSparse, accum_dtype
 from .base import (SPREAD, ByteEstimate, Scheme, SyncContext, SyncShape, nodes_of, on_links,
                    with_rank)
-from .streams import exchange, latency_cost, pack, round8, row_id_dtype, unpack, view_as
+from .streams import exchange, exchange_pairwise, latency_cost, pack, round8, row_id_dtype, unpack, view_as
 
 __all__ = ["SparCMLScheme", "RECURSIVE_DOUBLING", "SPLIT_ALLGATHER"]
 
@@ -255,7 +257,7 @@ class SparCMLScheme(Scheme):
             """One pairwise step: every rank calls it; ``recv_bound < 0`` receives nothing."""
             sends = {} if send is None else {partner: _encode(send[0], send[1], wire)}
             sizes = {} if recv_bound < 0 else {partner: self._message_bytes(wire, recv_bound)}
-            got = exchange(ctx.comm, sends, sizes, name, x.device)
+            got = exchange_pairwise(ctx.comm, sends, sizes, name, x.device)
             if recv_bound < 0:
                 return None
             return _decode(got.get(partner, _NOTHING), recv_bound, wire, acc, x.row_numel)

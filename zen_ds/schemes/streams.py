@@ -71,6 +71,18 @@ def exchange(comm: Communicator, sends: Mapping[int, torch.Tensor], recv_sizes: 
     return out
 
 
+def exchange_pairwise(comm: Communicator, sends: Mapping[int, torch.Tensor],
+                      recv_sizes: Mapping[int, int], name: str, device: torch.device
+                      ) -> Dict[int, torch.Tensor]:
+    """:func:`exchange` for steps in which each rank talks to at most a partner or two (recursive
+    doubling's rounds): point to point, so ranks that are not partners do not wait for each
+    other. Every rank of the group calls it (ranks with nothing to do pass empty maps)."""
+    recvs = {p: torch.empty(int(size), dtype=torch.uint8, device=device)
+             for p, size in recv_sizes.items() if p != comm.rank and size}
+    comm.send_recv({p: t.reshape(-1) for p, t in sends.items() if p != comm.rank}, recvs, name)
+    return recvs
+
+
 def pack(areas: Sequence[torch.Tensor], sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Concatenate tensors as raw bytes, each area padded with zeros to 8 bytes (or to
     ``sizes[i]`` bytes, for payloads padded to a bound every receiver knows)."""
