@@ -168,7 +168,8 @@ def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int =
     k = min(max(ranks_per_node, 1), n)
     whole = _link(None, n, nbytes, repeats)
     # The larger of the two: a sync's steps cost at least a bare collective's.
-    alpha = max(whole["alpha"], _sync_alpha(repeats)) if n > 1 else whole["alpha"]
+    # Tiny syncs are cheap and their times noisy: take the median of more of them.
+    alpha = max(whole["alpha"], _sync_alpha(max(3 * repeats, 15))) if n > 1 else whole["alpha"]
     result = {"alpha": alpha, "collective_alpha": whole["alpha"], "bandwidth": whole["bandwidth"],
               "intra_bandwidth": 0.0, "ranks_per_node": k}
     if 1 < k < n:
