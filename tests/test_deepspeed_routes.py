@@ -32,6 +32,10 @@ def _route(case, sparse=True, **setup):
     ({"zero": 1, "zen_extra": COMPRESSION}, False, "owned"), ({"zero": 2, "zen_extra": COMPRESSION}, True, "owned"),
     ({"zero": 2, "dtype": "bf16", "zen_extra": COMPRESSION}, False, "owned"),
     ({"dtype": "bf16", "zen_extra": COMPRESSION}, True, "owned"),
+    # fp16: the compressor's residuals stay unscaled, so the loss scale cannot change them
+    ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, "shared"),
+    ({"zero": 1, "dtype": "fp16", "zen_extra": COMPRESSION}, True, "owned"),
+    ({"zero": 2, "dtype": "fp16", "zen_extra": COMPRESSION}, False, "owned"),
 ])
 def test_routes_from_the_config(case, sparse, route):
     got = _route(case, sparse)
@@ -55,8 +59,6 @@ def test_compression_alone_makes_zero_params_owned():
 
 @pytest.mark.parametrize("case, sparse, setup, words", [
     ({"zero": 3}, True, {}, "ZeRO stage 3"),
-    ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, {}, "fp16 with \"zen.compression\""),
-    ({"zero": 1, "dtype": "fp16", "zen_extra": COMPRESSION}, True, {}, "fp16 with \"zen.compression\""),
     # a pipeline's ZeRO-1/2 would make zen own params inside the pipeline, compressed ones too
     ({"zero": 1, "zen_extra": COMPRESSION}, False, {"pipeline": True}, "PipelineModule with ZeRO stage 1/2"),
     ({"zen_extra": dict(COMPRESSION, shuffle={"group_size": 2})}, False, {},
@@ -69,6 +71,14 @@ def test_refusals_come_from_the_config_alone(case, sparse, setup, words):
     with pytest.raises(ZenConfigError, match="^zen: ") as err:
         _route(case, sparse, **setup)
     assert words in str(err.value)
+
+
+def test_fp16_compressor_undoes_skipped_steps():
+    """Only fp16 can skip a step on overflow: only there does the compressor keep the state a
+    step replaced."""
+    assert _route({"dtype": "fp16", "zen_extra": COMPRESSION}, False).compressor.undo
+    assert not _route({"dtype": "bf16", "zen_extra": COMPRESSION}, False).compressor.undo
+    assert not _route({"zen_extra": COMPRESSION}, False).compressor.undo
 
 
 def test_engine_and_config_facts_agree():

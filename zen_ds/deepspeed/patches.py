@@ -9,7 +9,9 @@ release means re-checking this file only:
   its params first (with ``"zen.overlap"`` its thread goes on meanwhile), then DeepSpeed reduces
   only the other params (none with ``"zen.shuffle"``: DS-Sync reduces them all).
 * ``_take_model_step`` (reached from ``DeepSpeedEngine.step`` and ``PipelineEngine``): the optimizer
-  step (it waits for zen's sync); on the owned route zen steps its params after DeepSpeed's.
+  step (it waits for zen's sync); on the owned route zen steps its params after DeepSpeed's; a
+  step DeepSpeed skipped on overflow is undone in the compressor. The fp16 loss scale is read
+  from the optimizer wrapper.
 * ``clip_fp32_gradients`` (fp32, ZeRO-0): DeepSpeed's in-place ``.data.mul_`` leaves sparse grads
   unclipped, and under a PipelineModule it counts only one stage's params.
 * the optimizer's norm (``scaled_global_norm`` / ``get_grads_for_norm`` / the FP16 overflow check):
@@ -31,7 +33,7 @@ import torch.distributed as dist
 
 from zen_ds.deepspeed.grads import GradStorage, OwnedGrads, ParamGrads
 from zen_ds.deepspeed.owned import OwnedParams, clip_coefficient
-from zen_ds.deepspeed.routes import DeepSpeedSetup, refuse
+from zen_ds.deepspeed.routes import refuse
 from zen_ds.reducer import ScaleRule, ZenParam
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,8 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_DEEPSPEED", "check_deepspeed_version", "is_model_parallel_parameter", "setup_of",
-           "dp_group", "scale_rule", "params_in_ds_optimizer", "grad_storage", "install",
+__all__ = ["SUPPORTED_DEEPSPEED", "check_deepspeed_version", "is_model_parallel_parameter", "dp_group",
+           "scale_rule", "loss_scale_reader", "params_in_ds_optimizer", "grad_storage", "install",
            "patch_initialize", "unpatch_initialize", "original_initialize"]
 
 SUPPORTED_DEEPSPEED = ">=0.19,<0.20"
@@ -70,16 +72,6 @@ def is_model_parallel_parameter(param: torch.nn.Parameter) -> bool:
     return bool(rule(param))
 
 
-def setup_of(engine: Any) -> DeepSpeedSetup:
-    """The route-relevant settings of a built engine."""
-    return DeepSpeedSetup(zero_stage=int(engine.zero_optimization_stage()), fp16=bool(engine.fp16_enabled()),
-                          bf16=bool(engine.bfloat16_enabled()),
-                          pipeline=bool(getattr(engine, "pipeline_parallelism", False)),
-                          moe=bool(getattr(engine, "has_moe_layers", False)),
-                          sequence_parallel=getattr(engine, "sequence_parallel_size", 1) > 1,
-                          zenflow=bool(getattr(engine, "zenflow", False)))
-
-
 def dp_group(engine: Any) -> Optional[dist.ProcessGroup]:
     """The group DeepSpeed reduces gradients over (the mpu's for pipelines and Megatron)."""
     from deepspeed.utils import groups
@@ -107,6 +99,11 @@ def params_in_ds_optimizer(engine: Any) -> Set[int]:
     for group in getattr(opt, "param_groups", []) or []:
         ids.update(id(p) for p in group.get("params", []))
     return ids
+
+
+def loss_scale_reader(engine: Any) -> Callable[[], float]:
+    """The engine's current loss scale (fp16: what its gradients are multiplied by), read at sync."""
+    return lambda: _loss_scale(engine.optimizer)
 
 
 def _loss_scale(opt: Any) -> float:
@@ -205,7 +202,7 @@ def install(engine: Any, state: "ZenEngineState") -> None:
         state.reduce()  # unmanaged accumulation or a manual allreduce: never step unsynced grads
         if state.owned is None:
             out = orig_take_step(*args, **kwargs)
-            state.after_step()
+            state.after_step(engine.was_step_applied())
             return out
         opt = engine.optimizer
         loss_scale = _loss_scale(opt)
@@ -213,15 +210,16 @@ def install(engine: Any, state: "ZenEngineState") -> None:
         base_lr = groups_[0]["lr"] if groups_ else None
         state.last_norm = None
         out = orig_take_step(*args, **kwargs)
+        applied = engine.was_step_applied()
         try:
-            if engine.was_step_applied():
+            if applied:
                 norm = state.last_norm
                 if norm is None and _is_bf16_optimizer(opt):  # BF16_Optimizer: unscaled
                     norm = engine.get_global_grad_norm()
                 state.step_owned(loss_scale, norm, base_lr)
         finally:
             state.owned.clear()
-            state.after_step()
+            state.after_step(applied)
         return out
 
     def save_checkpoint(save_dir: str, tag: Any = None, client_state: Optional[dict] = None,

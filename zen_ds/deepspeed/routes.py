@@ -99,6 +99,16 @@ class DeepSpeedSetup:
                    sequence_parallel=int(ds_config.get("sequence_parallel_size", 1) or 1) > 1,
                    zenflow=isinstance(zero, Mapping) and isinstance(zero.get("zenflow"), Mapping))
 
+    @classmethod
+    def from_engine(cls, engine: Any) -> "DeepSpeedSetup":
+        """The same settings, read from a built engine (its public accessors only)."""
+        return cls(zero_stage=int(engine.zero_optimization_stage()), fp16=bool(engine.fp16_enabled()),
+                   bf16=bool(engine.bfloat16_enabled()),
+                   pipeline=bool(getattr(engine, "pipeline_parallelism", False)),
+                   moe=bool(getattr(engine, "has_moe_layers", False)),
+                   sequence_parallel=getattr(engine, "sequence_parallel_size", 1) > 1,
+                   zenflow=bool(getattr(engine, "zenflow", False)))
+
     @property
     def half(self) -> bool:
         return self.fp16 or self.bf16
@@ -179,11 +189,8 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
         refuse("sequence parallelism (sequence_parallel_size > 1) is not supported with zen")
     if setup.zenflow:
         refuse("DeepSpeed's ZenFlow and zen_ds both take over the optimizer/reduction; enable one of them")
-    if compression and setup.fp16:
-        refuse("fp16 with \"zen.compression\" is not supported: the error-feedback residual would be kept "
-               "in loss-scaled units and be wrong whenever the dynamic loss scale changes. Use bf16 or fp32 "
-               "with compression, or remove the \"compression\" block")
-    compressor = _compressor(model, zen_config, selected) if compression else None
+    # fp16: the compressor keeps its residuals unscaled and undoes a step DeepSpeed skips
+    compressor = _compressor(model, zen_config, selected, undo=setup.fp16) if compression else None
     any_sparse = any(sparse for _, _, sparse in selected)
     any_synced = bool(selected) or bool(compressor is not None and compressor.selected_names())
     if setup.pipeline:
@@ -204,11 +211,11 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     return route
 
 
-def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[SelectedParam]) -> Any:
+def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[SelectedParam], undo: bool) -> Any:
     """The gradient compressor; it picks the dense params it compresses (never zen's selected ones)."""
     from zen_ds.compression import GradientCompressor
     return GradientCompressor(zen_config.compression, list(model.named_parameters()),
-                              {name for name, _, _ in selected})
+                              {name for name, _, _ in selected}, undo=undo)
 
 
 def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool) -> None:
