@@ -341,31 +341,33 @@ def _take_over_tied_grads(engine: Any, state: "ZenEngineState") -> None:
         return
     from deepspeed.runtime.pipe import schedule
     from zen_ds.api import sparse_allreduce
-    zen_by_id = {id(p.param): p for p in state.reducer.params}
+    zen_by_id = {id(p.param): (i, p) for i, p in enumerate(state.reducer.params)}
     if not any(id(w) in zen_by_id for w, _ in engine.module.get_tied_weights_and_groups()):
         return
-    cfg = state.config
+    cfg, owned = state.config, state.owned  # owned route: the grads wait in zen's fp32 sums
 
     def reduce_tied_grads(self: Any) -> None:
         if self.zero_optimization_partition_gradients():
             self.optimizer.overlapping_partition_gradients_reduce_epilogue()
         for weight, group in self.module.get_tied_weights_and_groups():
-            bf16 = self.using_bf16_optimizer
-            grad = weight._hp_grad if bf16 else weight.grad
-            zp = zen_by_id.get(id(weight))
+            bf16 = self.using_bf16_optimizer and owned is None
+            index, zp = zen_by_id.get(id(weight), (None, None))
+            grad = owned.accum[index] if owned is not None and zp is not None else \
+                weight._hp_grad if bf16 else weight.grad
             if zp is None:
                 if grad is not None:
                     dist.all_reduce(grad, group=group)
                 continue
             if grad is None:  # every stage of the tie must join the collective
-                grad = torch.zeros_like(weight, dtype=torch.float32 if bf16 else weight.dtype)
-                if not bf16:
-                    weight.grad = grad
-            out = sparse_allreduce(grad, group, cfg.scheme, seed=cfg.seed, log_prefix=f"{zp.log_prefix}.tied")
-            if grad.is_sparse:
+                grad = torch.zeros_like(weight, dtype=torch.float32 if bf16 or owned else weight.dtype)
+            out = sparse_allreduce(grad.coalesce() if grad.is_sparse else grad, group, cfg.scheme,
+                                   seed=cfg.seed, log_prefix=f"{zp.log_prefix}.tied")
+            if not grad.is_sparse:
+                out = grad.copy_(out.to_dense() if out.is_sparse else out)
+            if owned is not None:
+                owned.accum[index] = out
+            elif not bf16:
                 weight.grad = out
-            else:
-                grad.copy_(out.to_dense() if out.is_sparse else out)
 
     instruction_map = dict(type(engine)._INSTRUCTION_MAP)
     instruction_map[schedule.ReduceTiedGrads] = reduce_tied_grads

@@ -13,7 +13,9 @@ Routes:
   crashes on sparse grads, and the half-precision wrappers cannot hold sparse grads either: zen
   keeps its params out of DeepSpeed's optimizer and steps them itself (see :mod:`.owned`). With
   ``"zen.compression"`` the compressed dense params are owned too: ZeRO would reduce their whole
-  gradient densely inside its flat buffers, and zen must sync the compressed one instead.
+  gradient densely inside its flat buffers, and zen must sync the compressed one instead. Inside
+  a PipelineModule (ZeRO-1; DeepSpeed refuses ZeRO-2 there) each stage owns its own params and
+  syncs them over its data-parallel group.
 * **shuffle** (``"zen.shuffle"``, DS-Sync): zen reduces *every* param inside the step's shuffle
   group (:mod:`.shuffling`) and DeepSpeed reduces nothing; ZeRO-0 in fp32 only, because the other
   stages and precisions keep gradients or master weights where zen cannot average them per group.
@@ -183,6 +185,10 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     if setup.zero_stage >= 3:
         refuse("ZeRO stage 3 partitions the parameters themselves; zen supports ZeRO stages 0, 1 and 2. "
                "Set zero_optimization.stage <= 2 or disable zen (\"zen\": {\"enabled\": false})")
+    if setup.pipeline and setup.zero_stage >= 2:
+        refuse("DeepSpeed's PipelineEngine does not run a PipelineModule under ZeRO stage 2 (it asserts "
+               "\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", "
+               "deepspeed/runtime/pipe/engine.py). Set zero_optimization.stage to 0 or 1")
     if setup.moe:
         refuse("MoE layers (expert-parallel groups) are not supported with zen; disable zen for this model")
     if setup.sequence_parallel:
@@ -193,22 +199,35 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     compressor = _compressor(model, zen_config, selected, undo=setup.fp16) if compression else None
     any_sparse = any(sparse for _, _, sparse in selected)
     any_synced = bool(selected) or bool(compressor is not None and compressor.selected_names())
+    zen_ids = {id(p) for p in _synced_params(selected, compressor)}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    all_zen = bool(trainable) and all(id(p) in zen_ids for p in trainable)
     if setup.pipeline:
-        any_sparse, any_synced = _any_rank(any_sparse, any_synced)
+        any_sparse, any_synced, all_zen = _any_rank(any_sparse, any_synced, all_zen)
     needs_owned = setup.zero_stage in (1, 2) or (setup.half and any_sparse)
     if setup.fp16 and any_sparse and setup.zero_stage == 0:
         refuse("fp16 with sparse=True embeddings under ZeRO stage 0 is not supported (DeepSpeed's FP16 "
                "optimizer flattens dense grads); use bf16, or ZeRO stage 1/2. Note: torch on CPU cannot "
                "compute fp16 sparse embedding grads at all")
     owned = needs_owned and any_synced
-    if setup.pipeline and owned:
-        refuse("PipelineModule with ZeRO stage 1/2, or with fp16/bf16 and sparse=True embeddings, is not "
-               "supported with zen (zen would have to own those params' optimizer step inside the "
-               "pipeline). Use ZeRO stage 0 with fp32, or bf16 with dense-grad embeddings (sparse=False)")
+    if owned and setup.pipeline and all_zen:
+        refuse("a pipeline stage whose every trainable param zen would own (ZeRO stage 1, or half precision "
+               "with sparse=True embeddings) leaves DeepSpeed's optimizer on that stage no param, and "
+               "DeepSpeed's ZeRO/BF16 optimizers need at least one. Give each stage a param zen leaves to "
+               "DeepSpeed (not an embedding, not compressed: e.g. below \"compression.min_numel\"), or "
+               "use ZeRO stage 0 in fp32")
     route = Route("shared", selected, setup, compressor)
-    if owned and route.synced:
+    # Every pipeline stage takes the owned route, with or without params of its own: the norm
+    # zen folds into DeepSpeed's is summed over the stages, so each stage must join that sum.
+    if owned and (route.synced or setup.pipeline):
         route.name = "owned"
     return route
+
+
+def _synced_params(selected: List[SelectedParam], compressor: Optional[Any]) -> List[nn.Parameter]:
+    """The params zen syncs: the selected ones and the compressed ones."""
+    extra = [param for _, param in compressor.selected_params()] if compressor is not None else []
+    return [param for _, param, _ in selected] + extra
 
 
 def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[SelectedParam], undo: bool) -> Any:
