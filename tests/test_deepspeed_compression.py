@@ -268,9 +268,11 @@ def test_fp32_params_match_manual_reference(results):
             np.testing.assert_array_equal(v, got[0]["params"][k])
 
 
-@pytest.mark.parametrize("name", ["ckpt_fp32", "ckpt_bf16"])
+@pytest.mark.parametrize("name", ["ckpt_fp32", "ckpt_bf16", "ckpt_fp16"])
 def test_checkpoint_resume_is_exact(results, name):
     for res in dc.case_results(results, name):
+        if name == "ckpt_fp16":  # the loss scale resumes with the rest (it grew during the run)
+            assert res["scales"][0] == res["scales"][1] > 1
         for k, v in res["straight"].items():
             np.testing.assert_array_equal(res["resumed"][k], v)
         straight, resumed = res["residuals"]
@@ -323,14 +325,3 @@ def test_fp16_matches_fp32_compressor(results):
 
 def test_fp16_overflow_leaves_residuals_and_params(results):
     check_fp16_overflow(results, "fp16_inf", INF_STEP)
-
-
-def test_fp16_checkpoint_resume_is_exact(results):
-    for res in dc.case_results(results, "ckpt_fp16"):
-        for k, v in res["straight"].items():
-            np.testing.assert_array_equal(res["resumed"][k], v)
-        straight, resumed = res["residuals"]
-        assert sorted(straight) == sorted(resumed) == sorted(COMPRESSED)
-        for k in straight:
-            np.testing.assert_array_equal(resumed[k], straight[k])
-        assert res["scales"][0] == res["scales"][1] > 1

@@ -16,9 +16,10 @@ ranks, accumulation 2, binding clipping, warmup 2 then compressed steps:
     compressor's on the unscaled gradients, params the fp32 manual reference within 1e-1; an Inf
     on one rank skips the step on every rank with params and residuals untouched and the scale
     halved; checkpoint resume bit-identical (params, residuals, zen's optimizer state, scale);
-(e) PipelineModule PP=2 x DP=2 (each stage compresses over its own DP group; tied weights): equal
-    to a single-process reference that compresses each DP replica's gradient with its own
-    compressor (1e-5).
+(e) PipelineModule PP=2 x DP=2 (each stage compresses over its own DP group; tied weights), at
+    ZeRO-0 and at ZeRO-1 (zen owns the compressed params' step inside the pipeline): equal to a
+    single-process reference that compresses each DP replica's gradient with its own compressor
+    (1e-5).
 """
 from __future__ import annotations
 
@@ -214,10 +215,15 @@ def test_checkpoint_resume_is_exact(results, name):
 
 # ----------------------------------------------------------------------------- pipelines
 PIPE_COMP = dict(z0.COMP)
+# ZeRO-1 (zen owns the compressed params' step too): one param per stage stays DeepSpeed's
 PIPE_CASES = [
     dict(name="pipe_comp", clip=pipe.CLIP, zen_extra={"compression": PIPE_COMP}),
     dict(name="pipe_comp_dense", sparse=False, zen_extra={"compression": PIPE_COMP}),
     dict(name="tied_pipe_comp", tied=True, clip=pipe.CLIP, zen_extra={"compression": PIPE_COMP}),
+    dict(name="z1_pipe_comp", zero=1, temp=True, clip=pipe.CLIP, zen_extra={"compression": PIPE_COMP}),
+    dict(name="z1_pipe_comp_dense", zero=1, temp=True, sparse=False, zen_extra={"compression": PIPE_COMP}),
+    dict(name="z1_tied_pipe_comp", zero=1, tied=True, temp=True, clip=pipe.CLIP,
+         zen_extra={"compression": PIPE_COMP}),
 ]
 
 
@@ -228,12 +234,14 @@ def compressed_pipe_reference(case: Dict[str, Any]) -> Dict[str, np.ndarray]:
     from zen_ds.compression import CompressionConfig, GradientCompressor
     tied, clip = case.get("tied", False), case.get("clip", 0.0)
     sparse = case.get("sparse", True)
-    model = pipe.TiedRef(sparse) if tied else torch.nn.Sequential(*pipe.build_layers(sparse=sparse))
+    model = pipe.TiedRef(sparse, case.get("temp", False)) if tied else \
+        torch.nn.Sequential(*pipe.build_layers(sparse=sparse, temperature=case.get("temp", False)))
     loss_fn = pipe.ce_loss if tied else dc.loss_fn
     opt = dc.make_optimizer(model.parameters())
     named = list(model.named_parameters())
     embeddings = {n for n, _ in named if "emb" in n}
-    compressors = [GradientCompressor(CompressionConfig(**PIPE_COMP), named, embeddings)
+    config = CompressionConfig(**case["zen_extra"]["compression"])
+    compressors = [GradientCompressor(config, named, embeddings)
                    for _ in range(pipe.DP)]
     for step in range(pipe.STEPS):
         total: Dict[str, torch.Tensor] = {}
@@ -268,7 +276,7 @@ def test_pipeline_with_compression_matches_reference(pipe_results, case):
     want, compressed = compressed_pipe_reference(case)
     assert compressed  # the reference compresses the dense layers the stages compress
     for res in pipe_results:
-        assert res[name]["zen"] == "shared"
+        assert res[name]["zen"] == ("owned" if case.get("zero") else "shared")
     zen_params = {p for res in pipe_results for p in res[name]["zen_params"]}
     if tied:  # the reference names the layers differently; the untied ones match
         got = {pipe._ref_name(k): v for k, v in got.items()}
