@@ -266,6 +266,7 @@ CASES = [
     dict(name="z1_tied_zen_dense", zero=1, tied=True, temp=True, sparse=False),
     dict(name="refused_z1_all_zen", zero=1),  # the first stage would hold no DeepSpeed param
     dict(name="bf16_sparse", dtype="bf16", temp=True, clip=CLIP),
+    dict(name="bf16_tied_sparse", dtype="bf16", tied=True, temp=True, clip=CLIP),
 ]
 OWNED = ["z1_zen_clip", "z1_zen_dense", "z1_tied_zen_clip", "z1_tied_zen_dense"]
 CKPT_CASES = [dict(name="ckpt_z1_tied", zero=1, tied=True, temp=True, clip=CLIP)]
@@ -352,11 +353,14 @@ def test_zero1_pipeline_matches_reference(results, name):
     assert max(errs.values()) < 1e-5, errs
 
 
-def test_bf16_sparse_pipeline_matches_reference(results):
+@pytest.mark.parametrize("name", ["bf16_sparse", "bf16_tied_sparse"])
+def test_bf16_sparse_pipeline_matches_reference(results, name):
     """bf16 with a sparse=True embedding: zen owns its params (fp32 masters) at ZeRO-0."""
-    got = _merged(results, "bf16_sparse")
-    assert {res["bf16_sparse"]["zen"] for res in results} == {"owned"}
-    errs = dc.max_rel_err(got, reference(_case("bf16_sparse")))
+    got = _merged(results, name)
+    assert {res[name]["zen"] for res in results} == {"owned"}
+    if _case(name).get("tied"):
+        got = {_ref_name(k): v for k, v in got.items()}
+    errs = dc.max_rel_err(got, reference(_case(name)))
     assert max(errs.values()) < 2e-2, errs
 
 

@@ -9,9 +9,8 @@ release means re-checking this file only:
   its params first (with ``"zen.overlap"`` its thread goes on meanwhile), then DeepSpeed reduces
   only the other params (none with ``"zen.shuffle"``: DS-Sync reduces them all).
 * ``_take_model_step`` (reached from ``DeepSpeedEngine.step`` and ``PipelineEngine``): the optimizer
-  step (it waits for zen's sync); on the owned route zen steps its params after DeepSpeed's; a
-  step DeepSpeed skipped on overflow is undone in the compressor. The fp16 loss scale is read
-  from the optimizer wrapper.
+  step (it waits for zen's sync); on the owned route zen steps its params after DeepSpeed's; the
+  compressor undoes a step DeepSpeed skipped. The fp16 loss scale: read from the optimizer.
 * ``clip_fp32_gradients`` (fp32, ZeRO-0): DeepSpeed's in-place ``.data.mul_`` leaves sparse grads
   unclipped, and under a PipelineModule it counts only one stage's params.
 * the optimizer's norm (``scaled_global_norm`` / ``get_grads_for_norm`` / the FP16 overflow check):
@@ -350,16 +349,17 @@ def _take_over_tied_grads(engine: Any, state: "ZenEngineState") -> None:
         if self.zero_optimization_partition_gradients():
             self.optimizer.overlapping_partition_gradients_reduce_epilogue()
         for weight, group in self.module.get_tied_weights_and_groups():
-            bf16 = self.using_bf16_optimizer and owned is None
+            bf16 = self.using_bf16_optimizer
             index, zp = zen_by_id.get(id(weight), (None, None))
-            grad = owned.accum[index] if owned is not None and zp is not None else \
-                weight._hp_grad if bf16 else weight.grad
             if zp is None:
+                grad = weight._hp_grad if bf16 else weight.grad
                 if grad is not None:
                     dist.all_reduce(grad, group=group)
                 continue
-            if grad is None:  # every stage of the tie must join the collective
-                grad = torch.zeros_like(weight, dtype=torch.float32 if bf16 or owned else weight.dtype)
+            grad = owned.accum[index] if owned is not None else weight._hp_grad if bf16 else weight.grad
+            if grad is None:  # every stage of the tie must join the collective (zen sums in fp32)
+                fp32 = bf16 or owned is not None
+                grad = torch.zeros_like(weight, dtype=torch.float32 if fp32 else weight.dtype)
             out = sparse_allreduce(grad.coalesce() if grad.is_sparse else grad, group, cfg.scheme,
                                    seed=cfg.seed, log_prefix=f"{zp.log_prefix}.tied")
             if not grad.is_sparse:
