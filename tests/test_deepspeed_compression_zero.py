@@ -12,9 +12,14 @@ ranks, accumulation 2, binding clipping, warmup 2 then compressed steps:
     within 1e-2; sharded state sums over ranks to the replicated state;
 (c) save at step 3, continue to 5; a fresh engine loads and does the same: identical params,
     residuals, optimizer state and masters;
-(d) PipelineModule PP=2 x DP=2 (each stage compresses over its own DP group; tied weights): equal
-    to a single-process reference that compresses each DP replica's gradient with its own
-    compressor (1e-5).
+(d) fp16 at ZeRO-1/2 (the ZeRO-0 test's fp16 checks): sent values and residuals equal an fp32
+    compressor's on the unscaled gradients, params the fp32 manual reference within 1e-1; an Inf
+    on one rank skips the step on every rank with params and residuals untouched and the scale
+    halved; checkpoint resume bit-identical (params, residuals, zen's optimizer state, scale);
+(e) PipelineModule PP=2 x DP=2 (each stage compresses over its own DP group; tied weights), at
+    ZeRO-0 and at ZeRO-1 (zen owns the compressed params' step inside the pipeline): equal to a
+    single-process reference that compresses each DP replica's gradient with its own compressor
+    (1e-5).
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ CASES = {  # name: (ZeRO stage, dtype, zen optimizer_state)
     "z1_fp32": (1, "fp32", "replicated"), "z2_fp32_sharded": (2, "fp32", "sharded"),
     "z1_bf16_sharded": (1, "bf16", "sharded"), "z2_bf16": (2, "bf16", "replicated"),
 }
+FP16_CASES = {"z1_fp16": 1, "z2_fp16": 2, "z2_fp16_inf": 2}  # name: ZeRO stage
 
 
 def _case(name: str, zero: int, dtype: str, state: str) -> Dict[str, Any]:
@@ -91,6 +97,7 @@ def _ckpt(rank: int, world: int, case: Dict[str, Any], root: str) -> Dict[str, A
     res = [zen_ds.state_of(e).reducer.compressor.state_dict()["residuals"] for e in (eng, eng2)]
     return {"straight": dc.params_of(eng.module), "resumed": dc.params_of(eng2.module),
             "residuals": [{k: v.numpy() for k, v in r.items()} for r in res],
+            "scales": [z0._loss_scale(e) for e in (eng, eng2)] if case.get("dtype") == "fp16" else [],
             "owned": [_owned_state(e) for e in (eng, eng2)], "route": zen_ds.state_of(eng2).route,
             "sharded": [s is not None for s in zen_ds.state_of(eng2).owned.sharded]}
 
@@ -99,6 +106,7 @@ def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
     import warnings
     warnings.filterwarnings("ignore")
     dc.set_env(rank, world)
+    dc.accept_fp16_on_cpu()
     jobs = {name: (lambda name=name, spec=spec: _run(rank, world, _case(name, *spec)))
             for name, spec in CASES.items()}
     jobs["z0_bf16"] = lambda: _run(rank, world, _case("z0_bf16", 0, "bf16", "replicated"))
@@ -106,8 +114,16 @@ def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
                        ("ckpt_z1_bf16", (1, "bf16", "replicated"))):
         jobs[name] = lambda name=name, spec=spec: _ckpt(rank, world, _case(name, *spec),
                                                        os.path.join(root, name))
+    for name, zero in FP16_CASES.items():
+        jobs[name] = lambda name=name, zero=zero: z0._fp16(rank, world, _fp16_case(name, zero))
+    jobs["ckpt_z2_fp16"] = lambda: _ckpt(rank, world, _fp16_case("ckpt_z2_fp16", 2), os.path.join(root, "fp16"))
     jobs["manual_reference"] = lambda: z0._manual_reference(rank, world)
     return dc.run_jobs(jobs)
+
+
+def _fp16_case(name: str, zero: int) -> Dict[str, Any]:
+    extra = {"inf_at": (z0.INF_STEP, 1)} if name.endswith("_inf") else {}
+    return z0._fp16_case(name, zero=zero, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +182,22 @@ def test_sharded_state_is_split_over_ranks(results, name):
     assert sorted(res["held"]["mlp.2.weight"] == 0 for res in got) == [False, True, True, True]
 
 
-@pytest.mark.parametrize("name", ["ckpt_z2_fp32_sharded", "ckpt_z1_bf16"])
+@pytest.mark.parametrize("name", ["z1_fp16", "z2_fp16"])
+def test_fp16_matches_fp32_compressor(results, name):
+    z0.check_fp16(results, name, dc.case_results(results, "manual_reference")[0])
+    for res in dc.case_results(results, name):
+        assert res["route"] == "owned"
+
+
+def test_fp16_overflow_leaves_residuals_and_params(results):
+    z0.check_fp16_overflow(results, "z2_fp16_inf", z0.INF_STEP)
+
+
+@pytest.mark.parametrize("name", ["ckpt_z2_fp32_sharded", "ckpt_z1_bf16", "ckpt_z2_fp16"])
 def test_checkpoint_resume_is_exact(results, name):
     for res in dc.case_results(results, name):
+        if "fp16" in name:
+            assert res["scales"][0] == res["scales"][1] > 1
         assert res["route"] == "owned"
         assert any(res["sharded"]) == ("sharded" in name)
         for k, v in res["straight"].items():
@@ -186,10 +215,15 @@ def test_checkpoint_resume_is_exact(results, name):
 
 # ----------------------------------------------------------------------------- pipelines
 PIPE_COMP = dict(z0.COMP)
+# ZeRO-1 (zen owns the compressed params' step too): one param per stage stays DeepSpeed's
 PIPE_CASES = [
     dict(name="pipe_comp", clip=pipe.CLIP, zen_extra={"compression": PIPE_COMP}),
     dict(name="pipe_comp_dense", sparse=False, zen_extra={"compression": PIPE_COMP}),
     dict(name="tied_pipe_comp", tied=True, clip=pipe.CLIP, zen_extra={"compression": PIPE_COMP}),
+    dict(name="z1_pipe_comp", zero=1, temp=True, clip=pipe.CLIP, zen_extra={"compression": PIPE_COMP}),
+    dict(name="z1_pipe_comp_dense", zero=1, temp=True, sparse=False, zen_extra={"compression": PIPE_COMP}),
+    dict(name="z1_tied_pipe_comp", zero=1, tied=True, temp=True, clip=pipe.CLIP,
+         zen_extra={"compression": PIPE_COMP}),
 ]
 
 
@@ -200,12 +234,14 @@ def compressed_pipe_reference(case: Dict[str, Any]) -> Dict[str, np.ndarray]:
     from zen_ds.compression import CompressionConfig, GradientCompressor
     tied, clip = case.get("tied", False), case.get("clip", 0.0)
     sparse = case.get("sparse", True)
-    model = pipe.TiedRef(sparse) if tied else torch.nn.Sequential(*pipe.build_layers(sparse=sparse))
+    model = pipe.TiedRef(sparse, case.get("temp", False)) if tied else \
+        torch.nn.Sequential(*pipe.build_layers(sparse=sparse, temperature=case.get("temp", False)))
     loss_fn = pipe.ce_loss if tied else dc.loss_fn
     opt = dc.make_optimizer(model.parameters())
     named = list(model.named_parameters())
     embeddings = {n for n, _ in named if "emb" in n}
-    compressors = [GradientCompressor(CompressionConfig(**PIPE_COMP), named, embeddings)
+    config = CompressionConfig(**case["zen_extra"]["compression"])
+    compressors = [GradientCompressor(config, named, embeddings)
                    for _ in range(pipe.DP)]
     for step in range(pipe.STEPS):
         total: Dict[str, torch.Tensor] = {}
@@ -240,7 +276,7 @@ def test_pipeline_with_compression_matches_reference(pipe_results, case):
     want, compressed = compressed_pipe_reference(case)
     assert compressed  # the reference compresses the dense layers the stages compress
     for res in pipe_results:
-        assert res[name]["zen"] == "shared"
+        assert res[name]["zen"] == ("owned" if case.get("zero") else "shared")
     zen_params = {p for res in pipe_results for p in res[name]["zen_params"]}
     if tied:  # the reference names the layers differently; the untied ones match
         got = {pipe._ref_name(k): v for k, v in got.items()}

@@ -4,10 +4,14 @@ Models: (1) first stage = sparse=True embedding + dense embedding, second stage 
 (2) tied weights (``TiedLayerSpec``): the input embedding and the output projection share one
 weight across the first and last stage. Parameters after 5 optimizer steps (accumulation 2) must
 match a single-process reference on the global batch (1e-5 relative, fp32) with clipping off and
-binding, and, without clipping, plain DeepSpeed's pipeline run. One spawn runs every case.
+binding, and, without clipping, plain DeepSpeed's pipeline run. Under ZeRO-1 (and bf16 with a
+sparse=True embedding) zen owns its params' optimizer step inside the pipeline: the same
+reference, and a checkpoint resume gives identical params and zen state. One spawn runs every case.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -62,9 +66,24 @@ def project(module: TiedEmb, x: torch.Tensor) -> torch.Tensor:
     return x @ module.emb.weight.t()
 
 
-def build_layers(seed: int = 1234, sparse: bool = True) -> List[nn.Module]:
+class Temperature(nn.Module):
+    """A learnt scalar: a stage's param that stays DeepSpeed's when zen owns the stage's embeddings
+    (DeepSpeed's optimizer needs one per stage; see :func:`zen_ds.deepspeed.routes.resolve_route`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.t
+
+
+def build_layers(seed: int = 1234, sparse: bool = True, temperature: bool = False) -> List[nn.Module]:
     torch.manual_seed(seed)
-    return [EmbedIn(sparse), Head()]
+    layers = [EmbedIn(sparse), Head()]
+    if temperature:  # on the first stage, after the embeddings
+        layers.insert(1, Temperature())
+    return layers
 
 
 def tied_init(seed: int = 4321, sparse: bool = True) -> Tuple[TiedEmb, nn.Module]:
@@ -85,18 +104,21 @@ def pipe_batch(step: int, micro: int, dp_rank: int, tied: bool):
 
 # ----------------------------------------------------------------------------- reference
 class TiedRef(nn.Module):
-    def __init__(self, sparse: bool) -> None:
+    def __init__(self, sparse: bool, temperature: bool = False) -> None:
         super().__init__()
         self.tied, self.mid = tied_init(sparse=sparse)
+        self.temp = Temperature() if temperature else nn.Identity()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return project(self.tied, self.mid(self.tied(ids)))
+        return self.temp(project(self.tied, self.mid(self.tied(ids))))
 
 
 def reference(case: Dict[str, Any]) -> Dict[str, np.ndarray]:
     """Single process, global batch per micro-step (DP mean, GAS mean), same SGD and clip rule."""
     tied, clip = case.get("tied", False), case.get("clip", 0.0)
-    model = TiedRef(case.get("sparse", True)) if tied else nn.Sequential(*build_layers(sparse=case.get("sparse", True)))
+    sparse = case.get("sparse", True)
+    temp = case.get("temp", False)
+    model = TiedRef(sparse, temp) if tied else nn.Sequential(*build_layers(sparse=sparse, temperature=temp))
     loss_fn = ce_loss if tied else dc.loss_fn
     opt = dc.make_optimizer(model.parameters())
     for step in range(STEPS):
@@ -115,7 +137,8 @@ def _ref_name(name: str) -> str:
     """PipelineModule param name -> reference name (tied model)."""
     if name.startswith("tied_modules.emb."):
         return "tied." + name[len("tied_modules.emb."):]
-    return "mid." + name.split(".", 1)[1]
+    layer, rest = name.split(".", 1)
+    return ("temp." if layer == "3" else "mid.") + rest
 
 
 # ----------------------------------------------------------------------------- worker
@@ -123,7 +146,8 @@ def _config(case: Dict[str, Any]) -> Dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": dc.MICRO, "gradient_accumulation_steps": GAS,
            "train_batch_size": dc.MICRO * GAS * DP, "gradient_clipping": case.get("clip", 0.0),
            "steps_per_print": 10_000, "zero_allow_untested_optimizer": True,
-           "pipeline": {"activation_checkpoint_interval": 0}}
+           "pipeline": {"activation_checkpoint_interval": 0},
+           "zero_optimization": {"stage": case.get("zero", 0)}}
     if case.get("zen", True) is not None:
         cfg["zen"] = dict({"enabled": case.get("zen", True)}, **case.get("zen_extra", {}))
     if case.get("dtype") == "bf16":
@@ -131,9 +155,9 @@ def _config(case: Dict[str, Any]) -> Dict[str, Any]:
     return cfg
 
 
-def _train(rank: int, case: Dict[str, Any]) -> Dict[str, Any]:
+def _engine(case: Dict[str, Any]):
     import deepspeed
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401
+    from deepspeed.pipe import PipelineModule, TiedLayerSpec
     import zen_ds
 
     tied, sparse = case.get("tied", False), case.get("sparse", True)
@@ -141,22 +165,69 @@ def _train(rank: int, case: Dict[str, Any]) -> Dict[str, Any]:
         init_tied, mid = tied_init(sparse=sparse)
         layers = [TiedLayerSpec("emb", TiedEmb, sparse, tied_weight_attr=["emb.weight"]), mid,
                   TiedLayerSpec("emb", TiedEmb, sparse, forward_fn=project, tied_weight_attr=["emb.weight"])]
+        if case.get("temp"):
+            layers.append(Temperature())
         module = PipelineModule(layers=layers, num_stages=STAGES, loss_fn=ce_loss, partition_method="uniform")
         with torch.no_grad():  # the spec built its own init: use the reference's on both stages
             module.tied_modules["emb"].emb.weight.copy_(init_tied.emb.weight)
     else:
-        module = PipelineModule(layers=build_layers(sparse=sparse), num_stages=STAGES, loss_fn=dc.loss_fn,
-                                partition_method="uniform")
+        module = PipelineModule(layers=build_layers(sparse=sparse, temperature=case.get("temp", False)),
+                                num_stages=STAGES, loss_fn=dc.loss_fn, partition_method="uniform")
     init = deepspeed.initialize if case.get("zen", True) is None else zen_ds.initialize
     engine, *_ = init(model=module, optimizer=dc.make_optimizer(module.parameters()), config=_config(case))
+    return engine
+
+
+def _steps(engine, case: Dict[str, Any], steps: range) -> None:
     dp_rank = engine.grid.get_data_parallel_id()
-    for step in range(STEPS):
-        data = iter([pipe_batch(step, m, dp_rank, tied) for m in range(GAS)])
+    for step in steps:
+        data = iter([pipe_batch(step, m, dp_rank, case.get("tied", False)) for m in range(GAS)])
         engine.train_batch(data_iter=data)
+
+
+def _train(rank: int, case: Dict[str, Any]) -> Dict[str, Any]:
+    import zen_ds
+    if case.get("ckpt"):
+        return _ckpt(case)
+    engine = _engine(case)
+    _steps(engine, case, range(STEPS))
     state = zen_ds.state_of(engine)
-    return {"params": dc.params_of(engine.module), "stage": engine.stage_id, "dp": dp_rank,
-            "zen": None if state is None else state.route,
+    return {"params": dc.params_of(engine.module), "stage": engine.stage_id,
+            "dp": engine.grid.get_data_parallel_id(), "zen": None if state is None else state.route,
             "zen_params": [] if state is None else [p.name for p in state.reducer.params]}
+
+
+def _zen_state(engine) -> Dict[str, np.ndarray]:
+    """zen's checkpointed state as flat arrays: residuals, owned masters and optimizer state."""
+    import zen_ds
+    out: Dict[str, np.ndarray] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if torch.is_tensor(value):
+            out[prefix] = (value.to_dense() if value.is_sparse else value).detach().float().numpy().copy()
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
+    walk("zen", zen_ds.state_of(engine).state_dict())
+    return out
+
+
+def _ckpt(case: Dict[str, Any]) -> Dict[str, Any]:
+    """Save after 3 steps, go on to STEPS; a new engine loads and does the same."""
+    import zen_ds
+    root = case["ckpt"]
+    engine = _engine(case)
+    _steps(engine, case, range(3))
+    engine.save_checkpoint(root, tag="t3")
+    _steps(engine, case, range(3, STEPS))
+    resumed = _engine(case)
+    resumed.load_checkpoint(root, tag="t3")
+    _steps(resumed, case, range(3, STEPS))
+    return {"params": [dc.params_of(e.module) for e in (engine, resumed)],
+            "state": [_zen_state(e) for e in (engine, resumed)], "route": zen_ds.state_of(resumed).route}
 
 
 def _worker(rank: int, world: int, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -185,13 +256,27 @@ CASES = [
     dict(name="tied_zen_clip", tied=True, clip=CLIP),
     dict(name="tied_plain_dense", tied=True, zen=None, sparse=False),
     dict(name="tied_zen_dense", tied=True, sparse=False, zen_extra={"scheme": "balanced"}),
-    dict(name="refused_bf16_sparse", dtype="bf16"),
+    dict(name="refused_z2", zero=2),
+    # ZeRO-1: zen owns its params' step inside the pipeline
+    # ZeRO-1: zen owns its params' step inside the pipeline. DeepSpeed's optimizer needs a param on
+    # every stage: a learnt scalar stays DeepSpeed's on the stage of the embeddings.
+    dict(name="z1_zen_clip", zero=1, temp=True, clip=CLIP),
+    dict(name="z1_zen_dense", zero=1, temp=True, sparse=False),
+    dict(name="z1_tied_zen_clip", zero=1, tied=True, temp=True, clip=CLIP),
+    dict(name="z1_tied_zen_dense", zero=1, tied=True, temp=True, sparse=False),
+    dict(name="refused_z1_all_zen", zero=1),  # the first stage would hold no DeepSpeed param
+    dict(name="bf16_sparse", dtype="bf16", temp=True, clip=CLIP),
+    dict(name="bf16_tied_sparse", dtype="bf16", tied=True, temp=True, clip=CLIP),
 ]
+OWNED = ["z1_zen_clip", "z1_zen_dense", "z1_tied_zen_clip", "z1_tied_zen_dense"]
+CKPT_CASES = [dict(name="ckpt_z1_tied", zero=1, tied=True, temp=True, clip=CLIP)]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(WORLD, _worker, CASES)
+    with tempfile.TemporaryDirectory() as root:
+        ckpt = [dict(case, ckpt=os.path.join(root, case["name"])) for case in CKPT_CASES]
+        return run_ranks(WORLD, _worker, CASES + ckpt)
 
 
 def _merged(results, name: str) -> Dict[str, Any]:
@@ -241,8 +326,53 @@ def test_pipeline_matches_plain_deepspeed(results, zen_name, plain_name):
     assert max(errs.values()) < 1e-5, errs
 
 
-def test_pipeline_bf16_sparse_is_refused(results):
+def test_pipeline_zero2_is_refused_as_deepspeed_does(results):
     for res in results:
-        err = res["refused_bf16_sparse"].get("error", "")
-        assert "PipelineModule" in err and "sparse=True" in err, err
+        err = res["refused_z2"].get("error", "")
+        assert err.startswith("ZenConfigError: zen: DeepSpeed's PipelineEngine") and \
+            "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" in err, err
+
+
+def test_pipeline_stage_without_deepspeed_params_is_refused(results):
+    for res in results:
+        err = res["refused_z1_all_zen"].get("error", "")
+        assert "a pipeline stage whose every trainable param zen would own" in err, err
+
+
+@pytest.mark.parametrize("name", OWNED)
+def test_zero1_pipeline_matches_reference(results, name):
+    """zen owns its params on every stage (a stage may own none) and matches the reference."""
+    tied = _case(name).get("tied", False)
+    got = _merged(results, name)
+    assert {res[name]["zen"] for res in results} == {"owned"}
+    zen_params = {p for res in results for p in res[name]["zen_params"]}
+    assert ("tied_modules.emb.emb.weight" if tied else "0.emb_s.weight") in zen_params, zen_params
+    if tied:
+        got = {_ref_name(k): v for k, v in got.items()}
+    errs = dc.max_rel_err(got, reference(_case(name)))
+    assert max(errs.values()) < 1e-5, errs
+
+
+@pytest.mark.parametrize("name", ["bf16_sparse", "bf16_tied_sparse"])
+def test_bf16_sparse_pipeline_matches_reference(results, name):
+    """bf16 with a sparse=True embedding: zen owns its params (fp32 masters) at ZeRO-0."""
+    got = _merged(results, name)
+    assert {res[name]["zen"] for res in results} == {"owned"}
+    if _case(name).get("tied"):
+        got = {_ref_name(k): v for k, v in got.items()}
+    errs = dc.max_rel_err(got, reference(_case(name)))
+    assert max(errs.values()) < 2e-2, errs
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in CKPT_CASES])
+def test_zero1_pipeline_checkpoint_resume_is_exact(results, name):
+    for res in dc.case_results(results, name):
+        assert res["route"] == "owned"
+        straight, resumed = res["params"]
+        for k, v in straight.items():
+            np.testing.assert_array_equal(resumed[k], v)
+        straight, resumed = res["state"]
+        assert sorted(straight) == sorted(resumed)
+        for k, v in straight.items():
+            np.testing.assert_array_equal(resumed[k], v)
 

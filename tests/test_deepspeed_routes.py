@@ -32,6 +32,10 @@ def _route(case, sparse=True, **setup):
     ({"zero": 1, "zen_extra": COMPRESSION}, False, "owned"), ({"zero": 2, "zen_extra": COMPRESSION}, True, "owned"),
     ({"zero": 2, "dtype": "bf16", "zen_extra": COMPRESSION}, False, "owned"),
     ({"dtype": "bf16", "zen_extra": COMPRESSION}, True, "owned"),
+    # fp16: the compressor's residuals stay unscaled, so the loss scale cannot change them
+    ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, "shared"),
+    ({"zero": 1, "dtype": "fp16", "zen_extra": COMPRESSION}, True, "owned"),
+    ({"zero": 2, "dtype": "fp16", "zen_extra": COMPRESSION}, False, "owned"),
 ])
 def test_routes_from_the_config(case, sparse, route):
     got = _route(case, sparse)
@@ -55,10 +59,12 @@ def test_compression_alone_makes_zero_params_owned():
 
 @pytest.mark.parametrize("case, sparse, setup, words", [
     ({"zero": 3}, True, {}, "ZeRO stage 3"),
-    ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, {}, "fp16 with \"zen.compression\""),
-    ({"zero": 1, "dtype": "fp16", "zen_extra": COMPRESSION}, True, {}, "fp16 with \"zen.compression\""),
-    # a pipeline's ZeRO-1/2 would make zen own params inside the pipeline, compressed ones too
-    ({"zero": 1, "zen_extra": COMPRESSION}, False, {"pipeline": True}, "PipelineModule with ZeRO stage 1/2"),
+    # DeepSpeed's own restriction: its PipelineEngine asserts ZeRO stage < 2
+    ({"zero": 2}, True, {"pipeline": True}, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
+    ({"zero": 2, "zen_extra": COMPRESSION}, False, {"pipeline": True}, "DeepSpeed's PipelineEngine"),
+    # DeepSpeed's optimizer needs a param per stage: this model's stage would give zen every one
+    ({"zero": 1, "zen_extra": {"compression": dict(COMPRESSION["compression"], min_numel=1)}}, False,
+     {"pipeline": True}, "a pipeline stage whose every"),
     ({"zen_extra": dict(COMPRESSION, shuffle={"group_size": 2})}, False, {},
      "\"zen.shuffle\" with \"zen.compression\""),
     ({"dtype": "fp16"}, True, {}, "fp16 with sparse=True embeddings under ZeRO stage 0"),
@@ -69,6 +75,24 @@ def test_refusals_come_from_the_config_alone(case, sparse, setup, words):
     with pytest.raises(ZenConfigError, match="^zen: ") as err:
         _route(case, sparse, **setup)
     assert words in str(err.value)
+
+
+@pytest.mark.parametrize("case, sparse", [({"zero": 1}, True), ({"zero": 1, "zen_extra": COMPRESSION}, True),
+                                          ({"dtype": "bf16"}, True)])
+def test_pipeline_stages_take_the_owned_route(case, sparse):
+    """Inside a PipelineModule zen owns its params at ZeRO-1 (and bf16 with sparse=True
+    embeddings). A stage without zen params takes the owned route too when another stage has
+    some: tests/test_deepspeed_pipeline.py checks that on real stages."""
+    got = _route(case, sparse, pipeline=True)
+    assert got.name == "owned" and got.names == ["emb_s.weight", "emb_d.weight"]
+
+
+def test_fp16_compressor_undoes_skipped_steps():
+    """Only fp16 can skip a step on overflow: only there does the compressor keep the state a
+    step replaced."""
+    assert _route({"dtype": "fp16", "zen_extra": COMPRESSION}, False).compressor.undo
+    assert not _route({"dtype": "bf16", "zen_extra": COMPRESSION}, False).compressor.undo
+    assert not _route({"zen_extra": COMPRESSION}, False).compressor.undo
 
 
 def test_engine_and_config_facts_agree():

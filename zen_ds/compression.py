@@ -14,8 +14,8 @@ above it, then exact top-k among the survivors). Both return the same set (ties 
 path falls back to exact top-k when the estimate keeps fewer than k entries. The crossover size
 (:data:`SAMPLED_MIN_NUMEL`) was measured on CPU; see BENCHMARKS.md, section "Compression".
 
-The config block, the selection and the per-param state are one feature and stay in one module
-(a little over 400 lines).
+The config block, the selection and the per-param state (loss scaling and the undo of a skipped
+step included) are one feature and stay in one module (about 460 lines).
 """
 from __future__ import annotations
 
@@ -183,9 +183,11 @@ class _ParamState:
 
     numel: int
     shape: Tuple[int, ...]
-    residual: Optional[torch.Tensor] = None  # fp32, flat: accumulated minus sent (error feedback)
-    velocity: Optional[torch.Tensor] = None  # fp32, flat: DGC momentum-corrected velocity u
+    residual: Optional[torch.Tensor] = None  # fp32, flat, unscaled: accumulated minus sent
+    velocity: Optional[torch.Tensor] = None  # fp32, flat, unscaled: DGC momentum-corrected velocity u
     sent_elements: int = 0  # elements sent at the last compressed step
+    # with undo on: (residual, velocity) before the step's compress, until the step is settled
+    before_step: Optional[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None
 
 
 class GradientCompressor:
@@ -195,14 +197,21 @@ class GradientCompressor:
     during warmup: sync densely). The caller sums it over the data-parallel group with
     :func:`zen_ds.sparse_allreduce`, averages as it would a dense gradient and writes the result
     into the dense gradient.
+
+    Loss scaling (fp16): pass the loss-scaled gradient and its ``scale``; the state stays in
+    unscaled units, so a change of scale (or a resume under another one) never rescales it. With
+    ``undo`` on, each compress keeps the state it replaced until :meth:`settle_step` says whether
+    the optimizer applied the step: a step skipped on overflow leaves the state as it was on
+    every rank (what was sent was thrown away with the step).
     """
 
     def __init__(self, config: CompressionConfig, named_parameters: List[Tuple[str, torch.nn.Parameter]],
-                 exclude: AbstractSet[str] = frozenset()) -> None:
+                 exclude: AbstractSet[str] = frozenset(), undo: bool = False) -> None:
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"GradientCompressor needs a CompressionConfig, got {type(config).__name__}; "
                             "build one with CompressionConfig(**the_zen_compression_dict)")
         self.config = config
+        self.undo = undo
         self._states: Dict[str, _ParamState] = {}
         self._params: Dict[str, torch.nn.Parameter] = {}
         named_parameters = list(named_parameters)
@@ -256,7 +265,7 @@ class GradientCompressor:
         return list(self._params.items())
 
     # ------------------------------------------------------------------ the per-step work
-    def compress(self, name: str, grad: torch.Tensor, step: int) -> Optional[RowSparse]:
+    def compress(self, name: str, grad: torch.Tensor, step: int, scale: float = 1.0) -> Optional[RowSparse]:
         """Sparsify ``grad`` of parameter ``name`` at optimizer step ``step`` (0-based).
 
         Returns None while ``step < warmup_steps`` (the caller syncs densely; no state changes).
@@ -264,6 +273,8 @@ class GradientCompressor:
         (``row_shape == ()``), or whole rows ``[k, *grad.shape[1:]]`` with ``per_row`` on a >= 2-D
         gradient; values in ``grad.dtype``, indices ascending and unique. Call it once per
         optimizer step per parameter, with the gradient accumulated over the micro-batches.
+        ``grad`` may be multiplied by a loss ``scale``: the selection works on ``grad / scale``
+        plus the residual, and the returned values are multiplied by ``scale`` again.
         """
         state = self._states.get(name)
         if state is None:
@@ -279,18 +290,22 @@ class GradientCompressor:
         if step < self.config.warmup_steps:
             return None
         cfg = self.config
+        if not scale > 0.0 or not math.isfinite(scale):
+            raise ValueError(f"compress({name!r}): loss scale must be a finite number > 0, got {scale}")
         flat = grad.detach().reshape(-1).to(torch.float32, copy=True)  # never touch the caller's grad
         if not bool(torch.isfinite(flat).all()):
             return self._overflow(name, flat, grad.dtype, state)
+        if self.undo:
+            state.before_step = (state.residual, state.velocity)
+        if scale != 1.0:
+            flat.div_(scale)
 
         if cfg.type == "dgc":
             if cfg.local_clip_norm is not None:
                 norm = torch.linalg.vector_norm(flat)
                 flat.mul_(torch.clamp(cfg.local_clip_norm / (norm + 1e-6), max=1.0))
-            if state.velocity is None:
-                state.velocity = torch.zeros_like(flat)
-            state.velocity = _on(state.velocity, flat.device)
-            state.velocity.mul_(cfg.momentum).add_(flat)
+            velocity = torch.zeros_like(flat) if state.velocity is None else _on(state.velocity, flat.device)
+            state.velocity = velocity.mul(cfg.momentum).add_(flat)  # a new tensor: undo keeps the old
             flat = state.velocity.clone()
         if cfg.error_feedback and state.residual is not None:
             flat.add_(_on(state.residual, flat.device))
@@ -309,9 +324,11 @@ class GradientCompressor:
             keep = sent.ne(0)
         if not bool(keep.all()):
             selected, sent = selected[keep], sent[keep]
-        sent_cast = sent.to(grad.dtype)
-        # Residual = accumulated - what actually went on the wire (bf16 rounding stays local too).
-        view.index_copy_(0, selected, sent - sent_cast.to(torch.float32))
+        sent_cast = (sent * scale if scale != 1.0 else sent).to(grad.dtype)
+        # Residual = accumulated - what actually went on the wire (bf16/fp16 rounding stays local
+        # too), in unscaled units.
+        on_wire = sent_cast.to(torch.float32)
+        view.index_copy_(0, selected, sent - (on_wire / scale if scale != 1.0 else on_wire))
         if cfg.error_feedback:
             state.residual = acc
         if cfg.type == "dgc" and cfg.momentum_masking:
@@ -326,6 +343,15 @@ class GradientCompressor:
         else:
             values = sent_cast
         return RowSparse(selected, values, rows, coalesced=True)
+
+    def settle_step(self, applied: bool) -> None:
+        """The optimizer applied the last compressed step, or skipped it (an fp16 overflow on any
+        rank): then every param's residual and velocity go back to what they were before it.
+        A no-op without ``undo``."""
+        for state in self._states.values():
+            if state.before_step is not None and not applied:
+                state.residual, state.velocity = state.before_step
+            state.before_step = None
 
     def _overflow(self, name: str, flat: torch.Tensor, dtype: torch.dtype, state: _ParamState
                   ) -> RowSparse:

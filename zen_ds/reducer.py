@@ -16,7 +16,7 @@ import fnmatch
 import logging
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -143,14 +143,17 @@ class ZenReducer:
     """Syncs the selected params' gradients over one data-parallel group."""
 
     def __init__(self, config: ZenConfig, params: Sequence[ZenParam], group: Optional[dist.ProcessGroup],
-                 scale: ScaleRule, compressor: Optional[Any] = None) -> None:
+                 scale: ScaleRule, compressor: Optional[Any] = None,
+                 loss_scale: Optional[Callable[[], float]] = None) -> None:
         # --- what and where
         self.config = config
         self.params: List[ZenParam] = list(params)
         self.group = group
         self.scale = scale
-        # --- optional top-k / DGC compression of other dense params
+        # --- optional top-k / DGC compression of other dense params; the current fp16 loss
+        # scale of the gradients it is handed (its residuals stay unscaled)
         self.compressor = compressor
+        self.loss_scale = loss_scale
         # --- bookkeeping: optimizer steps synced so far, and the last step's per-param cost
         self.step = 0
         self.last_stats: Dict[str, ParamStats] = {}
@@ -262,7 +265,8 @@ class ZenReducer:
         before, after = self.scale.factors(self.world_size)
         # The compressor gets the gradient exactly as it goes on the wire (scaled, in the
         # communication dtype), so the rounding of the sent values stays in its residual.
-        rs_c = (self.compressor.compress(p.name, self._wire(p, grad, before), self.step)
+        rs_c = (self.compressor.compress(p.name, self._wire(p, grad, before), self.step,
+                                         scale=self.loss_scale() if self.loss_scale is not None else 1.0)
                 if p.compressed else None)
         out_dtype = grad.dtype if grad is not None else p.param.dtype
         st = SyncStats()

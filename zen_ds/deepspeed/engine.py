@@ -28,7 +28,7 @@ from zen_ds.deepspeed.norms import local_sum_of_squares, model_parallel_sum
 from zen_ds.deepspeed.overlap import OverlappedSync, grad_reader, mirror_group
 from zen_ds.deepspeed.owned import OwnedParams, OwnedPlan, clip_coefficient, plan_owned
 from zen_ds.deepspeed.params import reducer_params
-from zen_ds.deepspeed.routes import Route, ds_config_dict, read_ds_config, refuse, resolve_route
+from zen_ds.deepspeed.routes import DeepSpeedSetup, Route, ds_config_dict, read_ds_config, refuse, resolve_route
 from zen_ds.deepspeed.shuffling import build_shuffle
 from zen_ds.reducer import ZenReducer
 from zen_ds.shuffle_sync import ShuffleSync
@@ -116,8 +116,11 @@ class ZenEngineState:
         coef = clip_coefficient(self.engine.gradient_clipping(), norm)
         self.owned.step(loss_scale, coef, base_lr, self.reducer.last_stats)
 
-    def after_step(self) -> None:
+    def after_step(self, applied: bool = True) -> None:
+        """The optimizer step is over (``applied``: DeepSpeed did not skip it on overflow)."""
         self.reduced_this_step = False
+        if self.reducer.compressor is not None:
+            self.reducer.compressor.settle_step(applied)
         rank = dist.get_rank() if dist.is_initialized() else 0
         if self.shuffle is None:
             self.reducer.log_stats(rank)
@@ -163,7 +166,8 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
     if zcfg is None or not zcfg.enabled:
         return None
     patches.check_deepspeed_version()
-    route = _route if _route is not None else resolve_route(patches.setup_of(engine), engine.module, zcfg)
+    route = _route if _route is not None else resolve_route(DeepSpeedSetup.from_engine(engine),
+                                                            engine.module, zcfg)
     if route.owned:
         in_ds = patches.params_in_ds_optimizer(engine)
         clash = [name for name, p, _ in route.synced if id(p) in in_ds]
@@ -182,7 +186,8 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
     if route.owned:
         owned = OwnedParams(zen_params, _plan, patches.dp_group(engine), zcfg.optimizer_state,
                             zcfg.shard_min_mb, zcfg.seed, route.setup.half)
-    reducer = ZenReducer(zcfg, zen_params, patches.dp_group(engine), patches.scale_rule(engine), compressor)
+    reducer = ZenReducer(zcfg, zen_params, patches.dp_group(engine), patches.scale_rule(engine), compressor,
+                         patches.loss_scale_reader(engine) if route.setup.fp16 else None)
     shuffle = None
     if route.name == "shuffle":
         shuffle = build_shuffle(engine.module, route, zcfg, engine.optimizer, patches.dp_group(engine),

@@ -67,13 +67,14 @@ def _split_optimizer(optimizer: torch.optim.Optimizer, zen_ids: Dict[int, nn.Par
     if not kept:
         refuse("every trainable param is a zen param; DeepSpeed needs at least one param to optimize")
     optimizer.param_groups[:] = kept
+    zen_groups = zen_groups or [{"params": []}]  # a pipeline stage without zen params
     try:
         return type(optimizer)(zen_groups, **optimizer.defaults)
     except TypeError:
         return type(optimizer)(zen_groups)
 
 
-def _optimizer_from_ds_block(block: Mapping[str, Any], params: List[nn.Parameter]) -> torch.optim.Optimizer:
+def _optimizer_from_ds_block(block: Mapping[str, Any], params: List[Any]) -> torch.optim.Optimizer:
     kind = str(block.get("type", "")).lower()
     hp = dict(block.get("params", {}))
     hp.pop("torch_adam", None)  # DeepSpeed's choice of implementation, not a hyper-parameter
@@ -100,6 +101,8 @@ def plan_owned(route: Route, model: nn.Module, optimizer: Any, model_parameters:
     zen_ids = {id(p): p for _, p, _ in owned}
     masters = {id(p): (nn.Parameter(p.detach().clone().float()) if half else p) for _, p, _ in owned}
     ordered_masters = [masters[id(p)] for _, p, _ in owned]
+    # a pipeline stage without zen params still owns an (empty) optimizer, as every stage does
+    to_build: List[Any] = list(ordered_masters) or [{"params": []}]
     base = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if base and isinstance(base[0], dict):
         refuse("model_parameters given as param-group dicts are not supported with zen-owned params; "
@@ -109,9 +112,9 @@ def plan_owned(route: Route, model: nn.Module, optimizer: Any, model_parameters:
         zen_opt = _split_optimizer(optimizer, zen_ids, masters)
         ds_lr = optimizer.param_groups[0]["lr"]
     elif callable(optimizer):
-        zen_opt, ds_lr, from_engine = optimizer(ordered_masters), None, True
+        zen_opt, ds_lr, from_engine = optimizer(to_build), None, True
     elif isinstance(ds_config.get("optimizer"), Mapping):
-        zen_opt = _optimizer_from_ds_block(ds_config["optimizer"], ordered_masters)
+        zen_opt = _optimizer_from_ds_block(ds_config["optimizer"], to_build)
         ds_lr = ds_config["optimizer"].get("params", {}).get("lr")
     else:
         refuse("zen-owned params (ZeRO stage 1/2, or half precision with sparse=True embeddings) need "

@@ -9,7 +9,8 @@ release means re-checking this file only:
   its params first (with ``"zen.overlap"`` its thread goes on meanwhile), then DeepSpeed reduces
   only the other params (none with ``"zen.shuffle"``: DS-Sync reduces them all).
 * ``_take_model_step`` (reached from ``DeepSpeedEngine.step`` and ``PipelineEngine``): the optimizer
-  step (it waits for zen's sync); on the owned route zen steps its params after DeepSpeed's.
+  step (it waits for zen's sync); on the owned route zen steps its params after DeepSpeed's; the
+  compressor undoes a step DeepSpeed skipped. The fp16 loss scale: read from the optimizer.
 * ``clip_fp32_gradients`` (fp32, ZeRO-0): DeepSpeed's in-place ``.data.mul_`` leaves sparse grads
   unclipped, and under a PipelineModule it counts only one stage's params.
 * the optimizer's norm (``scaled_global_norm`` / ``get_grads_for_norm`` / the FP16 overflow check):
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from zen_ds.deepspeed.grads import GradStorage, OwnedGrads, ParamGrads
 from zen_ds.deepspeed.owned import OwnedParams, clip_coefficient
-from zen_ds.deepspeed.routes import DeepSpeedSetup, refuse
+from zen_ds.deepspeed.routes import refuse
 from zen_ds.reducer import ScaleRule, ZenParam
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,8 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_DEEPSPEED", "check_deepspeed_version", "is_model_parallel_parameter", "setup_of",
-           "dp_group", "scale_rule", "params_in_ds_optimizer", "grad_storage", "install",
+__all__ = ["SUPPORTED_DEEPSPEED", "check_deepspeed_version", "is_model_parallel_parameter", "dp_group",
+           "scale_rule", "loss_scale_reader", "params_in_ds_optimizer", "grad_storage", "install",
            "patch_initialize", "unpatch_initialize", "original_initialize"]
 
 SUPPORTED_DEEPSPEED = ">=0.19,<0.20"
@@ -70,16 +71,6 @@ def is_model_parallel_parameter(param: torch.nn.Parameter) -> bool:
     return bool(rule(param))
 
 
-def setup_of(engine: Any) -> DeepSpeedSetup:
-    """The route-relevant settings of a built engine."""
-    return DeepSpeedSetup(zero_stage=int(engine.zero_optimization_stage()), fp16=bool(engine.fp16_enabled()),
-                          bf16=bool(engine.bfloat16_enabled()),
-                          pipeline=bool(getattr(engine, "pipeline_parallelism", False)),
-                          moe=bool(getattr(engine, "has_moe_layers", False)),
-                          sequence_parallel=getattr(engine, "sequence_parallel_size", 1) > 1,
-                          zenflow=bool(getattr(engine, "zenflow", False)))
-
-
 def dp_group(engine: Any) -> Optional[dist.ProcessGroup]:
     """The group DeepSpeed reduces gradients over (the mpu's for pipelines and Megatron)."""
     from deepspeed.utils import groups
@@ -107,6 +98,11 @@ def params_in_ds_optimizer(engine: Any) -> Set[int]:
     for group in getattr(opt, "param_groups", []) or []:
         ids.update(id(p) for p in group.get("params", []))
     return ids
+
+
+def loss_scale_reader(engine: Any) -> Callable[[], float]:
+    """The engine's current loss scale (fp16: what its gradients are multiplied by), read at sync."""
+    return lambda: _loss_scale(engine.optimizer)
 
 
 def _loss_scale(opt: Any) -> float:
@@ -205,7 +201,7 @@ def install(engine: Any, state: "ZenEngineState") -> None:
         state.reduce()  # unmanaged accumulation or a manual allreduce: never step unsynced grads
         if state.owned is None:
             out = orig_take_step(*args, **kwargs)
-            state.after_step()
+            state.after_step(engine.was_step_applied())
             return out
         opt = engine.optimizer
         loss_scale = _loss_scale(opt)
@@ -213,15 +209,16 @@ def install(engine: Any, state: "ZenEngineState") -> None:
         base_lr = groups_[0]["lr"] if groups_ else None
         state.last_norm = None
         out = orig_take_step(*args, **kwargs)
+        applied = engine.was_step_applied()
         try:
-            if engine.was_step_applied():
+            if applied:
                 norm = state.last_norm
                 if norm is None and _is_bf16_optimizer(opt):  # BF16_Optimizer: unscaled
                     norm = engine.get_global_grad_norm()
                 state.step_owned(loss_scale, norm, base_lr)
         finally:
             state.owned.clear()
-            state.after_step()
+            state.after_step(applied)
         return out
 
     def save_checkpoint(save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
@@ -343,31 +340,34 @@ def _take_over_tied_grads(engine: Any, state: "ZenEngineState") -> None:
         return
     from deepspeed.runtime.pipe import schedule
     from zen_ds.api import sparse_allreduce
-    zen_by_id = {id(p.param): p for p in state.reducer.params}
+    zen_by_id = {id(p.param): (i, p) for i, p in enumerate(state.reducer.params)}
     if not any(id(w) in zen_by_id for w, _ in engine.module.get_tied_weights_and_groups()):
         return
-    cfg = state.config
+    cfg, owned = state.config, state.owned  # owned route: the grads wait in zen's fp32 sums
 
     def reduce_tied_grads(self: Any) -> None:
         if self.zero_optimization_partition_gradients():
             self.optimizer.overlapping_partition_gradients_reduce_epilogue()
         for weight, group in self.module.get_tied_weights_and_groups():
             bf16 = self.using_bf16_optimizer
-            grad = weight._hp_grad if bf16 else weight.grad
-            zp = zen_by_id.get(id(weight))
+            index, zp = zen_by_id.get(id(weight), (None, None))
             if zp is None:
+                grad = weight._hp_grad if bf16 else weight.grad
                 if grad is not None:
                     dist.all_reduce(grad, group=group)
                 continue
-            if grad is None:  # every stage of the tie must join the collective
-                grad = torch.zeros_like(weight, dtype=torch.float32 if bf16 else weight.dtype)
-                if not bf16:
-                    weight.grad = grad
-            out = sparse_allreduce(grad, group, cfg.scheme, seed=cfg.seed, log_prefix=f"{zp.log_prefix}.tied")
-            if grad.is_sparse:
+            grad = owned.accum[index] if owned is not None else weight._hp_grad if bf16 else weight.grad
+            if grad is None:  # every stage of the tie must join the collective (zen sums in fp32)
+                fp32 = bf16 or owned is not None
+                grad = torch.zeros_like(weight, dtype=torch.float32 if fp32 else weight.dtype)
+            out = sparse_allreduce(grad.coalesce() if grad.is_sparse else grad, group, cfg.scheme,
+                                   seed=cfg.seed, log_prefix=f"{zp.log_prefix}.tied")
+            if not grad.is_sparse:
+                out = grad.copy_(out.to_dense() if out.is_sparse else out)
+            if owned is not None:
+                owned.accum[index] = out
+            elif not bf16:
                 weight.grad = out
-            else:
-                grad.copy_(out.to_dense() if out.is_sparse else out)
 
     instruction_map = dict(type(engine)._INSTRUCTION_MAP)
     instruction_map[schedule.ReduceTiedGrads] = reduce_tied_grads

@@ -13,7 +13,9 @@ Routes:
   crashes on sparse grads, and the half-precision wrappers cannot hold sparse grads either: zen
   keeps its params out of DeepSpeed's optimizer and steps them itself (see :mod:`.owned`). With
   ``"zen.compression"`` the compressed dense params are owned too: ZeRO would reduce their whole
-  gradient densely inside its flat buffers, and zen must sync the compressed one instead.
+  gradient densely inside its flat buffers, and zen must sync the compressed one instead. Inside
+  a PipelineModule (ZeRO-1; DeepSpeed refuses ZeRO-2 there) each stage owns its own params and
+  syncs them over its data-parallel group.
 * **shuffle** (``"zen.shuffle"``, DS-Sync): zen reduces *every* param inside the step's shuffle
   group (:mod:`.shuffling`) and DeepSpeed reduces nothing; ZeRO-0 in fp32 only, because the other
   stages and precisions keep gradients or master weights where zen cannot average them per group.
@@ -99,6 +101,16 @@ class DeepSpeedSetup:
                    sequence_parallel=int(ds_config.get("sequence_parallel_size", 1) or 1) > 1,
                    zenflow=isinstance(zero, Mapping) and isinstance(zero.get("zenflow"), Mapping))
 
+    @classmethod
+    def from_engine(cls, engine: Any) -> "DeepSpeedSetup":
+        """The same settings, read from a built engine (its public accessors only)."""
+        return cls(zero_stage=int(engine.zero_optimization_stage()), fp16=bool(engine.fp16_enabled()),
+                   bf16=bool(engine.bfloat16_enabled()),
+                   pipeline=bool(getattr(engine, "pipeline_parallelism", False)),
+                   moe=bool(getattr(engine, "has_moe_layers", False)),
+                   sequence_parallel=getattr(engine, "sequence_parallel_size", 1) > 1,
+                   zenflow=bool(getattr(engine, "zenflow", False)))
+
     @property
     def half(self) -> bool:
         return self.fp16 or self.bf16
@@ -173,42 +185,56 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     if setup.zero_stage >= 3:
         refuse("ZeRO stage 3 partitions the parameters themselves; zen supports ZeRO stages 0, 1 and 2. "
                "Set zero_optimization.stage <= 2 or disable zen (\"zen\": {\"enabled\": false})")
+    if setup.pipeline and setup.zero_stage >= 2:
+        refuse("DeepSpeed's PipelineEngine does not run a PipelineModule under ZeRO stage 2 (it asserts "
+               "\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", "
+               "deepspeed/runtime/pipe/engine.py). Set zero_optimization.stage to 0 or 1")
     if setup.moe:
         refuse("MoE layers (expert-parallel groups) are not supported with zen; disable zen for this model")
     if setup.sequence_parallel:
         refuse("sequence parallelism (sequence_parallel_size > 1) is not supported with zen")
     if setup.zenflow:
         refuse("DeepSpeed's ZenFlow and zen_ds both take over the optimizer/reduction; enable one of them")
-    if compression and setup.fp16:
-        refuse("fp16 with \"zen.compression\" is not supported: the error-feedback residual would be kept "
-               "in loss-scaled units and be wrong whenever the dynamic loss scale changes. Use bf16 or fp32 "
-               "with compression, or remove the \"compression\" block")
-    compressor = _compressor(model, zen_config, selected) if compression else None
+    # fp16: the compressor keeps its residuals unscaled and undoes a step DeepSpeed skips
+    compressor = _compressor(model, zen_config, selected, undo=setup.fp16) if compression else None
     any_sparse = any(sparse for _, _, sparse in selected)
     any_synced = bool(selected) or bool(compressor is not None and compressor.selected_names())
+    zen_ids = {id(p) for p in _synced_params(selected, compressor)}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    all_zen = bool(trainable) and all(id(p) in zen_ids for p in trainable)
     if setup.pipeline:
-        any_sparse, any_synced = _any_rank(any_sparse, any_synced)
+        any_sparse, any_synced, all_zen = _any_rank(any_sparse, any_synced, all_zen)
     needs_owned = setup.zero_stage in (1, 2) or (setup.half and any_sparse)
     if setup.fp16 and any_sparse and setup.zero_stage == 0:
         refuse("fp16 with sparse=True embeddings under ZeRO stage 0 is not supported (DeepSpeed's FP16 "
                "optimizer flattens dense grads); use bf16, or ZeRO stage 1/2. Note: torch on CPU cannot "
                "compute fp16 sparse embedding grads at all")
     owned = needs_owned and any_synced
-    if setup.pipeline and owned:
-        refuse("PipelineModule with ZeRO stage 1/2, or with fp16/bf16 and sparse=True embeddings, is not "
-               "supported with zen (zen would have to own those params' optimizer step inside the "
-               "pipeline). Use ZeRO stage 0 with fp32, or bf16 with dense-grad embeddings (sparse=False)")
+    if owned and setup.pipeline and all_zen:
+        refuse("a pipeline stage whose every trainable param zen would own (ZeRO stage 1, or half precision "
+               "with sparse=True embeddings) leaves DeepSpeed's optimizer on that stage no param, and "
+               "DeepSpeed's ZeRO/BF16 optimizers need at least one. Give each stage a param zen leaves to "
+               "DeepSpeed (not an embedding, not compressed: e.g. below \"compression.min_numel\"), or "
+               "use ZeRO stage 0 in fp32")
     route = Route("shared", selected, setup, compressor)
-    if owned and route.synced:
+    # Every pipeline stage takes the owned route, with or without params of its own: the norm
+    # zen folds into DeepSpeed's is summed over the stages, so each stage must join that sum.
+    if owned and (route.synced or setup.pipeline):
         route.name = "owned"
     return route
 
 
-def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[SelectedParam]) -> Any:
+def _synced_params(selected: List[SelectedParam], compressor: Optional[Any]) -> List[nn.Parameter]:
+    """The params zen syncs: the selected ones and the compressed ones."""
+    extra = [param for _, param in compressor.selected_params()] if compressor is not None else []
+    return [param for _, param, _ in selected] + extra
+
+
+def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[SelectedParam], undo: bool) -> Any:
     """The gradient compressor; it picks the dense params it compresses (never zen's selected ones)."""
     from zen_ds.compression import GradientCompressor
     return GradientCompressor(zen_config.compression, list(model.named_parameters()),
-                              {name for name, _, _ in selected})
+                              {name for name, _, _ in selected}, undo=undo)
 
 
 def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool) -> None:
