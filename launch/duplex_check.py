@@ -1,0 +1,78 @@
+"""Is a gloo pair full duplex on this network? One-way vs two-way transfers between two ranks.
+
+Run it on two emulated hosts (root)::
+
+    python -m zen_ds.cluster --hosts 2 --rate 100mbit -- python launch/duplex_check.py --mb 4
+
+It prints the median time (slowest rank, 5 repeats after a warm-up) of: one rank sending ``--mb``
+MB to the other; both sending to each other at once on one process group (one TCP connection);
+a 2-rank ``all_to_all_single`` of the same size; and both at once on two process groups (two
+connections). A full-duplex path gives the one-way time for all four.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, List
+
+import torch
+import torch.distributed as dist
+
+
+def _timed(fn: Callable[[], None], repeats: int) -> float:
+    times: List[float] = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=4.0, help="megabytes each way")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    if dist.get_world_size() != 2:
+        raise SystemExit("run it on exactly 2 ranks (python -m zen_ds.cluster --hosts 2 ...)")
+    rank = dist.get_rank()
+    peer = 1 - rank
+    send = torch.zeros(int(args.mb * 1e6), dtype=torch.uint8)
+    recv = torch.empty_like(send)
+    second = dist.new_group([0, 1])
+
+    def one_way() -> None:
+        dist.send(send, 1) if rank == 0 else dist.recv(recv, 0)
+
+    def two_way() -> None:
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer),
+                                               dist.P2POp(dist.irecv, recv, peer)]):
+            request.wait()
+
+    def all_to_all() -> None:
+        out = torch.empty(2 * send.numel(), dtype=torch.uint8)
+        dist.all_to_all_single(out, torch.cat([send, send]))
+
+    def two_connections() -> None:
+        # rank 0 sends on the default group and receives on the second; rank 1 the other way
+        outgoing, incoming = (None, second) if rank == 0 else (second, None)
+        requests = [dist.isend(send, peer, group=outgoing), dist.irecv(recv, peer, group=incoming)]
+        for request in requests:
+            request.wait()
+
+    for name, fn in (("one way", one_way), ("two ways, one connection", two_way),
+                     ("all_to_all_single", all_to_all), ("two ways, two connections", two_connections)):
+        seconds = _timed(fn, args.repeats)
+        if rank == 0:
+            print(f"{name:>28}: {seconds * 1e3:8.1f} ms = {args.mb / seconds:6.2f} MB/s each way",
+                  flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
