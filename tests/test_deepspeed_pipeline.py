@@ -257,7 +257,9 @@ CASES = [
     dict(name="tied_plain_dense", tied=True, zen=None, sparse=False),
     dict(name="tied_zen_dense", tied=True, sparse=False, zen_extra={"scheme": "balanced"}),
     dict(name="refused_z2", zero=2),
-    # ZeRO-1: zen owns its params' step inside the pipeline
+    # a "params" pattern that matches on the first stage only: the stage without it selects nothing
+    dict(name="zen_pattern", zen_extra={"params": ["0.emb_*"]}),
+    dict(name="refused_pattern", zen_extra={"params": ["0.emb_*", "no_such_param*"]}),
     # ZeRO-1: zen owns its params' step inside the pipeline. DeepSpeed's optimizer needs a param on
     # every stage: a learnt scalar stays DeepSpeed's on the stage of the embeddings.
     dict(name="z1_zen_clip", zero=1, temp=True, clip=CLIP),
@@ -299,7 +301,7 @@ def _case(name: str) -> Dict[str, Any]:
     return next(c for c in CASES if c["name"] == name)
 
 
-@pytest.mark.parametrize("name", ["zen", "zen_clip", "zen_dense"])
+@pytest.mark.parametrize("name", ["zen", "zen_clip", "zen_dense", "zen_pattern"])
 def test_pipeline_matches_reference(results, name):
     got = _merged(results, name)
     stage0 = next(res[name] for res in results if res[name]["stage"] == 0)
@@ -324,6 +326,13 @@ def test_pipeline_matches_plain_deepspeed(results, zen_name, plain_name):
     zen, plain = _merged(results, zen_name), _merged(results, plain_name)
     errs = dc.max_rel_err(zen, plain)
     assert max(errs.values()) < 1e-5, errs
+
+
+def test_pipeline_params_pattern_matched_on_no_stage_is_refused_on_every_rank(results):
+    for res in results:
+        err = res["refused_pattern"].get("error", "")
+        assert "\"zen.params\" pattern(s) ['no_such_param*'] match no parameter on any pipeline stage" \
+            in err, err
 
 
 def test_pipeline_zero2_is_refused_as_deepspeed_does(results):

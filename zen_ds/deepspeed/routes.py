@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fnmatch
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
@@ -176,6 +177,8 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     Collective for a PipelineModule (every rank must call it); raises the same error on every rank.
     """
     setup = ds_config if isinstance(ds_config, DeepSpeedSetup) else DeepSpeedSetup.from_config(ds_config, model)
+    if setup.pipeline:
+        zen_config = _patterns_of_this_stage(model, zen_config)
     selected = select_params(model, zen_config)
     compression = zen_config.compression is not None
     if zen_config.shuffle is not None:
@@ -222,6 +225,33 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     if owned and (route.synced or setup.pipeline):
         route.name = "owned"
     return route
+
+
+def _patterns_of_this_stage(model: nn.Module, zen_config: ZenConfig) -> ZenConfig:
+    """A PipelineModule's stages hold different params, so a ``"params"`` or
+    ``"compression.params"`` name pattern must match on some stage, not on each. A pattern that
+    matches on no stage is refused on every rank (a refusal on one stage alone would leave the
+    others waiting in a collective); each stage keeps the patterns that match its own params.
+    Collective over the world."""
+    names = [name for name, _ in model.named_parameters()]
+    compression = zen_config.compression
+    zen_patterns = [] if zen_config.params == "auto" else list(zen_config.params)
+    compressed = list(compression.params) if compression is not None and compression.params else []
+    here = [bool(fnmatch.filter(names, pattern)) for pattern in zen_patterns + compressed]
+    anywhere = _any_rank(*here) if here else []
+    for key, patterns, hits in (("params", zen_patterns, anywhere[:len(zen_patterns)]),
+                                ("compression.params", compressed, anywhere[len(zen_patterns):])):
+        missing = [pattern for pattern, hit in zip(patterns, hits) if not hit]
+        if missing:
+            refuse(f"\"zen.{key}\" pattern(s) {missing} match no parameter on any pipeline stage; "
+                   f"names on this stage look like: {', '.join(names[:8])}")
+    update: Dict[str, Any] = {}
+    if zen_patterns:
+        update["params"] = [p for p, hit in zip(zen_patterns, here) if hit]
+    if compressed:
+        kept = [p for p, hit in zip(compressed, here[len(zen_patterns):]) if hit]
+        update["compression"] = compression.model_copy(update={"params": kept})
+    return zen_config.model_copy(update=update) if update else zen_config
 
 
 def _synced_params(selected: List[SelectedParam], compressor: Optional[Any]) -> List[nn.Parameter]:
