@@ -84,6 +84,7 @@ def _run_fault(mode: str, phase: str, scheme: str) -> Dict[int, dict]:
                 if any(procs[r].exitcode not in (None, 0) for r in survivors):
                     break
     finally:
+        procs[FAULTY].kill()  # dead already, or asleep past the timeout: nothing left to wait for
         for proc in procs:
             proc.join(timeout=PG_TIMEOUT_S + 20)
             if proc.is_alive():
