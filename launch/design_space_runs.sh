@@ -3,9 +3,12 @@
 # cluster"): per topology, `zen-bench calibrate` measures latency, bandwidth and compute rates,
 # then `zen-bench sync` runs all six schemes and auto with that cost model. Needs root (network
 # namespaces, tc). Results: bench_out/design_{h4,h4x2,h8}.{json,txt}, bench_out/cal_*.txt.
-#   RATE=200mbit ITERS=3 TAG=_200m bash launch/design_space_runs.sh h4 h4x2 h8 h16
+#   RATE=200mbit ITERS=3 TAG=_200m bash launch/design_space_runs.sh h4 h4x2 h8
+#   RATE=100mbit ITERS=3 TAG=_100m SCALE=0.03125 NOCHECK=1 bash launch/design_space_runs.sh h16
 # picks the link rate, the iterations and a suffix for the file names; the arguments name the
-# topologies (hH = H hosts of one rank, hHxK = H hosts of K ranks; default h4 h4x2 h8).
+# topologies (hH = H hosts of one rank, hHxK = H hosts of K ranks; default h4 h4x2 h8). SCALE
+# shrinks the workloads and NOCHECK=1 skips the dense reference check (16 ranks' dense
+# references do not fit in 24 GiB at the default scale).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$PWD/.venv/bin/python}
@@ -14,6 +17,9 @@ export TORCH_EXTENSIONS_DIR=$PWD/.torch_extensions OMP_NUM_THREADS=1
 RATE=${RATE:-1gbit}
 ITERS=${ITERS:-5}
 TAG=${TAG:-}
+EXTRA=()
+[[ -n "${SCALE:-}" ]] && EXTRA+=(--scale "$SCALE")
+[[ "${NOCHECK:-0}" == 1 ]] && EXTRA+=(--no-check)
 WL="-w lstm -w topk1 -w synthetic:rows=2000,width=16,density=0.01,overlap=0.5,skew=1.0 -w synthetic:rows=400000,width=64,density=0.02,overlap=0.9,skew=1.2"
 run() {  # name hosts rph
   local name=$1$TAG hosts=$2 rph=$3
@@ -24,7 +30,7 @@ run() {  # name hosts rph
   local ibw=$($PY -c "import json;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['intra_bandwidth'])")
   echo "$name alpha=$alpha bw=$bw intra=$ibw" >> bench_out/design_log.txt
   $PY -m zen_ds.cluster --hosts $hosts --ranks-per-host $rph --rate $RATE --timeout 2400 -- \
-      $PY -m zen_ds.bench sync $WL --schemes all auto --iters $ITERS --no-progress --alpha $alpha --bandwidth $bw --intra-bandwidth $ibw \
+      $PY -m zen_ds.bench sync $WL --schemes all auto --iters $ITERS "${EXTRA[@]}" --no-progress --alpha $alpha --bandwidth $bw --intra-bandwidth $ibw \
       --json bench_out/design_$name.json > bench_out/design_$name.txt 2>&1
   echo "$name done rc=$? $(date)" >> bench_out/design_log.txt
 }
