@@ -182,6 +182,7 @@ def test_calibrate_prints_a_network_block_with_the_sync_latency():
     block = json.loads(text[text.index("{"):text.rindex("}") + 1])
     network = load_zen_config({"zen": block["zen"]}).network
     assert network.alpha > 0 and network.bandwidth > 0 and network.ranks_per_node == 1
+    assert 1.0 <= network.duplex <= 2.0 and 1.0 <= network.all_to_all_duplex <= 2.0
     line = next(line for line in text.splitlines() if line.startswith("# latency per step"))
     sync_ms, bare_ms = (float(part.split(" ms")[0].split()[-1]) for part in line.split(","))
     assert sync_ms >= bare_ms > 0

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from zen_ds.planner import EVERY_RANK_UP_TO, CostModel, plan, planning_ranks
 from zen_ds.schemes import get_scheme
 from zen_ds.schemes.base import SyncShape
+from zen_ds.schemes.sparcml import SparCMLScheme
 
 
 @st.composite
@@ -159,6 +160,7 @@ def test_compute_term_prices_local_work() -> None:
 def test_cost_model_digest_names_every_constant() -> None:
     base = CostModel()
     others = [CostModel(alpha=1e-4), CostModel(bandwidth=1e9), CostModel(intra_bandwidth=1e11),
+              CostModel(duplex=2.0), CostModel(all_to_all_duplex=1.5),
               base.with_compute({"aggregate": 1e-9}), CostModel(compute=())]
     digests = {base.digest()} | {m.digest() for m in others}
     assert len(digests) == len(others) + 1
@@ -167,3 +169,28 @@ def test_cost_model_digest_names_every_constant() -> None:
         CostModel(compute=(("encode", 1e-9),))
     with pytest.raises(ValueError, match="bandwidth"):
         CostModel(bandwidth=0)
+
+
+def test_two_way_bytes_by_pattern() -> None:
+    # All-to-alls exchange with every peer both ways; a ring of more than two ranks one way;
+    # recursive doubling's rounds pairwise. Full-duplex models (the default) ignore them.
+    shape = SyncShape(4, [400, 400, 400, 400], 1200, 10_000, 16, 4)
+    balanced = get_scheme("balanced").predict(shape)
+    assert balanced.two_way == 0.0
+    assert balanced.all_to_all_two_way == pytest.approx(min(balanced.bytes_sent,
+                                                            balanced.bytes_received))
+    ring = get_scheme("agsparse").predict(shape)
+    assert ring.two_way == ring.all_to_all_two_way == 0.0
+    pair = get_scheme("agsparse").predict(SyncShape(2, [400, 400], 600, 10_000, 16, 4))
+    assert pair.two_way == pytest.approx(pair.bytes_sent)
+    doubling = SparCMLScheme()
+    small = SyncShape(4, [3, 3, 3, 3], 10, 10_000, 4, 4)
+    assert doubling.variant(small) == "recursive_doubling"
+    rounds = doubling.predict(small)
+    assert rounds.two_way > 0 and rounds.all_to_all_two_way == 0.0
+    assert CostModel(duplex=2.0).seconds(rounds) > CostModel().seconds(rounds)
+    assert CostModel(duplex=2.0).seconds(balanced) == CostModel().seconds(balanced)
+    assert CostModel(all_to_all_duplex=2.0).seconds(balanced) == pytest.approx(
+        CostModel().seconds(balanced) + balanced.all_to_all_two_way / CostModel().bandwidth)
+    with pytest.raises(ValueError, match="duplex"):
+        CostModel(duplex=2.5)

@@ -263,13 +263,32 @@ def test_all_to_all_loads_the_shared_nic() -> None:
     topo = Topology(2, inter_bandwidth=1e9, intra_bandwidth=1e10, latency=0.0)
     nic = max(10 + 20 + 30 + 40, 1 + 1 + 2 + 2)
     intra = max(7, 5, 9, 3)
-    assert SimCost(topo).link_loads(phase) == (nic, intra)
+    # Pairs crossing node 0's NIC both ways: min(10, 1) + min(20, 2) + min(30, 1) + min(40, 2).
+    two_way = 1 + 2 + 1 + 2
+    assert SimCost(topo).link_loads(phase) == (nic, intra, two_way)
     assert SimCost(topo).phase_seconds(phase) == pytest.approx(nic / 1e9 + intra / 1e10)
+    half = Topology(2, inter_bandwidth=1e9, intra_bandwidth=1e10, latency=0.0, all_to_all_duplex=2.0)
+    assert SimCost(half).phase_seconds(phase) == pytest.approx((nic + two_way) / 1e9 + intra / 1e10)
+    # A pair's factor (``duplex``) prices pairwise rounds, not all-to-alls.
+    pairs_only = Topology(2, inter_bandwidth=1e9, intra_bandwidth=1e10, latency=0.0, duplex=2.0)
+    assert SimCost(pairs_only).phase_seconds(phase) == pytest.approx(nic / 1e9 + intra / 1e10)
     ring = Phase.ring("ring", "all_reduce", torch.tensor([100, 100, 100, 100]))
-    assert SimCost(topo).link_loads(ring) == (100, 0)  # one rank's share per NIC
+    assert SimCost(topo).link_loads(ring) == (100, 0, 0)  # one rank's share per NIC, one way
     one_node = Topology(4, inter_bandwidth=1e9, intra_bandwidth=1e10, latency=0.0)
-    assert SimCost(one_node).link_loads(ring) == (0, 100)
+    assert SimCost(one_node).link_loads(ring) == (0, 100, 0)
     assert SimCost(one_node).phase_seconds(ring) == pytest.approx(100 / 1e10)
+
+
+def test_two_rank_ring_and_pairwise_rounds_move_both_ways() -> None:
+    # Two ranks: the ring's only neighbour is the same peer both ways; a 4-rank ring is one way.
+    flat = Topology(1, inter_bandwidth=1e9, latency=0.0, duplex=1.5)
+    pair = Phase.ring("ring", "all_gather", torch.tensor([100, 60]), torch.tensor([60, 100]))
+    assert SimCost(flat).link_loads(pair) == (100, 0, 60)
+    assert SimCost(flat).phase_seconds(pair) == pytest.approx((100 + 0.5 * 60) / 1e9)
+    rounds = Phase.all_to_all("round", torch.tensor([[0, 50, 0, 0], [80, 0, 0, 0], [0, 0, 0, 10],
+                                                     [0, 0, 10, 0]]), steps=1)
+    assert SimCost(flat).link_loads(rounds) == (80, 0, 50)
+    assert SimCost(flat).phase_seconds(rounds) == pytest.approx((80 + 0.5 * 50) / 1e9)
 
 
 def test_planner_estimate_and_simulator_share_the_cost_model() -> None:
@@ -278,6 +297,9 @@ def test_planner_estimate_and_simulator_share_the_cost_model() -> None:
     model = SimCost(topo, ComputeRates({"aggregate": 1e-9})).model
     estimate = ByteEstimate(400, 400, 3, nic=300, intra=40, compute={"aggregate": 1000})
     assert model.seconds(estimate) == pytest.approx(3e-5 + 300 / 1e9 + 40 / 1e10 + 1e-6)
+    half = SimCost(Topology(2, 1e9, 1e10, 1e-5, duplex=2.0), ComputeRates({"aggregate": 1e-9}))
+    two_way = ByteEstimate(400, 400, 3, nic=300, intra=40, compute={"aggregate": 1000}, two_way=100)
+    assert half.model.seconds(two_way) == pytest.approx(3e-5 + 400 / 1e9 + 40 / 1e10 + 1e-6)
 
 
 def test_scheme_without_traffic_function_is_modelled(monkeypatch) -> None:

@@ -7,7 +7,8 @@
   plans with the same model (the handshake checks it) and the model prices the rank that finishes
   last.
 * :func:`measure_links`: latency per step and bandwidth of the group's links, inside a node and
-  between nodes, from timed all-gathers (``zen-bench calibrate`` prints the resulting config).
+  between nodes, from timed all-gathers, and how much a pair's two directions slow each other
+  (:func:`measure_duplex`); ``zen-bench calibrate`` prints the resulting config.
 * :func:`cost_model_for`: the model a ``"zen": {"network": ...}`` block describes, compute rates
   measured and agreed when it asks for that.
 """
@@ -28,8 +29,8 @@ from .planner import COMPUTE_OPS, DEFAULT_COMPUTE_RATES, CostModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["measure_compute_rates", "agree_compute_rates", "measure_links", "cost_model_for",
-           "apply_network"]
+__all__ = ["measure_compute_rates", "agree_compute_rates", "measure_links", "measure_duplex",
+           "measure_all_to_all_duplex", "cost_model_for", "apply_network"]
 
 
 def _best_of(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -153,6 +154,59 @@ def _link(group: Optional[dist.ProcessGroup], size: int, nbytes: int, repeats: i
     return {"alpha": alpha, "bandwidth": steps * nbytes / transfer}
 
 
+def _timed_pair(fn: Callable[[], None], repeats: int) -> float:
+    times: List[float] = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    return statistics.median(times[1:])
+
+
+def measure_duplex(peer: int, nbytes: int = 4 << 20, repeats: int = 5) -> float:
+    """A pair's two-way over one-way time between rank 0 and ``peer`` (on another node where
+    there is one): ``nbytes`` sent by rank 0 alone, then by both at once over the same process
+    group, as all-to-all and pairwise rounds do. 1 on a full-duplex link; gloo's single TCP
+    connection per pair measured 2 on the emulated cluster. Clamped to [1, 2]. Collective over
+    the default group; the other ranks wait."""
+    rank = dist.get_rank()
+    send = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+    recv = torch.empty_like(send)
+
+    def one_way() -> None:
+        if rank == 0:
+            dist.send(send, peer)
+        elif rank == peer:
+            dist.recv(recv, 0)
+
+    def two_way() -> None:
+        if rank in (0, peer):
+            other = peer if rank == 0 else 0
+            for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, other),
+                                                   dist.P2POp(dist.irecv, recv, other)]):
+                request.wait()
+
+    one = _timed_pair(one_way, repeats)
+    both = _timed_pair(two_way, repeats)
+    return min(max(both / max(one, 1e-9), 1.0), 2.0)
+
+
+def measure_all_to_all_duplex(nbytes: int = 4 << 20, repeats: int = 5) -> float:
+    """An all-to-all's time over a ring all-gather's when every rank sends the same ``nbytes``
+    (to all peers at once, both ways on every pair, against one neighbour each way). Clamped to
+    [1, 2]. Collective over the default group."""
+    n = dist.get_world_size()
+    chunk = max(nbytes // (n - 1), 1)
+    send = torch.zeros(chunk * n, dtype=torch.uint8)
+    recv = torch.empty_like(send)
+    ring = _timed_all_gather(chunk, None, n, repeats)
+    spread = _timed_pair(lambda: dist.all_to_all_single(recv, send), repeats)
+    return min(max(spread / max(ring, 1e-9), 1.0), 2.0)
+
+
 def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int = 5
                   ) -> Dict[str, float]:
     """Latency per step and bandwidths of the default group, as the cost model uses them.
@@ -162,16 +216,21 @@ def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int =
 
     With several nodes the ring all-gather over every rank runs at the NIC's rate (the model's
     ``bandwidth``); with several ranks per node, all-gathers inside each node give
-    ``intra_bandwidth``. Collective: every rank of the world must call it with the same
-    arguments; every rank returns the same numbers."""
+    ``intra_bandwidth``. ``duplex`` is :func:`measure_duplex` between rank 0 and the first rank
+    of the next node, ``all_to_all_duplex`` :func:`measure_all_to_all_duplex` (both 1 on one
+    node: the model charges them only between nodes). Collective: every
+    rank of the world must call it with the same arguments; every rank returns the same numbers."""
     n = dist.get_world_size()
     k = min(max(ranks_per_node, 1), n)
     whole = _link(None, n, nbytes, repeats)
     # The larger of the two: a sync's steps cost at least a bare collective's.
     # Tiny syncs are cheap and their times noisy: take the median of more of them.
     alpha = max(whole["alpha"], _sync_alpha(max(3 * repeats, 15))) if n > 1 else whole["alpha"]
+    duplex = measure_duplex(k, nbytes, repeats) if k < n else 1.0
+    spread = measure_all_to_all_duplex(nbytes, repeats) if k < n else 1.0
     result = {"alpha": alpha, "collective_alpha": whole["alpha"], "bandwidth": whole["bandwidth"],
-              "intra_bandwidth": 0.0, "ranks_per_node": k}
+              "intra_bandwidth": 0.0, "ranks_per_node": k, "duplex": duplex,
+              "all_to_all_duplex": spread}
     if 1 < k < n:
         nodes = [list(range(i, min(i + k, n))) for i in range(0, n, k)]
         groups = [dist.new_group(members) for members in nodes]  # every rank creates every group
@@ -187,11 +246,13 @@ def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int =
 
 def cost_model_for(alpha: float, bandwidth: float, intra_bandwidth: float,
                    compute: "str | Mapping[str, float]",
-                   group: Optional[dist.ProcessGroup] = None) -> CostModel:
+                   group: Optional[dist.ProcessGroup] = None, duplex: float = 1.0,
+                   all_to_all_duplex: float = 1.0) -> CostModel:
     """The cost model of a ``network`` config: ``compute`` is ``"measure"`` (this process's ops,
     the group's slowest rank: collective), ``"default"`` (:data:`DEFAULT_COMPUTE_RATES`) or
     seconds per element by op."""
-    model = CostModel(alpha=alpha, bandwidth=bandwidth, intra_bandwidth=intra_bandwidth)
+    model = CostModel(alpha=alpha, bandwidth=bandwidth, intra_bandwidth=intra_bandwidth,
+                      duplex=duplex, all_to_all_duplex=all_to_all_duplex)
     if compute == "default":
         return model
     if compute == "measure":
@@ -212,7 +273,7 @@ def apply_network(network: object, group: Optional[dist.ProcessGroup] = None) ->
     from .api import default_options, set_default_options
 
     model = cost_model_for(network.alpha, network.bandwidth, network.intra_bandwidth,
-                           network.compute, group)
+                           network.compute, group, network.duplex, network.all_to_all_duplex)
     set_default_options(replace(default_options(), cost_model=model,
                                 ranks_per_node=network.ranks_per_node))
     return model

@@ -93,6 +93,16 @@ class NetworkConfig(BaseModel):
     intra_bandwidth: float = Field(0.0, ge=0.0)
     """Bytes per second over one rank's links inside its node; ``0`` = as ``bandwidth``."""
 
+    duplex: float = Field(1.0, ge=1.0, le=2.0)
+    """A pair's two-way over one-way transfer time between nodes: ``1`` for full-duplex links
+    (NCCL, RDMA), up to ``2`` where a connection's two directions share one rate (measured so for
+    gloo on the emulated cluster). Charged to pairwise exchanges (recursive doubling's rounds)."""
+
+    all_to_all_duplex: float = Field(1.0, ge=1.0, le=2.0)
+    """An all-to-all's time over a one-way ring's with the same bytes per rank, between nodes:
+    ``1`` for full-duplex links, up to ``2``. Charged to all-to-alls (balanced's push and pull,
+    OmniReduce, SparCML's split)."""
+
     ranks_per_node: int = Field(0, ge=0)
     """Ranks sharing a node (consecutive ranks); ``0`` = from ``ZEN_DS_RANKS_PER_NODE``, else the
     launcher's ``LOCAL_WORLD_SIZE``, else 1."""

@@ -50,6 +50,11 @@ def _sync_parser(p: argparse.ArgumentParser) -> None:
                    help="cost model bandwidth (default 1.25e9)")
     p.add_argument("--intra-bandwidth", type=float, default=0.0, metavar="BYTES_PER_S",
                    help="cost model intra-node bandwidth (default 0: as --bandwidth)")
+    p.add_argument("--duplex", type=float, default=1.0, metavar="FACTOR",
+                   help="cost model: a pair's two-way over one-way time between nodes, 1 (full "
+                        "duplex, the default) to 2 (zen-bench calibrate measures it)")
+    p.add_argument("--all-to-all-duplex", type=float, default=1.0, metavar="FACTOR",
+                   help="cost model: an all-to-all's over a one-way ring's time, same bytes, 1-2")
     p.add_argument("--ranks-per-node", type=int, default=0,
                    help="ranks sharing a node for the planner and hierarchical (default 0: "
                         "ZEN_DS_RANKS_PER_NODE, else LOCAL_WORLD_SIZE, else 1)")
@@ -105,6 +110,8 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
             ctx = report.context_info(dist.get_world_size(), cfg.rate_bps, cfg.iters, argv)
             ctx["cost_model"] = {"alpha": model.alpha, "bandwidth": model.bandwidth,
                                  "intra_bandwidth": model.intra_bandwidth,
+                                 "duplex": model.duplex,
+                                 "all_to_all_duplex": model.all_to_all_duplex,
                                  "compute": dict(model.compute),
                                  "ranks_per_node": network.ranks_per_node}
             print(report.format_table(rows, ctx), flush=True)
@@ -127,7 +134,8 @@ def _network_args(args: argparse.Namespace):
     return NetworkConfig(alpha=default.alpha if args.alpha is None else args.alpha,
                          bandwidth=default.bandwidth if args.bandwidth is None else args.bandwidth,
                          intra_bandwidth=args.intra_bandwidth, ranks_per_node=args.ranks_per_node,
-                         compute=args.compute)
+                         compute=args.compute, duplex=args.duplex,
+                         all_to_all_duplex=args.all_to_all_duplex)
 
 
 def _calibrate_parser(p: argparse.ArgumentParser) -> None:
@@ -164,12 +172,16 @@ def _calibrate_worker(rank: int, world_size: int, args: argparse.Namespace,
                 "alpha": float(f"{links['alpha']:.3g}"),
                 "bandwidth": float(f"{links['bandwidth']:.3g}"),
                 "intra_bandwidth": float(f"{links['intra_bandwidth']:.3g}"),
+                "duplex": round(float(links["duplex"]), 2),
+                "all_to_all_duplex": round(float(links["all_to_all_duplex"]), 2),
                 "ranks_per_node": int(links["ranks_per_node"]),
                 "compute": {op: float(f"{r:.3g}") for op, r in rates.items()}}}}
             print(f"# measured over {dist.get_world_size()} ranks; paste into the ds_config "
                   "(or keep \"compute\": \"measure\" to measure at every start-up)")
             print(f"# latency per step: {links['alpha'] * 1e3:.3g} ms in zen's syncs, "
                   f"{links['collective_alpha'] * 1e3:.3g} ms for a bare all-gather")
+            print(f"# two ways at once: a pair takes {links['duplex']:.2f}x its one-way time, an "
+                  f"all-to-all {links['all_to_all_duplex']:.2f}x a ring's (1 = full duplex)")
             print(json.dumps(block, indent=2), flush=True)
         dist.barrier()
     finally:

@@ -18,7 +18,7 @@ from ..sparse import RowSparse
 
 __all__ = ["SyncShape", "ByteEstimate", "SyncContext", "Scheme", "SKETCH_SIZE",
            "DEFAULT_LATENCY_BYTES", "handshake_bytes", "HandshakeTable", "RING", "SPREAD",
-           "nodes_of", "link_split", "on_links", "with_rank"]
+           "nodes_of", "link_split", "two_way_nic", "on_links", "with_rank"]
 
 # Bytes the link moves in one latency step: what a scheme may spend in padding to save a round.
 # The default cost model's alpha (50 us) times its bandwidth (1.25 GB/s); see zen_ds.planner.
@@ -67,7 +67,11 @@ class ByteEstimate:
     ``nic``: bytes through this rank's node NIC (max of in and out, every rank of the node
     counted), None for the flat model (one rank per node: ``wire_bytes``); ``intra``: bytes over
     this rank's links inside the node; ``compute``: elements each local op processes
-    (:data:`zen_ds.planner.COMPUTE_OPS`). :meth:`zen_ds.planner.CostModel.seconds` times it.
+    (:data:`zen_ds.planner.COMPUTE_OPS`); ``two_way`` / ``all_to_all_two_way``: of the NIC's
+    bytes, those that cross it while the same pair of ranks moves bytes the other way, in
+    pairwise rounds / in all-to-alls: a link that is not full duplex per connection pays for them
+    again in part (the cost model's ``duplex`` / ``all_to_all_duplex``).
+    :meth:`zen_ds.planner.CostModel.seconds` times it.
     """
 
     bytes_sent: float
@@ -76,6 +80,8 @@ class ByteEstimate:
     nic: Optional[float] = None
     intra: float = 0.0
     compute: Mapping[str, float] = field(default_factory=dict)
+    two_way: float = 0.0
+    all_to_all_two_way: float = 0.0
 
     @property
     def wire_bytes(self) -> float:
@@ -87,7 +93,7 @@ class ByteEstimate:
 
 
 RING = "ring"  # node-ordered ring or pairwise chain: the NIC carries one rank's bytes
-SPREAD = "spread"  # all-to-all, bytes spread evenly over the other ranks
+SPREAD = "spread"  # all-to-all, bytes spread evenly over the other ranks; every pair both ways
 
 
 def nodes_of(shape: SyncShape) -> Tuple[int, int]:
@@ -115,12 +121,27 @@ def link_split(wire: float, shape: SyncShape, pattern: str) -> Tuple[float, floa
     return k * cross, wire - cross
 
 
+def two_way_nic(estimate: ByteEstimate, shape: SyncShape, pattern: str) -> Tuple[float, float]:
+    """(pairwise, all-to-all) NIC bytes of ``estimate`` that move while their pair moves bytes
+    the other way.
+
+    A spread pattern exchanges with every peer both ways at once: the smaller direction, placed
+    on the NIC like the rest. A ring sends to one neighbour and receives from the other, except
+    with two ranks, whose only neighbour is the same peer both ways."""
+    both = min(estimate.bytes_sent, estimate.bytes_received)
+    if pattern == RING:
+        return (both if shape.world_size == 2 and nodes_of(shape)[1] == 2 else 0.0), 0.0
+    return 0.0, link_split(both, shape, pattern)[0]
+
+
 def on_links(estimate: ByteEstimate, shape: SyncShape, pattern: str,
              compute: Optional[Mapping[str, float]] = None) -> ByteEstimate:
-    """``estimate`` with its bytes placed on the links by :func:`link_split` and its local work."""
+    """``estimate`` with its bytes placed on the links by :func:`link_split`, its two-way NIC
+    bytes (:func:`two_way_nic`) and its local work."""
     nic, intra = link_split(estimate.wire_bytes, shape, pattern)
     return ByteEstimate(estimate.bytes_sent, estimate.bytes_received, estimate.latency_steps, nic,
-                        intra, compute if compute is not None else estimate.compute)
+                        intra, compute if compute is not None else estimate.compute,
+                        *two_way_nic(estimate, shape, pattern))
 
 
 @dataclass

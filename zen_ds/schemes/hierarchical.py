@@ -190,7 +190,7 @@ class HierarchicalScheme(Scheme):
                                          shape.row_bytes) for i in range(size) if i != local)
         steps = 4 * (size - 1)
         mine = handled[local]
-        across_sent = across_received = 0.0
+        across_sent = across_received = across_two_way = across_spread = 0.0
         compute = {"partition": nnz[r] * shape.row_numel,
                    "aggregate": nnz[r] * shape.row_numel,  # ~ what my slices receive in the node
                    "scatter": shape.union_nnz * shape.row_numel}
@@ -198,6 +198,8 @@ class HierarchicalScheme(Scheme):
             estimate = self._predict_across(shape, topology, s, frac[s], node_union, universe)
             across_sent += estimate.bytes_sent
             across_received += estimate.bytes_received
+            across_two_way += estimate.two_way
+            across_spread += estimate.all_to_all_two_way
             steps += estimate.latency_steps
             for op, count in estimate.compute.items():
                 compute[op] = compute.get(op, 0.0) + count
@@ -208,8 +210,10 @@ class HierarchicalScheme(Scheme):
         # The node's ranks sync their slices across nodes side by side, all through its NIC;
         # the rest stays inside the node.
         nic = size * max(across_sent, across_received) if len(nodes) > 1 else 0.0
+        crossing = size if len(nodes) > 1 else 0
         return ByteEstimate(sent + across_sent, received + across_received, steps, nic,
-                            max(sent, received), compute)
+                            max(sent, received), compute, crossing * across_two_way,
+                            crossing * across_spread)
 
     @staticmethod
     def _predict_across(shape: SyncShape, topology: Topology, slice_: int, frac: float,
@@ -233,7 +237,9 @@ class HierarchicalScheme(Scheme):
         estimate = _inner_scheme(inner_shape).predict(inner_shape)
         handshake = (g - 1) * 8 * (1 + SKETCH_SIZE + g)
         return ByteEstimate(estimate.bytes_sent + handshake, estimate.bytes_received + handshake,
-                            estimate.latency_steps + g - 1, compute=estimate.compute)
+                            estimate.latency_steps + g - 1, compute=estimate.compute,
+                            two_way=estimate.two_way,
+                            all_to_all_two_way=estimate.all_to_all_two_way)
 
 
 def _spans(counts: Sequence[int]) -> List[Tuple[int, int]]:

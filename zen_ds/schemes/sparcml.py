@@ -159,23 +159,26 @@ def _finish(stream: _Stream, x: RowSparse, ctx: SyncContext) -> Tuple[torch.Tens
 
 def _pairs_on_links(shape: SyncShape,
                     exchanges: Sequence[Tuple[Callable[[int], Optional[int]], float, float]]
-                    ) -> Tuple[float, float]:
-    """(NIC bytes, intra-node bytes) of point-to-point rounds: a round whose partner is on
-    another node loads the NIC with the bytes of every rank of my node that crosses in it."""
+                    ) -> Tuple[float, float, float]:
+    """(NIC bytes, intra-node bytes, two-way NIC bytes) of point-to-point rounds: a round whose
+    partner is on another node loads the NIC with the bytes of every rank of my node that
+    crosses in it; the two partners move their bytes both ways at once."""
     k, _ = nodes_of(shape)
     n, r = shape.world_size, shape.rank
     node = range((r // k) * k, min((r // k + 1) * k, n))
-    nic = intra = 0.0
+    nic = intra = two_way = 0.0
     for partner, sent, received in exchanges:
         own = partner(r)
         if own is None:
             continue
         if k == 1 or own // k != r // k:
-            crossing = sum(1 for m in node if partner(m) is not None and partner(m) // k != m // k)
-            nic += max(crossing, 1) * max(sent, received)
+            crossing = max(sum(1 for m in node
+                               if partner(m) is not None and partner(m) // k != m // k), 1)
+            nic += crossing * max(sent, received)
+            two_way += crossing * min(sent, received)
         else:
             intra += max(sent, received)
-    return nic, intra
+    return nic, intra, two_way
 
 
 _VARIANTS: Dict[Tuple, str] = {}  # the choice depends on the shape only, not on the rank
@@ -425,11 +428,11 @@ class SparCMLScheme(Scheme):
                                   message((r ^ size) & ~(size - 1), size)))
         sent = sum(e[1] for e in exchanges)
         received = sum(e[2] for e in exchanges)
-        nic, intra = _pairs_on_links(shape, exchanges)
+        nic, intra, two_way = _pairs_on_links(shape, exchanges)
         merged = sum(e[2] for e in exchanges) / max(wire.row_bytes, 1)  # rows merged per round
         compute = {"aggregate": merged * shape.row_numel,
                    "scatter": shape.union_nnz * shape.row_numel}
-        return ByteEstimate(sent, received, steps, nic, intra, compute)
+        return ByteEstimate(sent, received, steps, nic, intra, compute, two_way)
 
     def _predict_split(self, shape: SyncShape) -> ByteEstimate:
         n, r, num_rows = shape.world_size, shape.rank, shape.num_rows

@@ -11,7 +11,9 @@ What the simulator adds is the exact load of each link class:
 * ring collectives (all-gather, all-reduce) are ordered node by node, so each node's NIC carries
   one rank's share (on one node, the intra-node links carry it);
 * an all-to-all loads each NIC with the sum of its ranks' off-node bytes, and each rank's intra
-  links with its on-node bytes: the busiest of each.
+  links with its on-node bytes: the busiest of each. Where a pair moves bytes both ways at once
+  (pairwise rounds and two-rank rings: ``duplex``; all-to-alls: ``all_to_all_duplex``), the model
+  charges the smaller direction again in part (links that are not full duplex per connection).
 
 With one rank per node this is exactly the planner's flat model. Local work is
 ``rows x row_numel x seconds per element`` per op (:class:`ComputeRates`), the slowest rank
@@ -43,18 +45,24 @@ class Topology:
     inter_bandwidth: float = CostModel.bandwidth  # one node's NIC(s), bytes/s
     intra_bandwidth: float = 150e9  # one rank's intra-node links (NVLink class), bytes/s
     latency: float = CostModel.alpha  # seconds per latency step
+    duplex: float = 1.0  # a pair's two-way over one-way time between nodes (CostModel.duplex)
+    all_to_all_duplex: float = 1.0  # CostModel.all_to_all_duplex
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if min(self.inter_bandwidth, self.intra_bandwidth) <= 0 or self.latency < 0:
             raise ValueError("bandwidths must be positive and latency non-negative")
+        if not (1.0 <= self.duplex <= 2.0 and 1.0 <= self.all_to_all_duplex <= 2.0):
+            raise ValueError(f"duplex and all_to_all_duplex are two-way over one-way times, 1 "
+                             f"(full duplex) to 2, got {self.duplex}, {self.all_to_all_duplex}")
 
     @property
     def cost_model(self) -> CostModel:
         """The planner's model for this network (no compute term: :class:`SimCost` adds it)."""
         return CostModel(alpha=self.latency, bandwidth=self.inter_bandwidth,
-                         intra_bandwidth=self.intra_bandwidth, compute=())
+                         intra_bandwidth=self.intra_bandwidth, compute=(), duplex=self.duplex,
+                         all_to_all_duplex=self.all_to_all_duplex)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,14 @@ def measure_compute_rates(rows: int = 65_536, width: int = 64, world_size: int =
     return ComputeRates(rates, f"measured here ({backend} ops, {torch.get_num_threads()} threads)")
 
 
+def is_pairwise(phase: Phase) -> bool:
+    """Whether every rank exchanges with one peer at most (pairwise rounds, a two-rank ring)
+    rather than with many at once (an all-to-all)."""
+    if phase.op != OP_ALL_TO_ALL:
+        return phase.latency_steps == 1
+    return bool(((phase.matrix > 0).sum(1) <= 1).all() and ((phase.matrix > 0).sum(0) <= 1).all())
+
+
 class SimCost:
     """Times a :class:`Traffic` on a :class:`Topology` with the planner's :class:`CostModel`
     (the topology's links and latency, the given compute rates): the methods the planner's
@@ -116,13 +132,21 @@ class SimCost:
         self.rates = rates or ComputeRates()
         self.model = topology.cost_model.with_compute(self.rates.seconds_per_element)
 
-    def link_loads(self, phase: Phase) -> Tuple[float, float]:
-        """(bytes through the busiest NIC, bytes over the busiest rank's intra-node links)."""
+    def link_loads(self, phase: Phase) -> Tuple[float, float, float]:
+        """(bytes through the busiest NIC, bytes over the busiest rank's intra-node links, the
+        two-way bytes of that NIC): the NIC the model times longest when it is not full duplex.
+
+        A pair's two-way bytes are ``min(bytes i->j, bytes j->i)`` over the pairs that cross the
+        NIC; a ring moves two ways only between two ranks (one neighbour both ways)."""
         n = phase.sent.numel()
         k = min(self.topology.ranks_per_node, n)
         if phase.op != OP_ALL_TO_ALL:
             per_rank = float(torch.maximum(phase.sent, phase.received).max())
-            return (0.0, per_rank) if k == n and k > 1 else (per_rank, 0.0)
+            if k == n and k > 1:
+                return 0.0, per_rank, 0.0
+            pair = phase.latency_steps == 1  # groups of two: one neighbour both ways
+            two_way = float(torch.minimum(phase.sent, phase.received).max()) if pair else 0.0
+            return per_rank, 0.0, two_way
         node = torch.arange(n) // k
         same = node[:, None] == node[None, :]
         matrix = phase.matrix
@@ -131,12 +155,19 @@ class SimCost:
         nodes = int(node[-1]) + 1
         nic_out = torch.zeros(nodes, dtype=torch.int64).index_add_(0, node, cross.sum(1))
         nic_in = torch.zeros(nodes, dtype=torch.int64).index_add_(0, node, cross.sum(0))
+        both = torch.minimum(cross, cross.t())
+        two_way = torch.zeros(nodes, dtype=torch.int64).index_add_(0, node, both.sum(1))
+        nic = torch.maximum(nic_out, nic_in)
+        factor = self.model.duplex if is_pairwise(phase) else self.model.all_to_all_duplex
+        busiest = int(torch.argmax(nic.double() + (factor - 1.0) * two_way.double()))
         intra_max = float(torch.maximum(intra.sum(1), intra.sum(0)).max())
-        return float(torch.maximum(nic_out, nic_in).max()), intra_max
+        return float(nic[busiest]), intra_max, float(two_way[busiest])
 
     def phase_seconds(self, phase: Phase) -> float:
-        nic, intra = self.link_loads(phase)
-        return self.model.link_seconds(nic, intra, phase.latency_steps)
+        nic, intra, two_way = self.link_loads(phase)
+        if is_pairwise(phase):
+            return self.model.link_seconds(nic, intra, phase.latency_steps, two_way)
+        return self.model.link_seconds(nic, intra, phase.latency_steps, 0.0, two_way)
 
     def comm_seconds(self, traffic: Traffic) -> float:
         """Collectives run one after another; each ends with its slowest link."""

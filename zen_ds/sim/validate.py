@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "else 10gbit)")
     p.add_argument("--latency", default=None,
                    help="seconds per latency step (default: the run's model, else 50us)")
+    p.add_argument("--duplex", type=float, default=None,
+                   help="a pair's two-way over one-way time between hosts, 1-2 (default: the run's "
+                        "model, else 1: full duplex)")
+    p.add_argument("--all-to-all-duplex", type=float, default=None,
+                   help="an all-to-all's over a one-way ring's time, same bytes, 1-2 (default: "
+                        "the run's model, else 1)")
     p.add_argument("--compute", default="recorded",
                    help="local op rates: recorded (the ranks' own, default) | measure | none | "
                         "FILE.json | op=seconds_per_element,...")
@@ -111,7 +117,8 @@ def _ranks_per_node_env(k: int) -> Iterator[None]:
 
 
 def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
-                  intra_bandwidth: Optional[float], latency: Optional[float], rates
+                  intra_bandwidth: Optional[float], latency: Optional[float], rates,
+                  duplex: Optional[float] = None, all_to_all_duplex: Optional[float] = None
                   ) -> List[Dict[str, object]]:
     """One row per measured (workload, scheme): measured vs simulated time and bytes. A ``None``
     input (and ``rates`` None) is taken from the cost model the run recorded."""
@@ -129,8 +136,10 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
     n = int(context["world_size"])
     recorded = context.get("cost_model")
     if recorded:  # the model the ranks planned with, compute rates included
-        planning = CostModel(recorded["alpha"], recorded["bandwidth"],
-                             recorded["intra_bandwidth"]).with_compute(recorded["compute"])
+        planning = CostModel(recorded["alpha"], recorded["bandwidth"], recorded["intra_bandwidth"],
+                             duplex=recorded.get("duplex", 1.0),
+                             all_to_all_duplex=recorded.get("all_to_all_duplex", 1.0)
+                             ).with_compute(recorded["compute"])
     else:  # a file from before the bench recorded it
         default = CostModel()
         planning = CostModel(alpha=default.alpha if args.alpha is None else args.alpha,
@@ -144,6 +153,10 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
         intra_bandwidth = (planning.intra_bandwidth or planning.bandwidth) if recorded else 10e9 / 8
     if latency is None:
         latency = planning.alpha if recorded else 50e-6
+    if duplex is None:
+        duplex = planning.duplex
+    if all_to_all_duplex is None:
+        all_to_all_duplex = planning.all_to_all_duplex
     if rates is None:
         if not recorded:
             raise ValueError(f"{path}: the run recorded no compute rates; pass --compute")
@@ -151,7 +164,8 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
     specs = list(args.workload or ([] if args.grad_file else DEFAULT_WORKLOADS))
     # Keyed by description: two specs of one generator (say two `synthetic:` mixes) share a name.
     workloads = {w.description: w for w in (parse_workload(s, args.scale) for s in specs)}
-    cost = SimCost(Topology(ranks_per_node, bandwidth, intra_bandwidth, latency), rates)
+    cost = SimCost(Topology(ranks_per_node, bandwidth, intra_bandwidth, latency, duplex,
+                            all_to_all_duplex), rates)
     out: List[Dict[str, object]] = []
     for description in dict.fromkeys(r["description"] for r in measured):
         workload = workloads.get(description)
@@ -268,7 +282,8 @@ def summary(rows: Sequence[Dict[str, object]]) -> Dict[str, object]:
 
 def _inputs(args: argparse.Namespace, rates) -> str:
     given = [f"{name} {value}" for name, value in (("latency", args.latency),
-             ("bandwidth", args.bandwidth), ("intra-bandwidth", args.intra_bandwidth)) if value]
+             ("bandwidth", args.bandwidth), ("intra-bandwidth", args.intra_bandwidth),
+             ("duplex", args.duplex), ("all-to-all duplex", args.all_to_all_duplex)) if value]
     if rates is not None:
         given.append(f"compute {rates.source}")
     return "the run's recorded cost model" + ("; given: " + ", ".join(given) if given else "")
@@ -306,7 +321,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         files = [_run_cluster(args)] if args.run else list(args.files)
         rows: List[Dict[str, object]] = []
         for path in files:
-            rows += validate_file(path, per_node, bandwidth, intra, latency, rates)
+            rows += validate_file(path, per_node, bandwidth, intra, latency, rates, args.duplex,
+                                  args.all_to_all_duplex)
         for path in args.loopback:
             add_loopback(rows, path)
     except (ValueError, OSError, KeyError, subprocess.CalledProcessError) as e:
