@@ -194,17 +194,24 @@ def measure_duplex(peer: int, nbytes: int = 4 << 20, repeats: int = 5) -> float:
     return min(max(both / max(one, 1e-9), 1.0), 2.0)
 
 
-def measure_all_to_all_duplex(nbytes: int = 4 << 20, repeats: int = 5) -> float:
+def measure_all_to_all_duplex(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int = 5
+                              ) -> float:
     """An all-to-all's time over a ring all-gather's when every rank sends the same ``nbytes``
-    (to all peers at once, both ways on every pair, against one neighbour each way). Clamped to
-    [1, 2]. Collective over the default group."""
+    (to all peers at once, both ways on every pair, against one neighbour each way), over what
+    the full-duplex model expects of their NIC loads (with several ranks per node an all-to-all
+    puts more bytes through the NIC than a node-ordered ring). Clamped to [1, 2]. Collective
+    over the default group."""
+    from .schemes.base import RING, SPREAD, SyncShape, link_split
+
     n = dist.get_world_size()
+    shape = SyncShape(n, [0] * n, 0, 1, 1, 1, ranks_per_node=ranks_per_node)
+    expected = link_split(1.0, shape, SPREAD)[0] / max(link_split(1.0, shape, RING)[0], 1e-12)
     chunk = max(nbytes // (n - 1), 1)
     send = torch.zeros(chunk * n, dtype=torch.uint8)
     recv = torch.empty_like(send)
     ring = _timed_all_gather(chunk, None, n, repeats)
     spread = _timed_pair(lambda: dist.all_to_all_single(recv, send), repeats)
-    return min(max(spread / max(ring, 1e-9), 1.0), 2.0)
+    return min(max(spread / max(ring, 1e-9) / max(expected, 1e-12), 1.0), 2.0)
 
 
 def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int = 5
@@ -227,7 +234,7 @@ def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int =
     # Tiny syncs are cheap and their times noisy: take the median of more of them.
     alpha = max(whole["alpha"], _sync_alpha(max(3 * repeats, 15))) if n > 1 else whole["alpha"]
     duplex = measure_duplex(k, nbytes, repeats) if k < n else 1.0
-    spread = measure_all_to_all_duplex(nbytes, repeats) if k < n else 1.0
+    spread = measure_all_to_all_duplex(k, nbytes, repeats) if k < n else 1.0
     result = {"alpha": alpha, "collective_alpha": whole["alpha"], "bandwidth": whole["bandwidth"],
               "intra_bandwidth": 0.0, "ranks_per_node": k, "duplex": duplex,
               "all_to_all_duplex": spread}

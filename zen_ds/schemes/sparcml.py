@@ -181,7 +181,49 @@ def _pairs_on_links(shape: SyncShape,
     return nic, intra, two_way
 
 
-_VARIANTS: Dict[Tuple, str] = {}  # the choice depends on the shape only, not on the rank
+# The choice depends on the shape only, not on the rank; it is kept with the chosen variant's
+# estimates at the ranks it priced, which the planner asks for next.
+_VARIANTS: Dict[Tuple, Tuple[str, Dict[int, ByteEstimate]]] = {}
+
+
+def _shape_key(shape: SyncShape) -> Tuple:
+    return (shape.world_size, tuple(shape.nnz_per_rank), shape.union_nnz, shape.num_rows,
+            shape.row_numel, shape.value_bytes, shape.latency_bytes, shape.singletons,
+            shape.ranks_per_node)
+
+
+class _SplitRanges:
+    """Split-allgather's per-range constants for (rows, ranks, row bytes): computed once, as the
+    planner prices every rank of every sync with them."""
+
+    def __init__(self, num_rows: int, n: int, row_bytes: int) -> None:
+        starts = ops.shard_starts(num_rows, n)
+        self.sizes = [starts[j + 1] - starts[j] for j in range(n)]
+        self.share = [size / num_rows if num_rows else 0.0 for size in self.sizes]
+        self.row_bytes = row_bytes
+        self.id_bytes = row_id_dtype(max(self.sizes)).itemsize
+        # A range's part goes dense at the byte break-even (_Wire.is_dense over the range).
+        self.entry_bytes = [row_id_dtype(size).itemsize + row_bytes for size in self.sizes]
+        self.dense_bytes = [size * row_bytes for size in self.sizes]
+
+    def part(self, rows: float, j: int) -> float:
+        """Wire bytes of ``rows`` rows of range ``j``: a sparse (ids, values) part, or dense."""
+        if rows * self.entry_bytes[j] >= self.dense_bytes[j]:
+            return self.dense_bytes[j]
+        return round8(int(rows * self.id_bytes)) + round8(int(rows * self.row_bytes))
+
+
+_RANGES: Dict[Tuple[int, int, int], _SplitRanges] = {}
+
+
+def _split_ranges(num_rows: int, n: int, row_bytes: int) -> _SplitRanges:
+    key = (num_rows, n, row_bytes)
+    ranges = _RANGES.get(key)
+    if ranges is None:
+        ranges = _RANGES[key] = _SplitRanges(num_rows, n, row_bytes)
+        while len(_RANGES) > 64:
+            _RANGES.pop(next(iter(_RANGES)))
+    return ranges
 
 
 class SparCMLScheme(Scheme):
@@ -199,9 +241,10 @@ class SparCMLScheme(Scheme):
         if shape is None or len(shape.nnz_per_rank) != shape.world_size:
             return SPLIT_ALLGATHER
 
-        key = (shape.world_size, tuple(shape.nnz_per_rank), shape.union_nnz, shape.num_rows,
-               shape.row_numel, shape.value_bytes, shape.latency_bytes, shape.singletons,
-               shape.ranks_per_node)
+        return self._choice(shape)[0]
+
+    def _choice(self, shape: SyncShape) -> Tuple[str, Dict[int, ByteEstimate]]:
+        key = _shape_key(shape)
         cached = _VARIANTS.get(key)
         if cached is None:
             cached = _VARIANTS[key] = self._choose_variant(shape)
@@ -209,17 +252,19 @@ class SparCMLScheme(Scheme):
                 _VARIANTS.pop(next(iter(_VARIANTS)))
         return cached
 
-    def _choose_variant(self, shape: SyncShape) -> str:
+    def _choose_variant(self, shape: SyncShape) -> Tuple[str, Dict[int, ByteEstimate]]:
         from ..planner import planning_ranks  # the planner imports the schemes
 
         ranks = planning_ranks(shape)
+        doubling = {r: self._predict_doubling(with_rank(shape, r)) for r in ranks}
+        split = {r: self._predict_split(with_rank(shape, r)) for r in ranks}
 
-        def slowest(model) -> float:
-            return max(latency_cost(model(with_rank(shape, r)), shape.latency_bytes)
-                       for r in ranks)
+        def slowest(estimates: Dict[int, ByteEstimate]) -> float:
+            return max(latency_cost(e, shape.latency_bytes) for e in estimates.values())
 
-        rd, sa = slowest(self._predict_doubling), slowest(self._predict_split)
-        return RECURSIVE_DOUBLING if rd <= sa else SPLIT_ALLGATHER
+        if slowest(doubling) <= slowest(split):
+            return RECURSIVE_DOUBLING, doubling
+        return SPLIT_ALLGATHER, split
 
     # ------------------------------------------------------------------ sync
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
@@ -390,7 +435,13 @@ class SparCMLScheme(Scheme):
 
     # ------------------------------------------------------------------ models
     def predict(self, shape: SyncShape) -> ByteEstimate:
-        if self.variant(shape) == RECURSIVE_DOUBLING:
+        if self.forced_variant is None and len(shape.nnz_per_rank) == shape.world_size:
+            chosen, priced = self._choice(shape)
+            if shape.rank in priced:
+                return priced[shape.rank]
+        else:
+            chosen = self.variant(shape)
+        if chosen == RECURSIVE_DOUBLING:
             return self._predict_doubling(shape)
         return self._predict_split(shape)
 
@@ -435,24 +486,16 @@ class SparCMLScheme(Scheme):
         return ByteEstimate(sent, received, steps, nic, intra, compute, two_way)
 
     def _predict_split(self, shape: SyncShape) -> ByteEstimate:
-        n, r, num_rows = shape.world_size, shape.rank, shape.num_rows
-        nnz = list(shape.nnz_per_rank)
-        starts = ops.shard_starts(num_rows, n)
-        sizes = [starts[j + 1] - starts[j] for j in range(n)]
-        id_dtype = row_id_dtype(max(sizes))
-
-        def part(rows: float, j: int) -> float:
-            wire = _Wire(sizes[j], shape.row_bytes)
-            if wire.is_dense(rows):
-                return sizes[j] * shape.row_bytes
-            return round8(int(rows * id_dtype.itemsize)) + round8(int(rows * shape.row_bytes))
-
-        share = [s / num_rows if num_rows else 0.0 for s in sizes]
+        n, r = shape.world_size, shape.rank
+        nnz = shape.nnz_per_rank
+        ranges = _split_ranges(shape.num_rows, n, shape.row_bytes)
+        part, share = ranges.part, ranges.share
+        union_parts = [part(shape.union_nnz * share[j], j) for j in range(n)]
         headers = 16 * (n - 1)
         sent = headers + sum(part(nnz[r] * share[j], j) for j in range(n) if j != r)
-        sent += (n - 1) * part(shape.union_nnz * share[r], r)
+        sent += (n - 1) * union_parts[r]
         received = headers + sum(part(nnz[i] * share[r], r) for i in range(n) if i != r)
-        received += sum(part(shape.union_nnz * share[j], j) for j in range(n) if j != r)
+        received += sum(union_parts) - union_parts[r]
         # Split my rows by range, sum my range's parts, write the union.
         compute = {"partition": nnz[r] * shape.row_numel,
                    "aggregate": sum(nnz) * share[r] * shape.row_numel,
