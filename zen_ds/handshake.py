@@ -158,6 +158,9 @@ class HandshakeTable:
 
     def disagreement(self) -> Optional[Tuple[str, List[object]]]:
         """``(field, per-rank values)`` of the first agreed field that differs, else None."""
+        fixed = self.table[:, :FIXED_WIDTH]
+        if not bool(((fixed != fixed[0]) & _AGREED_MASK).any()):  # one check on the usual path
+            return None
         for name in AGREED_FIELDS:
             start, stop = _OFFSETS[name]
             part = self.table[:, start:stop]
@@ -169,3 +172,6 @@ class HandshakeTable:
 
 
 _ROW_SHAPE_FIELDS = ("row_numel", "row_ndim", "row_dims")
+_AGREED_MASK = torch.zeros(FIXED_WIDTH, dtype=torch.bool)
+for _name in AGREED_FIELDS:
+    _AGREED_MASK[_OFFSETS[_name][0]:_OFFSETS[_name][1]] = True
