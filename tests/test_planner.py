@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zen_ds.planner import EVERY_RANK_UP_TO, CostModel, plan, planning_ranks
-from zen_ds.schemes import get_scheme
+from zen_ds.planner import (EVERY_RANK_UP_TO, CostModel, plan, plan_and_price, planning_ranks,
+                            price)
+from zen_ds.schemes import auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncShape
 from zen_ds.schemes.sparcml import SparCMLScheme
 
@@ -37,6 +38,25 @@ def test_plan_is_the_same_on_every_rank(shape: SyncShape, cost: CostModel, per_n
     shape = replace(shape, ranks_per_node=per_node)
     choices = {plan(replace(shape, rank=r), cost=cost)[0] for r in sorted({0, n // 2, n - 1})}
     assert len(choices) == 1, choices
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes(), st.sampled_from([CostModel(), CostModel(alpha=2e-3, bandwidth=1.2e7, duplex=2.0,
+                                                         all_to_all_duplex=1.4)]),
+       st.sampled_from([1, 2, 3]), st.integers(0, 63))
+def test_pruned_plan_equals_full_pricing(shape: SyncShape, cost: CostModel, per_node: int,
+                                         rank: int) -> None:
+    # Schemes that lose at one planning rank are not priced at the others: the choice and its
+    # time must be those of pricing every scheme at every planning rank.
+    shape = replace(shape, ranks_per_node=per_node, rank=rank % shape.world_size,
+                    latency_bytes=cost.latency_bytes)
+    names = [n for n in auto_candidates()
+             if n != "hierarchical" or 1 < per_node < shape.world_size]
+    full, _ = price(shape, names, cost)
+    chosen, slowest, _ = plan_and_price(shape, (), cost)
+    assert chosen == min(names, key=full.__getitem__)
+    assert slowest[chosen] == full[chosen]
+    assert all(slowest[n] <= full[n] for n in names)
 
 
 def test_skewed_nnz_case_that_deadlocked() -> None:

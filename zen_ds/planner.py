@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import struct
 from dataclasses import dataclass, replace
 from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
@@ -165,24 +166,31 @@ def planning_ranks(shape: SyncShape) -> List[int]:
     return sorted({most, fewest, 0, n - 1})
 
 
-def price(shape: SyncShape, names: Iterable[str], cost: CostModel
+def price(shape: SyncShape, names: Iterable[str], cost: CostModel, prune: bool = False
           ) -> Tuple[Dict[str, float], Dict[str, ByteEstimate]]:
     """Each scheme's model time on its slowest planning rank, and its estimate for
-    ``shape.rank``: one pass over the planning ranks per scheme."""
+    ``shape.rank``: one pass over the planning ranks per scheme.
+
+    ``prune``: a scheme whose time at one planning rank (a lower bound of its slowest one's)
+    already exceeds the best scheme's slowest time cannot win; it is not priced at the other
+    ranks and its entry is that lower bound. The fastest scheme and its time are exactly those
+    of the full pricing, so every rank still chooses the same."""
     ranks = planning_ranks(shape)
-    estimates: Dict[str, ByteEstimate] = {}
-    slowest: Dict[str, float] = {}
-    for name in names:
+    probe = shape.rank if shape.rank in ranks else ranks[0]  # any planning rank bounds below
+    names = list(names)
+    estimates = {name: get_scheme(name).predict(shape) for name in names}
+    slowest = {name: cost.seconds(estimates[name] if probe == shape.rank
+                                  else get_scheme(name).predict(with_rank(shape, probe)))
+               for name in names}
+    best = math.inf
+    for name in sorted(names, key=slowest.__getitem__) if prune else names:
+        if prune and slowest[name] > best:
+            continue  # one planning rank's time alone already loses: it cannot be the fastest
         scheme = get_scheme(name)
-        worst = 0.0
         for r in ranks:
-            estimate = scheme.predict(with_rank(shape, r))
-            worst = max(worst, cost.seconds(estimate))
-            if r == shape.rank:
-                estimates[name] = estimate
-        if name not in estimates:
-            estimates[name] = scheme.predict(shape)
-        slowest[name] = worst
+            if r != probe:
+                slowest[name] = max(slowest[name], cost.seconds(scheme.predict(with_rank(shape, r))))
+        best = min(best, slowest[name])
     return slowest, estimates
 
 
@@ -197,9 +205,10 @@ def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = Cos
 def plan_and_price(shape: SyncShape, candidates: Iterable[str] = (),
                    cost: CostModel = CostModel()
                    ) -> Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]:
-    """:func:`plan`, plus every candidate's model time (what the stats report as predicted)."""
+    """:func:`plan`, plus every candidate's model time (what the stats report as predicted): the
+    chosen scheme's exactly, a lower bound for schemes that cannot win (:func:`price`)."""
     names = tuple(candidates) or auto_candidates()
     if not 1 < shape.ranks_per_node < shape.world_size:  # one node, or a node per rank
         names = tuple(name for name in names if name != "hierarchical") or names
-    slowest, estimates = price(shape, names, cost)
+    slowest, estimates = price(shape, names, cost, prune=True)
     return min(names, key=slowest.__getitem__), slowest, estimates

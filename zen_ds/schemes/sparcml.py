@@ -42,6 +42,7 @@ with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.sparse` for the signed-zero r
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
@@ -253,18 +254,28 @@ class SparCMLScheme(Scheme):
         return cached
 
     def _choose_variant(self, shape: SyncShape) -> Tuple[str, Dict[int, ByteEstimate]]:
+        """Recursive doubling unless split-allgather's slowest planning rank is faster. Both are
+        first priced at one planning rank; a variant whose time there already exceeds the
+        other's slowest is not priced further (it cannot win), so ranks still agree."""
         from ..planner import planning_ranks  # the planner imports the schemes
 
         ranks = planning_ranks(shape)
-        doubling = {r: self._predict_doubling(with_rank(shape, r)) for r in ranks}
-        split = {r: self._predict_split(with_rank(shape, r)) for r in ranks}
-
-        def slowest(estimates: Dict[int, ByteEstimate]) -> float:
-            return max(latency_cost(e, shape.latency_bytes) for e in estimates.values())
-
-        if slowest(doubling) <= slowest(split):
-            return RECURSIVE_DOUBLING, doubling
-        return SPLIT_ALLGATHER, split
+        probe = shape.rank if shape.rank in ranks else ranks[0]
+        models = {RECURSIVE_DOUBLING: self._predict_doubling, SPLIT_ALLGATHER: self._predict_split}
+        priced = {v: {probe: model(with_rank(shape, probe))} for v, model in models.items()}
+        cost = {v: latency_cost(e[probe], shape.latency_bytes) for v, e in priced.items()}
+        best = math.inf
+        for v in sorted(models, key=cost.__getitem__):
+            if cost[v] > best:
+                continue
+            for r in ranks:
+                if r != probe:
+                    priced[v][r] = models[v](with_rank(shape, r))
+                    cost[v] = max(cost[v], latency_cost(priced[v][r], shape.latency_bytes))
+            best = min(best, cost[v])
+        if cost[RECURSIVE_DOUBLING] <= cost[SPLIT_ALLGATHER]:
+            return RECURSIVE_DOUBLING, priced[RECURSIVE_DOUBLING]
+        return SPLIT_ALLGATHER, priced[SPLIT_ALLGATHER]
 
     # ------------------------------------------------------------------ sync
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
