@@ -21,19 +21,26 @@ class AllGatherSparseScheme(Scheme):
         n = ctx.world_size
         max_nnz = max(ctx.nnz_per_rank)
         row_bytes = x.row_numel * x.values.element_size()
-        indices = torch.zeros(max_nnz, dtype=torch.int64, device=x.device)
+        # Padded to the largest rank's rows; only the padding is zeroed (it is sent, never read).
+        indices = torch.empty(max_nnz, dtype=torch.int64, device=x.device)
         indices[: x.nnz] = x.indices
+        indices[x.nnz:] = 0
         # Values travel as raw bytes of their own dtype: any dtype, no backend dtype support needed.
-        values = torch.zeros((max_nnz, row_bytes), dtype=torch.uint8, device=x.device)
+        values = torch.empty((max_nnz, row_bytes), dtype=torch.uint8, device=x.device)
         values[: x.nnz] = x.values_2d().contiguous().view(torch.uint8)
+        values[x.nnz:] = 0
         all_indices = torch.empty(n * max_nnz, dtype=torch.int64, device=x.device)
         all_values = torch.empty((n * max_nnz, row_bytes), dtype=torch.uint8, device=x.device)
         ctx.comm.all_gather_into_tensor(all_indices, indices, "agsparse.indices")
         ctx.comm.all_gather_into_tensor(all_values, values, "agsparse.values")
-        keep = torch.cat([torch.arange(i * max_nnz, i * max_nnz + m, device=x.device)
-                          for i, m in enumerate(ctx.nnz_per_rank)])
-        gathered = all_values[keep].view(x.dtype).reshape(-1, x.row_numel)
-        rows, sums = ops.aggregate(all_indices[keep], gathered, accum_dtype(x.dtype), terms=n)
+        if all(m == max_nnz for m in ctx.nnz_per_rank):  # no padding to drop
+            kept_ids, kept_values = all_indices, all_values
+        else:
+            keep = torch.cat([torch.arange(i * max_nnz, i * max_nnz + m, device=x.device)
+                              for i, m in enumerate(ctx.nnz_per_rank)])
+            kept_ids, kept_values = all_indices[keep], all_values[keep]
+        gathered = kept_values.view(x.dtype).reshape(-1, x.row_numel)
+        rows, sums = ops.aggregate(kept_ids, gathered, accum_dtype(x.dtype), terms=n)
         if ctx.scale is not None:
             sums.mul_(ctx.scale)
         return RowSparse(rows, sums.to(x.dtype).reshape((rows.numel(),) + x.row_shape),
