@@ -310,6 +310,18 @@ def _shuffle_worker(rank, world):
                 torch.allclose(a, b, rtol=1e-5, atol=1e-6) for (_, a), (_, b)
                 in zip(sparse_runs, dense_runs)) and any(st.full for st, _ in sparse_runs)
 
+    # Spec forms: a triple sets both flags, a 4-tuple / ShuffleParam each, a plain param neither.
+    model = _model()
+    sync = ShuffleSync([("emb", model["emb"].weight, True), ("tab", model["tab"].weight, True, False),
+                        model["lin"].weight], group_size=2)
+    res["spec_forms"] = [(s.name, s.sparse_grad, s.track_rows) for s in sync.specs] == \
+        [("emb", True, True), ("tab", True, False), ("param2", False, False)]
+    try:
+        ShuffleSync([("emb", model["emb"].weight)], group_size=2)
+        res["spec_bad_refused"] = False
+    except ValueError as e:
+        res["spec_bad_refused"] = "ShuffleParam" in str(e)
+
     # Full sync every 3 steps restores the consensus: all replicas identical after steps 2, 5.
     agree = []
 
@@ -352,7 +364,8 @@ _CASES = ["k1_gradients_bitwise", "k1_parameters_bitwise", "g_eq_n_bitwise", "g_
           "params_g3_sparse_scheme", "sparse_rows_exact", "full_every3_gradients",
           "full_every3_parameters", "resume_step", "resume_mismatch_refused",
           "adamw_sparse_k0_schemes", "adamw_sparse_k0_bytes", "adamw_sparse_pairs_bitwise",
-          "adamw_sparse_k3_schemes", "adamw_sparse_k3_bytes", "adamw_sparse_full_close"]
+          "adamw_sparse_k3_schemes", "adamw_sparse_k3_bytes", "adamw_sparse_full_close",
+          "spec_forms", "spec_bad_refused"]
 
 
 @pytest.fixture(scope="module")
