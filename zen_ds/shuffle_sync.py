@@ -231,7 +231,8 @@ class ShuffleSync:
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():
-            flat = self._sync(torch.cat([t.reshape(-1) for t in group]), handle, "dense")
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self._sync(flat, handle, "dense", out=flat)  # in place: no second copy of the bucket
             start = 0
             for t in group:
                 t.copy_(flat[start:start + t.numel()].view_as(t))
