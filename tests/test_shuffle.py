@@ -310,6 +310,21 @@ def _shuffle_worker(rank, world):
                 torch.allclose(a, b, rtol=1e-5, atol=1e-6) for (_, a), (_, b)
                 in zip(sparse_runs, dense_runs)) and any(st.full for st, _ in sparse_runs)
 
+    # A non-contiguous row-sparse gradient (a transposed buffer) is averaged like a contiguous one.
+    got = []
+    for sparse_grad in (True, False):
+        model = _model()
+        tab = model["tab"].weight
+        sync = ShuffleSync([ShuffleParam("tab", tab, sparse_grad)], group_size=2)
+        grad = torch.zeros(HIDDEN, ROWS).t()
+        grad[[0, 3 + rank, ROWS - 1]] = torch.arange(3 * HIDDEN, dtype=torch.float32).view(3, -1) * (rank + 1)
+        tab.grad = grad
+        sync.reduce_gradients()
+        got.append((tab.grad.clone(), sync._current.schemes, tab.grad.is_contiguous()))
+        sync.after_optimizer_step()
+    res["non_contiguous_grad"] = torch.equal(got[0][0], got[1][0]) and got[0][1] != ["dense"] and \
+        not got[0][2] and not got[1][2]
+
     # Spec forms: a triple sets both flags, a 4-tuple / ShuffleParam each, a plain param neither.
     model = _model()
     sync = ShuffleSync([("emb", model["emb"].weight, True), ("tab", model["tab"].weight, True, False),
@@ -365,7 +380,7 @@ _CASES = ["k1_gradients_bitwise", "k1_parameters_bitwise", "g_eq_n_bitwise", "g_
           "full_every3_parameters", "resume_step", "resume_mismatch_refused",
           "adamw_sparse_k0_schemes", "adamw_sparse_k0_bytes", "adamw_sparse_pairs_bitwise",
           "adamw_sparse_k3_schemes", "adamw_sparse_k3_bytes", "adamw_sparse_full_close",
-          "spec_forms", "spec_bad_refused"]
+          "spec_forms", "spec_bad_refused", "non_contiguous_grad"]
 
 
 @pytest.fixture(scope="module")

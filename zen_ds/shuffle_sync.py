@@ -68,8 +68,8 @@ class ShuffleParam(NamedTuple):
     track_rows: bool = False  # row-local optimizer: parameter averaging only on changed rows
 
 
-# A plain param (both flags off; a sparse COO grad still syncs sparsely), a ShuffleParam, or a
-# (name, param, sparse) triple meaning both flags at once.
+# A plain param (both flags off; a sparse COO grad still syncs sparsely), a ShuffleParam (or the
+# same four fields as a tuple), or a (name, param, sparse) triple meaning both flags at once.
 ParamSpec = Union[nn.Parameter, ShuffleParam, Tuple[str, nn.Parameter, bool]]
 
 
@@ -220,7 +220,10 @@ class ShuffleSync:
             if param.grad.is_sparse:
                 param.grad = self._sync(param.grad, handle, self.scheme)
             elif spec.sparse_grad:  # row-sparse dense gradient: zen's schemes, in place
-                self._sync(param.grad, handle, self.scheme, out=param.grad)
+                if param.grad.is_contiguous():
+                    self._sync(param.grad, handle, self.scheme, out=param.grad)
+                else:
+                    param.grad.copy_(self._sync(param.grad, handle, self.scheme))
             else:
                 dense.append(param)
         self._average_dense([p.grad for p in dense], handle)
