@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import zen_ds
 from zen_ds import RowSparse
 from zen_ds.compression import CompressionConfig, GradientCompressor, select_topk
-from zen_ds.shuffle_sync import MODES as SHUFFLE_MODES, ShuffleSync
+from zen_ds.shuffle_sync import MODES as SHUFFLE_MODES, ShuffleParam, ShuffleSync
 
 # mode -> compression config (None = dense sync of everything); optimizer momentum per mode
 MODES: Dict[str, Optional[Dict[str, Any]]] = {
@@ -259,7 +259,7 @@ def run_steps(args: argparse.Namespace, model: torch.nn.Module, rank: int, teach
 def train_shuffle(model: torch.nn.Module, args: argparse.Namespace, rank: int, teacher: Teacher
                   ) -> Dict[str, Any]:
     """DS-Sync over every parameter: groups of --shuffle, reshuffled every step."""
-    sync = ShuffleSync([(name, p, False) for name, p in model.named_parameters()],
+    sync = ShuffleSync([ShuffleParam(name, p) for name, p in model.named_parameters()],
                        group_size=args.shuffle, mode=args.shuffle_mode,
                        full_sync_every=args.full_sync_every, seed=args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)

@@ -353,6 +353,8 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
     if args.shuffle:  # DS-Sync: every param synced inside groups of --shuffle ranks, reshuffled each step
         config["zen"]["shuffle"] = {"group_size": args.shuffle, "mode": args.shuffle_mode,
                                     "full_sync_every": args.full_sync_every}
+        if args.shuffle_domains is not None:
+            config["zen"]["shuffle"]["domains"] = json.loads(args.shuffle_domains)
     if args.bf16:
         config["bf16"] = {"enabled": True}
     if args.zero:
@@ -458,6 +460,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="DS-Sync: synchronise in groups of G data-parallel ranks (0: off; ZeRO-0, fp32)")
     p.add_argument("--shuffle-mode", choices=("parameters", "gradients"), default="parameters")
     p.add_argument("--full-sync-every", type=int, default=0, help="DS-Sync: a full sync every K steps")
+    p.add_argument("--shuffle-domains", default=None, metavar="JSON",
+                   help="DS-Sync: slow-link domains, ranks per domain (e.g. 2) or lists of DP ranks "
+                        "(e.g. '[[0,1,2],[3]]' keeps a slow host 3 to the cross-domain steps)")
     p.add_argument("--optimizer-state", choices=("auto", "sharded", "replicated"), default="auto",
                    help="zen.optimizer_state: where zen keeps its params' optimizer state at ZeRO-1/2")
     p.add_argument("--data", default=None, help="text file (default: synthetic Zipf stream)")

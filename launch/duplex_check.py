@@ -6,8 +6,11 @@ Run it on two emulated hosts (root)::
 
 It prints the median time (slowest rank, 5 repeats after a warm-up) of: one rank sending ``--mb``
 MB to the other; both sending to each other at once on one process group (one TCP connection);
-a 2-rank ``all_to_all_single`` of the same size; and both at once on two process groups (two
-connections). A full-duplex path gives the one-way time for all four.
+a 2-rank ``all_to_all_single`` of the same size; both at once on two process groups (two
+connections); and a 2-rank ``all_reduce`` of a float32 tensor of ``--mb`` MB (a 2-rank ring
+all-reduce sends and receives half the tensor twice, so it moves ``--mb`` MB each way too).
+and a 2-rank ``all_gather``
+(``--mb`` MB each way). A full-duplex path gives the one-way time for all six.
 """
 from __future__ import annotations
 
@@ -65,8 +68,17 @@ def main() -> None:
         for request in requests:
             request.wait()
 
+    floats = torch.zeros(int(args.mb * 1e6) // 4, dtype=torch.float32)
+
+    def all_reduce() -> None:
+        dist.all_reduce(floats)
+
+    def all_gather() -> None:
+        dist.all_gather_into_tensor(torch.empty(2 * send.numel(), dtype=torch.uint8), send)
+
     for name, fn in (("one way", one_way), ("two ways, one connection", two_way),
-                     ("all_to_all_single", all_to_all), ("two ways, two connections", two_connections)):
+                     ("all_to_all_single", all_to_all), ("two ways, two connections", two_connections),
+                     ("all_reduce", all_reduce), ("all_gather", all_gather)):
         seconds = _timed(fn, args.repeats)
         if rank == 0:
             print(f"{name:>28}: {seconds * 1e3:8.1f} ms = {args.mb / seconds:6.2f} MB/s each way",

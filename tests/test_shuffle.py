@@ -122,10 +122,10 @@ def test_schedule_rejects_bad_arguments():
 ROWS, HIDDEN = 40, 6
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
+def _model(seed: int = 0, rows: int = ROWS, sparse_emb: bool = True) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.ModuleDict({"emb": torch.nn.Embedding(ROWS, HIDDEN, sparse=True),
-                                "tab": torch.nn.Embedding(ROWS, HIDDEN),
+    return torch.nn.ModuleDict({"emb": torch.nn.Embedding(rows, HIDDEN, sparse=sparse_emb),
+                                "tab": torch.nn.Embedding(rows, HIDDEN),
                                 "lin": torch.nn.Linear(HIDDEN, 3)})
 
 
@@ -137,18 +137,22 @@ def _specs(model):
 def _loss(model, rank: int, step: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + rank)
     ids = torch.randint(0, 8, (5,), generator=gen) * (1 + rank)  # skewed, rank-dependent supports
-    ids[0] = ROWS - 1 if rank == 0 else 0  # row 0 and the last row, on one rank each
+    ids[0] = model["emb"].num_embeddings - 1 if rank == 0 else 0  # row 0 and the last row
     h = model["emb"](ids) + model["tab"](ids.flip(0))
     return model["lin"](h).square().mean()
 
 
-def _train(rank, steps, make_sync, check=None):
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _train(rank, steps, make_sync, check=None, model=None, make_opt=_sgd):
     """SGD (lr 0.1, no momentum) on rank-local data; ``make_sync(model) -> ShuffleSync | None``."""
     import zen_ds
 
-    model = _model()
+    model = _model() if model is None else model
     sync = make_sync(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = make_opt(model.parameters())
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         _loss(model, rank, step).backward()
@@ -183,7 +187,7 @@ def _gather(t):
 
 def _shuffle_worker(rank, world):
     import torch.distributed as dist
-    from zen_ds.shuffle_sync import ShuffleSync
+    from zen_ds.shuffle_sync import ShuffleParam, ShuffleSync
 
     res = {}
     ref, _ = _train(rank, 4, lambda m: None)
@@ -268,6 +272,71 @@ def _shuffle_worker(rank, world):
     res["sparse_rows_exact"] = torch.allclose(now[rank], want, rtol=0, atol=1e-6) and \
         all(torch.equal(now[m], now[rank]) for m in members)
 
+    # AdamW changes every row, yet a row-sparse gradient stays row-sparse: gradient mode syncs
+    # both embeddings (dense-grad here) with zen's sparse schemes, in pair steps and full steps,
+    # and applies exactly what the all-dense average gives.
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+    def record(runs):
+        def check(phase, sync, model, stats=None):
+            if phase == "after":
+                runs.append((stats, _flat(model)))
+        return check
+
+    for k in (0, 3):
+        runs = {}
+        for sparse_grad in (True, False):
+            runs[sparse_grad] = []
+            model = _model(rows=4096, sparse_emb=False)
+            specs = [ShuffleParam(n, p, sparse_grad and n in ("emb", "tab"), False)
+                     for n, p, _ in _specs(model)]
+            _train(rank, 5, lambda m: ShuffleSync(specs, group_size=2, full_sync_every=k),
+                   record(runs[sparse_grad]), model=model, make_opt=adamw)
+        sparse_runs, dense_runs = runs[True], runs[False]
+        res[f"adamw_sparse_k{k}_schemes"] = \
+            all(set(st.schemes) - {"dense"} for st, _ in sparse_runs) and \
+            all(st.schemes == ["dense"] for st, _ in dense_runs)
+        # a full step after drift first restores the consensus by averaging the (dense) params
+        res[f"adamw_sparse_k{k}_bytes"] = all(
+            s.dense_bytes == d.dense_bytes and (s.bytes_sent < d.bytes_sent if s.full else
+                                                20 * s.bytes_sent < d.bytes_sent)
+            for (s, _), (d, _) in zip(sparse_runs, dense_runs))
+        if k == 0:  # pairs only: a + b in either order, halved: bit for bit
+            res["adamw_sparse_pairs_bitwise"] = all(torch.equal(a, b) for (_, a), (_, b)
+                                                    in zip(sparse_runs, dense_runs))
+        else:  # full steps sum four ranks in another order than the library ring: a rounding
+            res["adamw_sparse_full_close"] = all(
+                torch.allclose(a, b, rtol=1e-5, atol=1e-6) for (_, a), (_, b)
+                in zip(sparse_runs, dense_runs)) and any(st.full for st, _ in sparse_runs)
+
+    # A non-contiguous row-sparse gradient (a transposed buffer) is averaged like a contiguous one.
+    got = []
+    for sparse_grad in (True, False):
+        model = _model()
+        tab = model["tab"].weight
+        sync = ShuffleSync([ShuffleParam("tab", tab, sparse_grad)], group_size=2)
+        grad = torch.zeros(HIDDEN, ROWS).t()
+        grad[[0, 3 + rank, ROWS - 1]] = torch.arange(3 * HIDDEN, dtype=torch.float32).view(3, -1) * (rank + 1)
+        tab.grad = grad
+        sync.reduce_gradients()
+        got.append((tab.grad.clone(), sync._current.schemes, tab.grad.is_contiguous()))
+        sync.after_optimizer_step()
+    res["non_contiguous_grad"] = torch.equal(got[0][0], got[1][0]) and got[0][1] != ["dense"] and \
+        not got[0][2] and not got[1][2]
+
+    # Spec forms: a triple sets both flags, a 4-tuple / ShuffleParam each, a plain param neither.
+    model = _model()
+    sync = ShuffleSync([("emb", model["emb"].weight, True), ("tab", model["tab"].weight, True, False),
+                        model["lin"].weight], group_size=2)
+    res["spec_forms"] = [(s.name, s.sparse_grad, s.track_rows) for s in sync.specs] == \
+        [("emb", True, True), ("tab", True, False), ("param2", False, False)]
+    try:
+        ShuffleSync([("emb", model["emb"].weight)], group_size=2)
+        res["spec_bad_refused"] = False
+    except ValueError as e:
+        res["spec_bad_refused"] = "ShuffleParam" in str(e)
+
     # Full sync every 3 steps restores the consensus: all replicas identical after steps 2, 5.
     agree = []
 
@@ -308,7 +377,10 @@ _CASES = ["k1_gradients_bitwise", "k1_parameters_bitwise", "g_eq_n_bitwise", "g_
           "schedule_agrees", "gradients_mode_group_mean", "params_g2_members_agree", "params_g2_bytes",
           "params_g2_sparse_scheme", "params_g2_drifted", "params_g3_members_agree", "params_g3_bytes",
           "params_g3_sparse_scheme", "sparse_rows_exact", "full_every3_gradients",
-          "full_every3_parameters", "resume_step", "resume_mismatch_refused"]
+          "full_every3_parameters", "resume_step", "resume_mismatch_refused",
+          "adamw_sparse_k0_schemes", "adamw_sparse_k0_bytes", "adamw_sparse_pairs_bitwise",
+          "adamw_sparse_k3_schemes", "adamw_sparse_k3_bytes", "adamw_sparse_full_close",
+          "spec_forms", "spec_bad_refused", "non_contiguous_grad"]
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,20 @@ calls, every optimizer step and on every rank::
 
 Modes:
 
-* ``gradients``: every gradient is averaged inside the step's group; sparse params with
-  :func:`zen_ds.sparse_allreduce` (zen's schemes inside the group), dense ones as one flat bucket
-  with the library all-reduce.
+* ``gradients``: every gradient is averaged inside the step's group; params with a row-sparse
+  gradient with :func:`zen_ds.sparse_allreduce` (zen's schemes inside the group), dense ones as
+  one flat bucket with the library all-reduce.
 * ``parameters``: each rank steps on its local gradient; afterwards parameters are averaged inside
-  the group. A sparse param averages only rows that changed since the last full sync on *some*
-  member (the union of the members' changed rows, so a row changed on one member is still averaged
-  with the others' unchanged value); every other row is already equal on all members.
+  the group. A param with tracked rows averages only rows that changed since the last full sync on
+  *some* member (the union of the members' changed rows, so a row changed on one member is still
+  averaged with the others' unchanged value); every other row is already equal on all members.
+
+Two per-param flags (:class:`ShuffleParam`) say what may be sparse. ``sparse_grad``: the gradient
+is row-sparse (an embedding), so gradient averaging, in full steps too, goes through zen's sparse
+schemes whatever the optimizer. ``track_rows``: the optimizer changes only the rows that have a
+gradient, so parameter averaging may skip the rows nobody changed. A row-sparse gradient does not
+make a row-sparse update under Adam, momentum or weight decay; only ``track_rows`` depends on the
+optimizer.
 
 Replicas drift apart in both modes. A full step (``full_sync_every``) first restores the consensus
 (parameter average over the whole DP group, skipped when nothing drifted since the last one), then
@@ -25,15 +32,16 @@ runs ordinary data parallelism: averaged gradients over the DP group's own proce
 ``full_sync_every = 1`` (or ``group_size >= n``) nothing ever drifts and training is exactly data
 parallel. In mode ``gradients`` nothing pulls the replicas back together between full steps,
 so their divergence grows for as long as no full step comes: use it with ``full_sync_every``, or
-use ``parameters``, which keeps the replicas close by averaging the models themselves. Row tracking assumes the optimizer changes only rows with a non-zero gradient (SGD without
-momentum/weight decay, SparseAdam, sparse Adagrad); flag a param dense if its optimizer touches
-every row.
+use ``parameters``, which keeps the replicas close by averaging the models themselves. Row
+tracking assumes the optimizer changes only rows with a non-zero gradient (SGD without
+momentum/weight decay, SparseAdam, sparse Adagrad); leave ``track_rows`` off if it touches every
+row.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -46,10 +54,23 @@ from .stats import last_sync_stats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShuffleSync", "ShuffleStepStats", "MODES"]
+__all__ = ["ShuffleSync", "ShuffleParam", "ShuffleStepStats", "MODES"]
 
 MODES = ("gradients", "parameters")
-ParamSpec = Union[nn.Parameter, Tuple[str, nn.Parameter, bool]]
+
+
+class ShuffleParam(NamedTuple):
+    """One synced param and what may be sparse about it (see the module docstring)."""
+
+    name: str
+    param: nn.Parameter
+    sparse_grad: bool = False  # row-sparse gradient: zen's sparse schemes in gradient averaging
+    track_rows: bool = False  # row-local optimizer: parameter averaging only on changed rows
+
+
+# A plain param (both flags off; a sparse COO grad still syncs sparsely), a ShuffleParam (or the
+# same four fields as a tuple), or a (name, param, sparse) triple meaning both flags at once.
+ParamSpec = Union[nn.Parameter, ShuffleParam, Tuple[str, nn.Parameter, bool]]
 
 
 @dataclass
@@ -73,10 +94,10 @@ class ShuffleStepStats:
 class ShuffleSync:
     """DS-Sync over ``params`` and the DP group. See the module docstring for the call protocol.
 
-    ``params``: parameters, or ``(name, param, sparse)`` triples where ``sparse`` marks params
-    whose gradient is row-sparse (a torch sparse COO grad or a dense grad with zero rows); plain
-    parameters count as sparse when their grad is sparse COO. ``scheme`` is zen's scheme for the
-    sparse syncs (``"auto"`` lets the planner choose per tensor and group).
+    ``params``: parameters, :class:`ShuffleParam` s, or ``(name, param, sparse)`` triples where
+    ``sparse`` sets both ``sparse_grad`` and ``track_rows`` (a row-sparse gradient and a row-local
+    optimizer); plain parameters sync sparsely only when their grad is sparse COO. ``scheme`` is
+    zen's scheme for the sparse syncs (``"auto"`` lets the planner choose per tensor and group).
     """
 
     def __init__(self, params: Sequence[ParamSpec], dp_group: Optional[dist.ProcessGroup] = None,
@@ -87,11 +108,8 @@ class ShuffleSync:
         if mode not in MODES:
             raise ValueError(f"shuffle: mode must be one of {MODES}, got {mode!r}")
         # -- what is synced
-        self.params: List[Tuple[str, nn.Parameter, bool]] = []
-        for i, spec in enumerate(params):
-            name, param, sparse = spec if isinstance(spec, tuple) else (f"param{i}", spec, False)
-            self.params.append((name, param, bool(sparse)))
-        if not self.params:
+        self.specs: List[ShuffleParam] = [self._spec(i, spec) for i, spec in enumerate(params)]
+        if not self.specs:
             raise ValueError("shuffle: no parameters to synchronise")
         self.mode, self.scheme = mode, scheme
         # -- who meets whom
@@ -107,6 +125,23 @@ class ShuffleSync:
         self._changing: Dict[str, torch.Tensor] = {}  # rows this step's optimizer step changes
         self.last_step_stats: Optional[ShuffleStepStats] = None
         self._current: Optional[ShuffleStepStats] = None
+
+    @staticmethod
+    def _spec(index: int, spec: ParamSpec) -> ShuffleParam:
+        if isinstance(spec, tuple):
+            if len(spec) == 4:
+                return ShuffleParam(spec[0], spec[1], bool(spec[2]), bool(spec[3]))
+            if len(spec) != 3:
+                raise ValueError(f"shuffle: param spec {index} has {len(spec)} fields; give a "
+                                 "ShuffleParam or a (name, param, sparse) triple")
+            name, param, sparse = spec
+            return ShuffleParam(name, param, bool(sparse), bool(sparse))
+        return ShuffleParam(f"param{index}", spec)
+
+    @property
+    def params(self) -> List[Tuple[str, nn.Parameter, bool]]:
+        """``(name, param, sparse_grad)`` of every synced param, in order."""
+        return [(s.name, s.param, s.sparse_grad) for s in self.specs]
 
     @property
     def gradients_agree(self) -> bool:
@@ -126,9 +161,9 @@ class ShuffleSync:
             self.drifted = False
         if full or self.mode == "gradients":
             self._average_gradients(handle)
-        for name, param, sparse in self.params:
-            if sparse:
-                self._changing[name] = self._grad_rows(param)
+        for spec in self.specs:
+            if spec.track_rows:
+                self._changing[spec.name] = self._grad_rows(spec.param)
 
     def after_optimizer_step(self) -> ShuffleStepStats:
         """Parameter averaging (mode ``parameters``), drift bookkeeping; moves to the next step."""
@@ -178,15 +213,17 @@ class ShuffleSync:
         if handle is None:
             return
         dense: List[nn.Parameter] = []
-        for _, param, sparse in self.params:
+        for spec in self.specs:
+            param = spec.param
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            if sparse or param.grad.is_sparse:
-                synced = self._sync(param.grad, handle, self.scheme)
-                if param.grad.is_sparse:
-                    param.grad = synced
+            if param.grad.is_sparse:
+                param.grad = self._sync(param.grad, handle, self.scheme)
+            elif spec.sparse_grad:  # row-sparse dense gradient: zen's schemes, in place
+                if param.grad.is_contiguous():
+                    self._sync(param.grad, handle, self.scheme, out=param.grad)
                 else:
-                    param.grad.copy_(synced)
+                    param.grad.copy_(self._sync(param.grad, handle, self.scheme))
             else:
                 dense.append(param)
         self._average_dense([p.grad for p in dense], handle)
@@ -197,7 +234,8 @@ class ShuffleSync:
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():
-            flat = self._sync(torch.cat([t.reshape(-1) for t in group]), handle, "dense")
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self._sync(flat, handle, "dense", out=flat)  # in place: no second copy of the bucket
             start = 0
             for t in group:
                 t.copy_(flat[start:start + t.numel()].view_as(t))
@@ -206,12 +244,12 @@ class ShuffleSync:
     # ------------------------------------------------------------------ parameters
     @torch.no_grad()
     def _average_parameters(self, handle: Optional[dist.ProcessGroup]) -> None:
-        """Average params in the group; sparse params only on the union of drifted rows."""
+        """Average params in the group; tracked params only on the union of drifted rows."""
         if handle is None:
             return
         dense: List[torch.Tensor] = []
-        for name, param, sparse in self.params:
-            if not sparse:
+        for name, param, _, track_rows in self.specs:
+            if not track_rows:
                 dense.append(param.data)
                 continue
             mask = self._dirty_mask(name)
@@ -227,8 +265,9 @@ class ShuffleSync:
         self._average_dense(dense, handle)
 
     # ------------------------------------------------------------------ helpers
-    def _sync(self, x: Union[torch.Tensor, RowSparse], handle: dist.ProcessGroup, scheme: str):
-        out = sparse_allreduce(x, group=handle, scheme=scheme, average=True,
+    def _sync(self, x: Union[torch.Tensor, RowSparse], handle: dist.ProcessGroup, scheme: str,
+              out: Optional[torch.Tensor] = None):
+        out = sparse_allreduce(x, group=handle, scheme=scheme, average=True, out=out,
                                log_prefix="zen.shuffle")
         stats, current = last_sync_stats(), self._current
         if stats is not None and current is not None:
@@ -240,10 +279,10 @@ class ShuffleSync:
         return out
 
     def _param(self, name: str) -> nn.Parameter:
-        for n, param, _ in self.params:
-            if n == name:
-                return param
-        raise KeyError(f"shuffle: no param named {name!r} (have {[n for n, _, _ in self.params]})")
+        for spec in self.specs:
+            if spec.name == name:
+                return spec.param
+        raise KeyError(f"shuffle: no param named {name!r} (have {[s.name for s in self.specs]})")
 
     def _dirty_mask(self, name: str) -> torch.Tensor:
         if name not in self._dirty:

@@ -11,7 +11,7 @@ state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only) next to the schedule p
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from torch import nn
 from zen_ds.config import ShuffleConfig, ZenConfig
 from zen_ds.deepspeed.routes import Route, refuse
 from zen_ds.reducer import ScaleRule
-from zen_ds.shuffle_sync import ShuffleSync
+from zen_ds.shuffle_sync import ShuffleParam, ShuffleSync
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +30,10 @@ __all__ = ["build_shuffle", "rows_stay_local", "shuffle_state_dict", "load_shuff
 def rows_stay_local(optimizer: Any) -> bool:
     """True when ``optimizer`` changes only the rows of a param that have a non-zero gradient.
 
-    ShuffleSync then averages a row-sparse param only on the rows that changed since the last
-    consensus. Momentum, weight decay or Adam moments change every row, so any other optimizer
-    makes every param dense for parameter averaging (correct, only more bytes).
+    ShuffleSync then averages a row-sparse param's parameters only on the rows that changed since
+    the last consensus. Momentum, weight decay or Adam moments change every row, so any other
+    optimizer makes parameter averaging dense (correct, only more bytes); gradient averaging
+    stays row-sparse whatever the optimizer.
     """
     groups = getattr(optimizer, "param_groups", None)
     if not groups:
@@ -46,20 +47,22 @@ def rows_stay_local(optimizer: Any) -> bool:
 
 def build_shuffle(module: nn.Module, route: Route, zen_config: ZenConfig, optimizer: Any,
                   dp_group: Optional[dist.ProcessGroup], scale: ScaleRule) -> ShuffleSync:
-    """The engine's ShuffleSync: every trainable param, zen's selected ones flagged row-sparse."""
+    """The engine's ShuffleSync: every trainable param; zen's selected ones have row-sparse
+    gradients, and row-tracked parameter averaging when the optimizer keeps rows local."""
     cfg: ShuffleConfig = zen_config.shuffle
     if not scale.average or scale.predivide_factor != 1.0:
         refuse("\"zen.shuffle\" averages inside each group; remove \"gradient_allreduce_op\": \"sum\" "
                "and \"gradient_predivide_factor\" from the ds_config, or the \"shuffle\" block")
     row_local = rows_stay_local(optimizer)
-    sparse = {id(p) for _, p, _ in route.selected} if row_local else set()
-    specs: List[Tuple[str, nn.Parameter, bool]] = []
+    selected = {id(p) for _, p, _ in route.selected}
+    specs: List[ShuffleParam] = []
     seen = set()
     for name, param in module.named_parameters():
         if param.requires_grad and id(param) not in seen:
             seen.add(id(param))
-            specs.append((name, param, id(param) in sparse))
-    if route.selected and not row_local:
+            sparse_grad = id(param) in selected
+            specs.append(ShuffleParam(name, param, sparse_grad, sparse_grad and row_local))
+    if route.selected and not row_local and cfg.mode == "parameters":
         logger.info("zen shuffle: %s changes rows without a gradient (momentum, weight decay or "
                     "moments): parameters are averaged densely", type(optimizer).__name__)
     dp_size = dist.get_world_size(dp_group)
