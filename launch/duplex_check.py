@@ -15,24 +15,11 @@ and a 2-rank ``all_gather``
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from typing import Callable, List
 
 import torch
 import torch.distributed as dist
 
-
-def _timed(fn: Callable[[], None], repeats: int) -> float:
-    times: List[float] = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        started = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
-    return statistics.median(times[1:])
+from zen_ds.calibrate import timed_collective
 
 
 def main() -> None:
@@ -79,7 +66,7 @@ def main() -> None:
     for name, fn in (("one way", one_way), ("two ways, one connection", two_way),
                      ("all_to_all_single", all_to_all), ("two ways, two connections", two_connections),
                      ("all_reduce", all_reduce), ("all_gather", all_gather)):
-        seconds = _timed(fn, args.repeats)
+        seconds = timed_collective(fn, args.repeats)
         if rank == 0:
             print(f"{name:>28}: {seconds * 1e3:8.1f} ms = {args.mb / seconds:6.2f} MB/s each way",
                   flush=True)

@@ -154,7 +154,9 @@ def _link(group: Optional[dist.ProcessGroup], size: int, nbytes: int, repeats: i
     return {"alpha": alpha, "bandwidth": steps * nbytes / transfer}
 
 
-def _timed_pair(fn: Callable[[], None], repeats: int) -> float:
+def timed_collective(fn: Callable[[], None], repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after a warm-up, the slowest rank's each
+    time, every run started after a barrier. Collective over the default group."""
     times: List[float] = []
     for _ in range(repeats + 1):
         dist.barrier()
@@ -189,8 +191,8 @@ def measure_duplex(peer: int, nbytes: int = 4 << 20, repeats: int = 5) -> float:
                                                    dist.P2POp(dist.irecv, recv, other)]):
                 request.wait()
 
-    one = _timed_pair(one_way, repeats)
-    both = _timed_pair(two_way, repeats)
+    one = timed_collective(one_way, repeats)
+    both = timed_collective(two_way, repeats)
     return min(max(both / max(one, 1e-9), 1.0), 2.0)
 
 
@@ -210,7 +212,7 @@ def measure_all_to_all_duplex(ranks_per_node: int = 1, nbytes: int = 4 << 20, re
     send = torch.zeros(chunk * n, dtype=torch.uint8)
     recv = torch.empty_like(send)
     ring = _timed_all_gather(chunk, None, n, repeats)
-    spread = _timed_pair(lambda: dist.all_to_all_single(recv, send), repeats)
+    spread = timed_collective(lambda: dist.all_to_all_single(recv, send), repeats)
     return min(max(spread / max(ring, 1e-9) / max(expected, 1e-12), 1.0), 2.0)
 
 
