@@ -49,8 +49,9 @@ class CostModel:
     rounds), ``all_to_all_duplex`` an all-to-all's time over a one-way ring's with the same bytes:
     1 for full-duplex links (NCCL, RDMA), up to 2 where a connection's two directions share its
     rate (gloo's TCP pairs on the emulated cluster: ``zen-bench calibrate`` measures both). They
-    charge the estimate's two-way NIC bytes again, in part. ``compute`` holds seconds per element of each local op (:data:`COMPUTE_OPS`). The simulator
-    times its exact traffic with the same methods, so planner and simulator share one model.
+    charge the estimate's two-way NIC bytes again, in part. ``compute`` holds seconds per element
+    of each local op (:data:`COMPUTE_OPS`). The simulator times its exact traffic with the same
+    methods, so planner and simulator share one model.
     """
 
     alpha: float = 50e-6  # seconds per latency step (gloo/TCP order of magnitude)

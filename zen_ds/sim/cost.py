@@ -138,14 +138,16 @@ class SimCost:
 
         A pair's two-way bytes are ``min(bytes i->j, bytes j->i)`` over the pairs that cross the
         NIC; a ring moves two ways only between two ranks (one neighbour both ways)."""
+        return self._loads(phase, is_pairwise(phase))
+
+    def _loads(self, phase: Phase, pairwise: bool) -> Tuple[float, float, float]:
         n = phase.sent.numel()
         k = min(self.topology.ranks_per_node, n)
         if phase.op != OP_ALL_TO_ALL:
             per_rank = float(torch.maximum(phase.sent, phase.received).max())
             if k == n and k > 1:
                 return 0.0, per_rank, 0.0
-            pair = phase.latency_steps == 1  # groups of two: one neighbour both ways
-            two_way = float(torch.minimum(phase.sent, phase.received).max()) if pair else 0.0
+            two_way = float(torch.minimum(phase.sent, phase.received).max()) if pairwise else 0.0
             return per_rank, 0.0, two_way
         node = torch.arange(n) // k
         same = node[:, None] == node[None, :]
@@ -158,14 +160,15 @@ class SimCost:
         both = torch.minimum(cross, cross.t())
         two_way = torch.zeros(nodes, dtype=torch.int64).index_add_(0, node, both.sum(1))
         nic = torch.maximum(nic_out, nic_in)
-        factor = self.model.duplex if is_pairwise(phase) else self.model.all_to_all_duplex
+        factor = self.model.duplex if pairwise else self.model.all_to_all_duplex
         busiest = int(torch.argmax(nic.double() + (factor - 1.0) * two_way.double()))
         intra_max = float(torch.maximum(intra.sum(1), intra.sum(0)).max())
         return float(nic[busiest]), intra_max, float(two_way[busiest])
 
     def phase_seconds(self, phase: Phase) -> float:
-        nic, intra, two_way = self.link_loads(phase)
-        if is_pairwise(phase):
+        pairwise = is_pairwise(phase)
+        nic, intra, two_way = self._loads(phase, pairwise)
+        if pairwise:
             return self.model.link_seconds(nic, intra, phase.latency_steps, two_way)
         return self.model.link_seconds(nic, intra, phase.latency_steps, 0.0, two_way)
 
