@@ -48,6 +48,7 @@ import zen_ds
 from zen_ds import RowSparse
 from zen_ds.compression import CompressionConfig, GradientCompressor, select_topk
 from zen_ds.shuffle_sync import MODES as SHUFFLE_MODES, ShuffleParam, ShuffleSync
+from zen_ds.teardown import exit_finished_rank
 
 # mode -> compression config (None = dense sync of everything); optimizer momentum per mode
 MODES: Dict[str, Optional[Dict[str, Any]]] = {
@@ -316,6 +317,8 @@ def worker(rank: int, world: int, port: Optional[int], args: argparse.Namespace,
                 queue.put(result)
     finally:
         dist.destroy_process_group()
+    if port is not None:  # a spawned rank: hand over the results, then skip the teardown
+        exit_finished_rank(0, [queue])
 
 
 class _Collect(list):
@@ -455,6 +458,8 @@ def main() -> None:
     if args.json and results:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=1)
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:  # a rank started by a launcher
+        exit_finished_rank(0)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import deepspeed
 import torch.distributed as dist
 
 from zen_ds import ZenConfigError
+from zen_ds.teardown import exit_finished_rank
 
 
 def shutdown() -> None:
@@ -49,12 +50,6 @@ def run_example(main: Callable[[], object]) -> None:
         remove_shm_buffer()
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_finished_rank(2)
     shutdown()
-    # Done and every process group destroyed: leave without the interpreter's teardown. At exit,
-    # C++ static destructors of torch/gloo/DeepSpeed threads intermittently abort a finished rank
-    # ("terminate called without an active exception", seen with stock DeepSpeed too), which
-    # would turn a completed run into a failed one.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_finished_rank(0)  # past this point the interpreter's teardown can only abort a done rank

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.calibrate import timed_collective
+from zen_ds.teardown import exit_finished_rank
 
 
 def main() -> None:
@@ -71,6 +72,7 @@ def main() -> None:
             print(f"{name:>28}: {seconds * 1e3:8.1f} ms = {args.mb / seconds:6.2f} MB/s each way",
                   flush=True)
     dist.destroy_process_group()
+    exit_finished_rank(0)
 
 
 if __name__ == "__main__":

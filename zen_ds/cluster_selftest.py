@@ -17,6 +17,8 @@ import sys
 import time
 from typing import List, Optional
 
+from .teardown import exit_finished_rank
+
 LOW, HIGH = 0.5, 1.3  # accepted measured/shaped band: contention lowers rates, shaping caps them
 
 
@@ -121,4 +123,5 @@ def selftest_worker(size_mb: float = 16.0, iters: int = 3) -> None:
     if rank == 0 and failures:
         print(f"selftest: FAILED: {', '.join(failures)} not within {LOW:.0%}..{HIGH:.0%} of the "
               "shaped rate", file=sys.stderr, flush=True)
-        sys.exit(1)
+        exit_finished_rank(1)
+    exit_finished_rank(0)

@@ -16,6 +16,8 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
+from ..teardown import exit_finished_rank
+
 logger = logging.getLogger(__name__)
 
 
@@ -125,6 +127,7 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_finished_rank(0)
 
 
 def _network_args(args: argparse.Namespace):
@@ -186,6 +189,7 @@ def _calibrate_worker(rank: int, world_size: int, args: argparse.Namespace,
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_finished_rank(0)
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
