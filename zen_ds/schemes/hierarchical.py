@@ -13,7 +13,8 @@ balance across nodes.
    handshake among those ranks (nnz, support sketch, owner counts). Partial sums cross nodes in the
    accumulation dtype, so fp16/bf16 are rounded once, at the end.
 3. **Share**: each local rank sends its summed slices to the other ranks of its node (sizes
-   all-gather, then one all-to-all), and every rank assembles the whole result.
+   all-gather, then one all-to-all), and every rank assembles the whole result (or scatters each
+   slice straight into the caller's dense tensor, as balanced does).
 
 Node membership: see :mod:`zen_ds.schemes.topology` (``ZEN_DS_RANKS_PER_NODE``, else the
 launcher's ``LOCAL_WORLD_SIZE``). One node degenerates to the intra-node phases; one rank per
@@ -114,16 +115,36 @@ class HierarchicalScheme(Scheme):
             final_counts[s] = rows.numel()
         shared = wire.swap(node, summed, final_counts, handled, x.dtype, "hierarchical.share",
                            to_all=True)
-        parts = []
+        final: List[Tuple[int, Part]] = []
         for s in range(topology.slices):
             owner = s % node.world_size
-            rows, vals = summed[s] if owner == node.rank else shared[owner][s]
-            parts.append((rows + layout.starts[s], vals))
-        rows = ops.unpermute(torch.cat([p[0] for p in parts]), x.num_rows, ctx.seed)
-        vals = torch.cat([p[1] for p in parts])
-        rows, order = torch.sort(rows)
-        return RowSparse(rows, vals[order].reshape((rows.numel(),) + x.row_shape), x.num_rows,
-                         coalesced=True)
+            final.append((s, summed[s] if owner == node.rank else shared[owner][s]))
+        if ctx.dense_out is not None:
+            # The caller wants a dense tensor: each slice straight into it through the inverse
+            # permutation, without building (or sorting) the global row list.
+            self._scatter_dense(ctx, layout, x, final)
+            return None
+        rows = ops.unpermute(torch.cat([r + layout.starts[s] for s, (r, _) in final]),
+                             x.num_rows, ctx.seed)
+        vals = torch.cat([v for _, (_, v) in final])
+        if ctx.sorted_output:
+            # Unique rows: "aggregate" only sorts them (the compiled op's radix/bucket pass).
+            rows, vals = ops.aggregate(rows, vals, accum_dtype(x.dtype))
+            vals = vals.to(x.dtype)
+        return RowSparse(rows, vals.reshape((rows.numel(),) + x.row_shape), x.num_rows,
+                         coalesced=ctx.sorted_output)
+
+    @staticmethod
+    def _scatter_dense(ctx: SyncContext, layout: ShardLayout, x: RowSparse,
+                       final: Sequence[Tuple[int, Part]]) -> None:
+        out = ctx.dense_out
+        if tuple(out.shape) != (x.num_rows,) + tuple(x.row_shape):
+            raise ValueError(f"hierarchical: dense_out has shape {tuple(out.shape)}, expected "
+                             f"{(x.num_rows,) + tuple(x.row_shape)}")
+        for s, (rows, vals) in final:
+            ops.scatter_shard(out, rows, vals, False, layout.shard_size(s), layout.starts[s],
+                              x.num_rows, ctx.seed)
+        ctx.dense_nnz = sum(vals.shape[0] for _, (_, vals) in final)
 
     @staticmethod
     def _handled(topology: Topology, node: Communicator) -> List[List[int]]:
@@ -158,7 +179,7 @@ class HierarchicalScheme(Scheme):
                           comm.rank, latency, estimate_singletons(sketches, union))
         inner = _inner_scheme(shape)
         sub = SyncContext(comm, ctx.seed, None, ctx.index_encoding, nnz,
-                          table[:, 1 + SKETCH_SIZE:].to(rows.device), sorted_output=True,
+                          table[:, 1 + SKETCH_SIZE:].to(rows.device), sorted_output=False,
                           shape=shape)
         y = inner.sync(RowSparse(rows, sums, slice_size, coalesced=True), sub)
         return y.indices, y.values_2d()
