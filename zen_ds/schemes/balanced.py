@@ -27,7 +27,7 @@ and the shard's layout; splitting them would pass that state across modules.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -116,6 +116,24 @@ def _view_as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 Shard = Tuple[int, bool, torch.Tensor, torch.Tensor]  # owner, is_bitmap, index, [rows, numel]
+
+
+def rows_from_positions(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], x: RowSparse,
+                        seed: int, sorted_output: bool) -> RowSparse:
+    """The summed rows of a shard-partitioned sync as a RowSparse of ``x``'s shape and dtype.
+
+    ``parts``: (permuted positions, values) per shard, every row once. Positions map back to
+    rows through the seeded permutation; the result is sorted only when ``sorted_output``."""
+    rows = ops.unpermute(torch.cat([p for p, _ in parts]), x.num_rows, seed)
+    values = torch.cat([v for _, v in parts])
+    if sorted_output:
+        # The rows are unique, so "aggregate" only sorts them (and copies each row once):
+        # the compiled op does that with a bitset/bucket pass or a radix sort, several times
+        # cheaper than an argsort and two gathers of the whole union.
+        rows, values = ops.aggregate(rows, values, accum_dtype(x.dtype))
+        values = values.to(x.dtype)
+    return RowSparse(rows, values.reshape((rows.numel(),) + x.row_shape), x.num_rows,
+                     coalesced=sorted_output)
 
 
 class _Pull:
@@ -405,16 +423,7 @@ class BalancedScheme(Scheme):
             else:
                 offsets_j = index.to(torch.int64)
             parts.append((offsets_j + layout.starts[j], values_j))
-        rows = ops.unpermute(torch.cat([p for p, _ in parts]), x.num_rows, ctx.seed)
-        values_out = torch.cat([v for _, v in parts])
-        if ctx.sorted_output:
-            # The rows are unique, so "aggregate" only sorts them (and copies each row once):
-            # the compiled op does that with a bitset/bucket pass or a radix sort, several times
-            # cheaper than an argsort and two gathers of the whole union.
-            rows, values_out = ops.aggregate(rows, values_out, accum_dtype(x.dtype))
-            values_out = values_out.to(x.dtype)
-        return RowSparse(rows, values_out.reshape((rows.numel(),) + x.row_shape), x.num_rows,
-                         coalesced=ctx.sorted_output)
+        return rows_from_positions(parts, x, ctx.seed, ctx.sorted_output)
 
     @staticmethod
     def _scatter_dense(ctx: SyncContext, layout: ShardLayout, x: RowSparse, shards) -> None:

@@ -49,7 +49,7 @@ from ..comm import Communicator
 from ..partition import ShardLayout
 from ..sparse import RowSparse, accum_dtype
 from .agsparse import AllGatherSparseScheme
-from .balanced import BalancedScheme
+from .balanced import BalancedScheme, rows_from_positions
 from .base import (DEFAULT_LATENCY_BYTES, SKETCH_SIZE, ByteEstimate, Scheme, SyncContext,
                    SyncShape, with_rank)
 from .streams import (effective_universe, exchange, expected_union, latency_cost, pack, round8,
@@ -124,15 +124,8 @@ class HierarchicalScheme(Scheme):
             # permutation, without building (or sorting) the global row list.
             self._scatter_dense(ctx, layout, x, final)
             return None
-        rows = ops.unpermute(torch.cat([r + layout.starts[s] for s, (r, _) in final]),
-                             x.num_rows, ctx.seed)
-        vals = torch.cat([v for _, (_, v) in final])
-        if ctx.sorted_output:
-            # Unique rows: "aggregate" only sorts them (the compiled op's radix/bucket pass).
-            rows, vals = ops.aggregate(rows, vals, accum_dtype(x.dtype))
-            vals = vals.to(x.dtype)
-        return RowSparse(rows, vals.reshape((rows.numel(),) + x.row_shape), x.num_rows,
-                         coalesced=ctx.sorted_output)
+        return rows_from_positions([(r + layout.starts[s], v) for s, (r, v) in final], x,
+                                   ctx.seed, ctx.sorted_output)
 
     @staticmethod
     def _scatter_dense(ctx: SyncContext, layout: ShardLayout, x: RowSparse,
