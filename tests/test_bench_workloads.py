@@ -153,18 +153,28 @@ def test_sync_end_to_end_two_local_ranks(tmp_path):
     assert "vs_dense" in p.stdout
 
 
+def test_schedule_runs_every_scheme_every_round_in_rotating_order():
+    from zen_ds.bench.runner import schedule
+
+    assert list(schedule(["a", "b"], 2, False)) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    assert list(schedule(["a", "b", "c"], 3, True)) == [
+        ("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2)]
+    assert list(schedule(["a"], 0, True)) == []
+
+
 def test_sync_dense_input_is_synced_in_place_and_compared_with_dense_allreduce(tmp_path):
     """``--dense-input``: sparse workloads go in as dense tensors written in place (out=), every
-    iteration from a fresh copy, so repeated calls stay correct; DeepSpeed's path is then dense."""
+    call from a fresh copy, so repeated calls stay correct also when the schemes take turns
+    (``--interleave``); DeepSpeed's path is then dense."""
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, "-m", "zen_ds.bench", "sync", "--local", "2", "--no-progress",
                         "-w", "synthetic:rows=3001,width=4,density=0.03,overlap=0.3",
-                        "-s", "balanced", "agsparse", "deepspeed", "--dense-input",
+                        "-s", "balanced", "agsparse", "deepspeed", "--dense-input", "--interleave",
                         "--iters", "2", "--warmup", "1", "--json", str(out)],
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
-    assert all(r["correct"] and r["input"] == "dense" for r in rows.values())
+    assert all(r["correct"] and r["input"] == "dense" and r["iters"] == 2 for r in rows.values())
     assert rows["deepspeed"]["scheme_run"] == "dense"
     assert rows["balanced"]["bytes_sent_max"] < rows["deepspeed"]["bytes_sent_max"]
 

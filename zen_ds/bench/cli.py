@@ -69,6 +69,10 @@ def _sync_parser(p: argparse.ArgumentParser) -> None:
                    help="hand each rank's gradient over as a dense tensor synced in place (out=), as "
                         "the plug-in does for a dense-gradient embedding; DeepSpeed's path is then "
                         "the dense all-reduce")
+    p.add_argument("--interleave", action="store_true",
+                   help="run every scheme once per round (rotating order) instead of one scheme's "
+                        "rounds after another's: compares small, latency-bound tensors whose "
+                        "times drift between runs more than the schemes differ")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check against torch's dense all-reduce")
     p.add_argument("--json", default=None, help="write all rows and the run context to this file")
@@ -106,7 +110,7 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
                                 warmup=args.warmup, seed=args.seed, check=not args.no_check,
                                 rate_bps=_rate(args.rate), progress=not args.no_progress,
                                 index_encoding=args.index_encoding,
-                                dense_input=args.dense_input)
+                                dense_input=args.dense_input, interleave=args.interleave)
         rows = runner.run_sync(workloads, cfg)
         if dist.get_rank() == 0:
             ctx = report.context_info(dist.get_world_size(), cfg.rate_bps, cfg.iters, argv)

@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,10 @@ class SyncConfig:
     # plug-in does for a dense-gradient embedding: the timed call then includes finding the
     # non-zero rows and writing the result back; DeepSpeed's path for them is the dense all-reduce.
     dense_input: bool = False
+    # Every scheme once per timed round (rotating order) rather than one scheme's rounds after
+    # another's: for small, latency-bound tensors whose times drift more between runs than the
+    # schemes differ.
+    interleave: bool = False
 
 
 class _Progress:
@@ -134,11 +138,58 @@ def _gather_support(g: RankGrad, group: Optional[dist.ProcessGroup]) -> tuple:
     return nnz_list, int(torch.unique(every).numel())
 
 
+def schedule(schemes: Sequence[str], rounds: int, interleave: bool
+             ) -> Iterator[Tuple[str, int]]:
+    """(scheme, round) in call order. One scheme's rounds after another's; or, ``interleave``,
+    every scheme once per round, each round starting one scheme further, so a machine that drifts
+    over the run (load, thermal, the emulated links' queues) slows every scheme alike."""
+    if not interleave:
+        for scheme in schemes:
+            for it in range(rounds):
+                yield scheme, it
+        return
+    for it in range(rounds):
+        k = it % len(schemes)
+        for scheme in list(schemes[k:]) + list(schemes[:k]):
+            yield scheme, it
+
+
+class _Calls:
+    """One scheme's calls on one workload: the timed seconds, the last stats, the checked error."""
+
+    def __init__(self) -> None:
+        self.times: List[float] = []
+        self.stats: Any = None
+        self.max_err = float("nan")
+
+    def run(self, x: Any, work: Optional[torch.Tensor], scheme: str,
+            group: Optional[dist.ProcessGroup], index_encoding: str, timed: bool,
+            reference: Optional[torch.Tensor]) -> None:
+        import zen_ds
+
+        if work is not None:  # in-place syncs overwrite their input: a fresh copy (untimed)
+            work.copy_(x)
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        if work is not None:
+            out = zen_ds.sparse_allreduce(work, group=group, scheme=scheme, out=work,
+                                          index_encoding=index_encoding)
+        else:
+            out = zen_ds.sparse_allreduce(x, group=group, scheme=scheme,
+                                          index_encoding=index_encoding)
+        elapsed = time.perf_counter() - t0
+        self.stats = zen_ds.last_sync_stats()
+        if reference is not None:
+            got = _result_dense(out).reshape(reference.shape)
+            self.max_err = float((got.float() - reference.float()).abs().max()) \
+                if reference.numel() else 0.0
+        if timed:
+            self.times.append(elapsed)
+
+
 def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
              group: Optional[dist.ProcessGroup] = None) -> List[Dict[str, Any]]:
     """Benchmark ``cfg.schemes`` on each workload; every rank returns the same list of rows."""
-    import zen_ds
-
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     total = len(workloads) * len(cfg.schemes) * (cfg.warmup + cfg.iters)
     progress = _Progress(total, cfg.progress and rank == 0)
@@ -157,44 +208,27 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
             if cfg.check:
                 reference = g.to_dense().clone()
                 dist.all_reduce(reference, group=group)
+            calls = {scheme: _Calls() for scheme in cfg.schemes}
+            for scheme, it in schedule(cfg.schemes, cfg.warmup + cfg.iters, cfg.interleave):
+                real = deepspeed_equivalent(w, cfg.dense_input) if scheme == DEEPSPEED else scheme
+                calls[scheme].run(x, work, real, group, cfg.index_encoding,
+                                  timed=it >= cfg.warmup, reference=reference if it == 0 else None)
+                progress.update(f"{w.name}/{scheme}")
             wl_rows: List[Dict[str, Any]] = []
             for scheme in cfg.schemes:
-                real = deepspeed_equivalent(w, cfg.dense_input) if scheme == DEEPSPEED else scheme
-                times: List[float] = []
-                stats = None
-                max_err = float("nan")
-                for it in range(cfg.warmup + cfg.iters):
-                    if work is not None:
-                        work.copy_(x)
-                    dist.barrier(group)
-                    t0 = time.perf_counter()
-                    if work is not None:
-                        out = zen_ds.sparse_allreduce(work, group=group, scheme=real, out=work,
-                                                      index_encoding=cfg.index_encoding)
-                    else:
-                        out = zen_ds.sparse_allreduce(x, group=group, scheme=real,
-                                                      index_encoding=cfg.index_encoding)
-                    elapsed = time.perf_counter() - t0
-                    stats = zen_ds.last_sync_stats()
-                    if it == 0 and reference is not None:
-                        got = _result_dense(out).reshape(reference.shape)
-                        max_err = float((got.float() - reference.float()).abs().max()) \
-                            if reference.numel() else 0.0
-                    if it >= cfg.warmup:
-                        times.append(elapsed)
-                    del out
-                    progress.update(f"{w.name}/{scheme}")
-                assert stats is not None
+                done = calls[scheme]
+                assert done.stats is not None
                 # Per-iteration time of the slowest rank; bytes: max and total over ranks.
-                t = torch.tensor(times, dtype=torch.float64)
+                t = torch.tensor(done.times, dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-                b = torch.tensor([stats.bytes_sent, stats.bytes_received], dtype=torch.int64)
+                b = torch.tensor([done.stats.bytes_sent, done.stats.bytes_received],
+                                 dtype=torch.int64)
                 bmax, bsum = b.clone(), b.clone()
                 dist.all_reduce(bmax, op=dist.ReduceOp.MAX, group=group)
                 dist.all_reduce(bsum, group=group)
-                err = torch.tensor([max_err if not math.isnan(max_err) else -1.0])
+                err = torch.tensor([done.max_err if not math.isnan(done.max_err) else -1.0])
                 dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
-                wl_rows.append(_row(w, scheme, stats, n, nnz_list, union, t.tolist(),
+                wl_rows.append(_row(w, scheme, done.stats, n, nnz_list, union, t.tolist(),
                                     bmax.tolist(), bsum.tolist(), float(err), cfg, reference))
             _add_ratios(wl_rows, deepspeed_equivalent(w, cfg.dense_input))
             rows.extend(wl_rows)
