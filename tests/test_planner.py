@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zen_ds.planner import (EVERY_RANK_UP_TO, CostModel, plan, plan_and_price, planning_ranks,
-                            price)
+from zen_ds.planner import (EVERY_RANK_UP_TO, CostModel, plan, plan_and_price, plan_choice,
+                            planning_ranks, price, representative_shape)
 from zen_ds.schemes import auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncShape
 from zen_ds.schemes.sparcml import SparCMLScheme
@@ -57,6 +57,47 @@ def test_pruned_plan_equals_full_pricing(shape: SyncShape, cost: CostModel, per_
     assert chosen == min(names, key=full.__getitem__)
     assert slowest[chosen] == full[chosen]
     assert all(slowest[n] <= full[n] for n in names)
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes(), st.sampled_from([CostModel(), CostModel(alpha=2e-3, bandwidth=1.2e7, duplex=2.0,
+                                                         all_to_all_duplex=1.4)]),
+       st.sampled_from([1, 2, 3]), st.integers(0, 63), st.integers(0, 2**31))
+def test_memoised_choice_is_pure_and_near_the_exact_best(shape: SyncShape, cost: CostModel,
+                                                         per_node: int, rank: int,
+                                                         seed: int) -> None:
+    """auto's memoised choice depends only on the bucketed counts (never on what this process
+    planned before, which differs between ranks), and costs at most a few percent more than the
+    exact counts' best."""
+    import random
+
+    from zen_ds import planner
+
+    n = shape.world_size
+    shape = replace(shape, ranks_per_node=per_node, rank=rank % n, latency_bytes=cost.latency_bytes,
+                    singletons=random.Random(seed).randint(0, shape.union_nnz))
+    planner._memo.clear()
+    first = plan_choice(shape, (), cost)
+    assert first == plan(representative_shape(shape), cost=cost)[0]
+    # Another rank whose memo holds other plans, including a nearby shape's, answers the same.
+    planner._memo.clear()
+    nearby = replace(shape, nnz_per_rank=[m + 1 for m in shape.nnz_per_rank])
+    if max(nearby.nnz_per_rank) <= shape.num_rows:
+        plan_choice(nearby, (), cost)
+    assert plan_choice(replace(shape, rank=(rank + 1) % n), (), cost) == first
+    names = [s for s in auto_candidates() if s != "hierarchical" or 1 < per_node < n]
+    exact, _ = price(shape, names, cost)
+    assert exact[first] <= 1.05 * min(exact.values()) + 1e-12
+
+
+def test_representative_counts_keep_small_ones_and_move_large_ones_little() -> None:
+    shape = SyncShape(3, [0, 64, 100_000], 100_050, 200_000, 4, 4, rank=2, singletons=7)
+    rep = representative_shape(shape)
+    assert rep.rank == 0 and rep.nnz_per_rank[:2] == [0, 64] and rep.singletons == 7
+    assert abs(rep.nnz_per_rank[2] / 100_000 - 1) < 0.023
+    assert max(rep.nnz_per_rank) <= rep.union_nnz <= min(sum(rep.nnz_per_rank), rep.num_rows)
+    dense = representative_shape(SyncShape(2, [999, 1000], 1000, 1000, 4, 4))
+    assert max(dense.nnz_per_rank) <= 1000 and dense.union_nnz <= 1000
 
 
 def test_skewed_nnz_case_that_deadlocked() -> None:

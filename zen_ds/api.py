@@ -25,7 +25,8 @@ from .comm import Communicator
 from .handshake import DTYPE_CODES, HandshakeTable, encode_record, row_dims_slots
 from .inputs import LocalInput, inspect_input
 from .partition import ShardLayout
-from .planner import CostModel, estimate_singletons, estimate_union, plan_and_price
+from .planner import (CostModel, estimate_singletons, estimate_union, plan_and_price,
+                      plan_choice)
 from .schemes import auto_candidates, get_scheme, scheme_names
 from .schemes.base import SKETCH_SIZE, SyncContext, SyncShape, handshake_bytes
 from .schemes.topology import ranks_per_node
@@ -289,8 +290,8 @@ def _plan(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptio
                       table.column("ranks_per_node")[0])
     if max(nnz_per_rank) > opts.density_threshold * num_rows:
         names: Tuple[str, ...] = ("dense",)
-    elif scheme == "auto":
-        names = auto_candidates_for(comm, shape)
+    elif scheme == "auto":  # memoised on bucketed counts: priced afresh only when they move
+        names = (plan_choice(shape, auto_candidates_for(comm, shape), opts.cost_model),)
     else:
         names = (scheme,)
     chosen, slowest, estimates = plan_and_price(shape, names, opts.cost_model)

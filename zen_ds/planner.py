@@ -3,6 +3,8 @@
 Every rank sees the same handshake (per-rank nnz, a KMV sketch of each support), estimates the
 union size, asks each scheme's :meth:`~zen_ds.schemes.base.Scheme.predict` for its bytes, and picks
 the fastest under an alpha-beta model. Ties keep registry order, so the plan is deterministic.
+``auto`` asks :func:`plan_choice`, which memoises that choice on the counts rounded to 1/16
+octave, so steady sparsity is priced once rather than at every step.
 
 A scheme's cost is its cost on the *slowest* rank, never the calling rank's own: a collective ends
 when its last rank does, and a rank-local choice would let ranks with different nnz pick different
@@ -13,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Dict, Hashable, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -25,7 +29,8 @@ from .schemes.base import ByteEstimate, SyncShape, with_rank
 logger = logging.getLogger(__name__)
 
 __all__ = ["CostModel", "DEFAULT_COMPUTE_RATES", "COMPUTE_OPS", "estimate_union",
-           "estimate_singletons", "plan", "plan_and_price", "price"]
+           "estimate_singletons", "plan", "plan_and_price", "price", "plan_choice",
+           "representative_shape"]
 
 
 # Seconds per element of zen's local ops when nothing was measured: the compiled CPU ops on one
@@ -213,3 +218,64 @@ def plan_and_price(shape: SyncShape, candidates: Iterable[str] = (),
         names = tuple(name for name in names if name != "hierarchical") or names
     slowest, estimates = price(shape, names, cost, prune=True)
     return min(names, key=slowest.__getitem__), slowest, estimates
+
+
+# ----------------------------------------------------------------------------- memoised choice
+# Counts up to EXACT_COUNTS plan as they are; larger ones in steps of 1/16 octave (4.4%).
+EXACT_COUNTS = 64
+STEPS_PER_OCTAVE = 16
+PLAN_MEMO_SIZE = 4096
+# Settings the schemes' byte models read from the environment (part of the memo key).
+_MODEL_ENV = ("ZEN_DS_OMNIREDUCE_BLOCK", "ZEN_DS_RANKS_PER_NODE", "LOCAL_WORLD_SIZE")
+_memo: "OrderedDict[Hashable, str]" = OrderedDict()
+
+
+def _bucket(count: int) -> int:
+    if count <= EXACT_COUNTS:
+        return int(count)
+    return EXACT_COUNTS + int(round((math.log2(count) - math.log2(EXACT_COUNTS))
+                                    * STEPS_PER_OCTAVE))
+
+
+def _count_of(bucket: int) -> int:
+    if bucket <= EXACT_COUNTS:
+        return bucket
+    return int(round(EXACT_COUNTS * 2.0 ** ((bucket - EXACT_COUNTS) / STEPS_PER_OCTAVE)))
+
+
+def representative_shape(shape: SyncShape) -> SyncShape:
+    """``shape`` with every count (per-rank nnz, union, singletons) replaced by its bucket's
+    representative, seen from rank 0: what :func:`plan_choice` prices. Counts up to
+    :data:`EXACT_COUNTS` are kept; larger ones move by at most ~2.2%."""
+    nnz = [min(_count_of(_bucket(m)), shape.num_rows) for m in shape.nnz_per_rank]
+    union = min(max(_count_of(_bucket(shape.union_nnz)), max(nnz, default=0)),
+                min(sum(nnz), shape.num_rows))
+    singletons = min(_count_of(_bucket(shape.singletons)), union)
+    return replace(shape, nnz_per_rank=nnz, union_nnz=union, singletons=singletons, rank=0)
+
+
+def plan_choice(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = CostModel()
+                ) -> str:
+    """The scheme :func:`plan` picks for :func:`representative_shape` of ``shape``, memoised.
+
+    Pricing six schemes costs more host time than a latency-bound sync of a small tensor on a
+    fast network, and a training step syncs the same tensors with nearly the same sparsity step
+    after step. The choice is a pure function of the bucketed counts, the candidates, the cost
+    model and the byte models' settings, so every rank gets the same answer whatever it planned
+    before (no per-group history to keep consistent). Near a decision boundary it may pick a
+    scheme that the exact counts would rank second, by at most the few percent a bucket moves
+    the counts."""
+    names = tuple(candidates) or auto_candidates()
+    key = (names, cost, shape.world_size, shape.num_rows, shape.row_numel, shape.value_bytes,
+           shape.latency_bytes, shape.ranks_per_node, tuple(os.environ.get(v) for v in _MODEL_ENV),
+           tuple(_bucket(m) for m in shape.nnz_per_rank), _bucket(shape.union_nnz),
+           _bucket(shape.singletons))
+    chosen = _memo.get(key)
+    if chosen is None:
+        chosen = plan(representative_shape(shape), names, cost)[0]
+        _memo[key] = chosen
+        if len(_memo) > PLAN_MEMO_SIZE:
+            _memo.popitem(last=False)
+    else:
+        _memo.move_to_end(key)
+    return chosen

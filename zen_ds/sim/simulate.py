@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..planner import CostModel, plan, planning_ranks
+from ..planner import CostModel, plan_choice, planning_ranks
 from ..schemes import get_scheme, scheme_names
 from ..schemes.base import SyncShape
 from .cost import SimCost
@@ -168,7 +168,7 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
             rows.append(_result(name, "model", traffic, cost, supports.row_numel))
         else:
             rows.append(_result(name, "exact", traffic, cost, supports.row_numel))
-    chosen, _ = plan(auto_shape, cost=planning)
+    chosen = plan_choice(auto_shape, cost=planning)  # the runtime's (memoised) choice
     traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding)
     method = "exact"
     if traffic is None:
