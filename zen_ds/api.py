@@ -25,8 +25,7 @@ from .comm import Communicator
 from .handshake import DTYPE_CODES, HandshakeTable, encode_record, row_dims_slots
 from .inputs import LocalInput, inspect_input
 from .partition import ShardLayout
-from .planner import (CostModel, estimate_singletons, estimate_union, plan_and_price,
-                      plan_choice)
+from .planner import CostModel, estimate_support, plan_and_price, plan_choice
 from .schemes import auto_candidates, get_scheme, scheme_names
 from .schemes.base import SKETCH_SIZE, SyncContext, SyncShape, handshake_bytes
 from .schemes.topology import ranks_per_node
@@ -281,8 +280,7 @@ def _plan(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptio
     n, num_rows = comm.world_size, local.num_rows
     nnz_per_rank = table.column("nnz")
     if _sketched(scheme):
-        union = estimate_union(table.sketches, nnz_per_rank, num_rows)
-        singletons = estimate_singletons(table.sketches, union)
+        union, singletons = estimate_support(table.sketches, nnz_per_rank, num_rows)
     else:
         union, singletons = min(sum(nnz_per_rank), num_rows), 0
     shape = SyncShape(n, nnz_per_rank, union, num_rows, local.row_numel, local.element_size,

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Dict, Hashable, Iterable, List, Mapping, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .schemes import auto_candidates, get_scheme
@@ -29,7 +30,7 @@ from .schemes.base import ByteEstimate, SyncShape, with_rank
 logger = logging.getLogger(__name__)
 
 __all__ = ["CostModel", "DEFAULT_COMPUTE_RATES", "COMPUTE_OPS", "estimate_union",
-           "estimate_singletons", "plan", "plan_and_price", "price", "plan_choice",
+           "estimate_singletons", "estimate_support", "plan", "plan_and_price", "price", "plan_choice",
            "representative_shape"]
 
 
@@ -121,20 +122,33 @@ class CostModel:
                                            if op in rates))
 
 
+def estimate_support(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int
+                     ) -> Tuple[int, int]:
+    """``(union, singletons)``: :func:`estimate_union` and :func:`estimate_singletons` from one
+    pass over the sketches (numpy: a few hundred values, where torch's per-op overhead
+    dominates)."""
+    values = sketches.numpy()
+    positions, holders = np.unique(values[values >= 0], return_counts=True)
+    union = _union_from(positions, sketches.shape[-1], nnz_per_rank, num_rows)
+    return union, _singletons_from(holders, sketches.shape[-1], union)
+
+
 def estimate_union(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int) -> int:
     """Union support size from per-rank KMV sketches (k smallest permuted positions, -1 padded).
 
     Exact when every rank's support fits in its sketch; otherwise the k-th smallest value of the
     merged sketch estimates it (k N / v_k), clamped to ``[max m_i, min(sum m_i, N)]``.
     """
+    return estimate_support(sketches, nnz_per_rank, num_rows)[0]
+
+
+def _union_from(merged: np.ndarray, k: int, nnz_per_rank: Sequence[int], num_rows: int) -> int:
     lower, upper = max(nnz_per_rank, default=0), min(sum(nnz_per_rank), num_rows)
-    merged = torch.unique(sketches[sketches >= 0])
-    k = sketches.shape[-1]
     if all(m <= k for m in nnz_per_rank):
-        return int(merged.numel())
-    if merged.numel() < k:
+        return int(merged.size)
+    if merged.size < k:
         return lower
-    kth = int(merged[k - 1])  # torch.unique sorts ascending
+    kth = int(merged[k - 1])  # np.unique sorts ascending
     estimate = int(round(k * num_rows / (kth + 1)))
     return min(max(estimate, lower), upper)
 
@@ -146,11 +160,16 @@ def estimate_singletons(sketches: torch.Tensor, union: int) -> int:
     union's, so a rank holds one of the union's k smallest positions iff its sketch lists it: the
     holder counts of that sample are exact, and the fraction held once scales to the union.
     """
-    positions, holders = torch.unique(sketches[sketches >= 0], return_counts=True)
-    sample = holders[: sketches.shape[-1]]
-    if sample.numel() == 0:
+    values = sketches.numpy()
+    _, holders = np.unique(values[values >= 0], return_counts=True)
+    return _singletons_from(holders, sketches.shape[-1], union)
+
+
+def _singletons_from(holders: np.ndarray, k: int, union: int) -> int:
+    sample = holders[:k]
+    if sample.size == 0:
         return 0
-    return int(round(union * int((sample == 1).sum()) / sample.numel()))
+    return int(round(union * int((sample == 1).sum()) / sample.size))
 
 
 EVERY_RANK_UP_TO = 8

@@ -149,7 +149,7 @@ class HierarchicalScheme(Scheme):
     def _across(rows: torch.Tensor, sums: torch.Tensor, slice_size: int, comm: Communicator,
                 ctx: SyncContext) -> Part:
         """Sum one slice over the nodes with the inner scheme the byte model prefers."""
-        from ..planner import estimate_singletons, estimate_union
+        from ..planner import estimate_support
 
         g = comm.world_size
         if g == 1 or slice_size == 0:
@@ -166,10 +166,10 @@ class HierarchicalScheme(Scheme):
         table = table.view(g, -1).cpu()
         nnz = table[:, 0].tolist()
         sketches = table[:, 1: 1 + SKETCH_SIZE]
-        union = estimate_union(sketches, nnz, slice_size)
+        union, singletons = estimate_support(sketches, nnz, slice_size)
         latency = ctx.shape.latency_bytes if ctx.shape is not None else DEFAULT_LATENCY_BYTES
         shape = SyncShape(g, nnz, union, slice_size, sums.shape[1], sums.element_size(),
-                          comm.rank, latency, estimate_singletons(sketches, union))
+                          comm.rank, latency, singletons)
         inner = _inner_scheme(shape)
         sub = SyncContext(comm, ctx.seed, None, ctx.index_encoding, nnz,
                           table[:, 1 + SKETCH_SIZE:].to(rows.device), sorted_output=False,

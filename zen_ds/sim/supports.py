@@ -22,7 +22,7 @@ import torch
 
 from ..bench.workloads import Workload
 from ..partition import ShardLayout
-from ..planner import estimate_singletons, estimate_union
+from ..planner import estimate_support
 from ..schemes.base import DEFAULT_LATENCY_BYTES, SKETCH_SIZE, SyncShape
 
 logger = logging.getLogger(__name__)
@@ -163,8 +163,7 @@ def handshake_shape(supports: Supports, latency_bytes: float = DEFAULT_LATENCY_B
     sum of nnz (at most every row) and no singletons, as there."""
     nnz = supports.nnz.tolist()
     if with_layout and supports.num_rows:
-        union = estimate_union(supports.sketches, nnz, supports.num_rows)
-        singletons = estimate_singletons(supports.sketches, union)
+        union, singletons = estimate_support(supports.sketches, nnz, supports.num_rows)
     else:
         union, singletons = min(sum(nnz), supports.num_rows), 0
     return SyncShape(supports.world_size, nnz, union, supports.num_rows, supports.row_numel,
