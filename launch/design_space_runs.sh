@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Design-space runs on the emulated cluster (BENCHMARKS.md "Design space on the emulated
 # cluster"): per topology, `zen-bench calibrate` measures latency, bandwidth, duplex and compute rates,
-# then `zen-bench sync` runs all six schemes and auto with that cost model. Needs root (network
+# then `zen-bench sync` runs all six schemes and auto with that cost model, taking turns every
+# round (--interleave) so drift falls on all alike. Needs root (network
 # namespaces, tc). Results: bench_out/design_{h4,h4x2,h8}.{json,txt}, bench_out/cal_*.txt.
 #   RATE=200mbit ITERS=3 TAG=_200m bash launch/design_space_runs.sh h4 h4x2 h8
 #   RATE=100mbit ITERS=3 TAG=_100m SCALE=0.03125 NOCHECK=1 bash launch/design_space_runs.sh h16
@@ -32,7 +33,7 @@ run() {  # name hosts rph
   local a2a=$($PY -c "import json;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['all_to_all_duplex'])")
   echo "$name alpha=$alpha bw=$bw intra=$ibw duplex=$duplex a2a=$a2a" >> bench_out/design_log.txt
   $PY -m zen_ds.cluster --hosts $hosts --ranks-per-host $rph --rate $RATE --timeout 2400 -- \
-      $PY -m zen_ds.bench sync $WL --schemes all auto --iters $ITERS "${EXTRA[@]}" --no-progress --alpha $alpha --bandwidth $bw --intra-bandwidth $ibw --duplex $duplex --all-to-all-duplex $a2a \
+      $PY -m zen_ds.bench sync $WL --schemes all auto --interleave --iters $ITERS "${EXTRA[@]}" --no-progress --alpha $alpha --bandwidth $bw --intra-bandwidth $ibw --duplex $duplex --all-to-all-duplex $a2a \
       --json bench_out/design_$name.json > bench_out/design_$name.txt 2>&1
   echo "$name done rc=$? $(date)" >> bench_out/design_log.txt
 }
