@@ -122,54 +122,59 @@ class CostModel:
                                            if op in rates))
 
 
+def _complete_sample(sketches: torch.Tensor) -> Tuple[np.ndarray, np.ndarray, int]:
+    """``(positions, holder counts, threshold)``: every union position up to the threshold,
+    with how many ranks hold it, exactly. A full sketch (no -1 padding) lists its rank's k
+    smallest positions, so it is complete up to its largest; a padded one lists its whole
+    support. Up to the smallest of the full sketches' largest values every rank's positions are
+    therefore all present: a sample of the union of up to n k positions, rather than the k
+    smallest of the merged sketch. Threshold -1: no sketch is full, the sample is the union."""
+    values = sketches.numpy()
+    full = values.min(axis=1) >= 0 if values.size else np.zeros(0, dtype=bool)
+    threshold = int(values[full].max(axis=1).min()) if full.any() else -1
+    kept = values[(values >= 0) & (values <= threshold)] if threshold >= 0 else values[values >= 0]
+    positions, holders = np.unique(kept, return_counts=True)
+    return positions, holders, threshold
+
+
 def estimate_support(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int
                      ) -> Tuple[int, int]:
-    """``(union, singletons)``: :func:`estimate_union` and :func:`estimate_singletons` from one
-    pass over the sketches (numpy: a few hundred values, where torch's per-op overhead
-    dominates)."""
-    values = sketches.numpy()
-    positions, holders = np.unique(values[values >= 0], return_counts=True)
-    union = _union_from(positions, sketches.shape[-1], nnz_per_rank, num_rows)
-    return union, _singletons_from(holders, sketches.shape[-1], union)
+    """``(union, singletons)`` from the per-rank KMV sketches (the k smallest permuted
+    positions, -1 padded), in one pass.
+
+    Exact when no rank's support outgrows its sketch. Otherwise the complete sample below the
+    threshold (:func:`_complete_sample`: c positions) scales to the union, ``c N / (t + 1)``,
+    clamped to ``[max m_i, min(sum m_i, N)]``, and the fraction of it held by one rank to the
+    singletons. Positions are uniform (the seeded permutation), so the sample is unbiased, and
+    with n ranks it holds up to n k positions: the error falls with the group's overlap, not
+    only with k (numpy: a few hundred values, where torch's per-op overhead dominates)."""
+    positions, holders, threshold = _complete_sample(sketches)
+    lower, upper = max(nnz_per_rank, default=0), min(sum(nnz_per_rank), num_rows)
+    if threshold < 0:
+        return int(positions.size), int((holders == 1).sum())
+    union = min(max(int(round(positions.size * num_rows / (threshold + 1))), lower), upper)
+    return union, _singletons_from(holders, union)
 
 
 def estimate_union(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int) -> int:
-    """Union support size from per-rank KMV sketches (k smallest permuted positions, -1 padded).
-
-    Exact when every rank's support fits in its sketch; otherwise the k-th smallest value of the
-    merged sketch estimates it (k N / v_k), clamped to ``[max m_i, min(sum m_i, N)]``.
-    """
+    """Union support size from per-rank KMV sketches: :func:`estimate_support`'s first half."""
     return estimate_support(sketches, nnz_per_rank, num_rows)[0]
-
-
-def _union_from(merged: np.ndarray, k: int, nnz_per_rank: Sequence[int], num_rows: int) -> int:
-    lower, upper = max(nnz_per_rank, default=0), min(sum(nnz_per_rank), num_rows)
-    if all(m <= k for m in nnz_per_rank):
-        return int(merged.size)
-    if merged.size < k:
-        return lower
-    kth = int(merged[k - 1])  # np.unique sorts ascending
-    estimate = int(round(k * num_rows / (kth + 1)))
-    return min(max(estimate, lower), upper)
 
 
 def estimate_singletons(sketches: torch.Tensor, union: int) -> int:
     """Rows held by exactly one rank, from the same KMV sketches as :func:`estimate_union`.
 
-    A rank's sketch holds its k smallest positions, and a subset's k smallest are never below the
-    union's, so a rank holds one of the union's k smallest positions iff its sketch lists it: the
-    holder counts of that sample are exact, and the fraction held once scales to the union.
-    """
-    values = sketches.numpy()
-    _, holders = np.unique(values[values >= 0], return_counts=True)
-    return _singletons_from(holders, sketches.shape[-1], union)
+    Up to the threshold of :func:`_complete_sample` every rank lists every position it holds,
+    so the holder counts of that sample are exact, and the fraction held once scales to the
+    union."""
+    _, holders, _ = _complete_sample(sketches)
+    return _singletons_from(holders, union)
 
 
-def _singletons_from(holders: np.ndarray, k: int, union: int) -> int:
-    sample = holders[:k]
-    if sample.size == 0:
+def _singletons_from(holders: np.ndarray, union: int) -> int:
+    if holders.size == 0:
         return 0
-    return int(round(union * int((sample == 1).sum()) / sample.size))
+    return int(round(union * int((holders == 1).sum()) / holders.size))
 
 
 EVERY_RANK_UP_TO = 8
