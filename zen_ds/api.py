@@ -155,7 +155,7 @@ def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool
     else:
         sketch = owner_counts = None
         needs_layout = n > 1 and local.num_rows > 0 and local.row_numel > 0 and (
-            scheme == "auto" or get_scheme(scheme).needs_owner_counts)
+            scheme == "auto" or get_scheme(scheme).needs_sketch)
         if needs_layout and local.nnz:
             layout = ShardLayout(local.num_rows, n, opts.seed)
             positions = layout.positions(local.rows.cpu())
@@ -260,7 +260,7 @@ def _into_dense(result: RowSparse, target: torch.Tensor, local: LocalInput, in_p
 
 def _sketched(scheme: str) -> bool:
     """Whether the handshake carried sketches and owner counts (decided from agreed fields)."""
-    return scheme == "auto" or get_scheme(scheme).needs_owner_counts
+    return scheme == "auto" or get_scheme(scheme).needs_sketch
 
 
 def auto_candidates_for(comm: Communicator, shape: SyncShape) -> Tuple[str, ...]:

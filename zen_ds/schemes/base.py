@@ -183,6 +183,15 @@ class Scheme(ABC):
     name: ClassVar[str] = ""
     #: True when ``sync`` needs ``ctx.owner_counts`` (the balanced partition's counts).
     needs_owner_counts: ClassVar[bool] = False
+    #: True when ``predict`` (and so the scheme's own variant choices) reads the union and
+    #: singletons: the handshake then carries support sketches to estimate them, where it would
+    #: otherwise assume disjoint supports.
+    needs_support_estimate: ClassVar[bool] = False
+
+    @property
+    def needs_sketch(self) -> bool:
+        """Whether the handshake carries sketches and owner counts for this scheme."""
+        return self.needs_owner_counts or self.needs_support_estimate
 
     @abstractmethod
     def sync(self, x: RowSparse, ctx: SyncContext) -> Optional[RowSparse]:

@@ -78,6 +78,7 @@ def _inner_scheme(shape: SyncShape) -> Scheme:
 
 class HierarchicalScheme(Scheme):
     name = "hierarchical"
+    needs_support_estimate = True
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         x = x.coalesce()

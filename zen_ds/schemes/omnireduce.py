@@ -91,6 +91,7 @@ def blocks_payload_bytes(blocks: int, id_bytes: int, block_bytes: int) -> int:
 
 class OmniReduceScheme(Scheme):
     name = "omnireduce"
+    needs_support_estimate = True
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         n, rank, num_rows, row_numel = ctx.world_size, ctx.rank, x.num_rows, x.row_numel

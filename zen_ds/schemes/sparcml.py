@@ -229,6 +229,7 @@ def _split_ranges(num_rows: int, n: int, row_bytes: int) -> _SplitRanges:
 
 class SparCMLScheme(Scheme):
     name = "sparcml"
+    needs_support_estimate = True
     #: Pin one variant (benchmarks, tests); None lets the byte models choose.
     forced_variant: ClassVar[Optional[str]] = None
 

@@ -160,7 +160,7 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     rows: List[SchemeResult] = []
     for name in (tuple(schemes) or scheme_names()):
         shape = replace(handshake_shape(supports, latency_bytes,
-                                        with_layout=get_scheme(name).needs_owner_counts),
+                                        with_layout=get_scheme(name).needs_sketch),
                         ranks_per_node=per_node)
         traffic = scheme_traffic(supports, name, shape, index_encoding)
         if traffic is None:
