@@ -286,9 +286,9 @@ def plan_choice(shape: SyncShape, candidates: Iterable[str] = (), cost: CostMode
     fast network, and a training step syncs the same tensors with nearly the same sparsity step
     after step. The choice is a pure function of the bucketed counts, the candidates, the cost
     model and the byte models' settings, so every rank gets the same answer whatever it planned
-    before (no per-group history to keep consistent). Near a decision boundary it may pick a
-    scheme that the exact counts would rank second, by at most the few percent a bucket moves
-    the counts."""
+    before (no per-group history to keep consistent). Near a decision boundary, or where a
+    scheme's modelled cost jumps (sparcml's variant switch), it may pick a scheme the exact
+    counts rank lower (``tests/plan_memo_table.py`` measures how often and by how much)."""
     names = tuple(candidates) or auto_candidates()
     key = (names, cost, shape.world_size, shape.num_rows, shape.row_numel, shape.value_bytes,
            shape.latency_bytes, shape.ranks_per_node, tuple(os.environ.get(v) for v in _MODEL_ENV),
