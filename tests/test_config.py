@@ -161,6 +161,22 @@ def test_network_block_builds_the_planners_cost_model():
     assert set(dict(measured.compute)) == set(rates) and all(r > 0 for _, r in measured.compute)
 
 
+def test_network_options_leave_the_process_default_alone():
+    import zen_ds
+    from zen_ds.calibrate import cost_model_for, network_options
+
+    net = load_zen_config({"zen": {"network": {"alpha": 2e-4, "bandwidth": 3e8, "ranks_per_node": 4,
+                                               "compute": "default"}}}).network
+    before = zen_ds.default_options()
+    options = network_options(net)
+    assert zen_ds.default_options() is before
+    assert options.cost_model == cost_model_for(2e-4, 3e8, 0.0, "default")
+    assert options.ranks_per_node == 4 and options.seed == before.seed
+    on_base = network_options(net, base=zen_ds.SyncOptions(seed=9, index_encoding="coo"))
+    assert (on_base.seed, on_base.index_encoding, on_base.cost_model) == (9, "coo", options.cost_model)
+    assert zen_ds.default_options() is before
+
+
 @pytest.mark.parametrize("network,needle", [({"bandwidth": 0}, "bandwidth"),
                                             ({"compute": {"encode": 1e-9}}, "compute"),
                                             ({"compute": "fast"}, "compute"),

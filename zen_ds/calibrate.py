@@ -10,7 +10,8 @@
   between nodes, from timed all-gathers, and how much a pair's two directions slow each other
   (:func:`measure_duplex`); ``zen-bench calibrate`` prints the resulting config.
 * :func:`cost_model_for`: the model a ``"zen": {"network": ...}`` block describes, compute rates
-  measured and agreed when it asks for that.
+  measured and agreed when it asks for that; :func:`network_options`: the sync options it
+  describes (that model and the topology), to pass explicitly.
 """
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .api import SyncOptions, default_options, set_default_options
 from .comm import _all_gather_single
 from .planner import COMPUTE_OPS, DEFAULT_COMPUTE_RATES, CostModel
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["measure_compute_rates", "agree_compute_rates", "measure_links", "measure_duplex",
-           "measure_all_to_all_duplex", "cost_model_for", "apply_network"]
+           "measure_all_to_all_duplex", "cost_model_for", "network_options",
+           "apply_network"]
 
 
 def _best_of(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -118,7 +121,7 @@ def _sync_alpha(repeats: int) -> float:
     (handshake included). It holds what a bare collective's latency leaves out: each
     collective's host-side work, and ranks that do not reach a step at the same moment (on an
     oversubscribed host, whichever rank the scheduler has not run yet). Collective."""
-    from .api import SyncOptions, sparse_allreduce
+    from .api import sparse_allreduce
     from .sparse import RowSparse
     from .stats import SyncStats
 
@@ -275,14 +278,22 @@ def cost_model_for(alpha: float, bandwidth: float, intra_bandwidth: float,
                      f"{list(COMPUTE_OPS)} to seconds per element, got {compute!r}")
 
 
-def apply_network(network: object, group: Optional[dist.ProcessGroup] = None) -> CostModel:
-    """Make a ``"zen": {"network": ...}`` block (:class:`zen_ds.config.NetworkConfig`) the
-    process's default sync options: its cost model (compute rates measured over ``group`` when
-    it says ``measure``: collective) and ranks per node. Returns the cost model."""
-    from .api import default_options, set_default_options
-
+def network_options(network: object, group: Optional[dist.ProcessGroup] = None,
+                    base: Optional[SyncOptions] = None) -> SyncOptions:
+    """The sync options a ``"zen": {"network": ...}`` block (:class:`zen_ds.config.NetworkConfig`)
+    describes: ``base`` (default: :func:`zen_ds.default_options`) with its cost model (compute
+    rates measured over ``group`` when it says ``measure``: collective) and ranks per node. The
+    process default is left alone: pass the result as ``options=``."""
     model = cost_model_for(network.alpha, network.bandwidth, network.intra_bandwidth,
                            network.compute, group, network.duplex, network.all_to_all_duplex)
-    set_default_options(replace(default_options(), cost_model=model,
-                                ranks_per_node=network.ranks_per_node))
-    return model
+    return replace(default_options() if base is None else base, cost_model=model,
+                   ranks_per_node=network.ranks_per_node)
+
+
+def apply_network(network: object, group: Optional[dist.ProcessGroup] = None) -> CostModel:
+    """Make a ``network`` block the process's default sync options (:func:`network_options` on
+    top of the current default, then :func:`zen_ds.set_default_options`), for scripts that sync
+    through the defaults. Returns the cost model."""
+    options = network_options(network, group)
+    set_default_options(options)
+    return options.cost_model
