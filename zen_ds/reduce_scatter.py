@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .api import _local_rows, agree, default_options
+from .api import SyncOptions, _local_rows, agree, default_options
 from .partition import ShardLayout
 from .schemes.balanced import push
 from .schemes.base import SyncContext
@@ -36,9 +36,9 @@ def shard_rows(layout: ShardLayout, rank: int, device: Union[str, torch.device] 
 
 
 def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dist.ProcessGroup] = None, *,
-                          seed: int = 0, prescale: float = 1.0, postscale: float = 1.0,
-                          stats: Optional[SyncStats] = None, log_prefix: str = "zen",
-                          as_rows: bool = False) -> Union[torch.Tensor, RowSparse]:
+                          seed: Optional[int] = None, prescale: float = 1.0, postscale: float = 1.0,
+                          options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
+                          log_prefix: str = "zen", as_rows: bool = False) -> Union[torch.Tensor, RowSparse]:
     """The sum over ``group`` of this rank's shard of rows, as a dense ``[shard_size, *row_shape]``
     tensor in ``x``'s dtype (rows nobody sent are zero), or with ``as_rows`` only the rows some
     rank sent, as a :class:`RowSparse` over the whole table (global row ids, in shard order).
@@ -48,11 +48,16 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     raises the same ValueError on every rank (the handshake of :func:`zen_ds.sparse_allreduce`,
     which also tells each owner how many rows it will receive). ``prescale`` multiplies the values before
     they are sent, ``postscale`` the sum (in the accumulation dtype: fp32 for fp16/bf16) before it
-    is cast back, as :func:`zen_ds.sparse_allreduce` does. The shard's rows are
-    ``shard_rows(ShardLayout(num_rows, world_size, seed), rank)``.
+    is cast back, as :func:`zen_ds.sparse_allreduce` does. ``options`` (default:
+    :func:`zen_ds.default_options`) are the sync options every rank must agree on (the handshake
+    checks them); ``seed``, when given, overrides their seed. The shard's rows are
+    ``shard_rows(ShardLayout(num_rows, world_size, seed), rank)`` for that seed.
     """
-    comm, local, table = agree(x, None, group, "balanced", False, replace(default_options(), seed=seed),
-                               prescale, postscale, log_prefix)
+    opts = options if options is not None else default_options()
+    if seed is not None and isinstance(opts, SyncOptions):
+        opts = replace(opts, seed=seed)
+    seed = opts.seed if isinstance(opts, SyncOptions) else 0
+    comm, local, table = agree(x, None, group, "balanced", False, opts, prescale, postscale, log_prefix)
     comm.scheme = "reduce_scatter"
     n, rank = comm.world_size, comm.rank
     x = _local_rows(local, float(prescale))

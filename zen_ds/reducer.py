@@ -140,16 +140,22 @@ class ParamStats(SyncStats):
 
 
 class ZenReducer:
-    """Syncs the selected params' gradients over one data-parallel group."""
+    """Syncs the selected params' gradients over one data-parallel group.
+
+    ``options`` (default: :func:`zen_ds.default_options` when the reducer is built) carry the cost
+    model and topology its syncs plan with; the config's seed, index encoding and density
+    threshold go on top of them."""
 
     def __init__(self, config: ZenConfig, params: Sequence[ZenParam], group: Optional[dist.ProcessGroup],
                  scale: ScaleRule, compressor: Optional[Any] = None,
-                 loss_scale: Optional[Callable[[], float]] = None) -> None:
-        # --- what and where
+                 loss_scale: Optional[Callable[[], float]] = None,
+                 options: Optional[SyncOptions] = None) -> None:
+        # --- what and where, and the sync options (cost model, topology) every sync plans with
         self.config = config
         self.params: List[ZenParam] = list(params)
         self.group = group
         self.scale = scale
+        self.options = options if options is not None else default_options()
         # --- optional top-k / DGC compression of other dense params; the current fp16 loss
         # scale of the gradients it is handed (its residuals stay unscaled)
         self.compressor = compressor
@@ -166,7 +172,7 @@ class ZenReducer:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
     def _options(self, density_threshold: float = 1.0) -> SyncOptions:
-        return replace(default_options(), seed=self.config.seed,
+        return replace(self.options, seed=self.config.seed,
                        index_encoding=self.config.index_encoding,
                        density_threshold=density_threshold)
 
@@ -230,7 +236,7 @@ class ZenReducer:
         else:  # the wire dtype differs: scale once, in fp32, while casting
             x, before = RowSparse.from_dense(self._wire(p, grad, before)), 1.0
         return sparse_reduce_scatter(x, group, seed=p.shard.seed, prescale=before, postscale=after,
-                                     stats=stats, log_prefix=p.log_prefix)
+                                     options=self._options(), stats=stats, log_prefix=p.log_prefix)
 
     # ---------------------------------------------------------------------- the step
     @torch.no_grad()
