@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import sparse_allreduce
+from .api import SyncOptions, default_options, sparse_allreduce
 from .shuffle import Group, ShuffleGroups, ShuffleSchedule
 from .sparse import RowSparse
 from .stats import last_sync_stats
@@ -97,14 +97,17 @@ class ShuffleSync:
     ``params``: parameters, :class:`ShuffleParam` s, or ``(name, param, sparse)`` triples where
     ``sparse`` sets both ``sparse_grad`` and ``track_rows`` (a row-sparse gradient and a row-local
     optimizer); plain parameters sync sparsely only when their grad is sparse COO. ``scheme`` is
-    zen's scheme for the sparse syncs (``"auto"`` lets the planner choose per tensor and group).
+    zen's scheme for the sparse syncs (``"auto"`` lets the planner choose per tensor and group),
+    ``options`` their sync options (cost model, topology; default: :func:`zen_ds.default_options`
+    when the sync is built).
     """
 
     def __init__(self, params: Sequence[ParamSpec], dp_group: Optional[dist.ProcessGroup] = None,
                  *, group_size: int, mode: str = "gradients", full_sync_every: int = 0,
                  seed: int = 0, domains: Optional[Sequence[Sequence[int]]] = None,
                  patterns: Optional[int] = None, scheme: str = "auto",
-                 all_dp_ranks: Optional[Sequence[Sequence[int]]] = None) -> None:
+                 all_dp_ranks: Optional[Sequence[Sequence[int]]] = None,
+                 options: Optional[SyncOptions] = None) -> None:
         if mode not in MODES:
             raise ValueError(f"shuffle: mode must be one of {MODES}, got {mode!r}")
         # -- what is synced
@@ -112,6 +115,7 @@ class ShuffleSync:
         if not self.specs:
             raise ValueError("shuffle: no parameters to synchronise")
         self.mode, self.scheme = mode, scheme
+        self.options = options if options is not None else default_options()
         # -- who meets whom
         world = dist.get_world_size(dp_group)
         self.schedule = ShuffleSchedule(world, group_size, seed=seed, domains=domains,
@@ -268,7 +272,7 @@ class ShuffleSync:
     def _sync(self, x: Union[torch.Tensor, RowSparse], handle: dist.ProcessGroup, scheme: str,
               out: Optional[torch.Tensor] = None):
         out = sparse_allreduce(x, group=handle, scheme=scheme, average=True, out=out,
-                               log_prefix="zen.shuffle")
+                               options=self.options, log_prefix="zen.shuffle")
         stats, current = last_sync_stats(), self._current
         if stats is not None and current is not None:
             current.bytes_sent += stats.bytes_sent

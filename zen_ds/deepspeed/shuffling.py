@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds.api import SyncOptions
 from zen_ds.config import ShuffleConfig, ZenConfig
 from zen_ds.deepspeed.routes import Route, refuse
 from zen_ds.reducer import ScaleRule
@@ -46,9 +47,11 @@ def rows_stay_local(optimizer: Any) -> bool:
 
 
 def build_shuffle(module: nn.Module, route: Route, zen_config: ZenConfig, optimizer: Any,
-                  dp_group: Optional[dist.ProcessGroup], scale: ScaleRule) -> ShuffleSync:
+                  dp_group: Optional[dist.ProcessGroup], scale: ScaleRule,
+                  options: Optional[SyncOptions] = None) -> ShuffleSync:
     """The engine's ShuffleSync: every trainable param; zen's selected ones have row-sparse
-    gradients, and row-tracked parameter averaging when the optimizer keeps rows local."""
+    gradients, and row-tracked parameter averaging when the optimizer keeps rows local. Its
+    sparse syncs plan with ``options`` (the engine's cost model and topology)."""
     cfg: ShuffleConfig = zen_config.shuffle
     if not scale.average or scale.predivide_factor != 1.0:
         refuse("\"zen.shuffle\" averages inside each group; remove \"gradient_allreduce_op\": \"sum\" "
@@ -69,7 +72,7 @@ def build_shuffle(module: nn.Module, route: Route, zen_config: ZenConfig, optimi
     try:
         return ShuffleSync(specs, dp_group, group_size=cfg.group_size, mode=cfg.mode,
                            full_sync_every=cfg.full_sync_every, seed=cfg.seed,
-                           domains=cfg.domain_lists(dp_size), scheme=zen_config.scheme)
+                           domains=cfg.domain_lists(dp_size), scheme=zen_config.scheme, options=options)
     except ValueError as err:
         refuse(f"\"zen.shuffle\" does not fit this run's {dp_size} data-parallel ranks: {err}")
         raise  # unreachable: refuse raises
