@@ -239,12 +239,12 @@ def test_compute_term_prices_local_work() -> None:
     # that does not (agsparse), with the same bytes model.
     slow_partition = CostModel(compute=(("partition", 1e-3), ("aggregate", 0.0),
                                         ("scatter", 0.0), ("scan", 0.0)))
-    shape = SyncShape(4, [2000] * 4, 6000, 1_000_000, 64, 4, singletons=4000)
+    shape = SyncShape(4, [20_000] * 4, 60_000, 1_000_000, 64, 4, singletons=40_000)
     assert plan(shape, candidates=("agsparse", "balanced"))[0] == "balanced"
     assert plan(shape, candidates=("agsparse", "balanced"), cost=slow_partition)[0] == "agsparse"
     estimate = get_scheme("balanced").predict(shape)
-    assert estimate.compute["partition"] == 2000 * 64
-    assert slow_partition.seconds(estimate) >= 2000 * 64 * 1e-3
+    assert estimate.compute["partition"] == 20_000 * 64
+    assert slow_partition.seconds(estimate) >= 20_000 * 64 * 1e-3
 
 
 def test_cost_model_digest_names_every_constant() -> None:

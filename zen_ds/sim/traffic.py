@@ -143,9 +143,8 @@ def agsparse_traffic(s: Supports, shape: SyncShape, index_encoding: str) -> Traf
     n = s.world_size
     max_nnz = int(s.nnz.max())
     total = int(s.nnz.sum())
-    return Traffic([Phase.ring("agsparse.indices", "all_gather", _full(n, (n - 1) * max_nnz * 8)),
-                    Phase.ring("agsparse.values", "all_gather",
-                               _full(n, (n - 1) * max_nnz * s.row_bytes))],
+    return Traffic([Phase.ring("agsparse.rows", "all_gather",
+                               _full(n, (n - 1) * max_nnz * (8 + s.row_bytes)))],
                    {"aggregate": _full(n, total), "scatter": _full(n, s.union)})
 
 
