@@ -17,6 +17,7 @@ from dist_utils import run_ranks
 
 WORLD = 3
 BAD_TIMEOUT = 300  # a hang would show up as this timeout, not as a suite that never ends
+LOCAL_REASON = "reading the gradient of embed.weight failed"
 
 
 def _good(rank: int) -> torch.Tensor:
@@ -70,6 +71,9 @@ BAD_INPUTS: Dict[str, Callable[[], tuple]] = {
     "out_wrong_shape": lambda: (_good(1), {"out": torch.zeros(3, 3)}),
     "out_not_tensor": lambda: (_good(1), {"out": [0.0] * 20}),
     "scale_nan": lambda: (_good(1), {"postscale": float("nan")}),
+    # the caller's own failure, agreed in the handshake (the plug-in's unreadable gradients)
+    "local_error_no_input": lambda: (None, {"local_error": LOCAL_REASON}),
+    "local_error_good_input": lambda: (_good(1), {"local_error": LOCAL_REASON}),
 }
 
 
@@ -82,9 +86,11 @@ def _call(x, kwargs: dict, scheme: str):
 
 
 def _outcome(fn: Callable[[], object]) -> str:
+    import zen_ds
+
     try:
         fn()
-    except ValueError as exc:
+    except zen_ds.ZenInputError as exc:  # the agreed error is a ValueError of this type
         return f"ValueError: {exc}"
     except Exception as exc:  # anything but the promised ValueError is a failure
         return f"WRONG {type(exc).__name__}: {exc}"
@@ -136,6 +142,8 @@ def test_one_rank_bad_input_raises_everywhere_and_group_stays_aligned(ops_choice
         bad = per_rank[0][key]["bad_ranks"]
         for rank in range(WORLD):
             assert (f"rank {rank}:" in error) == (rank in bad), (key, error)
+        if key.startswith("local_error"):  # the caller's reason, alone
+            assert f"rank 1: {LOCAL_REASON})" in error, (key, error)
         for result in per_rank:
             assert result[key]["after"] == "exact", (key, result[key]["after"])
 

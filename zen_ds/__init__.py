@@ -15,7 +15,7 @@ DeepSpeed plug-in::
 """
 from __future__ import annotations
 
-from .api import (INDEX_ENCODINGS, SyncOptions, default_options, set_cost_model,
+from .api import (INDEX_ENCODINGS, SyncOptions, ZenInputError, default_options, set_cost_model,
                   set_default_options, sparse_allreduce)
 from .comm import ZenSyncError
 from .partition import ShardLayout, owner
@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 SCHEMES = scheme_names()
 
 __all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats",
-           "SyncOptions", "default_options", "set_default_options", "ZenSyncError",
+           "SyncOptions", "default_options", "set_default_options", "ZenSyncError", "ZenInputError",
            "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
            "initialize", "attach", "state_of", "enable", "disable", "ZenReductionError",
            "ZenConfig", "ZenConfigError"]

@@ -33,10 +33,15 @@ from .sparse import RowSparse, accum_dtype
 from .stats import SyncStats, record
 
 __all__ = ["sparse_allreduce", "SyncOptions", "INDEX_ENCODINGS", "set_cost_model",
-           "default_options", "set_default_options"]
+           "default_options", "set_default_options", "ZenInputError"]
 
 INDEX_ENCODINGS = ("auto", "coo", "bitmap")
 TensorLike = Union[RowSparse, torch.Tensor]
+
+
+class ZenInputError(ValueError):
+    """A bad input, option or mismatch found by the handshake. Every rank of the group raises it
+    from the same call, before any data moved, so the group stays aligned and usable."""
 
 
 @dataclass(frozen=True)
@@ -180,13 +185,13 @@ def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool
 
 
 def _raise_on_errors(table: HandshakeTable, comm: Communicator, problems: List[str]) -> None:
-    """Raise the same ValueError on every rank if any rank's input is bad or the ranks differ."""
+    """Raise the same :class:`ZenInputError` on every rank if any rank's input is bad or the ranks differ."""
     if any(table.column("error")):
         # Every rank saw the flag in the same collective, so every rank joins this exchange.
         reports = comm.all_gather_object("; ".join(problems), "error report")
         detail = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(reports) if text)
-        raise ValueError(f"zen_ds.sparse_allreduce: invalid input ({detail}). Every rank raises "
-                         "this error; the group stays usable for the next call")
+        raise ZenInputError(f"zen_ds.sparse_allreduce: invalid input ({detail}). Every rank raises "
+                            "this error; the group stays usable for the next call")
     differing = table.disagreement()
     if differing is None:
         return
@@ -199,8 +204,8 @@ def _raise_on_errors(table: HandshakeTable, comm: Communicator, problems: List[s
     elif name == "index_encoding":
         values = [INDEX_ENCODINGS[v] for v in values]
     per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-    raise ValueError(f"zen_ds.sparse_allreduce: ranks disagree on {_DISPLAY.get(name, name)} "
-                     f"({per_rank}); every rank must sync the same tensor with the same options")
+    raise ZenInputError(f"zen_ds.sparse_allreduce: ranks disagree on {_DISPLAY.get(name, name)} "
+                        f"({per_rank}); every rank must sync the same tensor with the same options")
 
 
 # ----------------------------------------------------------------------------- execution
@@ -301,18 +306,21 @@ def _plan(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptio
 
 
 def agree(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
-          prescale: object, postscale: object, log_prefix: str
+          prescale: object, postscale: object, log_prefix: str, local_error: Optional[str] = None
           ) -> Tuple[Communicator, LocalInput, HandshakeTable]:
     """Check this rank's input and options, then the one handshake: every rank learns every
     rank's sizes (and, for schemes that need them, its rows per owner); a bad input or a mismatch
-    on any rank raises the same ValueError on every rank, and the group stays aligned."""
+    on any rank, or a ``local_error`` the caller brings, raises the same :class:`ZenInputError`
+    on every rank, and the group stays aligned."""
     group, problems = _usable_group(group)
     comm = Communicator.for_group(group, log_prefix)
     comm.scheme = scheme if isinstance(scheme, str) else "auto"
     problems += _option_problems(scheme, opts, prescale, postscale)
     device_types = _expected_device_types(comm)
     local = inspect_input(x, out, device_types)
-    if local.error:
+    if local_error is not None:  # the caller's reason; its input is not looked at
+        problems.append(str(local_error))
+    elif local.error:
         problems.append(local.error)
     device = local.device if not local.error else _fallback_device(device_types)
     table = _handshake(comm, local, scheme, average, opts, prescale, postscale, problems, device)
@@ -325,7 +333,8 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
                      out: Optional[torch.Tensor] = None, prescale: float = 1.0,
                      postscale: float = 1.0, options: Optional[SyncOptions] = None,
                      stats: Optional[SyncStats] = None, seed: Optional[int] = None,
-                     index_encoding: Optional[str] = None, log_prefix: str = "zen") -> TensorLike:
+                     index_encoding: Optional[str] = None, log_prefix: str = "zen",
+                     local_error: Optional[str] = None) -> TensorLike:
     """Sum ``x`` over ``group``, returned as the same kind of tensor (or written into ``out``).
 
     ``x`` is a :class:`RowSparse`, a dense tensor (rows with any non-zero element are synced) or a
@@ -340,7 +349,10 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
     model, seed, index encoding, density threshold and topology; ``seed`` / ``index_encoding``
     override it. ``stats``, if given, is filled with this call's :class:`SyncStats` (also kept for
     :func:`zen_ds.last_sync_stats`). Every rank of the group must call with the same shape, dtype
-    and options; a mismatch or a bad input on any rank raises the same ValueError on every rank.
+    and options; a mismatch or a bad input on any rank raises the same :class:`ZenInputError` (a
+    ValueError) on every rank. ``local_error``: this rank could not prepare its input (the
+    reason); it still joins the handshake, with any ``x``, and every rank raises that
+    :class:`ZenInputError` naming it: a failure agreed at no extra collective.
     """
     started = time.perf_counter()
     opts = options if options is not None else _default_options
@@ -348,7 +360,8 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         opts = replace(opts, seed=opts.seed if seed is None else seed,
                        index_encoding=opts.index_encoding if index_encoding is None
                        else index_encoding)
-    comm, local, table = agree(x, out, group, scheme, average, opts, prescale, postscale, log_prefix)
+    comm, local, table = agree(x, out, group, scheme, average, opts, prescale, postscale, log_prefix,
+                               local_error)
 
     n, prescale = comm.world_size, float(prescale)
     factor = float(postscale) / (n if average else 1)
