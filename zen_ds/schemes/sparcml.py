@@ -39,6 +39,9 @@ supports): exact for dense data, an estimate otherwise (skewed ids make it optim
 The variant follows the byte models under the cost model's latency (``ctx.shape``), so every rank
 picks the same one. Once a stream is dense, rows whose sum is +0.0 drop out of the result, as
 with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.sparse` for the signed-zero rule).
+
+The module is over 400 lines because its two variants share one stream codec and each keeps its
+byte model next to the code whose bytes it predicts (the tests hold them equal).
 """
 from __future__ import annotations
 
