@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, fields, replace
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,12 @@ TensorLike = Union[RowSparse, torch.Tensor]
 
 class ZenInputError(ValueError):
     """A bad input, option or mismatch found by the handshake. Every rank of the group raises it
-    from the same call, before any data moved, so the group stays aligned and usable."""
+    from the same call, before any data moved, so the group stays aligned and usable.
+    ``reasons``: each failing rank's reasons by its rank in the group (empty for a mismatch)."""
+
+    def __init__(self, message: str, reasons: Optional[Dict[int, str]] = None) -> None:
+        super().__init__(message)
+        self.reasons: Dict[int, str] = dict(reasons or {})
 
 
 @dataclass(frozen=True)
@@ -192,9 +197,10 @@ def _raise_on_errors(table: HandshakeTable, comm: Communicator, problems: List[s
     if any(table.column("error")):
         # Every rank saw the flag in the same collective, so every rank joins this exchange.
         reports = comm.all_gather_object("; ".join(problems), "error report")
-        detail = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(reports) if text)
+        reasons = {rank: text for rank, text in enumerate(reports) if text}
+        detail = "; ".join(f"rank {rank}: {text}" for rank, text in reasons.items())
         raise ZenInputError(f"zen_ds.sparse_allreduce: invalid input ({detail}). Every rank raises "
-                            "this error; the group stays usable for the next call")
+                            "this error; the group stays usable for the next call", reasons)
     differing = table.disagreement()
     if differing is None:
         return
