@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zen_ds import ops
-from zen_ds.calibrate import apply_network
+from zen_ds.api import SyncOptions
+from zen_ds.calibrate import network_options
 from zen_ds.config import ZenConfig, load_zen_config
 from zen_ds.deepspeed import checkpoint, patches
 from zen_ds.deepspeed.faults import agree_on_failure, during_sync
@@ -45,9 +46,11 @@ class ZenEngineState:
 
     def __init__(self, engine: Any, config: ZenConfig, reducer: ZenReducer, route: str,
                  owned: Optional[OwnedParams], storage: GradStorage,
-                 shuffle: Optional[ShuffleSync] = None) -> None:
-        # --- configuration, the reducer that communicates, where the gradients live
+                 shuffle: Optional[ShuffleSync] = None, options: Optional[SyncOptions] = None) -> None:
+        # --- configuration, the sync options (this engine's cost model, topology, seed), the
+        # reducer that communicates, where the gradients live
         self.config = config
+        self.options = options if options is not None else reducer.options
         self.reducer = reducer
         self.route = route  # "shared" or "owned"
         self.owned = owned
@@ -179,21 +182,24 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
                    "DeepSpeed's optimizer. Build the engine with zen_ds.initialize(...) (same arguments as "
                    "deepspeed.initialize), which keeps them out")
     zen_params, compressor = reducer_params(route)
-    # The cost model auto plans with, agreed over the world: a pipeline's tied weights sync
-    # across data-parallel groups, so every rank must plan with the same model.
-    apply_network(zcfg.network)
+    # This engine's sync options: its network block's cost model and topology, its seed and index
+    # encoding, passed to everything that syncs (the process default is neither read nor set).
+    # Compute rates are agreed over the world: a pipeline's tied weights sync across
+    # data-parallel groups, so every rank must plan with the same model.
+    options = network_options(zcfg.network,
+                              base=SyncOptions(seed=zcfg.seed, index_encoding=zcfg.index_encoding))
     owned = None
     if route.owned:
         owned = OwnedParams(zen_params, _plan, patches.dp_group(engine), zcfg.optimizer_state,
                             zcfg.shard_min_mb, zcfg.seed, route.setup.half)
     reducer = ZenReducer(zcfg, zen_params, patches.dp_group(engine), patches.scale_rule(engine), compressor,
-                         patches.loss_scale_reader(engine) if route.setup.fp16 else None)
+                         patches.loss_scale_reader(engine) if route.setup.fp16 else None, options=options)
     shuffle = None
     if route.name == "shuffle":
         shuffle = build_shuffle(engine.module, route, zcfg, engine.optimizer, patches.dp_group(engine),
-                                reducer.scale)
+                                reducer.scale, options)
     state = ZenEngineState(engine, zcfg, reducer, route.name, owned,
-                           patches.grad_storage(engine, zen_params, owned), shuffle)
+                           patches.grad_storage(engine, zen_params, owned), shuffle, options)
     if zcfg.overlap:
         state.overlap = _overlapped_sync(engine, state, route)
     _REGISTRY[engine] = state

@@ -361,7 +361,7 @@ def _take_over_tied_grads(engine: Any, state: "ZenEngineState") -> None:
                 fp32 = bf16 or owned is not None
                 grad = torch.zeros_like(weight, dtype=torch.float32 if fp32 else weight.dtype)
             out = sparse_allreduce(grad.coalesce() if grad.is_sparse else grad, group, cfg.scheme,
-                                   seed=cfg.seed, log_prefix=f"{zp.log_prefix}.tied")
+                                   options=state.options, log_prefix=f"{zp.log_prefix}.tied")
             if not grad.is_sparse:
                 out = grad.copy_(out.to_dense() if out.is_sparse else out)
             if owned is not None:
