@@ -195,13 +195,45 @@ def _bad_grad_case(rank: int, world: int) -> Dict[str, Any]:
     return {"raised": raised, "aligned": float(aligned), "threads": (before, _threads())}
 
 
+def _compressed_failure_case(rank: int) -> Dict[str, Any]:
+    """A compressed param is synced first and rank 1 cannot read its gradients: every rank raises
+    at that param's handshake, and the healthy ranks' compressor state is as it was (nothing
+    they selected was sent)."""
+    from torch import nn
+    import zen_ds
+    from zen_ds.compression import CompressionConfig, GradientCompressor
+    from zen_ds.config import ZenConfig
+    from zen_ds.reducer import ScaleRule, ZenParam, ZenReducer
+    param = nn.Parameter(torch.zeros(ROWS, WIDTH))
+    compressor = GradientCompressor(CompressionConfig(type="topk", density=0.2, min_numel=1),
+                                    [("w", param)])
+    reducer = ZenReducer(ZenConfig(scheme="balanced"), [ZenParam("w", param, False, compressed=True)],
+                         None, ScaleRule(), compressor)
+    g = torch.Generator().manual_seed(10 + rank)
+    first, second = torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
+    reducer.sync([first])
+    saved = compressor.param_state("w")
+    residual = saved[0].clone()
+    try:
+        reducer.sync([] if rank == 1 else [second], "cannot read w" if rank == 1 else None)
+        raised = None
+    except zen_ds.ZenInputError as exc:
+        raised = (type(exc).__name__, str(exc), exc.reasons)
+    kept = compressor.param_state("w")
+    synced = reducer.sync([second])[0]  # the group and the compressor carry on
+    return {"raised": raised, "same_state": all(a is b for a, b in zip(saved, kept)),
+            "residual": bool(torch.equal(kept[0], residual)), "step": reducer.step,
+            "synced": synced.numpy()}
+
+
 def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
     import warnings
     warnings.filterwarnings("ignore")
     dc.set_env(rank, world)
     return dc.run_jobs({"reducer": lambda: _reducer_case(rank), "attach": lambda: _attach_cases(rank, world),
                         "enable": lambda: _enable_cases(rank, world, root),
-                        "bad_grad": lambda: _bad_grad_case(rank, world)})
+                        "bad_grad": lambda: _bad_grad_case(rank, world),
+                        "compressed_failure": lambda: _compressed_failure_case(rank)})
 
 
 def _dying_worker(rank: int, world: int) -> Dict[str, Any]:
@@ -213,7 +245,7 @@ def _dying_worker(rank: int, world: int) -> Dict[str, Any]:
     dc.set_env(rank, world)
     engine = _build(zen_ds.initialize, rank, world, {})
     if rank == 1:
-        def broken(grads):
+        def broken(grads, local_error=None):
             raise RuntimeError("injected reducer failure")
         zen_ds.state_of(engine).reducer.sync = broken
     before = _threads()
@@ -283,11 +315,24 @@ def test_bad_grad_on_one_rank_raises_on_every_rank(results):
     for rank, got in enumerate(dc.case_results(results, "bad_grad")):
         kind, message = got["raised"]
         assert kind == "ZenReductionError" and message.startswith("zen:"), got["raised"]
-        assert "on rank 1 before any data was exchanged" in message
-        if rank == 1:
-            assert "emb_s.weight" in message and "(2, 2)" in message
+        assert "failed on rank 1 before that gradient's data was exchanged" in message
+        assert "the group is still usable" in message
+        # every rank names the cause: rank 1's reason travels in the handshake's error report
+        assert "rank 1: ValueError" in message and "emb_s.weight" in message and "(2, 2)" in message
         assert got["aligned"] == WORLD
         assert got["threads"][0] == got["threads"][1]
+
+
+def test_agreed_failure_leaves_the_compressor_as_it_was(results):
+    synced = []
+    for rank, got in enumerate(dc.case_results(results, "compressed_failure")):
+        kind, message, reasons = got["raised"]
+        assert kind == "ZenInputError" and reasons == {1: "cannot read w"}, got["raised"]
+        assert got["same_state"] and got["residual"], rank
+        assert got["step"] == 2  # the failed step was not counted
+        synced.append(got["synced"])
+    for other in synced[1:]:
+        np.testing.assert_array_equal(other, synced[0])
 
 
 def test_reducer_failure_mid_sync_reaches_every_rank():

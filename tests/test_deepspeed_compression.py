@@ -54,8 +54,8 @@ def _record(engine) -> Dict[str, list]:
         log.setdefault("handed", []).append((step, name, grad.detach().float().reshape(-1).clone(), scale))
         return rs
 
-    def sync(grads):
-        out = orig_sync(grads)
+    def sync(grads, local_error=None):
+        out = orig_sync(grads, local_error)
         log["synced"].append({p.name: g.detach().float().reshape(-1).clone()
                               for p, g in zip(reducer.params, out) if p.compressed})
         return out

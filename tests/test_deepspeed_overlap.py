@@ -135,10 +135,10 @@ def _sync_raises_in_thread(rank: int) -> Dict[str, Any]:
     engine, state = _fault_engine(rank)
     real = state.reducer.sync_param
 
-    def broken(index: int, grad: Any, group: Any = None) -> Any:
+    def broken(index: int, grad: Any, group: Any = None, local_error: Any = None) -> Any:
         if index == 1:
             raise RuntimeError("injected fault in the sync of param 1")
-        return real(index, grad, group)
+        return real(index, grad, group, local_error)
     state.reducer.sync_param = broken
     return _step_raises(rank, engine)
 
@@ -229,7 +229,8 @@ def test_sharded_case_gathers(results):
 
 
 # case -> (words the error names, the type of its cause or None when the cause is on another rank)
-FAULTS = {"fault_bad_tensor": (["emb_d.weight", "rank 1"], None),
+FAULTS = {"fault_bad_tensor": (["emb_d.weight", "failed on rank 1 before that gradient's data was exchanged",
+                                 "rank 1: ValueError", "the group is still usable"], "ZenInputError"),
           "fault_sync_raises": (["emb_d.weight", "injected fault"], "RuntimeError"),
           "fault_two_backwards": (["one backward"], None)}
 

@@ -15,7 +15,7 @@ path falls back to exact top-k when the estimate keeps fewer than k entries. The
 (:data:`SAMPLED_MIN_NUMEL`) was measured on CPU; see BENCHMARKS.md, section "Compression".
 
 The config block, the selection and the per-param state (loss scaling and the undo of a skipped
-step included) are one feature and stay in one module (about 460 lines).
+step included) are one feature and stay in one module (about 480 lines).
 """
 from __future__ import annotations
 
@@ -343,6 +343,20 @@ class GradientCompressor:
         else:
             values = sent_cast
         return RowSparse(selected, values, rows, coalesced=True)
+
+    def param_state(self, name: str) -> Tuple[Any, ...]:
+        """What ``compress(name, ...)`` replaces, for :meth:`restore_param` when the sync of what
+        it returned did not happen (an error every rank agreed on). Cheap: compress builds new
+        tensors and leaves these as they were."""
+        state = self._states[name]
+        return (state.residual, state.velocity, state.sent_elements, state.before_step,
+                self._last_step, self._last_compressed_step, self._compressed_steps)
+
+    def restore_param(self, name: str, saved: Tuple[Any, ...]) -> None:
+        """Undo the last ``compress(name, ...)``: nothing it selected was sent."""
+        state = self._states[name]
+        (state.residual, state.velocity, state.sent_elements, state.before_step,
+         self._last_step, self._last_compressed_step, self._compressed_steps) = saved
 
     def settle_step(self, applied: bool) -> None:
         """The optimizer applied the last compressed step, or skipped it (an fp16 overflow on any

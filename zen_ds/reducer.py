@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import SyncOptions, default_options, sparse_allreduce
+from .api import SyncOptions, ZenInputError, default_options, sparse_allreduce
 from .config import ZenConfig
 from .partition import ShardLayout
 from .reduce_scatter import sparse_reduce_scatter
@@ -240,7 +240,8 @@ class ZenReducer:
 
     # ---------------------------------------------------------------------- the step
     @torch.no_grad()
-    def sync(self, grads: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    def sync(self, grads: Sequence[Optional[torch.Tensor]], local_error: Optional[str] = None
+             ) -> List[torch.Tensor]:
         """Sum (or average, per :class:`ScaleRule`) each param's gradient over the group.
 
         ``grads[i]`` belongs to ``self.params[i]``: a dense tensor, a sparse COO tensor or None.
@@ -248,7 +249,13 @@ class ZenReducer:
         params), dtype of the given gradient (param dtype for None). A dense gradient in the
         communication dtype is synced in place and returned itself. Each param costs one
         metadata collective (the handshake also carries the density-threshold decision).
+        ``local_error``: this rank's gradients could not be read (the reason); the first param's
+        handshake makes every rank raise the same :class:`zen_ds.ZenInputError` naming it.
         """
+        if local_error is not None:
+            if not self.params:
+                raise ValueError(local_error)
+            self.sync_param(0, None, local_error=local_error)
         if len(grads) != len(self.params):
             raise ValueError(f"zen: {len(grads)} gradients for {len(self.params)} params")
         results: List[torch.Tensor] = []
@@ -261,23 +268,35 @@ class ZenReducer:
 
     @torch.no_grad()
     def sync_param(self, index: int, grad: Optional[torch.Tensor],
-                   group: Optional[dist.ProcessGroup] = None) -> Tuple[torch.Tensor, ParamStats]:
+                   group: Optional[dist.ProcessGroup] = None, local_error: Optional[str] = None
+                   ) -> Tuple[torch.Tensor, ParamStats]:
         """One param's part of :meth:`sync` (result and cost), over ``group`` (default: the
         reducer's). Every rank must sync the same params in the same order on a group; the
-        overlapped sync calls this from its comm thread on a group of the same ranks."""
+        overlapped sync calls this from its comm thread on a group of the same ranks.
+        ``local_error``: this rank cannot sync the param (the reason); it joins the param's
+        handshake with it, and every rank raises :class:`zen_ds.ZenInputError` there."""
         p = self.params[index]
         group = self.group if group is None else group
+        if local_error is not None:  # any first call of a param pairs with this handshake
+            sparse_allreduce(None, group, self.config.scheme, options=self._options(),
+                             log_prefix=p.log_prefix, local_error=local_error)
+            raise RuntimeError("zen: a handshake with a local error returned")  # it always raises
         started = time.perf_counter()
         before, after = self.scale.factors(self.world_size)
         # The compressor gets the gradient exactly as it goes on the wire (scaled, in the
         # communication dtype), so the rounding of the sent values stays in its residual.
+        saved = self.compressor.param_state(p.name) if p.compressed else None
         rs_c = (self.compressor.compress(p.name, self._wire(p, grad, before), self.step,
                                          scale=self.loss_scale() if self.loss_scale is not None else 1.0)
                 if p.compressed else None)
         out_dtype = grad.dtype if grad is not None else p.param.dtype
         st = SyncStats()
         if p.compressed:
-            result = self._sync_compressed(p, grad, rs_c, before, after, st, group)
+            try:
+                result = self._sync_compressed(p, grad, rs_c, before, after, st, group)
+            except ZenInputError:  # agreed at the handshake: nothing was sent, nothing is lost
+                self.compressor.restore_param(p.name, saved)
+                raise
         elif p.shard is not None:
             result = self._sync_shard(p, grad, before, after, st, group)
         else:

@@ -23,7 +23,7 @@ from zen_ds.api import SyncOptions
 from zen_ds.calibrate import network_options
 from zen_ds.config import ZenConfig, load_zen_config
 from zen_ds.deepspeed import checkpoint, patches
-from zen_ds.deepspeed.faults import agree_on_failure, during_sync
+from zen_ds.deepspeed.faults import describe, during_sync
 from zen_ds.deepspeed.grads import GradStorage, check_grads
 from zen_ds.deepspeed.norms import local_sum_of_squares, model_parallel_sum
 from zen_ds.deepspeed.overlap import OverlappedSync, grad_reader, mirror_group
@@ -96,8 +96,11 @@ class ZenEngineState:
         if self.overlap is not None:
             synced = self.overlap.finish()
         else:
-            grads = agree_on_failure(self._read_checked, self.reducer.group, step)
-            synced = during_sync(lambda: self.reducer.sync(grads), step)
+            try:
+                grads, failure = self._read_checked(), None
+            except Exception as exc:  # the peers learn it at the first param's handshake
+                grads, failure = [], describe(exc)
+            synced = during_sync(lambda: self.reducer.sync(grads, failure), step, self.reducer.group)
         self.storage.write(synced)
         self.reduced_this_step = True
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from zen_ds.deepspeed.faults import ZenReductionError, agree_on_failure, during_sync
+from zen_ds.deepspeed.faults import ZenReductionError, describe, during_sync
 from zen_ds.deepspeed.grads import GradStorage, OwnedGrads, ParamGrads, check_grads
 from zen_ds.reducer import ParamStats, ZenParam, ZenReducer
 
@@ -194,9 +194,13 @@ class OverlappedSync:
             try:
                 if event is not None:
                     event.synchronize()
-                checked = agree_on_failure(lambda: _checked(p, grad), self.group, job.step)
+                try:
+                    checked, failure = _checked(p, grad), None
+                except Exception as exc:  # the peers learn it at this param's handshake
+                    checked, failure = None, describe(exc)
                 result, job.stats[p.name] = during_sync(
-                    lambda: self.reducer.sync_param(index, checked, self.group), job.step)
+                    lambda: self.reducer.sync_param(index, checked, self.group, failure), job.step,
+                    self.group)
                 if result.is_cuda:  # the main thread's streams read it after the join
                     torch.cuda.synchronize(result.device)
                 job.results[index] = result
