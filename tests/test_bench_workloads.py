@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,6 +152,22 @@ def test_sync_end_to_end_two_local_ranks(tmp_path):
     for r in rows:
         assert r["bytes_sent_max"] > 0 and r["bound_s"] > 0 and r["speedup_vs_dense"] > 0
     assert "vs_dense" in p.stdout
+
+
+def test_reduction_compare_checks_every_variant_against_the_dense_allreduce(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "compare.json"
+    script = Path(__file__).resolve().parent.parent / "launch" / "reduction_compare.py"
+    p = subprocess.run([sys.executable, str(script), "--ranks", "2", "--rounds", "1", "--port", "29587",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["medians"]) == set(result["max_error"]) == {
+        "ds-sparse", "zen-sparse-agsparse", "zen-sparse-auto", "zen-dense-agsparse", "zen-dense-auto",
+        "ds-dense"}
+    assert all(e <= 1.0 for e in result["max_error"].values()), result["max_error"]  # allclose(1e-5)
+    assert result["schemes"]["zen-sparse-agsparse"] == result["schemes"]["zen-dense-agsparse"] == "agsparse"
+    assert "zen / DeepSpeed, sparse=True, same algorithm (agsparse)" in p.stdout
 
 
 def test_schedule_runs_every_scheme_every_round_in_rotating_order():

@@ -146,7 +146,8 @@ def _check_out(out: object, local: LocalInput) -> str:
     if out is None:
         return ""
     if not isinstance(out, torch.Tensor) or out.layout != torch.strided:
-        return f"out must be a dense torch.Tensor, got {type(out).__name__}"
+        got = f"a {out.layout} tensor" if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"out must be a dense (strided) torch.Tensor, got {got}"
     if tuple(out.shape) != local.shape or out.dtype != local.dtype or out.device != local.device:
         return (f"out is {tuple(out.shape)} {out.dtype} on {out.device}; the result is "
                 f"{local.shape} {local.dtype} on {local.device}")
