@@ -184,8 +184,8 @@ def planning_ranks(shape: SyncShape) -> List[int]:
     """The ranks whose costs bound a sync: every rank in groups up to 8, else the ranks with the
     most and the fewest non-zeros (the largest sender and the largest receiver in every byte
     model here) and the first and last rank (the ends of the node layout and of recursive
-    doubling's fold). Pricing six schemes at every rank of a 64-rank group took ~90 ms of host
-    time per sync; these four bound it. The list depends only on the handshake, so it is the
+    doubling's fold). Pricing every scheme at every rank grows with the group (n ranks x the
+    candidates, per sync); these four bound it. The list depends only on the handshake, so it is the
     same on every rank."""
     n = shape.world_size
     if n <= EVERY_RANK_UP_TO or not shape.nnz_per_rank:
