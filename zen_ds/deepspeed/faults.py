@@ -42,12 +42,21 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _agreed(exc: ZenInputError, group: Optional[dist.ProcessGroup], step: int) -> ZenReductionError:
-    """The error every rank raises for a failure the handshake agreed on (global rank numbers)."""
-    ranks = _group_ranks(group)
-    name = {r: ranks[r] if r < len(ranks) else r for r in exc.reasons}
+# during_sync's group when the sync ran on groups the caller does not name (DS-Sync's): ranks
+# are then named by their place in the group that raised.
+_UNNAMED_GROUPS = object()
+
+
+def _agreed(exc: ZenInputError, group: object, step: int) -> ZenReductionError:
+    """The error every rank raises for a failure the handshake agreed on (global rank numbers
+    when the group is known)."""
+    if group is _UNNAMED_GROUPS:
+        name = {r: f"{r} of its group" for r in exc.reasons}
+    else:
+        ranks = _group_ranks(group)
+        name = {r: ranks[r] if r < len(ranks) else r for r in exc.reasons}
     if exc.reasons:
-        failed = sorted(name[r] for r in exc.reasons)
+        failed = [name[r] for r in sorted(exc.reasons)]
         where = f"on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
         cause = "; ".join(f"rank {name[r]}: {text}" for r, text in sorted(exc.reasons.items()))
     else:  # the ranks disagree (shapes, options): the message says on what
@@ -57,9 +66,10 @@ def _agreed(exc: ZenInputError, group: Optional[dist.ProcessGroup], step: int) -
                              "data-parallel group raises this error; the group is still usable")
 
 
-def during_sync(run: Callable[[], T], step: int, group: Optional[dist.ProcessGroup] = None) -> T:
-    """Run the collectives of one sync over ``group``; any failure is re-raised as
-    :class:`ZenReductionError` (one the handshake agreed on says so: the group is still usable)."""
+def during_sync(run: Callable[[], T], step: int, group: object = _UNNAMED_GROUPS) -> T:
+    """Run the collectives of one sync over ``group`` (a process group, None for the world);
+    any failure is re-raised as :class:`ZenReductionError` (one the handshake agreed on says
+    so: the group is still usable)."""
     try:
         return run()
     except ZenReductionError:

@@ -37,13 +37,14 @@ class AllGatherSparseScheme(Scheme):
         gathered_records = torch.empty((n * max_nnz, ID_BYTES + row_bytes), dtype=torch.uint8,
                                        device=x.device)
         ctx.comm.all_gather_into_tensor(gathered_records, records, "agsparse.rows")
+        rows = slice(None)
         if not all(m == max_nnz for m in ctx.nnz_per_rank):  # drop the padding
-            keep = torch.cat([torch.arange(i * max_nnz, i * max_nnz + m, device=x.device)
+            rows = torch.cat([torch.arange(i * max_nnz, i * max_nnz + m, device=x.device)
                               for i, m in enumerate(ctx.nnz_per_rank)])
-            gathered_records = gathered_records[keep]
-        # reshape(-1) copies the columns out flat, so the byte views line up even for no rows
-        kept_ids = gathered_records[:, :ID_BYTES].reshape(-1).view(torch.int64)
-        gathered = gathered_records[:, ID_BYTES:].reshape(-1).view(x.dtype).view(-1, x.row_numel)
+        # One copy of each column block (the row selection, else reshape(-1)), flat, so the byte
+        # views line up whatever the record width, even for no rows.
+        kept_ids = gathered_records[rows, :ID_BYTES].reshape(-1).view(torch.int64)
+        gathered = gathered_records[rows, ID_BYTES:].reshape(-1).view(x.dtype).view(-1, x.row_numel)
         rows, sums = ops.aggregate(kept_ids, gathered, accum_dtype(x.dtype), terms=n)
         if ctx.scale is not None:
             sums.mul_(ctx.scale)
