@@ -4,11 +4,26 @@
 
 #include "zen_ops.h"
 
+#ifdef ZEN_CUDA_EMULATION
+namespace zen {
+namespace emu {
+void bind(pybind11::module_& m);  // csrc/zen/emu/zen_ops_cuda_emu.cpp
+}  // namespace emu
+}  // namespace zen
+#endif
+
 namespace {
 
 using zen::PermArgs;
 
-#ifdef ZEN_WITH_CUDA
+#if defined(ZEN_CUDA_EMULATION)
+// Test-only build (zen_ds/ops/emulation.py): the CUDA launchers and kernels run on CPU tensors.
+void require_cpu(const at::Tensor& t)
+{
+    TORCH_CHECK(t.device().is_cpu(), "the zen_ds CUDA emulation takes CPU tensors, got ", t.device());
+}
+#define ZEN_DISPATCH(tensor, fn, ...) (require_cpu(tensor), zen::cuda::fn(__VA_ARGS__))
+#elif defined(ZEN_WITH_CUDA)
 #define ZEN_DISPATCH(tensor, fn, ...) \
     ((tensor).is_cuda() ? zen::cuda::fn(__VA_ARGS__) : zen::cpu::fn(__VA_ARGS__))
 #else
@@ -120,4 +135,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("scatter_shard", &scatter_shard,
           "out[pi^-1(shard_start + p)] = values for the shard's positions p (bitmap or COO)");
     m.def("with_cuda", &with_cuda, "whether the CUDA kernels were compiled in");
+#ifdef ZEN_CUDA_EMULATION
+    zen::emu::bind(m);
+#endif
 }

@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from . import build_cache
 
@@ -25,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CHECKOUT_CSRC = REPO_ROOT / "csrc" / "zen"
 CPU_NAME = "zen_ds_ops_cpu"
 CUDA_NAME = "zen_ds_ops_cuda"
+CUDA_EMU_NAME = "zen_ds_ops_cuda_emu"  # test-only: the CUDA kernels run on CPU threads
 BUILD_ENV = "DS_BUILD_ZEN"
 
 
@@ -64,6 +65,10 @@ def _include_paths() -> List[str]:
     return [str(CSRC / "includes")]
 
 
+def _emulation_sources() -> List[str]:
+    return [str(CSRC / "zen_ops_binding.cpp"), str(CSRC / "emu" / "zen_ops_cuda_emu.cpp")]
+
+
 def _sources_exist() -> bool:
     return all(os.path.isfile(s) for s in _cpu_sources())
 
@@ -85,6 +90,7 @@ def jit_name(builder) -> str:
         pass
     if builder.NAME == CUDA_NAME and torch.cuda.is_available():
         extra += [str(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]
+    extra += list(getattr(builder, "cache_extra", ()))  # e.g. the emulation's mutated sources
     key = build_cache.cache_key(builder.NAME, _all_source_files(), CSRC, extra)
     return f"{builder.NAME}_{key}"
 
@@ -161,8 +167,59 @@ if CPUOpBuilder is not None:
         def load(self, verbose: bool = False) -> ModuleType:
             return _load_prebuilt_or_jit(self, verbose)
 
+    class ZenCUDAEmulationOpBuilder(CPUOpBuilder):
+        """Test-only: the CUDA kernels and launchers (``zen_ops_cuda_kernels.cuh``) compiled by the
+        host compiler with the emulation of ``csrc/zen/emu`` (see :mod:`zen_ds.ops.emulation`).
+
+        Never prebuilt and never used for training. ``max_grid`` caps grid-stride launches so that
+        small inputs wrap their loops; ``extra_includes`` come first on the include path (a mutated
+        copy of a kernel header); ``cache_extra`` joins the cache key.
+        """
+
+        BUILD_VAR = BUILD_ENV
+        NAME = CUDA_EMU_NAME
+
+        def __init__(self, max_grid: int = 4, extra_includes: Sequence[str] = (),
+                     cache_extra: Sequence[str] = (), name: str = CUDA_EMU_NAME) -> None:
+            super().__init__(name=name)
+            self.NAME = name
+            self.max_grid = int(max_grid)
+            self.extra_includes = [str(p) for p in extra_includes]
+            self.cache_extra = [f"max_grid={self.max_grid}", *cache_extra]
+
+        def absolute_name(self) -> str:
+            return f"zen_ds.ops.{self.NAME}"
+
+        def sources(self) -> List[str]:
+            return _emulation_sources()
+
+        def include_paths(self) -> List[str]:
+            return self.extra_includes + _include_paths() + [str(CSRC / "emu")]
+
+        def cxx_args(self) -> List[str]:
+            # -O1 without -g: a test build, where compile time dominates; C++20 for atomic_ref.
+            args = [a for a in super().cxx_args() if a not in ("-O3", "-g")]
+            return args + ["-O1", "-std=c++20", "-pthread", "-DZEN_CUDA_EMULATION",
+                           f"-DZEN_CUDA_MAX_GRID={self.max_grid}"]
+
+        def is_compatible(self, verbose: bool = False) -> bool:
+            if not all(os.path.isfile(s) for s in _emulation_sources()):
+                self.warning(f"{self.NAME}: sources not found under {CSRC}")
+                return False
+            if shutil.which(os.environ.get("CXX", "c++")) is None:
+                self.warning(f"{self.NAME}: no C++ compiler (set CXX or install g++)")
+                return False
+            return super().is_compatible(verbose)
+
+        def load(self, verbose: bool = False) -> ModuleType:
+            self.prebuilt = False
+            if not self.is_compatible(verbose):
+                raise OpBuilderUnavailable(f"{self.NAME} cannot be built here: {self.error_log}")
+            self.name = jit_name(self)
+            return build_cache.load_or_build(self, timeout=getattr(self, "timeout", None))
+
 else:
-    ZenCPUOpBuilder = ZenCUDAOpBuilder = None  # type: ignore[assignment,misc]
+    ZenCPUOpBuilder = ZenCUDAOpBuilder = ZenCUDAEmulationOpBuilder = None  # type: ignore[assignment,misc]
 
 
 def _load_prebuilt_or_jit(builder, verbose: bool) -> ModuleType:

@@ -41,7 +41,7 @@ void scatter_shard(at::Tensor& out, const at::Tensor& index, const at::Tensor& v
                    int64_t universe, int64_t shard_start, const PermArgs& perm);
 }  // namespace cpu
 
-#ifdef ZEN_WITH_CUDA
+#if defined(ZEN_WITH_CUDA) || defined(ZEN_CUDA_EMULATION)  // emulation: csrc/zen/emu
 namespace cuda {
 at::Tensor permute(const at::Tensor& rows, const PermArgs& perm, bool inverse);
 at::Tensor nonzero_rows(const at::Tensor& values);
