@@ -56,10 +56,15 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "deepspeed>=0.19,<0.20", "pydantic>=2,<3", "numpy"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6"],
+        # sentencepiece and tiktoken: small wheels, for tests/test_data.py's tokenizers
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "sentencepiece>=0.2",
+                 "tiktoken>=0.7"],
         "megatron": ["megatron-core>=0.16,<0.17"],
         "bench": ["matplotlib", "tqdm"],
         "hf": ["transformers>=4.57", "accelerate>=1.15"],
+        # real tokenizers from files (zen_ds.data): SentencePiece .model, Tekken .json (tiktoken),
+        # Hugging Face tokenizer.json; Mistral's tokenizer files ship in the mistral-common wheel
+        "data": ["sentencepiece>=0.2", "tiktoken>=0.7", "tokenizers>=0.19"],
     },
     entry_points={"console_scripts": ["zen-bench=zen_ds.bench.__main__:main"]},
     ext_modules=ext_modules,

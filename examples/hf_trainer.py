@@ -34,6 +34,7 @@ import shutil
 import tempfile
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
 import zen_ds
@@ -46,6 +47,32 @@ def zipf_ids(count: int, seq_len: int, vocab: int, seed: int, exponent: float = 
     gen = torch.Generator().manual_seed(seed)
     return torch.multinomial(weights / weights.sum(), count * seq_len, replacement=True,
                              generator=gen).view(count, seq_len)
+
+
+def token_file_ids(path: str, count: int, seq_len: int) -> torch.Tensor:
+    """``count`` consecutive ``seq_len`` windows of a pre-tokenized file (from its start,
+    wrapping around a short file)."""
+    from zen_ds.data import load_tokens
+
+    stream = load_tokens(path)
+    need = count * seq_len
+    reps = -(-need // len(stream))
+    flat = np.asarray(stream[:need] if reps == 1 else np.tile(np.asarray(stream), reps)[:need])
+    return torch.from_numpy(flat.astype(np.int64)).view(count, seq_len)
+
+
+def resolve_vocab(args: argparse.Namespace) -> None:
+    """--vocab from --tokens' tokenizer (recorded beside the file, else max id + 1)."""
+    if args.tokens:
+        from zen_ds.data import load_tokens, token_metadata
+
+        top = int(load_tokens(args.tokens).max())
+        if args.vocab is None:
+            args.vocab = int(token_metadata(args.tokens).get("vocab_size") or top + 1)
+        if top >= args.vocab:
+            raise SystemExit(f"--tokens has id {top}, outside --vocab {args.vocab}")
+    elif args.vocab is None:
+        args.vocab = 8000
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -159,7 +186,11 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--model", choices=["llama", "gpt2"], default="llama")
     p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0, help="ZeRO stage")
     p.add_argument("--no-zen", action="store_true", help="the same run without the \"zen\" block")
-    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary (default 8000; with --tokens, its tokenizer's)")
+    p.add_argument("--tokens", default=None, metavar="PATH",
+                   help="pre-tokenized ids (python -m zen_ds.data prepare: a Megatron .bin/.idx "
+                        "prefix or a .npy) instead of synthetic Zipf ids")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
@@ -177,7 +208,9 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--stats-interval", type=int, default=0, help="zen's own per-param log lines")
     p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    resolve_vocab(args)
+    return args
 
 
 def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] = None,
@@ -199,7 +232,9 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
     model = build_model(args.model, args.vocab, args.hidden, args.layers, args.seq_len, args.seed)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     samples = args.steps * args.grad_accum * args.batch * world
-    dataset = TokenDataset(zipf_ids(samples, args.seq_len, args.vocab, args.seed))
+    ids = (token_file_ids(args.tokens, samples, args.seq_len) if args.tokens
+           else zipf_ids(samples, args.seq_len, args.vocab, args.seed))
+    dataset = TokenDataset(ids)
     training_args = TrainingArguments(
         output_dir=workdir, deepspeed=config, per_device_train_batch_size=args.batch, optim=args.optim,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,

@@ -9,8 +9,15 @@ Run (4 CPU ranks, TP=2 x DP=2)::
     deepspeed --num_gpus 4 examples/train_lm.py --tp 2 --steps 20
     torchrun --nproc_per_node 4 examples/train_lm.py --tp 2 --pp 2 --tied --no-zen
 
-Data: a seeded Zipf token stream (default) or ``--data FILE`` tokenized with a hashed-word
-(or byte-level) tokenizer that needs no download. Prints tokens/s, loss and per-step zen stats.
+Data: a seeded Zipf token stream (default), ``--data FILE`` tokenized with a hashed-word
+(or byte-level) tokenizer that needs no download, or ``--tokens PATH``: ids a real tokenizer made
+(``python -m zen_ds.data prepare``; Megatron's .bin/.idx prefix or a .npy), with a realistic
+micro-batch of 4096 tokens per rank unless --micro-batch or --batch-tokens says otherwise::
+
+    python -m zen_ds.data prepare --tokenizer tokenizer.model.v1 --text corpus.txt --out sp32k
+    deepspeed --num_gpus 4 examples/train_lm.py --tokens sp32k --steps 20
+
+Prints tokens/s, loss and per-step zen stats.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import json
 import logging
 import math
 import re
+import sys
 import time
 import zlib
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -84,6 +92,33 @@ def tokenize_file(path: str, vocab: int, tokenizer: str) -> torch.Tensor:
     if ids.size < 2:
         raise ValueError(f"--data {path}: fewer than 2 tokens after tokenization; give a larger file")
     return torch.from_numpy(ids)
+
+
+class TokenFileStream:
+    """Random windows of a pre-tokenized file (:func:`zen_ds.data.load_tokens`: memory-mapped, so
+    every rank reads only its windows), seeded per (dp rank, step, micro-batch)."""
+
+    def __init__(self, path: str, seed: int) -> None:
+        from zen_ds.data import load_tokens
+
+        self.tokens, self.seed = load_tokens(path), seed
+
+    def sample(self, key: Tuple[int, ...], batch: int, length: int) -> torch.Tensor:
+        n = len(self.tokens)
+        if n <= length:
+            raise ValueError(f"--tokens has {n} ids, fewer than a window of {length}")
+        rng = np.random.default_rng((self.seed,) + tuple(key))
+        starts = rng.integers(0, n - length, size=batch)
+        return torch.from_numpy(np.stack([np.asarray(self.tokens[s: s + length], dtype=np.int64)
+                                          for s in starts.tolist()]))
+
+
+def tokens_vocab(path: str) -> int:
+    """The vocabulary of a token file: recorded by ``zen_ds.data prepare``, else max id + 1."""
+    from zen_ds.data import load_tokens, token_metadata
+
+    recorded = token_metadata(path).get("vocab_size")
+    return int(recorded) if recorded else int(load_tokens(path).max()) + 1
 
 
 class FileStream:
@@ -439,7 +474,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch per rank")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per micro-batch per rank (default 4; with --tokens, 4096 "
+                        "tokens per rank: --batch-tokens)")
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help="tokens per micro-batch per rank (micro-batch = this / --seq); real "
+                        "micro-batches are 4k-64k tokens (default 4096 with --tokens)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -468,12 +508,32 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="text file (default: synthetic Zipf stream)")
     p.add_argument("--tokenizer", choices=("hash", "byte"), default="hash",
                    help="for --data: hashed words into the vocab, or UTF-8 bytes")
+    p.add_argument("--tokens", default=None, metavar="PATH",
+                   help="pre-tokenized ids (python -m zen_ds.data prepare): a Megatron indexed "
+                        "dataset prefix (PATH.bin/.idx) or a .npy; --vocab defaults to its "
+                        "tokenizer's")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the synthetic stream")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stats-interval", type=int, default=5, help="print zen stats every N steps")
     p.add_argument("--json", default=None, help="write per-step records here (rank 0)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    vocab_given = any(a == "--vocab" or a.startswith("--vocab=") for a in (argv or sys.argv[1:]))
     args = p.parse_args(argv)
+    if args.tokens and args.data:
+        p.error("give --tokens or --data, not both")
+    if args.tokens and not vocab_given:
+        args.vocab = tokens_vocab(args.tokens)
+    elif args.tokens:
+        from zen_ds.data import load_tokens
+
+        top = int(load_tokens(args.tokens).max())
+        if top >= args.vocab:
+            p.error(f"--tokens has id {top}, outside --vocab {args.vocab}")
+    if args.micro_batch is None:
+        batch_tokens = args.batch_tokens or (4096 if args.tokens else None)
+        args.micro_batch = max(1, batch_tokens // args.seq) if batch_tokens else 4
+    elif args.batch_tokens is not None:
+        p.error("give --micro-batch or --batch-tokens, not both")
     if not 2 <= args.vocab <= 262144:
         p.error("--vocab must be in [2, 262144]")
     if args.softmax == "sampled" and (args.tp > 1 or args.pp > 1):
@@ -558,8 +618,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
-    stream = (FileStream(tokenize_file(args.data, args.vocab, args.tokenizer), args.seed)
-              if args.data else ZipfStream(args.vocab, args.zipf, args.seed))
+    if args.tokens:
+        stream: Any = TokenFileStream(args.tokens, args.seed)
+    elif args.data:
+        stream = FileStream(tokenize_file(args.data, args.vocab, args.tokenizer), args.seed)
+    else:
+        stream = ZipfStream(args.vocab, args.zipf, args.seed)
     embeddings = [m for m in engine.module.modules() if isinstance(m, WordEmbedding)]
     probe = GradProbe(embeddings[0].word_embeddings.weight if embeddings else None)
     tokens_per_step = args.micro_batch * args.grad_accum * args.seq * dp
