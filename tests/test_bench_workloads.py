@@ -213,3 +213,40 @@ def test_calibrate_prints_a_network_block_with_the_sync_latency():
     line = next(line for line in text.splitlines() if line.startswith("# latency per step"))
     sync_ms, bare_ms = (float(part.split(" ms")[0].split()[-1]) for part in line.split(","))
     assert sync_ms >= bare_ms > 0
+
+
+def test_workload_names_differ_when_only_a_parameter_does():
+    base = "lm:rows=3000,width=16,tokens=300"
+    variants = [base, "lm:rows=3001,width=16,tokens=300", "lm:rows=3000,width=17,tokens=300",
+                "lm:rows=3000,width=16,tokens=301", base + ",zipf=1.2", base + ",used=2000",
+                base + ",used=2000,shared=100", base + ",draws=2", base + ",imbalance=0.3",
+                base + ",dtype=bf16"]
+    names = [W.parse_workload(v).name for v in variants]
+    assert len(set(names)) == len(names), names
+    synth = ["synthetic:rows=5000,density=0.01", "synthetic:rows=5000,density=0.02",
+             "synthetic:rows=5000,density=0.01,overlap=0.1", "synthetic:rows=5000,density=0.01,skew=1"]
+    assert len({W.parse_workload(s).name for s in synth}) == len(synth)
+    assert W.parse_workload("lm").name == "lm" and W.parse_workload("lm:tokens=4096").name == "lm-4k"
+
+
+def test_calibrated_lm_parameters_do_what_they_say():
+    base = "lm:rows=5000,width=4,tokens=400"
+    used = W.parse_workload(base + ",used=700")
+    assert max(int(used.generate_ids(r, 4).max()) for r in range(4)) < 700
+    iid = [W.parse_workload(base).generate_ids(r, 4) for r in range(4)]
+    more = [W.parse_workload(base + ",draws=3").generate_ids(r, 4) for r in range(4)]
+    assert sum(m.numel() for m in more) > 1.5 * sum(i.numel() for i in iid)
+    spread = [W.parse_workload(base + ",imbalance=0.8").generate_ids(r, 16).numel() for r in range(16)]
+    flat = [W.parse_workload(base).generate_ids(r, 16).numel() for r in range(16)]
+    assert max(spread) / min(spread) > 1.5 * max(flat) / min(flat)
+    # below the shared head every rank ranks the ids alike; beyond it each rank has its own order
+    local = [W.parse_workload(base + ",used=5000,shared=50").generate_ids(r, 4) for r in range(4)]
+    for mine, plain in zip(local, iid):  # the same draws, relabelled beyond the head
+        assert mine.numel() == plain.numel()
+        assert torch.equal(mine[mine < 50], plain[plain < 50])
+        assert not torch.equal(mine[mine >= 50], plain[plain >= 50])
+    assert W.union_size([W.RankGrad(i, i, 5000) for i in local]) > \
+        1.1 * W.union_size([W.RankGrad(i, i, 5000) for i in iid])
+    for bad in (",used=6000", ",used=100,shared=200", ",draws=0", ",imbalance=-1", ",nope=1"):
+        with pytest.raises(ValueError):
+            W.parse_workload(base + bad)

@@ -13,8 +13,23 @@ memory. Spec strings (``--workload``)::
     lstm | deepfm | nmt | topk1 | topk0.1 | lm | dense:mb=64
     synthetic:rows=1000000,width=64,density=0.01,overlap=0.5,skew=1.0
     lm:rows=200000,width=128,tokens=8192,zipf=1.0
+    lm:rows=32000,width=4096,tokens=16384,zipf=1.8,used=20000,shared=20000,draws=4,imbalance=0.2
+    tokens:/path/corpus.npy,vocab=32000,tokens=16384,hidden=4096,dtype=bf16[,start=0]
     file:/path/grad.pt            (dense / sparse COO / RowSparse / {indices,values,num_rows};
                                    a list gives one per rank; '{rank}' in the path is substituted)
+
+``lm:`` is i.i.d. Zipf tokens by default; ``used`` (ids ever drawn, the rest of the vocabulary
+never), ``shared`` (how many of the most frequent ids every rank ranks alike; beyond them each rank
+has its own frequency order: topics), ``draws`` (independent draws per rank as a multiple of
+``tokens``) and ``imbalance`` (a rank draws ``exp(imbalance * z - imbalance^2 / 2)`` times the mean,
+z standard normal per rank) calibrate it to a real token stream:
+``python -m zen_ds.sim fit tokens:FILE,...`` fits them (:mod:`zen_ds.sim.fit`).
+
+``tokens:`` reads real token ids (``python -m zen_ds.data prepare`` writes them: Megatron's
+``.bin``/``.idx`` prefix or a ``.npy``); rank r's gradient has the rows of the ids in tokens
+``[start + r*T, start + (r+1)*T)`` of the stream, so locality and rank imbalance are the text's.
+``vocab`` defaults to the one recorded beside the file, ``hidden`` (row width) to 4096, ``dtype``
+(fp32, fp16, bf16) to fp32.
 """
 from __future__ import annotations
 
@@ -22,6 +37,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -147,8 +163,10 @@ def tokens_for_density(num_rows: int, s: float, density: float) -> int:
 
 def zipf_ids(num_rows: int, s: float, tokens: int, gen: torch.Generator,
              perm: Optional[torch.Tensor] = None, cdf: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Sorted distinct ids touched by ``tokens`` Zipf draws (optionally relabelled by ``perm``)."""
+    """Sorted distinct ids touched by ``tokens`` Zipf draws (optionally relabelled by ``perm``).
+    With a given ``cdf`` the ids are those of the cdf (a law over fewer ids than ``num_rows``)."""
     cdf = zipf_cdf(num_rows, s) if cdf is None else cdf
+    num_rows = cdf.numel()
     u = torch.rand(tokens, generator=gen, dtype=torch.float64)
     ids = torch.searchsorted(cdf, u).clamp_(max=num_rows - 1)
     if perm is not None:
@@ -156,25 +174,60 @@ def zipf_ids(num_rows: int, s: float, tokens: int, gen: torch.Generator,
     return torch.unique(ids)
 
 
+def rank_draws(tokens: int, draws_per_token: float, imbalance: float, rank: int, seed: int) -> int:
+    """Zipf draws of ``rank``: ``tokens * draws_per_token``, times
+    ``exp(imbalance * z - imbalance^2 / 2)`` with z standard normal per (seed, rank) when
+    ``imbalance`` > 0 (mean kept)."""
+    draws = tokens * draws_per_token
+    if imbalance > 0:
+        z = float(torch.randn((), generator=_gen(seed, 8, rank), dtype=torch.float64))
+        draws *= math.exp(imbalance * z - imbalance * imbalance / 2)
+    return max(1, round(draws))
+
+
 def zipf_workload(name: str, num_rows: int, width: int, *, density: Optional[float] = None,
                   tokens: Optional[int] = None, s: float = 1.0, hashed_ids: bool = False,
-                  dtype: torch.dtype = torch.float32, description: str = "") -> Workload:
+                  dtype: torch.dtype = torch.float32, description: str = "",
+                  used: Optional[int] = None, shared: Optional[int] = None, draws: float = 1.0,
+                  imbalance: float = 0.0) -> Workload:
     """Embedding gradient of a batch of Zipf tokens: rows touched by the rank's batch.
 
     Give either ``density`` (tokens per rank calibrated so the expected per-rank density matches)
     or ``tokens``. ``hashed_ids`` relabels ids by a seeded permutation shared by all ranks (hashed
     CTR features); otherwise id 0 is the most frequent (BPE-ordered vocabularies).
+
+    What real text has and i.i.d. Zipf draws lack (fitted by :mod:`zen_ds.sim.fit`): ``used``
+    ids out of ``num_rows`` are ever drawn (ids ``0..used-1``); the ``shared`` most frequent
+    ones keep their place on every rank while each rank relabels the rest by its own seeded
+    permutation (topic locality: a rank's frequent rare words are its own; ``shared = used`` is
+    i.i.d.); ``draws`` independent draws per token of the batch (a rank's T tokens make
+    ``T * draws`` draws); and ``imbalance``, the log-normal spread of the draws over ranks (see
+    :func:`rank_draws`). Real text, whose neighbouring chunks share a narrow vocabulary, fits a
+    steeper law than its corpus-wide one (higher ``zipf``) with more draws than tokens: the
+    union of n contiguous chunks grows as ``n^(1/s)``, not as the corpus-wide law's.
     """
     if (density is None) == (tokens is None):
         raise ValueError("give exactly one of density= or tokens=")
+    used = num_rows if used is None else int(used)
+    if not 1 <= used <= num_rows:
+        raise ValueError(f"used must be in [1, rows={num_rows}], got {used}")
+    shared = used if shared is None else int(shared)
+    if not 0 <= shared <= used:
+        raise ValueError(f"shared must be in [0, used={used}], got {shared}")
+    if shared < used and hashed_ids:
+        raise ValueError("shared < used and hashed_ids do not combine")
+    if draws <= 0:
+        raise ValueError(f"draws must be > 0, got {draws}")
+    if imbalance < 0:
+        raise ValueError(f"imbalance must be >= 0, got {imbalance}")
     if tokens is None:
-        tokens = tokens_for_density(num_rows, s, float(density))
+        tokens = round(tokens_for_density(used, s, float(density) * num_rows / used) / draws)
     ntok = int(tokens)
     cache: Dict[str, object] = {}
 
     def ids_and_gen(rank: int, seed: int) -> Tuple[torch.Tensor, torch.Generator]:
         if "cdf" not in cache:
-            cache["cdf"] = zipf_cdf(num_rows, s)
+            cache["cdf"] = zipf_cdf(used, s)
         perm = None
         if hashed_ids:  # the same permutation on every rank: built once per seed
             if cache.get("perm_seed") != seed:
@@ -182,15 +235,92 @@ def zipf_workload(name: str, num_rows: int, width: int, *, density: Optional[flo
                 cache["perm_seed"] = seed
             perm = cache["perm"]
         gen = _gen(seed, 2, rank)
-        return zipf_ids(num_rows, s, ntok, gen, perm=perm, cdf=cache["cdf"]), gen
+        count = rank_draws(ntok, draws, imbalance, rank, seed)
+        if shared < used:  # this rank's own order of the ids beyond the shared head
+            perm = torch.cat([torch.arange(shared),
+                              shared + torch.randperm(used - shared, generator=_gen(seed, 10, rank))])
+        return zipf_ids(num_rows, s, count, gen, perm=perm, cdf=cache["cdf"]), gen
 
     def make(rank: int, world_size: int, seed: int) -> RankGrad:
         ids, gen = ids_and_gen(rank, seed)
         return RankGrad(ids, _values(ids.numel(), (width,), dtype, gen), num_rows)
 
-    desc = description or f"Zipf(s={s}) embedding grad, {ntok} tokens/rank"
+    desc = description or f"Zipf(s={s}) embedding grad, {ntok} tokens/rank" + (
+        f", {used} ids used, {shared} shared, {draws:g} draws/token, imbalance {imbalance:g}"
+        if (used, shared, draws, imbalance) != (num_rows, num_rows, 1.0, 0.0) else "")
     return Workload(name, num_rows, (width,), dtype, desc, make,
                     make_ids=lambda rank, world_size, seed: ids_and_gen(rank, seed)[0])
+
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
+           "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    try:
+        return _DTYPES[text.lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be one of fp32, fp16, bf16, got {text!r}") from None
+
+
+def _short(count: int) -> str:
+    """8192 -> '8k', 1048576 -> '1M', 1000 -> '1000'."""
+    for unit, size in (("M", 2**20), ("k", 2**10)):
+        if count >= size and count % size == 0:
+            return f"{count // size}{unit}"
+    return str(count)
+
+
+def token_chunk_ids(stream, rank: int, tokens: int, start: int = 0) -> torch.Tensor:
+    """Sorted distinct ids of rank ``rank``'s contiguous chunk of a token stream (a numpy array or
+    memmap): tokens ``[start + rank*tokens, start + (rank+1)*tokens)``."""
+    import numpy as np
+
+    lo = start + rank * tokens
+    hi = lo + tokens
+    if hi > len(stream):
+        raise ValueError(f"rank {rank} needs tokens [{lo}, {hi}) but the stream has "
+                         f"{len(stream)}: lower tokens= or the ranks, or tokenize more text")
+    return torch.from_numpy(np.unique(np.asarray(stream[lo:hi])).astype(np.int64))
+
+
+def tokens_workload(path: str, vocab: Optional[int] = None, tokens: int = 16384, hidden: int = 4096,
+                    dtype: torch.dtype = torch.float32, start: int = 0) -> Workload:
+    """Embedding gradient of real token ids: rank r holds the rows of the ids in its contiguous
+    chunk of ``tokens`` tokens of the file (:mod:`zen_ds.data` formats), so the text's locality
+    and rank imbalance are kept. Values are Gaussian (only the support is real)."""
+    from ..data import load_tokens, token_metadata
+
+    stream = load_tokens(path)
+    recorded = token_metadata(path).get("vocab_size")
+    if vocab is None:
+        if recorded is None:
+            raise ValueError(f"tokens:{path}: give vocab= (no vocab_size recorded beside the file)")
+        vocab = int(recorded)  # type: ignore[arg-type]
+    if tokens < 1 or hidden < 1 or start < 0:
+        raise ValueError("tokens and hidden must be >= 1 and start >= 0")
+    if len(stream) < tokens:
+        raise ValueError(f"tokens:{path} has {len(stream)} tokens, fewer than tokens={tokens}")
+    top = int(stream.max())
+    if top >= vocab:
+        raise ValueError(f"tokens:{path} has id {top} >= vocab={vocab}")
+
+    def ids(rank: int, world_size: int, seed: int) -> torch.Tensor:
+        return token_chunk_ids(stream, rank, tokens, start)
+
+    def make(rank: int, world_size: int, seed: int) -> RankGrad:
+        rows = ids(rank, world_size, seed)
+        return RankGrad(rows, _values(rows.numel(), (hidden,), dtype, _gen(seed, 9, rank)), vocab)
+
+    stem = os.path.basename(path)
+    for suffix in (".npy", ".bin", ".idx"):
+        stem = stem[: -len(suffix)] if stem.endswith(suffix) else stem
+    name = (f"tokens-{stem}-v{_short(vocab)}-t{_short(tokens)}-h{hidden}-{_DTYPE_NAMES[dtype]}"
+            + (f"-s{start}" if start else ""))
+    desc = (f"real tokens of {stem} ({len(stream)} ids), {tokens} contiguous tokens/rank from "
+            f"{start}, {vocab} x {hidden} {_DTYPE_NAMES[dtype]}")
+    return Workload(name, vocab, (hidden,), dtype, desc, make, make_ids=ids)
 
 
 def synthetic_workload(rows: int, width: int = 64, density: float = 0.01, overlap: float = 0.5,
@@ -362,27 +492,75 @@ def parse_workload(spec: str, scale: float = DEFAULT_SCALE) -> Workload:
             if not opts:
                 raise ValueError("file: needs a path, e.g. file:/tmp/grad.pt")
             return file_workload(opts)
+        if name == "tokens":
+            path, _, rest = opts.partition(",")
+            if not path:
+                raise ValueError("tokens: needs a token file, e.g. tokens:/tmp/corpus.npy,vocab=32000")
+            kv = _kv(rest)
+            known = {"vocab", "tokens", "hidden", "dtype", "start"}
+            if set(kv) - known:
+                raise ValueError(f"unknown tokens options {sorted(set(kv) - known)}; use {sorted(known)}")
+            return tokens_workload(path, int(float(kv["vocab"])) if "vocab" in kv else None,
+                                   int(float(kv.get("tokens", 16384))),
+                                   int(float(kv.get("hidden", 4096))),
+                                   parse_dtype(kv.get("dtype", "fp32")),
+                                   int(float(kv.get("start", 0))))
         kv = _kv(opts)
         if name == "synthetic":
             known = {"rows", "width", "density", "overlap", "skew"}
             if set(kv) - known:
                 raise ValueError(f"unknown synthetic options {sorted(set(kv) - known)}; use {sorted(known)}")
-            return synthetic_workload(int(float(kv.get("rows", 1_000_000))), int(kv.get("width", 64)),
-                                      float(kv.get("density", 0.01)), float(kv.get("overlap", 0.5)),
-                                      float(kv.get("skew", 0.0)))
+            rows, width = int(float(kv.get("rows", 1_000_000))), int(kv.get("width", 64))
+            density, overlap = float(kv.get("density", 0.01)), float(kv.get("overlap", 0.5))
+            skew = float(kv.get("skew", 0.0))
+            return synthetic_workload(rows, width, density, overlap, skew,
+                                      name=f"synthetic-r{_short(rows)}-w{width}-d{density:g}-"
+                                           f"o{overlap:g}-k{skew:g}" if kv else "synthetic")
         if name == "dense":
             return dense_workload(float(kv.get("mb", 64)))
         if name == "lm" and kv:
-            tokens = int(float(kv.get("tokens", 8192)))
-            return zipf_workload(f"lm-{tokens // 1024}k" if tokens % 1024 == 0 else f"lm-{tokens}",
-                                 int(float(kv.get("rows", 200_000))), int(kv.get("width", 128)),
-                                 tokens=tokens, s=float(kv.get("zipf", 1.0)))
+            return lm_workload(kv)
         if name in refs and not kv:
             return refs[name]()
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad workload spec {spec!r}: {e}") from e
     raise ValueError(f"unknown workload {spec!r}; choose from {sorted(refs)}, synthetic:..., "
-                     "dense:mb=N, lm:rows=..,width=..,tokens=.., file:PATH")
+                     "dense:mb=N, lm:rows=..,width=..,tokens=.., tokens:FILE,..., file:PATH")
+
+
+LM_DEFAULTS = {"rows": 200_000, "width": 128, "tokens": 8192, "zipf": 1.0, "used": None,
+               "shared": None, "draws": 1.0, "imbalance": 0.0, "dtype": "fp32"}
+
+
+def lm_workload(kv: Dict[str, str]) -> Workload:
+    """``lm:key=value,...``: Zipf tokens (see the module docstring). The name lists every value
+    that differs from the defaults, so two specs with different parameters never share a name."""
+    known = set(LM_DEFAULTS)
+    if set(kv) - known:
+        raise ValueError(f"unknown lm options {sorted(set(kv) - known)}; use {sorted(known)}")
+    rows = int(float(kv.get("rows", LM_DEFAULTS["rows"])))
+    width = int(float(kv.get("width", LM_DEFAULTS["width"])))
+    tokens = int(float(kv.get("tokens", LM_DEFAULTS["tokens"])))
+    zipf = float(kv.get("zipf", LM_DEFAULTS["zipf"]))
+    used = int(float(kv["used"])) if "used" in kv else None
+    shared = int(float(kv["shared"])) if "shared" in kv else None
+    draws = float(kv.get("draws", 1.0))
+    imbalance = float(kv.get("imbalance", 0.0))
+    dtype = parse_dtype(kv.get("dtype", "fp32"))
+    name = f"lm-{_short(tokens)}"
+    for key, tag, value, default in (("rows", "r", rows, LM_DEFAULTS["rows"]),
+                                     ("width", "w", width, LM_DEFAULTS["width"]),
+                                     ("zipf", "z", zipf, LM_DEFAULTS["zipf"]),
+                                     ("used", "u", used, None),
+                                     ("shared", "h", shared, None),
+                                     ("draws", "d", draws, 1.0),
+                                     ("imbalance", "i", imbalance, 0.0)):
+        if value != default:
+            name += f"-{tag}{_short(value) if isinstance(value, int) else f'{value:g}'}"
+    if dtype != torch.float32:
+        name += f"-{_DTYPE_NAMES[dtype]}"
+    return zipf_workload(name, rows, width, tokens=tokens, s=zipf, dtype=dtype, used=used,
+                         shared=shared, draws=draws, imbalance=imbalance)
 
 
 def measure_overlap(nnz: Sequence[int], union: int) -> float:

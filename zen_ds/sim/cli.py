@@ -6,6 +6,12 @@ Examples::
         --json sim.json
     python -m zen_ds.sim -w lstm -w nmt --ranks 4 8 16 32 64 128 256 512 1024 --plot sim.png
     python -m zen_ds.sim -w lstm -w deepfm -w nmt --ranks 16 64 128 512 --step-compute 0.3
+    python -m zen_ds.sim -w tokens:sp32k,tokens=16384,hidden=4096,dtype=bf16 --ranks 16 128 1024
+    python -m zen_ds.sim fit tokens:sp32k,tokens=16384,hidden=4096 --ranks 4 16 128
+
+``tokens:FILE,...`` takes real token ids (``python -m zen_ds.data prepare`` writes them), rank r
+the r-th contiguous chunk of ``tokens`` ids; ``fit`` calibrates the synthetic ``lm:`` workload to
+such a stream and compares the two (:mod:`zen_ds.sim.fit`).
 
 Workloads are the bench's specs (:mod:`zen_ds.bench.workloads`) at ``--scale`` (default 1.0:
 the ZEN models at full size, Zipf tokens per rank calibrated so the expected per-rank row density
@@ -141,6 +147,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fit"]:  # python -m zen_ds.sim fit tokens:FILE,...: zen_ds.sim.fit
+        from .fit import main as fit_main
+
+        return fit_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     return run(args, ["python -m zen_ds.sim", *argv])
