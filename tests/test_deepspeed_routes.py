@@ -58,7 +58,9 @@ def test_compression_alone_makes_zero_params_owned():
 
 
 @pytest.mark.parametrize("case, sparse, setup, words", [
-    ({"zero": 3}, True, {}, "ZeRO stage 3"),
+    ({"zero": 3, "zen_extra": COMPRESSION}, False, {}, "\"zen.compression\" is not supported under ZeRO stage 3"),
+    ({"zero": 3, "zen_extra": {"scheme": "agsparse"}}, False, {}, "\"zen.scheme\": \"agsparse\""),
+    ({"zero": 3, "zen_extra": {"optimizer_state": "sharded"}}, False, {}, "\"zen.optimizer_state\""),
     # DeepSpeed's own restriction: its PipelineEngine asserts ZeRO stage < 2
     ({"zero": 2}, True, {"pipeline": True}, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
     ({"zero": 2, "zen_extra": COMPRESSION}, False, {"pipeline": True}, "DeepSpeed's PipelineEngine"),
@@ -85,6 +87,20 @@ def test_pipeline_stages_take_the_owned_route(case, sparse):
     some: tests/test_deepspeed_pipeline.py checks that on real stages."""
     got = _route(case, sparse, pipeline=True)
     assert got.name == "owned" and got.names == ["emb_s.weight", "emb_d.weight"]
+
+
+def test_zero3_route_leaves_tied_embeddings_to_deepspeed():
+    """Stage 3 is accepted; an embedding whose weight is also the output layer's is dense and
+    left to DeepSpeed, with the reason."""
+    from torch import nn
+    assert _route({"zero": 3}, False).name == "zero3"
+    model = dc.make_model(False)
+    model.head = nn.Linear(dc.HIDDEN, dc.VOCAB_D, bias=False)
+    model.head.weight = model.emb_d.weight
+    cfg = dc.ds_config({"zero": 3}, world=2)
+    got = resolve_route(cfg, model, load_zen_config(cfg))
+    assert got.name == "zero3" and got.names == ["emb_s.weight"]
+    assert "tied to head.weight" in got.left_to_deepspeed["emb_d.weight"]
 
 
 def test_fp16_compressor_undoes_skipped_steps():

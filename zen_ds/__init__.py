@@ -19,7 +19,7 @@ from .api import (INDEX_ENCODINGS, SyncOptions, ZenInputError, default_options, 
                   set_default_options, sparse_allreduce)
 from .comm import ZenSyncError
 from .partition import ShardLayout, owner
-from .reduce_scatter import shard_rows, sparse_reduce_scatter
+from .reduce_scatter import shard_rows, sparse_reduce_scatter, sparse_reduce_scatter_flat
 from .planner import CostModel
 from .schemes import scheme_names
 from .sparse import RowSparse
@@ -33,6 +33,6 @@ SCHEMES = scheme_names()
 
 __all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats",
            "SyncOptions", "default_options", "set_default_options", "ZenSyncError", "ZenInputError",
-           "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
+           "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "sparse_reduce_scatter_flat", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
            "initialize", "attach", "state_of", "enable", "disable", "ZenReductionError",
            "ZenConfig", "ZenConfigError"]

@@ -20,12 +20,12 @@ import torch.distributed as dist
 from . import ops
 from .api import SyncOptions, _local_rows, agree, default_options
 from .partition import ShardLayout
-from .schemes.balanced import push
+from .schemes.balanced import _as_bytes, _view_as, push
 from .schemes.base import SyncContext
 from .sparse import RowSparse, accum_dtype
 from .stats import SyncStats
 
-__all__ = ["sparse_reduce_scatter", "shard_rows"]
+__all__ = ["sparse_reduce_scatter", "sparse_reduce_scatter_flat", "shard_rows"]
 
 
 def shard_rows(layout: ShardLayout, rank: int, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
@@ -84,3 +84,99 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     if rows.numel():
         shard.view(shard.shape[0], -1).index_copy_(0, rows.to(torch.int64), sums.to(x.dtype))
     return shard
+
+
+def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optional[dist.ProcessGroup] = None, *,
+                               partition_numel: Optional[int] = None, prescale: float = 1.0,
+                               postscale: float = 1.0, out_dtype: Optional[torch.dtype] = None,
+                               options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
+                               log_prefix: str = "zen") -> torch.Tensor:
+    """This rank's contiguous flat partition of the sum over ``group``, with only the non-zero
+    rows on the wire: ZeRO-3's gradient layout, where rank ``r`` owns the row-major elements
+    ``[r * P, (r + 1) * P)`` of the whole tensor (``P = partition_numel``, default
+    ``ceil(numel / n)``; zero past the tensor's end), exactly what a dense reduce-scatter of the
+    padded flat tensor hands it.
+
+    Ownership is fixed by that layout, not hashed: a row is sent whole to every rank whose
+    partition it overlaps (a row straddling a boundary goes to both; rows wider than a partition
+    to several), and each receiver keeps its slice. So rows cluster as their ids do: with
+    frequent low ids the first ranks receive more rows (``stats.nnz_result`` is this rank's
+    received row count). Sums are in fp32 for fp16/bf16; the result is ``postscale * sum(prescale
+    * x)`` as a 1-D tensor of ``out_dtype`` (default: ``x``'s dtype). Bad input or a mismatch on
+    any rank raises the same ValueError on every rank (:func:`zen_ds.sparse_allreduce`'s handshake).
+    """
+    opts = options if options is not None else default_options()
+    comm, local, _ = agree(x, None, group, "agsparse", False, opts, prescale, postscale, log_prefix)
+    comm.scheme = "reduce_scatter_flat"
+    n, rank = comm.world_size, comm.rank
+    rs = _local_rows(local, float(prescale))
+    width = rs.row_numel
+    numel = rs.num_rows * width
+    part = int(partition_numel) if partition_numel is not None else -(-numel // n)
+    if part * n < numel:
+        raise ValueError(f"partition_numel {part} x {n} ranks < {numel} elements: the partitions must cover "
+                         "the tensor")
+    acc = accum_dtype(rs.dtype)
+    device = rs.values.device
+    out = torch.zeros(part, dtype=acc, device=device)
+    if width and numel:
+        ids = rs.indices.to(torch.int64)
+        first = torch.div(ids * width, part, rounding_mode="floor")
+        last = torch.div((ids + 1) * width - 1, part, rounding_mode="floor")
+        spans = last - first + 1
+        if bool((spans == 1).all()):
+            dest, pick = first, None
+        else:  # rows over a partition boundary go to each owner
+            pick = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), spans)
+            starts = torch.repeat_interleave(first, spans)
+            dest = starts + (torch.arange(pick.numel(), device=ids.device)
+                             - torch.repeat_interleave(torch.cumsum(spans, 0) - spans, spans))
+        order = torch.argsort(dest, stable=True)
+        rows = pick[order] if pick is not None else order
+        send_counts = torch.bincount(dest, minlength=n).to(torch.int64)
+        recv_counts = torch.empty_like(send_counts)
+        comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "reduce_scatter_flat.counts")
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        values = rs.values_2d().index_select(0, rows)
+        send = torch.cat([_as_bytes(ids.index_select(0, rows)), _as_bytes(values)], dim=1)
+        received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=device)
+        comm.all_to_all_single(received, send, recv_splits, send_splits, "reduce_scatter_flat.push")
+        del send, values
+        got_ids = _view_as(received[:, :8], torch.int64).flatten()
+        got_values = _view_as(received[:, 8:], rs.dtype).reshape(-1, width)
+        _add_rows_into_partition(out, got_ids, got_values, width, rank * part)
+        recv_rows = int(got_ids.numel())
+    else:
+        recv_rows = 0
+    if postscale != 1.0:
+        out.mul_(float(postscale))
+    end = numel - rank * part  # elements of this partition that are real (the rest is padding)
+    if end < part:
+        out[max(end, 0):].zero_()
+    result = out.to(out_dtype if out_dtype is not None else rs.dtype)
+    if stats is not None:
+        stats.scheme = "reduce_scatter_flat"
+        stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
+        stats.nnz_local, stats.nnz_result = int(rs.indices.numel()), recv_rows
+        stats.num_rows, stats.row_numel, stats.world_size = rs.num_rows, width, n
+        stats.dense_bytes = numel * rs.values.element_size()
+        stats.collectives = list(comm.records)
+    return result
+
+
+def _add_rows_into_partition(out: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, width: int,
+                             base: int) -> None:
+    """Add whole rows (flat start ``id * width``) into the partition that starts at flat ``base``;
+    the parts of straddling rows outside it are dropped."""
+    if not ids.numel():
+        return
+    part = out.numel()
+    starts = ids * width - base
+    inside = (starts >= 0) & (starts + width <= part)
+    if bool(inside.all()) and part % width == 0 and base % width == 0:
+        out.view(-1, width).index_add_(0, torch.div(starts, width, rounding_mode="floor"),
+                                       values.to(out.dtype))
+        return
+    positions = starts.unsqueeze(1) + torch.arange(width, device=ids.device)
+    keep = (positions >= 0) & (positions < part)
+    out.index_add_(0, positions[keep], values.to(out.dtype)[keep])

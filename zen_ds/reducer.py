@@ -338,14 +338,17 @@ class ZenReducer:
         for name, s in self.last_stats.items():
             wire = s.bytes_sent + s.bytes_received
             ring = 2 * 2 * (self.world_size - 1) * s.dense_bytes // max(self.world_size, 1)
+            baseline = "dense all-reduce"
+            if s.scheme == "reduce_scatter_flat":  # ZeRO-3: against its dense reduce-scatter
+                ring, baseline = ring // 2, "dense reduce-scatter"
             extra = " (compressed)" if s.compressed else ""
             if s.gather:  # sharded optimizer state: reduce-scatter, step the shard, all-gather rows
                 gathered = s.gather_bytes_sent + s.gather_bytes_received
                 extra = f" + {s.gather} param all-gather {gathered} B (optimizer state sharded)"
                 wire += gathered
             logger.info("zen step %d %s: density %.4f -> %.4f, scheme %s%s, wire %d B (sent+recv) vs "
-                        "dense all-reduce %d B (%.1f%%), %.2f ms", self.step, name, s.density,
-                        s.result_density, s.scheme, extra, wire,
+                        "%s %d B (%.1f%%), %.2f ms", self.step, name, s.density,
+                        s.result_density, s.scheme, extra, wire, baseline,
                         ring, 100.0 * wire / max(ring, 1), 1e3 * s.seconds)
 
     # ---------------------------------------------------------------------- checkpoint state

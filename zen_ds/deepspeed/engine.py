@@ -31,6 +31,7 @@ from zen_ds.deepspeed.owned import OwnedParams, OwnedPlan, clip_coefficient, pla
 from zen_ds.deepspeed.params import reducer_params
 from zen_ds.deepspeed.routes import DeepSpeedSetup, Route, ds_config_dict, read_ds_config, refuse, resolve_route
 from zen_ds.deepspeed.shuffling import build_shuffle
+from zen_ds.deepspeed.zero3 import Zero3Sync, install_id_checks
 from zen_ds.reducer import ZenReducer
 from zen_ds.shuffle_sync import ShuffleSync
 
@@ -64,6 +65,9 @@ class ZenEngineState:
         # --- per optimizer step
         self.reduced_this_step = False
         self.last_norm: Optional[float] = None  # unscaled global norm DeepSpeed clipped with
+        self.zero_stage = 0  # set by attach: what a second backward before the step means
+        # --- ZeRO-3: zen reduces its params inside DeepSpeed's gradient hooks (set by attach)
+        self.zero3: Optional[Zero3Sync] = None
         self._engine = weakref.ref(engine)
 
     @property
@@ -75,9 +79,50 @@ class ZenEngineState:
         check_grads(self.reducer.params, grads)
         return grads
 
+    def begin_backward(self) -> None:
+        """A backward pass starts. If zen already synced this step's gradients (a second
+        backward before ``step()``), the next boundary reduction syncs again, as DeepSpeed
+        reduces its own params at every boundary backward, and the step applies what DeepSpeed
+        would: under ZeRO-0 the sum of both synced gradients (they accumulate in ``.grad``),
+        under ZeRO-1/2 the last one only (its partitions are overwritten)."""
+        if self.overlap is not None and self.overlap.active and self.overlap.closed:
+            self.reduce()  # the overlapped sync of the earlier backward: finish and store it
+        if self.reduced_this_step:
+            self.reduced_this_step = False
+            if self.owned is not None and self.zero_stage in (1, 2):
+                self.owned.clear()  # ZeRO-1/2 keep only the last boundary backward's reduction
+            elif self.owned is not None:  # zen's fp32 sums restart; the synced ones are kept
+                self.owned.carry_synced()
+        if self.overlap is None or not self.overlap.active:
+            self.refresh_scale()
+
+    def discard_grads(self) -> None:
+        """``engine.zero_grad()`` outside the step: drop the gradients zen holds for this step
+        (its fp32 sums and synced results on the owned route), as DeepSpeed drops its own."""
+        if self.overlap is not None and self.overlap.active:
+            self.overlap.finish()  # results are dropped; the thread must not outlive them
+        self.reduced_this_step = False
+        if self.owned is not None:
+            self.owned.clear()
+
+    def refresh_scale(self) -> None:
+        """Read DeepSpeed's averaging knobs now: DeepSpeed reads ``engine.gradient_average`` at
+        each reduction, so a change after initialize applies to the next one."""
+        engine = self.engine
+        if engine is None:
+            return
+        rule = patches.scale_rule(engine)
+        if self.shuffle is not None and rule != self.reducer.scale:
+            refuse("\"zen.shuffle\" (DS-Sync) averages inside each group and cannot follow a change of "
+                   "engine.gradient_average or the predivide factor after initialize; set them in the "
+                   "ds_config instead")
+        self.reducer.scale = rule
+
     def start_reduce(self) -> None:
         """Backward has ended: with overlap, let zen's thread sync what is left and return at
         once (DeepSpeed reduces its params meanwhile); without, :meth:`reduce`."""
+        if not self.reduced_this_step and not (self.overlap is not None and self.overlap.active):
+            self.refresh_scale()
         if self.overlap is None:
             self.reduce()
         elif not self.reduced_this_step:
@@ -88,6 +133,11 @@ class ZenEngineState:
         failure on any rank raises on every rank."""
         if self.reduced_this_step:
             return
+        if self.zero3 is not None:  # synced in DeepSpeed's gradient hooks already
+            self.reduced_this_step = True
+            return
+        if self.overlap is None or not self.overlap.active:
+            self.refresh_scale()
         step = self.reducer.step
         if self.shuffle is not None:
             during_sync(self.shuffle.reduce_gradients, self.shuffle.step)
@@ -128,6 +178,9 @@ class ZenEngineState:
         if self.reducer.compressor is not None:
             self.reducer.compressor.settle_step(applied)
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.zero3 is not None:
+            self.zero3.end_step()
+            self.zero3.log_left(rank)
         if self.shuffle is None:
             self.reducer.log_stats(rank)
             return
@@ -203,7 +256,11 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
                                 reducer.scale, options)
     state = ZenEngineState(engine, zcfg, reducer, route.name, owned,
                            patches.grad_storage(engine, zen_params, owned), shuffle, options)
-    if zcfg.overlap:
+    state.zero_stage = route.setup.zero_stage
+    if route.name == "zero3":
+        state.zero3 = Zero3Sync(reducer, options, route.left_to_deepspeed)
+        install_id_checks(engine.module, zen_params, patches.dp_group(engine))
+    if zcfg.overlap and state.zero3 is None:  # under ZeRO-3 zen syncs inside the backward anyway
         state.overlap = _overlapped_sync(engine, state, route)
     _REGISTRY[engine] = state
     patches.install(engine, state)

@@ -123,6 +123,11 @@ class OverlappedSync:
         """A sync was started for this optimizer step and not yet finished."""
         return self._job is not None
 
+    @property
+    def closed(self) -> bool:
+        """Backward has ended for the active sync (it waits for the step to collect it)."""
+        return self._job is not None and self._job.closed
+
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hand_over(param: torch.Tensor) -> None:
             if self._job is None and not self.at_boundary():

@@ -65,7 +65,7 @@ def _split_optimizer(optimizer: torch.optim.Optimizer, zen_ids: Dict[int, nn.Par
             group["params"] = rest
             kept.append(group)
     if not kept:
-        refuse("every trainable param is a zen param; DeepSpeed needs at least one param to optimize")
+        _refuse_nothing_left(None)
     optimizer.param_groups[:] = kept
     zen_groups = zen_groups or [{"params": []}]  # a pipeline stage without zen params
     try:
@@ -94,19 +94,29 @@ def _optimizer_from_ds_block(block: Mapping[str, Any], params: List[Any]) -> tor
 
 
 def plan_owned(route: Route, model: nn.Module, optimizer: Any, model_parameters: Any,
-               ds_config: Mapping[str, Any]) -> "tuple[OwnedPlan, List[nn.Parameter]]":
-    """zen's optimizer for its params, and the params left for DeepSpeed's ``model_parameters``."""
+               ds_config: Mapping[str, Any]) -> "tuple[OwnedPlan, List[Any]]":
+    """zen's optimizer for its params, and what is left for DeepSpeed's ``model_parameters``.
+
+    ``model_parameters`` may be params or param-group dicts (weight-decay groups, as the Hugging
+    Face Trainer builds them): zen's params leave their groups, and zen's optimizer gets the same
+    groups' hyper-parameters for them."""
     half = route.setup.half
     owned = route.synced  # selected params, then compressed ones
     zen_ids = {id(p): p for _, p, _ in owned}
     masters = {id(p): (nn.Parameter(p.detach().clone().float()) if half else p) for _, p, _ in owned}
     ordered_masters = [masters[id(p)] for _, p, _ in owned]
-    # a pipeline stage without zen params still owns an (empty) optimizer, as every stage does
-    to_build: List[Any] = list(ordered_masters) or [{"params": []}]
     base = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    if base and isinstance(base[0], dict):
-        refuse("model_parameters given as param-group dicts are not supported with zen-owned params; "
-               "pass a torch optimizer with those groups instead")
+    grouped = bool(base) and isinstance(base[0], Mapping)
+    if grouped:
+        zen_groups, left = _split_groups(base, zen_ids, masters)
+    else:
+        zen_groups = [{"params": list(ordered_masters)}] if ordered_masters else []
+        left = [p for p in base if id(p) not in zen_ids]
+    # a pipeline stage without zen params still owns an (empty) optimizer, as every stage does
+    to_build: List[Any] = zen_groups or [{"params": []}]
+    remaining = [p for g in left for p in g["params"]] if grouped else left
+    if owned and not any(getattr(p, "requires_grad", False) for p in remaining):
+        _refuse_nothing_left([name for name, _, _ in owned])
     from_engine = False
     if isinstance(optimizer, torch.optim.Optimizer):
         zen_opt = _split_optimizer(optimizer, zen_ids, masters)
@@ -121,7 +131,40 @@ def plan_owned(route: Route, model: nn.Module, optimizer: Any, model_parameters:
                "an optimizer: pass optimizer= or an \"optimizer\" block in the ds_config")
     ratios = [(g["lr"] / ds_lr) if ds_lr else 1.0 for g in zen_opt.param_groups]
     plan = OwnedPlan([name for name, _, _ in owned], ordered_masters, zen_opt, ratios, from_engine)
-    return plan, [p for p in base if id(p) not in zen_ids]
+    return plan, left
+
+
+def _split_groups(groups: List[Mapping[str, Any]], zen_ids: Dict[int, nn.Parameter],
+                  masters: Dict[int, nn.Parameter]) -> "tuple[List[Dict[str, Any]], List[Dict[str, Any]]]":
+    """Param-group dicts split into zen's (masters, same hyper-parameters) and DeepSpeed's; zen
+    params in no group form one group with the optimizer's defaults, as a plain list would."""
+    zen_groups, left, seen = [], [], set()
+    for group in groups:
+        if not isinstance(group, Mapping) or "params" not in group:
+            refuse("model_parameters mixes params and param-group dicts; pass one kind")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        hparams = {k: v for k, v in group.items() if k != "params"}
+        mine = [p for p in params if id(p) in zen_ids]
+        seen.update(id(p) for p in mine)
+        if mine:
+            zen_groups.append(dict(hparams, params=[masters[id(p)] for p in mine]))
+        rest = [p for p in params if id(p) not in zen_ids]
+        if rest:
+            left.append(dict(hparams, params=rest))
+    unlisted = [masters[i] for i in zen_ids if i not in seen]
+    if unlisted:
+        zen_groups.append({"params": unlisted})
+    return zen_groups, left
+
+
+def _refuse_nothing_left(names: Optional[List[str]]) -> None:
+    which = f" ({names})" if names else ""
+    refuse(f"zen would own every trainable param{which}: zen's params and, with \"zen.compression\", "
+           "every compressed one, which leaves DeepSpeed's optimizer no trainable param, and DeepSpeed's "
+           "ZeRO/BF16/FP16 optimizers need at least one. Leave one param to DeepSpeed: raise "
+           "\"compression.min_numel\" above a small param's size, or list the layers to compress in "
+           "\"compression.params\"; or train with ZeRO stage 0 in fp32")
 
 
 def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:
@@ -166,6 +209,7 @@ class OwnedParams:
         self.half = half
         # --- per optimizer step: fp32 sums over micro-steps, then the synced result
         self.accum: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        self._carried: Optional[List[Optional[torch.Tensor]]] = None  # synced by an earlier backward
         self.synced = [None] * len(self.params)
         self.handles = [p.param.register_post_accumulate_grad_hook(self._hook(i))
                         for i, p in enumerate(self.params)]
@@ -219,10 +263,24 @@ class OwnedParams:
         # A compressed param is synced whole even when its state is sharded (its gradient is
         # element-sparse, the shards are rows; the sum is the one replicated state gets): keep
         # this rank's rows of it.
-        self._synced = [g.view_as(p.param)[s.rows] if g is not None and s is not None and p.compressed
-                        else g for p, g, s in zip(self.params, synced, self.sharded)]
+        # A reduction after a second backward adds to what the first one synced (see
+        # :meth:`carry_synced`), as DeepSpeed's own reductions add up until the step.
+        fresh = [g.view_as(p.param)[s.rows] if g is not None and s is not None and p.compressed
+                 else g for p, g, s in zip(self.params, synced, self.sharded)]
+        carried = self._carried or [None] * len(fresh)
+        self._synced = [_add_grads(c, g) for c, g in zip(carried, fresh)]
+        self._carried = None
+
+    def carry_synced(self) -> None:
+        """Another backward starts before the step: keep this step's synced gradients for the
+        next reduction to add to, and restart the fp32 sums (they were synced already)."""
+        self._carried = [_add_grads(c, g) for c, g in zip(self._carried or [None] * len(self.params),
+                                                          self._synced)]
+        self._synced = [None] * len(self.params)
+        self.accum = [None] * len(self.params)
 
     def clear(self) -> None:
+        self._carried = None
         self.accum = [None] * len(self.params)
         self.synced = [None] * len(self.params)
 
@@ -261,6 +319,17 @@ class OwnedParams:
             elif master is not p.param:
                 p.param.data.copy_(master.data.to(p.param.dtype))
 
+    @torch.no_grad()
+    def masters_from_params(self) -> None:
+        """Set the fp32 masters from the params (after DeepSpeed loaded weights without optimizer
+        state); the optimizer state stays as it is (fresh for a new engine)."""
+        for p, master, shard in zip(self.params, self.masters, self.sharded):
+            if shard is not None:
+                if self.half:
+                    master.data.copy_(p.param.data[shard.rows].float())
+            elif master is not p.param:
+                master.data.copy_(p.param.data.float())
+
     def state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(),
                 "masters": [p.param.detach()[s.rows].float().clone() if s is not None and not self.half
@@ -285,6 +354,17 @@ class OwnedParams:
                     p.param.data[shard.rows] = saved_m.to(p.param.dtype)
                 elif m is not p.param:
                     p.param.data.copy_(saved_m.to(p.param.dtype))
+
+
+def _add_grads(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The sum of two synced gradients of one param (either may be None, sparse or dense)."""
+    if a is None or b is None:
+        return b if a is None else a
+    if a.is_sparse and b.is_sparse:
+        return (a + b).coalesce()
+    if a.is_sparse or b.is_sparse:
+        return (a.to_dense() if a.is_sparse else a) + (b.to_dense() if b.is_sparse else b)
+    return a + b
 
 
 def _rebuild_optimizer(optimizer: torch.optim.Optimizer, old: Sequence[nn.Parameter],

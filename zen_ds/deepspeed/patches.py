@@ -81,9 +81,13 @@ def dp_group(engine: Any) -> Optional[dist.ProcessGroup]:
 
 
 def scale_rule(engine: Any) -> ScaleRule:
-    """DeepSpeed's averaging knobs for this engine, for zen to apply to its params."""
+    """DeepSpeed's averaging knobs for this engine as they are now, for zen to apply to its params
+    (read at each reduction, as DeepSpeed does). ZeRO-1/2 copies ``gradient_average`` into its
+    optimizer at initialize and reads that copy, so zen reads it there too."""
     configured = engine._config.communication_data_type
-    return ScaleRule(average=bool(engine.gradient_average), prescale=not engine.postscale_gradients(),
+    zero_copy = getattr(engine.optimizer, "gradient_average", None) if engine.zero_optimization() else None
+    average = engine.gradient_average if zero_copy is None else zero_copy
+    return ScaleRule(average=bool(average), prescale=not engine.postscale_gradients(),
                      predivide_factor=float(engine.gradient_predivide_factor()),
                      comm_dtype=configured if configured is not None else engine.communication_data_type)
 
@@ -177,12 +181,15 @@ def _grads_for_deepspeed(engine: Any, state: "ZenEngineState") -> List[Any]:
 # ============================================================================ engine wrappers
 def install(engine: Any, state: "ZenEngineState") -> None:
     """Instance-level wrappers that make ``engine`` run zen's reduction and step."""
+    if state.zero3 is not None:
+        _install_zero3(engine, state)
+        return
     orig_allreduce = engine.allreduce_gradients
     orig_fallback = engine.buffered_allreduce_fallback
     orig_take_step = engine._take_model_step
-    orig_save = engine.save_checkpoint
-    orig_load = engine.load_checkpoint
-    from zen_ds.deepspeed import checkpoint
+    orig_prologue = engine._backward_prologue
+    orig_zero_grad = engine.zero_grad
+    in_step = [False]  # inside DeepSpeed's step, whose own zero_grad must not drop zen's sums
 
     def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
         if engine.is_gradient_accumulation_boundary():  # ZeRO-2 calls this every micro-step
@@ -197,7 +204,24 @@ def install(engine: Any, state: "ZenEngineState") -> None:
             grads = _grads_for_deepspeed(engine, state)
         return orig_fallback(grads=grads, elements_per_buffer=elements_per_buffer)
 
+    def backward_prologue(*args: Any, **kwargs: Any) -> Any:
+        state.begin_backward()  # a second backward before step(): the next reduction syncs again
+        return orig_prologue(*args, **kwargs)
+
+    def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        out = orig_zero_grad(*args, **kwargs)
+        if not in_step[0]:  # the user's zero_grad: drop zen's gradients too
+            state.discard_grads()
+        return out
+
     def take_model_step(*args: Any, **kwargs: Any) -> Any:
+        in_step[0] = True
+        try:
+            return _take_step(*args, **kwargs)
+        finally:
+            in_step[0] = False
+
+    def _take_step(*args: Any, **kwargs: Any) -> Any:
         state.reduce()  # unmanaged accumulation or a manual allreduce: never step unsynced grads
         if state.owned is None:
             out = orig_take_step(*args, **kwargs)
@@ -221,6 +245,26 @@ def install(engine: Any, state: "ZenEngineState") -> None:
             state.after_step(applied)
         return out
 
+
+    engine.allreduce_gradients = allreduce_gradients
+    engine.buffered_allreduce_fallback = buffered_allreduce_fallback
+    engine._take_model_step = take_model_step
+    engine._backward_prologue = backward_prologue
+    engine.zero_grad = zero_grad
+    _wrap_checkpointing(engine, state)
+    if state.owned is None and not (engine.fp16_enabled() or engine.bfloat16_enabled()
+                                    or engine.zero_optimization()):
+        engine.clip_fp32_gradients = _clip_fp32(engine, state)
+    if state.owned is not None:
+        _fold_norm(engine, state)
+    _take_over_tied_grads(engine, state)
+
+
+def _wrap_checkpointing(engine: Any, state: "ZenEngineState") -> None:
+    """zen's file next to DeepSpeed's checkpoint; loading honours DeepSpeed's flags."""
+    from zen_ds.deepspeed import checkpoint
+    orig_save, orig_load = engine.save_checkpoint, engine.load_checkpoint
+
     def save_checkpoint(save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
                         *args: Any, **kwargs: Any) -> Any:
         out = orig_save(save_dir, tag, client_state if client_state is not None else {}, *args, **kwargs)
@@ -229,22 +273,69 @@ def install(engine: Any, state: "ZenEngineState") -> None:
         return out
 
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        flags = _load_flags(orig_load, load_dir, tag, *args, **kwargs)
         out = orig_load(load_dir, tag, *args, **kwargs)
         if out is not None and out[0] is not None:
-            checkpoint.load(state, load_dir, tag, engine.global_rank)
+            checkpoint.load(state, load_dir, tag, engine.global_rank, **flags)
         return out
 
-    engine.allreduce_gradients = allreduce_gradients
-    engine.buffered_allreduce_fallback = buffered_allreduce_fallback
-    engine._take_model_step = take_model_step
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
-    if state.owned is None and not (engine.fp16_enabled() or engine.bfloat16_enabled()
-                                    or engine.zero_optimization()):
-        engine.clip_fp32_gradients = _clip_fp32(engine, state)
-    if state.owned is not None:
-        _fold_norm(engine, state)
-    _take_over_tied_grads(engine, state)
+
+
+def _install_zero3(engine: Any, state: "ZenEngineState") -> None:
+    """ZeRO stage 3 (DeepSpeedZeroOptimizer_Stage3): zen reduces its params when DeepSpeed's
+    gradient hook hands them to ``reduce_independent_p_g_buckets_and_remove_grads`` (instead of
+    adding them to DeepSpeed's reduce-scatter bucket) and puts the partition where DeepSpeed's
+    own would go with ``partition_grads`` (which also accumulates micro-steps). The scaling is
+    ``__avg_scatter_grads``'s: ``/ f`` (postscale with a predivide factor ``f != 1``), ``/ n``
+    before the sum, ``* f`` after it unless ``f == n``, then ``* n / averaging world``."""
+    opt = engine.optimizer
+    needed = ("reduce_independent_p_g_buckets_and_remove_grads", "partition_grads",
+              "_get_param_partition_group", "get_param_comm_dtype", "gradient_accumulation_dtype")
+    missing = [name for name in needed if not hasattr(opt, name)]
+    if missing:
+        refuse(f"zen under ZeRO stage 3 needs DeepSpeed's stage-3 optimizer; {type(opt).__name__} lacks "
+               f"{missing} (ZeRO-3 with offload to NVMe or a custom optimizer wrapper?)")
+    orig_reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
+    sync = state.zero3
+
+    def reduce_independent_p_g_buckets_and_remove_grads(param: Any) -> Any:
+        if not sync.owns(param) or not getattr(param, "ds_grad_is_ready", True) or param.grad is None:
+            return orig_reduce(param)
+        group = opt._get_param_partition_group(param)
+        n = dist.get_world_size(group) if dist.is_initialized() else 1
+        f = float(opt.gradient_predivide_factor)
+        predivide = bool(opt.postscale_gradients) and f != 1.0
+        prescale = (1.0 / f if predivide else 1.0) / n
+        postscale = (f if predivide and f != n else 1.0) * n / float(opt._gradient_averaging_world_size([param], n))
+        partition = sync.reduce(param, param.grad, group, int(param.partition_numel()),
+                                opt.get_param_comm_dtype(param), opt.gradient_accumulation_dtype,
+                                prescale, postscale)
+        opt.partition_grads([param], [partition])
+        return None
+
+    orig_take_step = engine._take_model_step
+
+    def take_model_step(*args: Any, **kwargs: Any) -> Any:
+        out = orig_take_step(*args, **kwargs)
+        state.after_step(engine.was_step_applied())
+        return out
+
+    opt.reduce_independent_p_g_buckets_and_remove_grads = reduce_independent_p_g_buckets_and_remove_grads
+    engine._take_model_step = take_model_step
+    _wrap_checkpointing(engine, state)
+
+
+def _load_flags(orig_load: Callable[..., Any], *args: Any, **kwargs: Any) -> Dict[str, bool]:
+    """DeepSpeed's ``load_checkpoint`` flags as the caller gave them (defaults from its signature)."""
+    import inspect
+    bound = inspect.signature(orig_load).bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = bound.arguments
+    return {"strict": bool(call.get("load_module_strict", True)),
+            "optimizer_states": bool(call.get("load_optimizer_states", True)),
+            "module_only": bool(call.get("load_module_only", False))}
 
 
 def _clip_fp32(engine: Any, state: "ZenEngineState") -> Callable[[], torch.Tensor]:

@@ -16,6 +16,10 @@ Routes:
   gradient densely inside its flat buffers, and zen must sync the compressed one instead. Inside
   a PipelineModule (ZeRO-1; DeepSpeed refuses ZeRO-2 there) each stage owns its own params and
   syncs them over its data-parallel group.
+* **zero3** (ZeRO stage 3): DeepSpeed keeps every param, its partitions, optimizer and
+  checkpoints; zen only replaces the reduce-scatter of its params' gradients into ZeRO-3's
+  partitions by one that sends the non-zero rows (:mod:`.zero3`). A tied embedding (also the
+  output layer's weight: every row has a gradient) is left to DeepSpeed.
 * **shuffle** (``"zen.shuffle"``, DS-Sync): zen reduces *every* param inside the step's shuffle
   group (:mod:`.shuffling`) and DeepSpeed reduces nothing; ZeRO-0 in fp32 only, because the other
   stages and precisions keep gradients or master weights where zen cannot average them per group.
@@ -26,7 +30,7 @@ import base64
 import binascii
 import fnmatch
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -126,6 +130,8 @@ class Route:
     setup: DeepSpeedSetup
     # "zen.compression": the compressor, which chose the dense params it compresses (else None)
     compressor: Optional[Any] = None
+    # ZeRO-3: selected params zen leaves to DeepSpeed, with the reason (e.g. a tied embedding)
+    left_to_deepspeed: Dict[str, str] = field(default_factory=dict)
 
     @property
     def owned(self) -> bool:
@@ -186,8 +192,7 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
         return Route("shuffle", selected, setup)
 
     if setup.zero_stage >= 3:
-        refuse("ZeRO stage 3 partitions the parameters themselves; zen supports ZeRO stages 0, 1 and 2. "
-               "Set zero_optimization.stage <= 2 or disable zen (\"zen\": {\"enabled\": false})")
+        return _zero3_route(setup, model, zen_config, selected)
     if setup.pipeline and setup.zero_stage >= 2:
         refuse("DeepSpeed's PipelineEngine does not run a PipelineModule under ZeRO stage 2 (it asserts "
                "\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", "
@@ -225,6 +230,52 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     if owned and (route.synced or setup.pipeline):
         route.name = "owned"
     return route
+
+
+def tied_params(model: nn.Module) -> Dict[int, List[str]]:
+    """id(param) -> the names of every module that holds it, for params held by more than one
+    module (a GPT-2-style tied embedding: the output layer touches every row)."""
+    holders: Dict[int, List[str]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, param in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if name not in holders.setdefault(id(param), []):
+                holders[id(param)].append(name)
+    return {key: names for key, names in holders.items() if len(names) > 1}
+
+
+def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
+                 selected: List[SelectedParam]) -> Route:
+    """ZeRO stage 3: refuse what zen cannot make exact there, naming the key; leave tied params
+    to DeepSpeed."""
+    if setup.pipeline:
+        refuse("DeepSpeed's PipelineEngine does not run a PipelineModule under ZeRO stage 3 (\"ZeRO-2 and "
+               "ZeRO-3 are incompatible with pipeline parallelism\"); set zero_optimization.stage to 0 or 1")
+    if zen_config.compression is not None:
+        refuse("\"zen.compression\" is not supported under ZeRO stage 3: ZeRO-3 reduce-scatters dense params "
+               "inside its own buckets and steps them from fp32 partitions, where zen's compressed sync "
+               "and its error-feedback residual do not fit yet. Remove \"zen.compression\" or use ZeRO "
+               "stage 0-2")
+    if zen_config.optimizer_state == "sharded":
+        refuse("\"zen.optimizer_state\": \"sharded\" is for ZeRO stage 1/2; ZeRO-3 already partitions the "
+               "optimizer state of every param. Remove the key (or set it to \"auto\")")
+    if zen_config.scheme not in ("auto", "balanced"):
+        refuse(f"\"zen.scheme\": \"{zen_config.scheme}\" does not apply under ZeRO stage 3: the gradient "
+               "must land in ZeRO-3's contiguous partitions, so zen pushes the non-zero rows to their "
+               "owners (a sparse reduce-scatter). Remove the key (or set it to \"auto\")")
+    for flag, what in ((setup.moe, "MoE layers"), (setup.sequence_parallel, "sequence parallelism"),
+                       (setup.zenflow, "DeepSpeed's ZenFlow")):
+        if flag:
+            refuse(f"{what} with zen under ZeRO stage 3 is not supported; disable zen for this model")
+    tied = tied_params(model)
+    kept, left = [], {}
+    for name, param, sparse in selected:
+        if id(param) in tied:
+            left[name] = (f"tied to {', '.join(n for n in tied[id(param)] if n != name)}: its gradient is "
+                          "dense (the output layer touches every row), DeepSpeed reduce-scatters it")
+        else:
+            kept.append((name, param, sparse))
+    return Route("zero3", kept, setup, left_to_deepspeed=left)
 
 
 def _patterns_of_this_stage(model: nn.Module, zen_config: ZenConfig) -> ZenConfig:
