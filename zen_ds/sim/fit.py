@@ -13,8 +13,8 @@ calibrated Zipf generator (:func:`zen_ds.bench.workloads.zipf_workload`):
   ``(used - K) (1 - (1 - t / (used - K))^n)`` for the tails, t = a rank's expected tail rows (a
   tail id lands anywhere in each rank's own order);
 * ``imbalance``: the log-normal spread of the draws over ranks that gives the real coefficient of
-  variation of rows per rank within a window (the mean over the windows at the largest n;
-  Gauss-Hermite expectations).
+  variation of rows per rank within a window (the mean over the windows at the largest n that
+  has more than one; Gauss-Hermite expectations).
 
 Then both are measured at each n, the real one over up to ``--windows`` disjoint windows of n*T
 tokens spread evenly over the stream and the synthetic one over as many seeds, and printed side
@@ -104,7 +104,8 @@ def measure_stream(stream: np.ndarray, tokens: int, num_rows: int, ranks: Sequen
         if offsets:
             union[n] = float(np.mean([np.unique(body[o: o + n * tokens]).size for o in offsets]))
             within = [counts[o // tokens: o // tokens + n] for o in offsets]
-            cv = float(np.mean([w.std() / w.mean() for w in within]))
+            if len(offsets) > 1 or not cv:  # one window spanning the stream mixes its drift in
+                cv = float(np.mean([w.std() / w.mean() for w in within]))
     return RealStats(tokens, num_rows, float(counts.mean()), cv, chunks, union,
                      int(np.unique(body).size))
 
