@@ -401,7 +401,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
             summed, ctx = _scaled_copy(rs, scale), None
         else:
             ctx = SyncContext(comm, opts.seed, scale, opts.index_encoding, list(nnz_per_rank),
-                              table.owner_counts.to(local.device)
+                              table.owner_counts  # host: read as splits, no device sync
                               if _sketched(scheme) else None,
                               sorted_output=not dense_result,
                               dense_out=None if target is None else

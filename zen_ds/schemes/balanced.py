@@ -23,6 +23,16 @@ received with the skip, ``S_r`` = this rank's single-holder rows).
 :func:`push` alone is :func:`zen_ds.sparse_reduce_scatter`. The module is over 400 lines because
 the pull's two size modes, the single-holder skip and the dense scatter share the push's buffers
 and the shard's layout; splitting them would pass that state across modules.
+
+Host synchronisations on CUDA (each waits for the work queued before it; all are needed because
+NCCL's ``all_to_all_single`` takes its splits, and the receive buffers their sizes, on the host):
+the push's send splits (``counts.tolist()``, after :func:`zen_ds.ops.partition`, whose CUDA op
+also reads its error flag); the receive splits come from the handshake's owner counts, a host
+tensor (no sync); the aggregation (:func:`zen_ds.ops.aggregate`: the smallest offset and the
+number of unique rows; the bitmap variant reads its error flag); ``bound`` pull: one read of all
+peers' row-count headers after the all-to-all; ``exchange`` pull: one ``bool(any)`` per peer on
+the single-holder mask, the gathered metadata (``tolist``), one bitmap decode per masked peer;
+decoding the shards (:func:`zen_ds.ops.bitmap_decode` / ``scatter_shard`` count set bits).
 """
 from __future__ import annotations
 
@@ -214,8 +224,11 @@ class _Pull:
                                         [0 if j == rank else payload for j in range(n)],
                                         "balanced.pull")
         shards = self._own()
-        for j, chunk in self._peer_chunks(pulled, sizes):
-            rows = int(_view_as(chunk[:8], torch.int64)[0])
+        chunks = list(self._peer_chunks(pulled, sizes))
+        # Every peer's row-count header in one read (one host synchronisation, not one per peer).
+        headers = torch.stack([chunk[:8] for _, chunk in chunks]).view(torch.int64).flatten(
+        ).tolist() if chunks else []
+        for (j, chunk), rows in zip(chunks, headers):
             if rows:
                 is_bitmap = encodings[j] == ENCODING_BITMAP
                 shards.append((j, is_bitmap, self._index(chunk[8:], j, rows, is_bitmap),

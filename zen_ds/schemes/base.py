@@ -153,7 +153,9 @@ class SyncContext:
     scale: Optional[float]  # multiply the sum by this (average), applied in the accumulation dtype
     index_encoding: str  # "auto" | "coo" | "bitmap"
     nnz_per_rank: List[int] = field(default_factory=list)
-    owner_counts: Optional[torch.Tensor] = None  # [n, n] int64: row i = rank i's rows per owner
+    # [n, n] int64 on the host: row i = rank i's rows per owner (split sizes, read without a
+    # device synchronisation)
+    owner_counts: Optional[torch.Tensor] = None
     # False when the caller scatters into a dense tensor: rows must be unique, need not be sorted.
     sorted_output: bool = True
     # Set when the caller returns a dense tensor: [num_rows, *row_shape], result dtype, zero

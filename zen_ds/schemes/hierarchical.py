@@ -36,6 +36,10 @@ from the overlap model of :mod:`zen_ds.schemes.streams`)::
            + (s - 1) sum_{my slices} e(U f_s)
 
 with ``s`` ranks in my node, ``e(c) = round8(c id) + round8(c row_bytes)``.
+
+Host synchronisations on CUDA: the per-slice counts (``tolist``), the node table of row counts
+and sketches (``cpu()`` after its all-gather) and the size table of the inter-node exchange
+(``tolist``); the inner scheme's own reads.
 """
 from __future__ import annotations
 

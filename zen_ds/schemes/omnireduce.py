@@ -34,6 +34,10 @@ slots so aggregation overlaps communication; here each phase is one collective (
 ``block_size`` comes from the environment variable ``ZEN_DS_OMNIREDUCE_BLOCK`` (default 256)
 until sync options carry it; every rank must set the same value (a mismatch raises on every
 rank).
+
+Host synchronisations on CUDA: the block ids (``unique_consecutive``: data-dependent size), the
+per-aggregator counts (``tolist``), the gathered size table (``cpu()``, one read for every
+sender's payload size), the held-block counts (``tolist``), and the final non-zero-row filter.
 """
 from __future__ import annotations
 

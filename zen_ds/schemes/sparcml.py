@@ -42,6 +42,12 @@ with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.sparse` for the signed-zero r
 
 The module is over 400 lines because its two variants share one stream codec and each keeps its
 byte model next to the code whose bytes it predicts (the tests hold them equal).
+
+Host synchronisations on CUDA (message sizes must be on the host for NCCL's point-to-point and
+all-to-all calls): recursive doubling reads one row-count header per received message; the
+split-allgather reads the range cuts (``searchsorted(...).tolist()``), the received counts and
+the reduced ranges' sizes (``tolist`` after their collectives); densifying a stream finds its
+non-zero rows; :func:`zen_ds.ops.aggregate` reads the smallest offset and the unique count.
 """
 from __future__ import annotations
 
