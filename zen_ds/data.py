@@ -345,8 +345,11 @@ def extract_text(paths: Sequence[str], out: str, skip_dirs: Sequence[str] = SKIP
 
 def _documents(paths: Sequence[str], split: str) -> Iterator[str]:
     for path in paths:
-        text = read_text(path) if path.endswith(".gz") or path.lower().endswith((".html", ".htm")) \
-            else open(path, encoding="utf-8", errors="replace").read()
+        if path.endswith(".gz") or path.lower().endswith((".html", ".htm")):
+            text = read_text(path)
+        else:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
         if split == "file":
             if text.strip():
                 yield text
