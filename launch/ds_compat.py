@@ -419,7 +419,11 @@ def classify(stock: Optional[Dict[str, Any]], zen: Optional[Dict[str, Any]]) -> 
         return "refused" if is_refusal(zen) else "zen-only failure"
     if s in FAILING:
         return "zen-only pass"
-    return "same" if s == z else "skip differs"
+    if s == z:
+        return "same"
+    # a test that skips when deepspeed.initialize raises (e.g. "Could not initialize deepspeed")
+    refused = any(e.startswith("ZenConfigError: zen:") for e in zen.get("initialize_errors") or [])
+    return "refused" if z == "skipped" and refused else "skip differs"
 
 
 def counts(tests: Dict[str, Dict[str, Any]]) -> Dict[str, int]:
@@ -501,8 +505,11 @@ def markdown(report: Dict[str, Any]) -> str:
             for m in modes[1:] if modes and modes[0] == "stock" else modes:
                 rec = results[m]["tests"].get(t)
                 cat = diff.get(m, {}).get(t)
-                if rec and cat not in (None, "same") and rec.get("error"):
-                    lines.append(f"- `{t}` [{m}, {cat}]: `{_md_escape(rec['error'][:300])}`")
+                if not rec or cat in (None, "same"):
+                    continue
+                why = rec.get("error") or "; ".join(rec.get("initialize_errors") or []) or rec.get("skip", "")
+                if why:
+                    lines.append(f"- `{t}` [{m}, {cat}]: `{_md_escape(why[:300])}`")
     stock_fail = sorted(t for t, r in results.get("stock", {}).get("tests", {}).items()
                         if r["outcome"] in FAILING)
     if stock_fail:
@@ -570,11 +577,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "stock again (stock does not depend on zen's code)")
     p.add_argument("--python", default=sys.executable, help="interpreter that runs pytest")
     p.add_argument("--list", action="store_true", help="print the default test list and exit")
+    p.add_argument("--render", metavar="JSON",
+                   help="re-classify an earlier ds_compat.json, write its .md next to it, and exit")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        report["diff"] = compare(report["results"])
+        text = markdown(report)
+        Path(args.render).with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     if args.list:
         print("\n".join(QUICK_TESTS if args.quick else DEFAULT_TESTS))
         return 0

@@ -113,6 +113,7 @@ def rec(outcome, error="", initialize_errors=()):
     (rec("failed", "AssertionError: x"), rec("failed", "AssertionError: x"), "same"),
     (rec("failed", "AssertionError: x"), rec("error", "ValueError: y"), "fails differently"),
     (rec("passed"), rec("skipped"), "skip differs"),
+    (rec("passed"), rec("skipped", initialize_errors=["ZenConfigError: zen: no"]), "refused"),
     (None, rec("passed"), "not run"),
 ])
 def test_classify(stock, zen, expected):
