@@ -4,6 +4,7 @@ ds_config alone, and compare zen's per-param bytes with DeepSpeed's.
     deepspeed --num_gpus 4 examples/hf_trainer.py --model llama --zero 2
     deepspeed --num_gpus 4 examples/hf_trainer.py --model gpt2 --zero 0 --no-zen
     deepspeed --num_gpus 4 examples/hf_trainer.py --model gpt2 --zero 2 --compress 0.01
+    deepspeed --num_gpus 4 examples/hf_trainer.py --model llama --zero 3
 
 The model is built from a config (random init, nothing downloaded): ``llama`` is a Llama-style
 model with an untied input embedding (its gradient touches only the rows of the batch's tokens),
@@ -126,10 +127,11 @@ def ds_config(zero: int, zen: bool, stats_interval: int, compress: float = 0.0,
     return config
 
 
-def dense_reduction_bytes(numel: int, element_size: int, world: int) -> int:
+def dense_reduction_bytes(numel: int, element_size: int, world: int, gradient_only: bool = False) -> int:
     """Bytes sent + received per rank per step by DeepSpeed's dense reduction of one param (ring
-    all-reduce, or ZeRO's reduce-scatter + param all-gather: the same volume)."""
-    return 2 * 2 * (world - 1) * numel * element_size // world
+    all-reduce, or ZeRO's reduce-scatter + param all-gather: the same volume). ``gradient_only``
+    (ZeRO-3, where zen replaces the gradient's reduce-scatter alone): the reduce-scatter's half."""
+    return (1 if gradient_only else 2) * 2 * (world - 1) * numel * element_size // world
 
 
 class ZenBytes:
@@ -184,7 +186,8 @@ def cpu_deepspeed_state() -> bool:
 def parse_args(argv: Any = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["llama", "gpt2"], default="llama")
-    p.add_argument("--zero", type=int, choices=[0, 1, 2], default=0, help="ZeRO stage")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="ZeRO stage (3: the model is built inside deepspeed.zero.Init, as from_pretrained does)")
     p.add_argument("--no-zen", action="store_true", help="the same run without the \"zen\" block")
     p.add_argument("--vocab", type=int, default=None,
                    help="vocabulary (default 8000; with --tokens, its tokenizer's)")
@@ -229,7 +232,13 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
             json.dump(config, fh, indent=2)
         config = config_path
 
-    model = build_model(args.model, args.vocab, args.hidden, args.layers, args.seq_len, args.seed)
+    if args.zero == 3:  # partitioned at construction, as from_pretrained / the Trainer do under ZeRO-3
+        import deepspeed
+        init_config = {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": {"stage": 3}}
+        with deepspeed.zero.Init(config_dict_or_path=init_config):
+            model = build_model(args.model, args.vocab, args.hidden, args.layers, args.seq_len, args.seed)
+    else:
+        model = build_model(args.model, args.vocab, args.hidden, args.layers, args.seq_len, args.seed)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     samples = args.steps * args.grad_accum * args.batch * world
     ids = (token_file_ids(args.tokens, samples, args.seq_len) if args.tokens
@@ -264,7 +273,9 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
         param = params[name]
         summary["params"][name] = {
             "zen_bytes_per_step": zen_bytes.wire[name] / zen_bytes.steps if name in zen_bytes.wire else None,
-            "deepspeed_bytes_per_step": dense_reduction_bytes(param.numel(), param.element_size(), world),
+            "deepspeed_bytes_per_step": dense_reduction_bytes(int(getattr(param, "ds_numel", param.numel())),
+                                                              param.element_size(), world,
+                                                              gradient_only=args.zero == 3),
             "schemes": sorted(zen_bytes.schemes.get(name, ()))}
     return trainer, summary
 

@@ -495,7 +495,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=8192,
                    help="candidates per micro-batch for --softmax sampled")
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (pp=1 only)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (pp=1 only; 3: zen sends the embedding's non-zero rows into ZeRO-3's partitions)")
     p.add_argument("--shuffle", type=int, default=0, metavar="G",
                    help="DS-Sync: synchronise in groups of G data-parallel ranks (0: off; ZeRO-0, fp32)")
     p.add_argument("--shuffle-mode", choices=("parameters", "gradients"), default="parameters")
@@ -686,9 +687,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         summary["wall_s"] = records[-1]["wall_s"] - records[0]["wall_s"]
         summary["mean_wall_step_s"] = summary["wall_s"] / (len(records) - 1)
     summary.update(_embedding_summary(records))
-    if probe.weight is not None:
-        dense = probe.weight.numel() * probe.weight.element_size()
-        summary["ds_emb_bytes_sent"] = 2 * (dp - 1) * dense // dp
+    if probe.weight is not None:  # stock's reduction of it: a ring all-reduce, or ZeRO-3's reduce-scatter
+        numel = int(getattr(probe.weight, "ds_numel", probe.weight.numel()))
+        dense = numel * probe.weight.element_size()
+        summary["ds_emb_bytes_sent"] = (1 if args.zero == 3 else 2) * (dp - 1) * dense // dp
     heads = [m for m in engine.module.modules() if isinstance(m, SampledSoftmaxHead)]
     if heads and heads[0].output_embeddings is not None:
         weight = heads[0].output_embeddings.weight

@@ -90,7 +90,7 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
                                partition_numel: Optional[int] = None, prescale: float = 1.0,
                                postscale: float = 1.0, out_dtype: Optional[torch.dtype] = None,
                                options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
-                               log_prefix: str = "zen") -> torch.Tensor:
+                               log_prefix: str = "zen", dense_fallback: bool = False) -> Optional[torch.Tensor]:
     """This rank's contiguous flat partition of the sum over ``group``, with only the non-zero
     rows on the wire: ZeRO-3's gradient layout, where rank ``r`` owns the row-major elements
     ``[r * P, (r + 1) * P)`` of the whole tensor (``P = partition_numel``, default
@@ -104,18 +104,32 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
     received row count). Sums are in fp32 for fp16/bf16; the result is ``postscale * sum(prescale
     * x)`` as a 1-D tensor of ``out_dtype`` (default: ``x``'s dtype). Bad input or a mismatch on
     any rank raises the same ValueError on every rank (:func:`zen_ds.sparse_allreduce`'s handshake).
+
+    ``dense_fallback``: return None, on every rank alike (decided from the handshake's counts),
+    when the rows would move more bytes than a ring reduce-scatter of the dense tensor; the
+    caller then runs that one.
     """
     opts = options if options is not None else default_options()
-    comm, local, _ = agree(x, None, group, "agsparse", False, opts, prescale, postscale, log_prefix)
+    comm, local, table = agree(x, None, group, "agsparse", False, opts, prescale, postscale, log_prefix)
     comm.scheme = "reduce_scatter_flat"
     n, rank = comm.world_size, comm.rank
-    rs = _local_rows(local, float(prescale))
-    width = rs.row_numel
-    numel = rs.num_rows * width
+    width = local.row_numel
+    numel = local.num_rows * width
     part = int(partition_numel) if partition_numel is not None else -(-numel // n)
     if part * n < numel:
         raise ValueError(f"partition_numel {part} x {n} ranks < {numel} elements: the partitions must cover "
                          "the tensor")
+    if dense_fallback and n > 1:
+        # Bytes the busiest rank sends: its rows (id + values, most of them to other ranks)
+        # against the (n-1)/n of the padded tensor a ring reduce-scatter sends from every rank.
+        row_bytes = 8 + width * local.dtype.itemsize
+        sparse = max(table.column("nnz")) * row_bytes * (n - 1) / n
+        if sparse >= (n - 1) * part * local.dtype.itemsize:
+            if stats is not None:
+                stats.scheme, stats.collectives = "dense", list(comm.records)
+                stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
+            return None
+    rs = _local_rows(local, float(prescale))
     acc = accum_dtype(rs.dtype)
     device = rs.values.device
     out = torch.zeros(part, dtype=acc, device=device)

@@ -359,7 +359,10 @@ def enable() -> None:
     Idempotent; :func:`disable` undoes it.
 
     Code that bound ``from deepspeed import initialize`` before this call keeps the original.
+    Call it before building a model under ``deepspeed.zero.Init`` (ZeRO-3, ``from_pretrained``,
+    the Trainer): it also applies :func:`zen_ds.deepspeed.patches.preload_for_zero_init`.
     """
+    patches.preload_for_zero_init()
     patches.patch_initialize(_initialize_with_zen)
 
 

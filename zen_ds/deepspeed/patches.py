@@ -20,6 +20,11 @@ release means re-checking this file only:
 * BF16_Optimizer keeps fp32 grads in ``fp32_groups_gradients`` and ``param._hp_grad``.
 * ``save_checkpoint`` / ``load_checkpoint``: zen's file next to DeepSpeed's.
 * ``deepspeed.initialize`` itself, while :func:`zen_ds.enable` is on.
+* ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): ``reduce_independent_p_g_buckets_and_remove_grads``
+  (the gradient hook's entry to the reduce-scatter bucket) for zen's params, ``partition_grads``,
+  ``_get_param_partition_group``, ``get_param_comm_dtype``, ``_gradient_averaging_world_size``
+  and the scaling attributes of ``__avg_scatter_grads``; :func:`preload_for_zero_init` works
+  around ``zero.Init``'s ``Tensor.__new__`` meeting torch's dynamo.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_DEEPSPEED", "check_deepspeed_version", "is_model_parallel_parameter", "dp_group",
            "scale_rule", "loss_scale_reader", "params_in_ds_optimizer", "grad_storage", "install",
-           "patch_initialize", "unpatch_initialize", "original_initialize"]
+           "patch_initialize", "unpatch_initialize", "original_initialize", "preload_for_zero_init"]
 
 SUPPORTED_DEEPSPEED = ">=0.19,<0.20"
 _SUPPORTED_MINOR = (0, 19)
@@ -312,6 +317,8 @@ def _install_zero3(engine: Any, state: "ZenEngineState") -> None:
         partition = sync.reduce(param, param.grad, group, int(param.partition_numel()),
                                 opt.get_param_comm_dtype(param), opt.gradient_accumulation_dtype,
                                 prescale, postscale)
+        if partition is None:  # dense this step (agreed by every rank): DeepSpeed's own path
+            return orig_reduce(param)
         opt.partition_grads([param], [partition])
         return None
 
@@ -473,6 +480,21 @@ def original_initialize() -> Callable[..., Any]:
     """DeepSpeed's own ``initialize``, also while :func:`patch_initialize` is in effect."""
     import deepspeed
     return _ORIGINAL_INITIALIZE.get("initialize", deepspeed.initialize)
+
+
+def preload_for_zero_init() -> None:
+    """Import ``torch._dynamo`` now, before any ``deepspeed.zero.Init`` context.
+
+    Inside ``zero.Init`` DeepSpeed replaces ``torch.Tensor.__new__``; a first import of
+    ``torch._dynamo`` there (transformers' ``masking_utils`` does it when a model class is first
+    used, e.g. by ``from_pretrained`` under ZeRO-3) registers dynamo's ``Tensor.__new__`` polyfill
+    against DeepSpeed's replacement and fails with "Signature mismatch between
+    get_new_tensor_fn_for_dtype.<locals>.new_tensor and tensor_pynew" (torch 2.13, DeepSpeed 0.19,
+    transformers 5.x). Imported first, dynamo binds to torch's own ``__new__``."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:  # an optional speed-up path; never fail zen for it
+        logger.debug("torch._dynamo could not be imported (%s); zero.Init models may fail to build", exc)
 
 
 def patch_initialize(replacement: Callable[..., Any]) -> None:

@@ -52,8 +52,10 @@ class Zero3Sync:
 
     def reduce(self, param: torch.Tensor, grad: torch.Tensor, group: Optional[dist.ProcessGroup],
                partition_numel: int, comm_dtype: torch.dtype, out_dtype: torch.dtype,
-               prescale: float, postscale: float) -> torch.Tensor:
-        """This rank's partition of the scaled sum of ``grad`` over ``group``, in ``out_dtype``."""
+               prescale: float, postscale: float) -> Optional[torch.Tensor]:
+        """This rank's partition of the scaled sum of ``grad`` over ``group``, in ``out_dtype``;
+        None (on every rank alike) when the gradient is so dense that DeepSpeed's own
+        reduce-scatter moves fewer bytes: the caller hands it to DeepSpeed."""
         p: ZenParam = self.reducer.params[self.index[id(param)]]
         st = SyncStats()
         x = grad.coalesce() if grad.is_sparse else grad
@@ -66,7 +68,7 @@ class Zero3Sync:
         started = time.perf_counter()
         out = sparse_reduce_scatter_flat(x, group, partition_numel=partition_numel, prescale=prescale,
                                          postscale=postscale, out_dtype=out_dtype, options=self.options,
-                                         stats=st, log_prefix=p.log_prefix)
+                                         stats=st, log_prefix=p.log_prefix, dense_fallback=True)
         st.seconds = time.perf_counter() - started
         self._add(p.name, st)
         return out
