@@ -1,7 +1,7 @@
 // zen_ds CUDA emulation: runs the kernels of zen_ops_cuda_kernels.cuh on the CPU, for tests only.
 //
-// A launch runs its grid's blocks in turn. A block's threads are real std::threads, so the
-// kernels' concurrency is real: __syncthreads is a barrier over the block's live threads (a thread
+// A launch runs its grid's blocks in turn. A block's threads are real std::threads (a pool reused
+// by every launch), so the kernels' concurrency is real: __syncthreads is a barrier over the block's live threads (a thread
 // that returned no longer counts, as on the GPU), a warp collective (__any_sync, __ballot_sync,
 // __match_any_sync, __syncwarp) waits for every lane its mask names, dynamic shared memory is one
 // buffer per block filled with garbage at block start, atomics are std::atomic_ref operations.
@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -38,6 +39,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #define __global__
 #define __device__
@@ -329,6 +332,76 @@ inline void reset_launch_counts()
 
 inline thread_local int current_thread = 0;  // flat thread index inside the block
 
+// The CPU threads that play a block's threads: created once per process (as many as the largest
+// block so far) and reused by every launch, since creating hundreds of threads per launch costs
+// more than the kernels. Launches are serialised. A forked child starts a new pool.
+class ThreadPool {
+   public:
+    static ThreadPool& instance()
+    {
+        static ThreadPool* pool = new ThreadPool();  // never destroyed: its threads are detached
+        return *pool;
+    }
+
+    // Runs job(t) for t in [0, threads) concurrently, one pool thread each; returns when all ran.
+    void run(int threads, const std::function<void(int)>& job)
+    {
+        std::lock_guard<std::mutex> launch(launch_mutex_);
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (pid_ != getpid()) {  // forked: the parent's threads do not exist here
+            state_ = std::make_shared<State>();
+            pid_ = getpid();
+        }
+        std::shared_ptr<State> state = state_;
+        while (state->size < threads) {
+            std::thread(&ThreadPool::loop, state, state->size++).detach();
+        }
+        state->job = &job;
+        state->active = threads;
+        state->finished = 0;
+        ++state->generation;
+        state->start.notify_all();
+        state->done.wait(lock, [&] { return state->finished == state->active; });
+        state->job = nullptr;
+    }
+
+   private:
+    struct State {
+        std::condition_variable start;
+        std::condition_variable done;
+        const std::function<void(int)>* job = nullptr;
+        uint64_t generation = 0;
+        int size = 0;
+        int active = 0;
+        int finished = 0;
+    };
+
+    ThreadPool() : pid_(getpid()), state_(std::make_shared<State>()) {}
+
+    static void loop(std::shared_ptr<State> state, int index)
+    {
+        ThreadPool& pool = instance();
+        uint64_t seen = 0;
+        for (;;) {
+            const std::function<void(int)>* job;
+            {
+                std::unique_lock<std::mutex> lock(pool.mutex_);
+                state->start.wait(lock, [&] { return state->generation != seen && index < state->active; });
+                seen = state->generation;
+                job = state->job;
+            }
+            (*job)(index);
+            std::lock_guard<std::mutex> lock(pool.mutex_);
+            if (++state->finished == state->active) state->done.notify_one();
+        }
+    }
+
+    std::mutex launch_mutex_;
+    std::mutex mutex_;
+    pid_t pid_;
+    std::shared_ptr<State> state_;
+};
+
 // Runs body() as every thread of every block of the grid; blocks in turn, threads concurrently.
 template <typename Body>
 void run_grid(const char* name, int64_t grid, int64_t block, size_t shared_bytes, Body body)
@@ -348,74 +421,33 @@ void run_grid(const char* name, int64_t grid, int64_t block, size_t shared_bytes
     }
     const int threads = static_cast<int>(block);
     Block state(threads, shared_bytes, fault);
-
-    // The block's threads live for the whole launch and run the blocks one after another.
-    std::mutex mutex;
-    std::condition_variable start_cv;  // workers wait for the next block
-    std::condition_variable done_cv;   // the launcher waits for the block's threads
-    int64_t started = -1;  // block the threads may run
-    int finished = 0;      // threads done with it
-    bool stop = false;
-    auto worker = [&](int t) {
-        int64_t ran = -1;
-        for (;;) {
-            int64_t b;
-            {
-                std::unique_lock<std::mutex> lock(mutex);
-                start_cv.wait(lock, [&] { return stop || started != ran; });
-                if (stop) return;
-                b = ran = started;
-            }
-            threadIdx = uint3{static_cast<unsigned int>(t), 0, 0};
-            blockIdx = uint3{static_cast<unsigned int>(b), 0, 0};
-            blockDim = dim3{static_cast<unsigned int>(threads), 1, 1};
-            gridDim = dim3{static_cast<unsigned int>(grid), 1, 1};
-            current_block = &state;
-            current_thread = t;
+    int64_t b = 0;
+    const std::function<void(int)> run_thread = [&](int t) {
+        threadIdx = uint3{static_cast<unsigned int>(t), 0, 0};
+        blockIdx = uint3{static_cast<unsigned int>(b), 0, 0};
+        blockDim = dim3{static_cast<unsigned int>(threads), 1, 1};
+        gridDim = dim3{static_cast<unsigned int>(grid), 1, 1};
+        current_block = &state;
+        current_thread = t;
+        try {
+            body();
+        } catch (const Aborted&) {
+        } catch (const std::exception& e) {
             try {
-                body();
+                state.fail(e.what());
             } catch (const Aborted&) {
-            } catch (const std::exception& e) {
-                try {
-                    state.fail(e.what());
-                } catch (const Aborted&) {
-                }
             }
-            state.exit_thread(t);
-            current_block = nullptr;
-            bool last;
-            {
-                std::lock_guard<std::mutex> lock(mutex);
-                last = ++finished == threads;
-            }
-            if (last) done_cv.notify_one();
         }
+        state.exit_thread(t);
+        current_block = nullptr;
     };
-    std::vector<std::thread> pool;
-    pool.reserve(threads);
-    for (int t = 0; t < threads; ++t) pool.emplace_back(worker, t);
     std::string error;
-    for (int64_t b = 0; b < grid && error.empty(); ++b) {
+    for (; b < grid && error.empty(); ++b) {
         state.reset();
-        {
-            std::lock_guard<std::mutex> lock(mutex);
-            finished = 0;
-            started = b;
-        }
-        start_cv.notify_all();
-        {
-            std::unique_lock<std::mutex> lock(mutex);
-            done_cv.wait(lock, [&] { return finished == threads; });
-        }
+        ThreadPool::instance().run(threads, run_thread);
         state.flush_all();
         if (state.failed()) error = state.error();
     }
-    {
-        std::lock_guard<std::mutex> lock(mutex);
-        stop = true;
-    }
-    start_cv.notify_all();
-    for (std::thread& thread : pool) thread.join();
     TORCH_CHECK(error.empty(), "zen_ds emulation: kernel ", name, ": ", error);
 }
 
