@@ -112,17 +112,21 @@ def main() -> None:
     emb_row_bytes = args.hidden * wire_element
 
     reduce_seconds = []
-    orig_allreduce = engine.allreduce_gradients
+    # ZeRO-3 reduce-scatters inside backward's gradient hooks (zen too), so there the whole
+    # backward is timed; elsewhere the reduction after it.
+    zero3 = engine.zero_optimization_stage() == 3
+    timed_name = "backward" if zero3 else "allreduce_gradients"
+    orig_timed = getattr(engine, timed_name)
 
-    def timed_allreduce(*a, **k):  # measurement only: time the whole reduction of this step
+    def timed(*a, **k):  # measurement only: time the whole reduction of this step
         if not engine.is_gradient_accumulation_boundary():
-            return orig_allreduce(*a, **k)
+            return orig_timed(*a, **k)
         dist.barrier()
         started = time.perf_counter()
-        out = orig_allreduce(*a, **k)
+        out = orig_timed(*a, **k)
         reduce_seconds.append(time.perf_counter() - started)
         return out
-    engine.allreduce_gradients = timed_allreduce
+    setattr(engine, timed_name, timed)
 
     dense_bytes = sum(p.numel() for p in engine.module.mlp.parameters()) * wire_element
     dense_wire = 2 * (world - 1) * dense_bytes // world  # ring all-reduce, per rank, each way
@@ -143,6 +147,9 @@ def main() -> None:
         elif args.embedding_grad == "sparse":
             emb_wire = (world - 1) * (8 + n_max * (8 + emb_row_bytes))
             scheme, density, agg = "deepspeed-allgather", n_max / args.vocab, float("nan")
+        elif zero3:  # ZeRO-3 reduce-scatters the whole dense table (ring, per rank, each way)
+            emb_wire = (world - 1) * args.vocab * emb_row_bytes // world
+            scheme, density, agg = "deepspeed-reduce-scatter", n_max / args.vocab, float("nan")
         else:  # DeepSpeed all-reduces the whole dense table (ring, per rank, each way)
             emb_wire = 2 * (world - 1) * args.vocab * emb_row_bytes // world
             scheme, density, agg = "deepspeed-allreduce", n_max / args.vocab, float("nan")
@@ -158,6 +165,7 @@ def main() -> None:
             json.dump({"zen": state is not None, "world": world, "vocab": args.vocab, "hidden": args.hidden,
                        "micro_batch": micro, "context": args.context,
                        "embedding_grad": args.embedding_grad, "wire_element_bytes": wire_element,
+                       "zero_stage": int(engine.zero_optimization_stage()),
                        "embed_dense_bytes": args.vocab * emb_row_bytes, "records": records}, fh, indent=1)
 
 

@@ -28,7 +28,10 @@ _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*(?:Error|Exce
                          r"|(?:terminate called.*)|(?:error: .*))$")
 _NOT_A_CAUSE = ("CalledProcessError", "Traceback")
 # What stock DeepSpeed raises when its reduction meets a sparse gradient it cannot handle.
-_UNSUPPORTED = re.compile(r"Could not run 'aten::\w+' with arguments from the 'Sparse\w*' backend")
+# DeepSpeed's errors on sparse gradients: ZeRO-1/2 (an aten op on the sparse backend) and ZeRO-3
+# (it copies the gradient into its dense bucket)
+_UNSUPPORTED = re.compile(r"Could not run 'aten::\w+' with arguments from the 'Sparse\w*' backend"
+                          r"|copy_\(\) between dense and sparse Tensors is not implemented")
 
 ZIPF_WORLD_SIZES = (2, 4, 8, 16, 32, 64)
 PREDICTED_WORLD_SIZES = (16, 128, 1024)  # the simulator's prediction in the compare summary
@@ -120,10 +123,13 @@ def explain_sparse(zen: Dict, predictions: Optional[Dict[int, str]] = None) -> L
 def _footnote(run: Dict) -> str:
     """How each byte figure was obtained, with this run's element size and width filled in."""
     e, h, n = run["wire_element_bytes"], run["hidden"], run["world"]
+    zero3 = run.get("zero_stage", 0) == 3
     stock = (f"its sparse all-gather (n-1) x (8 + max_nnz x (8 + {e} x {h}))" if run["embedding_grad"] == "sparse"
+             else f"ZeRO-3's reduce-scatter of the whole table (n-1)/n x {run['vocab']} x {h} x {e} B" if zero3
              else f"its ring all-reduce of the whole table 2(n-1)/n x {run['vocab']} x {h} x {e} B")
+    timing = "; under ZeRO-3 the reduction time is the whole backward (both reduce inside it)" if zero3 else ""
     return (f"(bytes per rank and step: zen = exact SyncStats incl. handshake; deepspeed = {stock}, n = {n}; "
-            f"MLP = ring all-reduce 2(n-1)/n x its size at {e} B/element, both runs)")
+            f"MLP = ring all-reduce 2(n-1)/n x its size at {e} B/element, both runs{timing})")
 
 
 def _mb(nbytes: float) -> str:
@@ -133,7 +139,11 @@ def _mb(nbytes: float) -> str:
 def scale_prediction(run: Dict, world_sizes: Sequence[int] = PREDICTED_WORLD_SIZES) -> List[str]:
     """The simulator's prediction for this run's embedding and batch per rank at more ranks:
     what auto chooses, its bytes and time against DeepSpeed's reduction. Never fails the quick
-    start: any error becomes one line."""
+    start: any error becomes one line. Not under ZeRO-3: the simulator models all-reduce-style
+    syncs, not the reduce-scatter into ZeRO-3's partitions."""
+    if run.get("zero_stage", 0) == 3:
+        return ["(no at-scale prediction under ZeRO-3: the simulator models full syncs, not ZeRO-3's "
+                "reduce-scatter into its partitions)"]
     try:
         from zen_ds.sim.scale import predict_embedding, validation_note
 
