@@ -40,6 +40,15 @@ Running::
     python launch/ds_compat.py --checkout /tmp/ds_checkout --tests unit/runtime/test_no_sync_ctxt.py
     python launch/ds_compat.py --checkout /tmp/ds_checkout --quick   # 22 of them, a busy machine
     python launch/ds_compat.py --list          # the default test list
+    python launch/ds_compat.py --checkout /tmp/ds_checkout --modes zen,zen-topk \
+        --baseline bench_out/ds_compat/ds_compat.json   # zen changed: reuse the stock results
+    python launch/ds_compat.py --render bench_out/ds_compat/ds_compat.json   # reprint the table
+
+Before each mode it builds the JIT ops the tests load (DeepSpeed's CPU Adam and shared-memory comm,
+zen's ops) once, untimed, in ``$TORCH_EXTENSIONS_DIR``; the ranks' forkserver then imports torch,
+DeepSpeed and those ops once for all tests. A test that gives no result within ``--timeout``
+seconds (default 300) counts as ``timeout``: its pytest process group is killed and the run goes
+on with the remaining tests.
 
 Tests run from ``<checkout>/tests`` with DeepSpeed's own ``conftest.py``; that conftest puts the
 checkout first on ``sys.path``, so a full clone tests its own ``deepspeed/`` sources while a
@@ -62,7 +71,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
