@@ -143,13 +143,6 @@ def _sync_raises_in_thread(rank: int) -> Dict[str, Any]:
     return _step_raises(rank, engine)
 
 
-def _two_backwards_at_the_boundary(rank: int) -> Dict[str, Any]:
-    engine, _ = _fault_engine(rank)
-    a, b, y = dc.batch(0, 0, rank)
-    engine.backward(dc.loss_fn(engine(a, b), y))
-    return _step_raises(rank, engine)
-
-
 def _model_given_to_a_second_engine(rank: int) -> Dict[str, Any]:
     """The newest engine's hooks alone fire: the first engine would otherwise sync the second
     engine's gradients on its own (and the result be averaged twice)."""
@@ -178,7 +171,6 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             jobs[f"{name}/{overlap}"] = (lambda c=case, o=overlap: _train(rank, c, o))
     jobs["fault_bad_tensor"] = lambda: _bad_tensor_on_one_rank(rank)
     jobs["fault_sync_raises"] = lambda: _sync_raises_in_thread(rank)
-    jobs["fault_two_backwards"] = lambda: _two_backwards_at_the_boundary(rank)
     jobs["second_engine"] = lambda: _model_given_to_a_second_engine(rank)
     return dc.run_jobs(jobs)
 
@@ -231,8 +223,9 @@ def test_sharded_case_gathers(results):
 # case -> (words the error names, the type of its cause or None when the cause is on another rank)
 FAULTS = {"fault_bad_tensor": (["emb_d.weight", "failed on rank 1 before that gradient's data was exchanged",
                                  "rank 1: ValueError", "the group is still usable"], "ZenInputError"),
-          "fault_sync_raises": (["emb_d.weight", "injected fault"], "RuntimeError"),
-          "fault_two_backwards": (["one backward"], None)}
+          "fault_sync_raises": (["emb_d.weight", "injected fault"], "RuntimeError")}
+# A second backward before the step is not a fault: zen syncs again as DeepSpeed reduces again
+# (tests/test_ds_behaviour.py, overlap cases).
 
 
 @pytest.mark.parametrize("name", sorted(FAULTS))

@@ -151,8 +151,8 @@ class OverlappedSync:
         with job.lock:
             if job.handed[index]:
                 job.misuse = (f"the gradient of {self.reducer.params[index].name} changed after zen started "
-                              "syncing it: with \"zen.overlap\" a micro-step may run one backward, and "
-                              "only before engine.step(); set \"overlap\": false for other loops")
+                              "syncing it (a backward that did not go through the engine's backward "
+                              "prologue?); set \"overlap\": false for such loops")
                 return
             job.handed[index] = True
             job.grads[index] = (grad, event)
