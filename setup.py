@@ -1,7 +1,9 @@
 """zen_ds packaging.
 
 Install torch first (``pip install torch==2.13.0`` gives the CPU build; an unpinned torch pulls a
-multi-GB CUDA build), then ``pip install -e .[test]``. Prebuild the C++/CUDA ops into the wheel
+multi-GB CUDA build), then ``pip install zen_ds`` for the core library (``zen_ds.sparse_allreduce``: torch, pydantic,
+numpy), ``zen_ds[deepspeed]`` for the DeepSpeed plug-in, ``zen_ds[bench]`` for the tools' plots
+and progress bars, ``pip install -e .[test,deepspeed]`` to develop. Prebuild the C++/CUDA ops into the wheel
 with ``DS_BUILD_ZEN=1 pip install --no-build-isolation .``; otherwise they are JIT-built on first
 use (or the pure-torch ops are used when no compiler is available).
 
@@ -54,19 +56,21 @@ setup(
     packages=find_packages(include=["zen_ds", "zen_ds.*"]),
     package_data={"zen_ds": ["py.typed"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "deepspeed>=0.19,<0.20", "pydantic>=2,<3", "numpy"],
+    install_requires=["torch>=2.4", "pydantic>=2,<3", "numpy"],
     extras_require={
         # sentencepiece and tiktoken: small wheels, for tests/test_data.py's tokenizers
+        "deepspeed": ["deepspeed>=0.19,<0.20"],  # the plug-in (zen_ds.initialize / enable)
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "sentencepiece>=0.2",
-                 "tiktoken>=0.7"],
+                 "tiktoken>=0.7", "deepspeed>=0.19,<0.20"],
         "megatron": ["megatron-core>=0.16,<0.17"],
         "bench": ["matplotlib", "tqdm"],
         "hf": ["transformers>=4.57", "accelerate>=1.15"],
-        # real tokenizers from files (zen_ds.data): SentencePiece .model, Tekken .json (tiktoken),
+        # real tokenizers from files (zen_ds.tools.data): SentencePiece .model, Tekken .json (tiktoken),
         # Hugging Face tokenizer.json; Mistral's tokenizer files ship in the mistral-common wheel
         "data": ["sentencepiece>=0.2", "tiktoken>=0.7", "tokenizers>=0.19"],
     },
-    entry_points={"console_scripts": ["zen-bench=zen_ds.bench.__main__:main"]},
+    entry_points={"console_scripts": ["zen-ds=zen_ds.__main__:main",
+                                    "zen-bench=zen_ds.tools.bench.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,

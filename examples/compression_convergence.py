@@ -3,21 +3,21 @@
 Data-parallel training of a small MLP on a learnable synthetic task (labels from a random teacher
 network) over N gloo ranks on CPU. Every rank computes its gradient on its own shard; gradients are
 summed with ``zen_ds.sparse_allreduce`` (averaged), either densely or after per-rank compression by
-:class:`zen_ds.compression.GradientCompressor`. Reports final held-out loss/accuracy and wire bytes
+:class:`zen_ds.features.compression.GradientCompressor`. Reports final held-out loss/accuracy and wire bytes
 per step (from ``zen_ds.last_sync_stats()``, summed over the step's syncs, max over ranks).
 
     python examples/compression_convergence.py                    # 4 ranks, all modes
     python examples/compression_convergence.py --selection-bench  # exact vs sampled top-k timing
     python examples/compression_convergence.py --shuffle 2        # DS-Sync groups of 2 vs full sync
     python examples/compression_convergence.py --zero 2 --modes dense topk_ef   # through DeepSpeed
-    python -m zen_ds.cluster --hosts 4 --rate 200mbit --slow 3:50mbit -- \
+    python -m zen_ds cluster --hosts 4 --rate 200mbit --slow 3:50mbit -- \
         python examples/compression_convergence.py --shuffle 2 --json out.json   # emulated cluster
 
 With ``--shuffle g`` the runs are ``dense`` (full sync every step) and ``shuffle`` (DS-Sync,
-:class:`zen_ds.shuffle_sync.ShuffleSync`, over all parameters), each with the training loss against
+:class:`zen_ds.features.shuffle_sync.ShuffleSync`, over all parameters), each with the training loss against
 step and wall time and the divergence between replicas (max over ranks of
 ``||p_rank - p_mean|| / ||p_mean||``, measured outside the timed region) in the JSON output. Under
-``python -m zen_ds.cluster`` (``RANK``/``MASTER_ADDR`` set) every rank runs in its own process.
+``python -m zen_ds cluster`` (``RANK``/``MASTER_ADDR`` set) every rank runs in its own process.
 
 With ``--zero S`` every run goes through a DeepSpeed engine at ZeRO stage S built by
 ``zen_ds.initialize``: ``dense`` is stock DeepSpeed (no ``"zen"`` block), the compressed modes put
@@ -46,9 +46,9 @@ import torch.nn.functional as F
 
 import zen_ds
 from zen_ds import RowSparse
-from zen_ds.compression import CompressionConfig, GradientCompressor, select_topk
-from zen_ds.shuffle_sync import MODES as SHUFFLE_MODES, ShuffleParam, ShuffleSync
-from zen_ds.teardown import exit_finished_rank
+from zen_ds.features.compression import CompressionConfig, GradientCompressor, select_topk
+from zen_ds.features.shuffle_sync import MODES as SHUFFLE_MODES, ShuffleParam, ShuffleSync
+from zen_ds.tools.teardown import exit_finished_rank
 
 # mode -> compression config (None = dense sync of everything); optimizer momentum per mode
 MODES: Dict[str, Optional[Dict[str, Any]]] = {
@@ -292,7 +292,7 @@ def train_shuffle(model: torch.nn.Module, args: argparse.Namespace, rank: int, t
 def worker(rank: int, world: int, port: Optional[int], args: argparse.Namespace, queue) -> None:
     """One rank: every mode in turn; rank 0 hands each result to ``queue.put``.
 
-    ``port`` None: the process group comes from the environment (``python -m zen_ds.cluster``)."""
+    ``port`` None: the process group comes from the environment (``python -m zen_ds cluster``)."""
     torch.set_num_threads(1)
     if args.zero is not None:  # DeepSpeed reads the process group's facts from the environment
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
@@ -322,7 +322,7 @@ def worker(rank: int, world: int, port: Optional[int], args: argparse.Namespace,
 
 
 class _Collect(list):
-    """A stand-in for the queue when the ranks run in place (under zen_ds.cluster)."""
+    """A stand-in for the queue when the ranks run in place (under zen_ds.tools.cluster)."""
 
     put = list.append
 
@@ -338,7 +338,7 @@ def free_port() -> int:
 
 def run_convergence(args: argparse.Namespace) -> List[Dict[str, Any]]:
     in_place = "RANK" in os.environ and "MASTER_ADDR" in os.environ
-    if in_place:  # one process per rank, started by a launcher (zen_ds.cluster, torchrun)
+    if in_place:  # one process per rank, started by a launcher (zen_ds.tools.cluster, torchrun)
         rank, args.ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         queue: Any = _Collect()
         worker(rank, args.ranks, None, args, queue)

@@ -12,7 +12,7 @@ import deepspeed
 import torch.distributed as dist
 
 from zen_ds import ZenConfigError
-from zen_ds.teardown import exit_finished_rank
+from zen_ds.tools.teardown import exit_finished_rank
 
 
 def shutdown() -> None:

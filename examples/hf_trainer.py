@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 import zen_ds
-from zen_ds.reducer import embedding_param_names
+from zen_ds.integrations.params import embedding_param_names
 
 
 def zipf_ids(count: int, seq_len: int, vocab: int, seed: int, exponent: float = 1.1) -> torch.Tensor:
@@ -53,7 +53,7 @@ def zipf_ids(count: int, seq_len: int, vocab: int, seed: int, exponent: float = 
 def token_file_ids(path: str, count: int, seq_len: int) -> torch.Tensor:
     """``count`` consecutive ``seq_len`` windows of a pre-tokenized file (from its start,
     wrapping around a short file)."""
-    from zen_ds.data import load_tokens
+    from zen_ds.tools.data import load_tokens
 
     stream = load_tokens(path)
     need = count * seq_len
@@ -65,7 +65,7 @@ def token_file_ids(path: str, count: int, seq_len: int) -> torch.Tensor:
 def resolve_vocab(args: argparse.Namespace) -> None:
     """--vocab from --tokens' tokenizer (recorded beside the file, else max id + 1)."""
     if args.tokens:
-        from zen_ds.data import load_tokens, token_metadata
+        from zen_ds.tools.data import load_tokens, token_metadata
 
         top = int(load_tokens(args.tokens).max())
         if args.vocab is None:
@@ -192,7 +192,7 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=None,
                    help="vocabulary (default 8000; with --tokens, its tokenizer's)")
     p.add_argument("--tokens", default=None, metavar="PATH",
-                   help="pre-tokenized ids (python -m zen_ds.data prepare: a Megatron .bin/.idx "
+                   help="pre-tokenized ids (python -m zen_ds data prepare: a Megatron .bin/.idx "
                         "prefix or a .npy) instead of synthetic Zipf ids")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)

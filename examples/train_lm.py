@@ -11,10 +11,10 @@ Run (4 CPU ranks, TP=2 x DP=2)::
 
 Data: a seeded Zipf token stream (default), ``--data FILE`` tokenized with a hashed-word
 (or byte-level) tokenizer that needs no download, or ``--tokens PATH``: ids a real tokenizer made
-(``python -m zen_ds.data prepare``; Megatron's .bin/.idx prefix or a .npy), with a realistic
+(``python -m zen_ds data prepare``; Megatron's .bin/.idx prefix or a .npy), with a realistic
 micro-batch of 4096 tokens per rank unless --micro-batch or --batch-tokens says otherwise::
 
-    python -m zen_ds.data prepare --tokenizer tokenizer.model.v1 --text corpus.txt --out sp32k
+    python -m zen_ds data prepare --tokenizer tokenizer.model.v1 --text corpus.txt --out sp32k
     deepspeed --num_gpus 4 examples/train_lm.py --tokens sp32k --steps 20
 
 Prints tokens/s, loss and per-step zen stats.
@@ -95,11 +95,11 @@ def tokenize_file(path: str, vocab: int, tokenizer: str) -> torch.Tensor:
 
 
 class TokenFileStream:
-    """Random windows of a pre-tokenized file (:func:`zen_ds.data.load_tokens`: memory-mapped, so
+    """Random windows of a pre-tokenized file (:func:`zen_ds.tools.data.load_tokens`: memory-mapped, so
     every rank reads only its windows), seeded per (dp rank, step, micro-batch)."""
 
     def __init__(self, path: str, seed: int) -> None:
-        from zen_ds.data import load_tokens
+        from zen_ds.tools.data import load_tokens
 
         self.tokens, self.seed = load_tokens(path), seed
 
@@ -114,8 +114,8 @@ class TokenFileStream:
 
 
 def tokens_vocab(path: str) -> int:
-    """The vocabulary of a token file: recorded by ``zen_ds.data prepare``, else max id + 1."""
-    from zen_ds.data import load_tokens, token_metadata
+    """The vocabulary of a token file: recorded by ``zen_ds data prepare``, else max id + 1."""
+    from zen_ds.tools.data import load_tokens, token_metadata
 
     recorded = token_metadata(path).get("vocab_size")
     return int(recorded) if recorded else int(load_tokens(path).max()) + 1
@@ -510,7 +510,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", choices=("hash", "byte"), default="hash",
                    help="for --data: hashed words into the vocab, or UTF-8 bytes")
     p.add_argument("--tokens", default=None, metavar="PATH",
-                   help="pre-tokenized ids (python -m zen_ds.data prepare): a Megatron indexed "
+                   help="pre-tokenized ids (python -m zen_ds data prepare): a Megatron indexed "
                         "dataset prefix (PATH.bin/.idx) or a .npy; --vocab defaults to its "
                         "tokenizer's")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the synthetic stream")
@@ -525,7 +525,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.tokens and not vocab_given:
         args.vocab = tokens_vocab(args.tokens)
     elif args.tokens:
-        from zen_ds.data import load_tokens
+        from zen_ds.tools.data import load_tokens
 
         top = int(load_tokens(args.tokens).max())
         if top >= args.vocab:
@@ -572,7 +572,7 @@ def _zen_summary(engine: Any) -> Dict[str, Any]:
 def _embedding_summary(records: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Means over the steps with stats: word-embedding density/overlap on this rank, zen's bytes
     for it (DeepSpeed's dense all-reduce of it, ds_emb_bytes_sent, is added by main: ring,
-    2 (n-1)/n of the tensor each way, the convention of zen_ds.comm)."""
+    2 (n-1)/n of the tensor each way, the convention of zen_ds.core.comm)."""
     emb = [r["embedding"] for r in records if r.get("embedding")]
     out: Dict[str, Any] = {}
     if emb:
@@ -595,7 +595,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         raise SystemExit(f"examples/train_lm.py needs megatron-core: pip install 'zen_ds[megatron]' "
                          f"({_MEGATRON_ERROR})")
     import deepspeed
-    from zen_ds.megatron import initialize_megatron_parallel
+    from zen_ds.integrations.megatron import initialize_megatron_parallel
 
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)

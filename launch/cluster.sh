@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Emulated cluster: N network-namespace "hosts" with tc-shaped links, one rank per host.
-# Thin wrapper over `python -m zen_ds.cluster` (see its --help); needs root for namespaces and tc.
+# Thin wrapper over `python -m zen_ds cluster` (see its --help); needs root for namespaces and tc.
 #
 #   launch/cluster.sh --hosts 4 --rate 1gbit --selftest
-#   launch/cluster.sh --hosts 4 --rate 1gbit -- python -m zen_ds.bench sync --workload lm
+#   launch/cluster.sh --hosts 4 --rate 1gbit -- python -m zen_ds bench sync --workload lm
 #   launch/cluster.sh --cleanup        # remove namespaces left by a crashed run
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,4 +16,4 @@ fi
 # shellcheck source=launch/env.sh
 source "${REPO}/launch/env.sh"
 [[ "${ZEN_ENV_OK}" == 1 ]] || exit 1
-exec "${ZEN_PY}" -m zen_ds.cluster "$@"
+exec "${ZEN_PY}" -m zen_ds cluster "$@"

@@ -24,16 +24,16 @@ EXTRA=()
 WL="-w lstm -w topk1 -w synthetic:rows=2000,width=16,density=0.01,overlap=0.5,skew=1.0 -w synthetic:rows=400000,width=64,density=0.02,overlap=0.9,skew=1.2"
 run() {  # name hosts rph
   local name=$1$TAG hosts=$2 rph=$3
-  $PY -m zen_ds.cluster --hosts $hosts --ranks-per-host $rph --rate $RATE --timeout 580 -- \
-      $PY -m zen_ds.bench calibrate --repeats 5 > bench_out/cal_$name.txt 2>&1
+  $PY -m zen_ds cluster --hosts $hosts --ranks-per-host $rph --rate $RATE --timeout 580 -- \
+      $PY -m zen_ds bench calibrate --repeats 5 > bench_out/cal_$name.txt 2>&1
   local alpha=$($PY -c "import json,re,sys;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['alpha'])")
   local bw=$($PY -c "import json;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['bandwidth'])")
   local ibw=$($PY -c "import json;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['intra_bandwidth'])")
   local duplex=$($PY -c "import json;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['duplex'])")
   local a2a=$($PY -c "import json;t=open('bench_out/cal_$name.txt').read();j=json.loads(t[t.index('{'):t.rindex('}')+1]);print(j['zen']['network']['all_to_all_duplex'])")
   echo "$name alpha=$alpha bw=$bw intra=$ibw duplex=$duplex a2a=$a2a" >> bench_out/design_log.txt
-  $PY -m zen_ds.cluster --hosts $hosts --ranks-per-host $rph --rate $RATE --timeout 2400 -- \
-      $PY -m zen_ds.bench sync $WL --schemes all auto --interleave --iters $ITERS "${EXTRA[@]}" --no-progress --alpha $alpha --bandwidth $bw --intra-bandwidth $ibw --duplex $duplex --all-to-all-duplex $a2a \
+  $PY -m zen_ds cluster --hosts $hosts --ranks-per-host $rph --rate $RATE --timeout 2400 -- \
+      $PY -m zen_ds bench sync $WL --schemes all auto --interleave --iters $ITERS "${EXTRA[@]}" --no-progress --alpha $alpha --bandwidth $bw --intra-bandwidth $ibw --duplex $duplex --all-to-all-duplex $a2a \
       --json bench_out/design_$name.json > bench_out/design_$name.txt 2>&1
   echo "$name done rc=$? $(date)" >> bench_out/design_log.txt
 }

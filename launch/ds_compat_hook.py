@@ -210,8 +210,8 @@ def _zen_summary(engine: Any) -> Optional[Dict[str, Any]]:
 
 
 def _original_initialize() -> Any:
-    from zen_ds.deepspeed import patches
-    return patches.original_initialize()
+    from zen_ds.integrations.deepspeed import install
+    return install.original_initialize()
 
 
 class _AfterDeepSpeedImport:

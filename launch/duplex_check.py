@@ -2,7 +2,7 @@
 
 Run it on two emulated hosts (root)::
 
-    python -m zen_ds.cluster --hosts 2 --rate 100mbit -- python launch/duplex_check.py --mb 4
+    python -m zen_ds cluster --hosts 2 --rate 100mbit -- python launch/duplex_check.py --mb 4
 
 It prints the median time (slowest rank, 5 repeats after a warm-up) of: one rank sending ``--mb``
 MB to the other; both sending to each other at once on one process group (one TCP connection);
@@ -19,8 +19,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from zen_ds.calibrate import timed_collective
-from zen_ds.teardown import exit_finished_rank
+from zen_ds.sync.calibrate import timed_collective
+from zen_ds.tools.teardown import exit_finished_rank
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     if dist.get_world_size() != 2:
-        raise SystemExit("run it on exactly 2 ranks (python -m zen_ds.cluster --hosts 2 ...)")
+        raise SystemExit("run it on exactly 2 ranks (python -m zen_ds cluster --hosts 2 ...)")
     rank = dist.get_rank()
     peer = 1 - rank
     send = torch.zeros(int(args.mb * 1e6), dtype=torch.uint8)

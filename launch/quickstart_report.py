@@ -145,7 +145,7 @@ def scale_prediction(run: Dict, world_sizes: Sequence[int] = PREDICTED_WORLD_SIZ
         return ["(no at-scale prediction under ZeRO-3: the simulator models full syncs, not ZeRO-3's "
                 "reduce-scatter into its partitions)"]
     try:
-        from zen_ds.sim.scale import predict_embedding, validation_note
+        from zen_ds.tools.sim.scale import predict_embedding, validation_note
 
         rows = predict_embedding(run["vocab"], run["hidden"], run["micro_batch"] * run["context"],
                                  run["wire_element_bytes"], run["embedding_grad"] == "sparse",
@@ -154,7 +154,7 @@ def scale_prediction(run: Dict, world_sizes: Sequence[int] = PREDICTED_WORLD_SIZ
         return [f"prediction at {'/'.join(map(str, world_sizes))} ranks unavailable "
                 f"({type(e).__name__}: {e})"]
     first = rows[0]
-    lines = [f"PREDICTION, not measured (zen_ds.sim: the same embedding and {run['micro_batch']} x "
+    lines = [f"PREDICTION, not measured (zen_ds.tools.sim: the same embedding and {run['micro_batch']} x "
              f"{run['context']} Zipf ids per rank; {first['ranks_per_node']} ranks per node, "
              f"{first['inter_bandwidth'] * 8 / 1e9:g} Gbit/s between nodes; embedding sync only; "
              f"{validation_note()}):",

@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, rounds: int, port: int, queue) -> None:
 
     import zen_ds
     from zen_ds import ops
-    from zen_ds.teardown import exit_finished_rank
+    from zen_ds.tools.teardown import exit_finished_rank
 
     deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     ops.ensure_built()

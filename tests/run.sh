@@ -25,7 +25,7 @@ fi
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$repo/.torch_extensions}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 echo "== building the zen_ds C++ ops (cached after the first run)"
-python -m zen_ds.report --build || echo "(compiled ops unavailable: the torch fallback is tested)"
+python -m zen_ds report --build || echo "(compiled ops unavailable: the torch fallback is tested)"
 
 set +e
 python -m pytest tests --durations=25 "$@"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zen_ds.bench import workloads as W
-from zen_ds.bench.report import format_table
+from zen_ds.tools.bench import workloads as W
+from zen_ds.tools.bench.report import format_table
 
 
 def _all_ranks(w: W.Workload, n: int, seed: int = 0):
@@ -129,7 +129,7 @@ def test_table_formats_rows():
 def test_bench_cli_validates_before_spawning():
     env = dict(os.environ, RANK="", WORLD_SIZE="")
     env.pop("RANK")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "zen_ds.bench", "sync", *a],
+    run = lambda *a: subprocess.run([sys.executable, "-m", "zen_ds", "bench", "sync", *a],
                                     capture_output=True, text=True, env=env, timeout=120)
     p = run("-s", "nope")
     assert p.returncode == 2 and "unknown scheme" in p.stderr
@@ -139,7 +139,7 @@ def test_bench_cli_validates_before_spawning():
 
 def test_sync_end_to_end_two_local_ranks(tmp_path):
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, "-m", "zen_ds.bench", "sync", "--local", "2", "--no-progress",
+    p = subprocess.run([sys.executable, "-m", "zen_ds", "bench", "sync", "--local", "2", "--no-progress",
                         "-w", "synthetic:rows=4000,width=8,density=0.05,overlap=0.5",
                         "-w", "dense:mb=0.25", "--iters", "1", "--warmup", "0", "--rate", "1gbit",
                         "--json", str(out)], capture_output=True, text=True, timeout=180)
@@ -171,7 +171,7 @@ def test_reduction_compare_checks_every_variant_against_the_dense_allreduce(tmp_
 
 
 def test_schedule_runs_every_scheme_every_round_in_rotating_order():
-    from zen_ds.bench.runner import schedule
+    from zen_ds.tools.bench.runner import schedule
 
     assert list(schedule(["a", "b"], 2, False)) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
     assert list(schedule(["a", "b", "c"], 3, True)) == [
@@ -184,7 +184,7 @@ def test_sync_dense_input_is_synced_in_place_and_compared_with_dense_allreduce(t
     call from a fresh copy, so repeated calls stay correct also when the schemes take turns
     (``--interleave``); DeepSpeed's path is then dense."""
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, "-m", "zen_ds.bench", "sync", "--local", "2", "--no-progress",
+    p = subprocess.run([sys.executable, "-m", "zen_ds", "bench", "sync", "--local", "2", "--no-progress",
                         "-w", "synthetic:rows=3001,width=4,density=0.03,overlap=0.3",
                         "-s", "balanced", "agsparse", "deepspeed", "--dense-input", "--interleave",
                         "--iters", "2", "--warmup", "1", "--json", str(out)],
@@ -199,9 +199,9 @@ def test_sync_dense_input_is_synced_in_place_and_compared_with_dense_allreduce(t
 def test_calibrate_prints_a_network_block_with_the_sync_latency():
     """``zen-bench calibrate`` on 2 loopback ranks prints a ``network`` block the config accepts;
     its latency per step is the one zen's own syncs show, never below a bare all-gather's."""
-    from zen_ds.config import load_zen_config
+    from zen_ds.integrations.config import load_zen_config
 
-    p = subprocess.run([sys.executable, "-m", "zen_ds.bench", "calibrate", "--local", "2",
+    p = subprocess.run([sys.executable, "-m", "zen_ds", "bench", "calibrate", "--local", "2",
                         "--repeats", "1", "--bytes", "65536"],
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]

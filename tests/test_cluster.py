@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from zen_ds import cluster as C
+from zen_ds.tools import cluster as C
 
 
 def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zen_ds.cluster", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "zen_ds", "cluster", *args], capture_output=True,
                           text=True, timeout=60, **kw)
 
 
@@ -55,7 +55,7 @@ def test_non_root_gets_a_clear_message(monkeypatch, capsys):
     monkeypatch.setattr(C.os, "geteuid", lambda: 1000)
     assert C.main(["--hosts", "2", "--", "true"]) == 3
     err = capsys.readouterr().err
-    assert "needs root" in err and "zen_ds.bench sync --local" in err
+    assert "needs root" in err and "zen_ds bench sync --local" in err
 
 
 def _namespaces_usable() -> bool:
@@ -108,7 +108,7 @@ def test_heterogeneous_spec_validation(kw, msg):
 
 
 def test_selftest_expects_the_slowest_link_on_the_path():
-    from zen_ds.cluster_selftest import path_rate_bps
+    from zen_ds.tools.cluster_selftest import path_rate_bps
     rates, racks = [1000, 1000, 250, 0], [0, 0, 1, 1]
     assert path_rate_bps(0, 1, rates, racks, 500) == 1000  # same rack: host links only
     assert path_rate_bps(1, 2, rates, racks, 500) == 250  # the slow host

@@ -1,4 +1,4 @@
-"""Tests of zen_ds.compression: config validation, sparsifiers, error feedback, state, multi-rank sync."""
+"""Tests of zen_ds.features.compression: config validation, sparsifiers, error feedback, state, multi-rank sync."""
 from __future__ import annotations
 
 import io
@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from zen_ds import RowSparse
-from zen_ds.compression import SAMPLED_MIN_NUMEL, CompressionConfig, GradientCompressor, select_topk
+from zen_ds.features.compression import (SAMPLED_MIN_NUMEL, CompressionConfig, GradientCompressor, select_topk)
 
 from dist_utils import run_ranks
 
@@ -222,7 +222,7 @@ def test_no_error_feedback_warns_and_drops() -> None:
     caplog_records: List[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = caplog_records.append  # type: ignore[method-assign]
-    log = logging.getLogger("zen_ds.compression")
+    log = logging.getLogger("zen_ds.features.compression")
     log.addHandler(handler)
     try:
         comp = GradientCompressor(CompressionConfig(density=0.05, error_feedback=False, min_numel=1),

@@ -7,8 +7,9 @@ import pytest
 from torch import nn
 
 import zen_ds
-from zen_ds.config import ZenConfig, ZenConfigError, load_zen_config
-from zen_ds.reducer import ScaleRule, select_params
+from zen_ds.integrations.config import ZenConfig, ZenConfigError, load_zen_config
+from zen_ds.integrations.reducer import ScaleRule
+from zen_ds.integrations.params import select_params
 
 
 def test_defaults_and_absent_block():
@@ -143,8 +144,8 @@ def test_bad_shuffle_values(block, needle):
 
 
 def test_network_block_builds_the_planners_cost_model():
-    from zen_ds.calibrate import cost_model_for
-    from zen_ds.planner import DEFAULT_COMPUTE_RATES
+    from zen_ds.sync.calibrate import cost_model_for
+    from zen_ds.model.cost import DEFAULT_COMPUTE_RATES
 
     net = load_zen_config({"zen": {"network": {"alpha": 1e-4, "bandwidth": 1e8,
                                                "intra_bandwidth": 1e10, "ranks_per_node": 2,
@@ -163,7 +164,7 @@ def test_network_block_builds_the_planners_cost_model():
 
 def test_network_options_leave_the_process_default_alone():
     import zen_ds
-    from zen_ds.calibrate import cost_model_for, network_options
+    from zen_ds.sync.calibrate import cost_model_for, network_options
 
     net = load_zen_config({"zen": {"network": {"alpha": 2e-4, "bandwidth": 3e8, "ranks_per_node": 4,
                                                "compute": "default"}}}).network

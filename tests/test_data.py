@@ -1,4 +1,4 @@
-"""zen_ds.data: real tokenizers from files (SentencePiece, Tekken, Hugging Face) made in the test,
+"""zen_ds.tools.data: real tokenizers from files (SentencePiece, Tekken, Hugging Face) made in the test,
 ids through Megatron's indexed dataset (read back by megatron-core's own IndexedDataset) and .npy,
 and documentation trees to text."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from zen_ds import data as D
+from zen_ds.tools import data as D
 
 TEXT = ("The quick brown fox jumps over the lazy dog.\n\n"
         "Sparse gradients touch only the rows of the tokens in the batch.\n\n"

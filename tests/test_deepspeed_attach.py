@@ -44,8 +44,8 @@ def _reducer_grads(rank: int) -> List[Any]:
 
 def _reducer_case(rank: int) -> Dict[str, Any]:
     from torch import nn
-    from zen_ds.config import ZenConfig
-    from zen_ds.reducer import ScaleRule, ZenParam, ZenReducer
+    from zen_ds.integrations.config import ZenConfig
+    from zen_ds.integrations.reducer import ScaleRule, ZenParam, ZenReducer
     params = [ZenParam("coo", nn.Parameter(torch.zeros(ROWS, WIDTH)), True),
               ZenParam("rows", nn.Parameter(torch.zeros(ROWS, WIDTH)), False),
               ZenParam("full", nn.Parameter(torch.zeros(ROWS, WIDTH)), False)]
@@ -201,9 +201,9 @@ def _compressed_failure_case(rank: int) -> Dict[str, Any]:
     they selected was sent)."""
     from torch import nn
     import zen_ds
-    from zen_ds.compression import CompressionConfig, GradientCompressor
-    from zen_ds.config import ZenConfig
-    from zen_ds.reducer import ScaleRule, ZenParam, ZenReducer
+    from zen_ds.features.compression import CompressionConfig, GradientCompressor
+    from zen_ds.integrations.config import ZenConfig
+    from zen_ds.integrations.reducer import ScaleRule, ZenParam, ZenReducer
     param = nn.Parameter(torch.zeros(ROWS, WIDTH))
     compressor = GradientCompressor(CompressionConfig(type="topk", density=0.2, min_numel=1),
                                     [("w", param)])

@@ -106,7 +106,7 @@ def _fp16(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]:
     """An fp16 run: its sent values and residuals against an fp32 compressor fed the same unscaled
     gradients, and params, residuals and loss scale around every step."""
     import zen_ds
-    from zen_ds.compression import CompressionConfig, GradientCompressor
+    from zen_ds.features.compression import CompressionConfig, GradientCompressor
     dc.accept_fp16_on_cpu()
     model = dc.make_model(case.get("sparse", True))
     engine, *_ = zen_ds.initialize(model=model, optimizer=dc.make_optimizer(model.parameters()),
@@ -166,7 +166,7 @@ def _check_synced(log: Dict[str, list], world: int) -> Dict[str, Any]:
 def _manual_reference(rank: int, world: int) -> Dict[str, Any]:
     """fp32: the same training with GradientCompressor + torch.distributed, no DeepSpeed."""
     import torch.distributed as dist
-    from zen_ds.compression import CompressionConfig, GradientCompressor
+    from zen_ds.features.compression import CompressionConfig, GradientCompressor
     model = dc.make_model(sparse=False)
     opt = dc.make_optimizer(model.parameters())
     comp = GradientCompressor(CompressionConfig(**COMP), list(model.named_parameters()),

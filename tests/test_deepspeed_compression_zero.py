@@ -231,7 +231,7 @@ def compressed_pipe_reference(case: Dict[str, Any]) -> Dict[str, np.ndarray]:
     """Single process: each DP replica's gradient (its micro-batches, mean over GAS) goes through
     that replica's own compressor, the results are averaged over replicas, then clipped by the
     global norm and stepped with the pipeline test's SGD."""
-    from zen_ds.compression import CompressionConfig, GradientCompressor
+    from zen_ds.features.compression import CompressionConfig, GradientCompressor
     tied, clip = case.get("tied", False), case.get("clip", 0.0)
     sparse = case.get("sparse", True)
     model = pipe.TiedRef(sparse, case.get("temp", False)) if tied else \

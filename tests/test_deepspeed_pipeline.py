@@ -68,7 +68,7 @@ def project(module: TiedEmb, x: torch.Tensor) -> torch.Tensor:
 
 class Temperature(nn.Module):
     """A learnt scalar: a stage's param that stays DeepSpeed's when zen owns the stage's embeddings
-    (DeepSpeed's optimizer needs one per stage; see :func:`zen_ds.deepspeed.routes.resolve_route`)."""
+    (DeepSpeed's optimizer needs one per stage; see :func:`zen_ds.integrations.deepspeed.routes.resolve_route`)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("deepspeed")
 
 import ds_cases as dc  # noqa: E402
-from zen_ds.config import ZenConfigError, load_zen_config  # noqa: E402
-from zen_ds.deepspeed.routes import DeepSpeedSetup, resolve_route  # noqa: E402
+from zen_ds.integrations.config import ZenConfigError, load_zen_config  # noqa: E402
+from zen_ds.integrations.deepspeed.routes import DeepSpeedSetup, resolve_route  # noqa: E402
 
 COMPRESSION = {"compression": {"type": "topk", "density": 0.05, "min_numel": 16}}
 COMPRESSED = ["mlp.0.weight", "mlp.0.bias", "mlp.2.weight"]
@@ -129,11 +129,11 @@ def test_every_refusal_message_is_written_once():
 
 def test_deepspeed_version_outside_the_supported_range(monkeypatch, caplog):
     import deepspeed
-    from zen_ds.deepspeed import patches
-    patches.check_deepspeed_version()  # the installed release is a supported one
+    from zen_ds.integrations.deepspeed import facts
+    facts.check_deepspeed_version()  # the installed release is a supported one
     monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
     with pytest.raises(RuntimeError, match=r"supports DeepSpeed >=0\.19,<0\.20.*found 0\.20\.1"):
-        patches.check_deepspeed_version()
+        facts.check_deepspeed_version()
     monkeypatch.setenv("ZEN_DS_UNTESTED_DEEPSPEED", "1")
-    patches.check_deepspeed_version()
+    facts.check_deepspeed_version()
     assert "found 0.20.1" in caplog.text

@@ -20,7 +20,7 @@ pytest.importorskip("deepspeed")
 from dist_utils import run_ranks  # noqa: E402
 import ds_cases as dc  # noqa: E402
 import zen_ds  # noqa: E402
-from zen_ds.config import ZenConfigError  # noqa: E402
+from zen_ds.integrations.config import ZenConfigError  # noqa: E402
 
 WORLD = 4
 CLIP = 0.05
@@ -141,7 +141,7 @@ def _worker(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
     dc.set_env(rank, world)
     lines = _Lines()
-    engine_logger = logging.getLogger("zen_ds.deepspeed.engine")
+    engine_logger = logging.getLogger("zen_ds.integrations.deepspeed.engine")
     engine_logger.addHandler(lines)
     engine_logger.setLevel(logging.INFO)
     jobs = {case["name"]: (lambda case=case: _train(rank, world, case)) for case in CASES}
@@ -262,9 +262,9 @@ def test_checkpoint_resumes_the_schedule_and_the_replicas(results):
 # --------------------------------------------------------------------------- refusals (no processes)
 @pytest.fixture
 def ds_never_built(monkeypatch):
-    from zen_ds.deepspeed import patches
+    from zen_ds.integrations.deepspeed import install
     built: List[Any] = []
-    monkeypatch.setattr(patches, "original_initialize", lambda: lambda **kw: built.append(kw))
+    monkeypatch.setattr(install, "original_initialize", lambda: lambda **kw: built.append(kw))
     yield built
     assert not built
 

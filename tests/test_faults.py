@@ -29,7 +29,7 @@ def _rank_main(rank: int, port: int, mode: str, phase: str, scheme: str, queue) 
     import torch.distributed as dist
 
     import zen_ds
-    from zen_ds.comm import Communicator
+    from zen_ds.core.comm import Communicator
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -63,7 +63,7 @@ class Recorder:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        import zen_ds.comm
+        import zen_ds.core.comm
 
         for name in WRAPPED:
             original = getattr(c10d, name, None)
@@ -74,7 +74,7 @@ class Recorder:
             if getattr(dist, name, None) is original:
                 setattr(dist, name, wrapper)
         # zen's comm binds torch's all-gather at import
-        zen_ds.comm._all_gather_single = getattr(dist, "all_gather_single", None) or \
+        zen_ds.core.comm._all_gather_single = getattr(dist, "all_gather_single", None) or \
             dist.all_gather_into_tensor
 
     def _wrap(self, name: str, original):
@@ -177,8 +177,8 @@ def _scheme_worker(rank: int, world: int) -> Dict[str, List[Dict[str, Any]]]:
     import torch.distributed as dist
 
     import zen_ds
-    from zen_ds.reduce_scatter import sparse_reduce_scatter_flat
-    from zen_ds.shuffle_sync import ShuffleSync
+    from zen_ds.sync.reduce_scatter import sparse_reduce_scatter_flat
+    from zen_ds.features.shuffle_sync import ShuffleSync
 
     zen_ds.ops.use("torch")  # the collectives do not depend on the ops' implementation
     recorder = Recorder(world)

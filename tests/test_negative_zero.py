@@ -17,7 +17,7 @@ import zen_ds
 from zen_ds import ops
 from zen_ds.ops import torch_ops
 from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SPLIT_ALLGATHER, SparCMLScheme
-from zen_ds.sparse import RowSparse
+from zen_ds.core.sparse import RowSparse
 
 from dist_utils import run_ranks
 

@@ -39,7 +39,7 @@ def _poisoned(rank: int):
 def _steps_model(alpha: float):
     """Latency only: the predicted time is ``alpha`` times the latency steps."""
     from zen_ds import CostModel
-    from zen_ds.planner import COMPUTE_OPS
+    from zen_ds.model.cost import COMPUTE_OPS
     return CostModel(alpha=alpha, bandwidth=1e18, intra_bandwidth=1e18).with_compute(
         {op: 0.0 for op in COMPUTE_OPS})
 
@@ -55,8 +55,8 @@ def _reducer_case(rank: int) -> Dict[str, Any]:
     from torch import nn
     import zen_ds
     from zen_ds import SyncOptions
-    from zen_ds.config import ZenConfig
-    from zen_ds.reducer import ScaleRule, ZenParam, ZenReducer
+    from zen_ds.integrations.config import ZenConfig
+    from zen_ds.integrations.reducer import ScaleRule, ZenParam, ZenReducer
     config = ZenConfig(scheme="auto", density_threshold=1.0)
     params = [ZenParam("emb", nn.Parameter(torch.zeros(ROWS, WIDTH)), True)]
     out: Dict[str, Any] = {}
@@ -80,8 +80,8 @@ def _reducer_case(rank: int) -> Dict[str, Any]:
 
 def _reduce_scatter_case(rank: int, world: int) -> Dict[str, Any]:
     from zen_ds import SyncOptions
-    from zen_ds.partition import ShardLayout
-    from zen_ds.reduce_scatter import sparse_reduce_scatter
+    from zen_ds.core.partition import ShardLayout
+    from zen_ds.sync.reduce_scatter import sparse_reduce_scatter
     total = sum(_grad(r).to_dense() for r in range(world))
     options = SyncOptions(cost_model=_steps_model(2.0), seed=5)
     out: Dict[str, Any] = {}
@@ -109,8 +109,8 @@ def _engine(rank: int, world: int, case: Dict[str, Any]):
 
 def _two_engines_case(rank: int, world: int) -> Dict[str, Any]:
     import zen_ds
-    from zen_ds.calibrate import cost_model_for
-    from zen_ds.config import load_zen_config
+    from zen_ds.sync.calibrate import cost_model_for
+    from zen_ds.integrations.config import load_zen_config
     before = zen_ds.default_options()
     extra = {"density_threshold": 1.0, "seed": 4, "index_encoding": "coo"}
     a = _engine(rank, world, {"zen_extra": dict(extra, network=NET_A)})

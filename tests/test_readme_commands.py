@@ -20,7 +20,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from zen_ds.config import ZenConfig, load_zen_config
+from zen_ds.integrations.config import ZenConfig, load_zen_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")

@@ -1,5 +1,5 @@
 """The LM example on real tokens end to end: a tokenizer made in the test (a tiny byte-level BPE,
-Hugging Face ``tokenizers``), ``python -m zen_ds.data prepare`` into Megatron's indexed dataset,
+Hugging Face ``tokenizers``), ``python -m zen_ds data prepare`` into Megatron's indexed dataset,
 then ``examples/train_lm.py --tokens PREFIX`` on 2 gloo ranks at its default micro-batch for real
 tokens (4096 per rank), with zen and with ``--no-zen``: same parameters, loss going down."""
 from __future__ import annotations
@@ -77,7 +77,7 @@ def results() -> List[Dict[str, Any]]:
         fh.write(TEXT * 200)
     prefix = os.path.join(work, "corpus")
     # the documented preparation step, as a user runs it
-    subprocess.run([sys.executable, "-m", "zen_ds.data", "prepare", "--tokenizer",
+    subprocess.run([sys.executable, "-m", "zen_ds", "data", "prepare", "--tokenizer",
                     os.path.join(work, "tokenizer.json"), "--text", os.path.join(work, "corpus.txt"),
                     "--out", prefix], check=True, capture_output=True, timeout=120)
     return run_ranks(2, _worker, prefix, timeout=400) + [tok.get_vocab_size()]

@@ -1,5 +1,5 @@
-"""Real supports in the simulator: ``python -m zen_ds.sim -w tokens:FILE,...`` at 16, 128 and 1024
-ranks (per-rank rows and union against the token file), and ``python -m zen_ds.sim fit`` (the
+"""Real supports in the simulator: ``python -m zen_ds sim -w tokens:FILE,...`` at 16, 128 and 1024
+ranks (per-rank rows and union against the token file), and ``python -m zen_ds sim fit`` (the
 calibrated ``lm:`` workload agrees with the stream it was fitted to)."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from zen_ds.bench.workloads import parse_workload
-from zen_ds.sim import Supports, generate_supports, lossless_bound
-from zen_ds.sim.cli import main as sim_main
-from zen_ds.sim.fit import fit_stream, measure_stream, support_stats
+from zen_ds.tools.bench.workloads import parse_workload
+from zen_ds.tools.sim.supports import Supports, generate_supports, lossless_bound
+from zen_ds.tools.sim.cli import main as sim_main
+from zen_ds.tools.sim.fit import fit_stream, measure_stream, support_stats
 
 VOCAB, T = 3000, 64
 
@@ -100,8 +100,8 @@ def test_calibrated_lm_agrees_with_the_stream_it_was_fitted_to() -> None:
 def test_tokens_workload_rows_are_the_file_chunks(tmp_path) -> None:
     """Rank r's rows are the distinct ids of tokens [start + r T, start + (r+1) T) of the file,
     for the bench and the simulator alike (-w tokens:...)."""
-    from zen_ds.bench.workloads import parse_workload
-    from zen_ds.sim import generate_supports
+    from zen_ds.tools.bench.workloads import parse_workload
+    from zen_ds.tools.sim.supports import generate_supports
 
     rng = np.random.default_rng(0)
     stream = (rng.zipf(1.3, 5000) % 700).astype(np.int32)

@@ -24,9 +24,9 @@ def _as_rowsparse(x):
 
 def _check(case: str, rank: int, n: int, average: bool) -> None:
     from zen_ds import RowSparse, SyncStats
-    from zen_ds.handshake import handshake_bytes
-    from zen_ds.partition import ShardLayout
-    from zen_ds.reduce_scatter import shard_rows, sparse_reduce_scatter
+    from zen_ds.core.handshake import handshake_bytes
+    from zen_ds.core.partition import ShardLayout
+    from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter
     make = sync_cases.CASES[case]
     inputs = [_as_rowsparse(make(r, n)) for r in range(n)]
     mine = make(rank, n)
@@ -62,8 +62,8 @@ def _check(case: str, rank: int, n: int, average: bool) -> None:
 
 def _worker(rank: int, n: int) -> Dict[str, str]:
     import torch.distributed as dist
-    from zen_ds.partition import ShardLayout
-    from zen_ds.reduce_scatter import shard_rows
+    from zen_ds.core.partition import ShardLayout
+    from zen_ds.sync.reduce_scatter import shard_rows
     failures: Dict[str, str] = {}
     for case in sync_cases.CASES:
         for average in (False, True):
@@ -72,7 +72,7 @@ def _worker(rank: int, n: int) -> Dict[str, str]:
             except Exception:  # noqa: BLE001 - reported per case
                 failures[f"{case}-mean{average}"] = traceback.format_exc()
             dist.barrier()
-    from zen_ds.reduce_scatter import sparse_reduce_scatter
+    from zen_ds.sync.reduce_scatter import sparse_reduce_scatter
     # Signed zeros as the dense all-reduce has them: -0.0 only where every rank has -0.0.
     x = torch.full((11, 3), -0.0)
     x[4, 1] = 0.0 if rank == n - 1 else -0.0  # +0.0 on one rank: the sum is +0.0

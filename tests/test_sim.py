@@ -17,16 +17,18 @@ import torch
 from dist_utils import run_ranks
 
 import zen_ds
-from zen_ds.bench.workloads import parse_workload
-from zen_ds.planner import CostModel
-from zen_ds.schemes.base import ByteEstimate
+from zen_ds.tools.bench.workloads import parse_workload
+from zen_ds.model.cost import CostModel
+from zen_ds.model.shape import ByteEstimate
 from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SPLIT_ALLGATHER, SparCMLScheme
 from zen_ds.schemes.topology import RANKS_PER_NODE_ENV
-from zen_ds.sim import (AUTO, DEEPSPEED, ComputeRates, Phase, SimCost, Supports, Topology,
-                        handshake_shape, lossless_bound, simulate)
-from zen_ds.sim import traffic as traffic_module
-from zen_ds.sim.simulate import scheme_traffic
-from zen_ds.sim.cli import main as sim_main
+from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, simulate
+from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
+from zen_ds.tools.sim.traffic import Phase
+from zen_ds.tools.sim.supports import Supports, handshake_shape, lossless_bound
+from zen_ds.tools.sim import traffic as traffic_module
+from zen_ds.tools.sim.simulate import scheme_traffic
+from zen_ds.tools.sim.cli import main as sim_main
 
 # Cases: (workload spec, dtype, index encoding, ranks whose support is emptied, cost model alpha).
 # lm64: rows of 64 B (balanced skips single holders); lm16: 16 B rows (no skip); topk:
@@ -347,8 +349,8 @@ def test_cli_rejects_bad_input(capsys) -> None:
 def test_validate_replays_a_bench_run_with_equal_bytes(tmp_path, capsys) -> None:
     """zen-bench sync on 3 loopback ranks, then the validator on its JSON: every cell's simulated
     bytes equal the measured ones, and the table, summary and JSON come out."""
-    from zen_ds.bench.cli import main as bench_main
-    from zen_ds.sim.validate import main as validate_main
+    from zen_ds.tools.bench.cli import main as bench_main
+    from zen_ds.tools.sim.validate import main as validate_main
 
     run, report = tmp_path / "run.json", tmp_path / "validate.json"
     assert bench_main(["sync", "--local", "3", "-w", "lm:rows=3000,width=16,tokens=300",
@@ -385,7 +387,7 @@ def test_validate_replays_a_bench_run_with_equal_bytes(tmp_path, capsys) -> None
 
 
 def test_validate_rejects_bad_input(tmp_path, capsys) -> None:
-    from zen_ds.sim.validate import main as validate_main
+    from zen_ds.tools.sim.validate import main as validate_main
 
     assert validate_main([]) == 2
     missing = tmp_path / "nothing.json"

@@ -112,6 +112,56 @@ def test_installed_wheel_builds_and_loads_the_compiled_ops(wheel_venv):
     assert results[0]["file"] == results[1]["file"]
     assert sum(info["built_here"] for info in results) <= 1
 
-    report = _run([str(python), "-m", "zen_ds.report", "--no-color"], cwd=WORK, env=env).stdout
+    report = _run([str(python), "-m", "zen_ds", "report", "--no-color"], cwd=WORK, env=env).stdout
     assert "(shipped in the package)" in report
     assert "compiled ops ............ [OKAY]" in report
+
+
+WITHOUT_DEEPSPEED = textwrap.dedent("""
+    import json, os, sys
+    sys.modules["deepspeed"] = None  # as if DeepSpeed were not installed: `import deepspeed` fails
+    import torch
+    import torch.multiprocessing as mp
+
+    def rank(r, port):
+        import torch.distributed as dist
+        import zen_ds
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+        x = torch.zeros(10, 3)
+        x[[0, 9 - r]] = float(r + 1)
+        got = zen_ds.sparse_allreduce(x, scheme="balanced")
+        want = x.clone()
+        dist.all_reduce(want)
+        assert torch.equal(got, want), (got, want)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(rank, args=(port,), nprocs=2)
+        import zen_ds
+        assert "deepspeed" not in [m.split(".")[0] for m, v in sys.modules.items() if v is not None]
+        try:
+            zen_ds.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 1})
+        except ImportError as exc:
+            print("RESULT " + json.dumps({"error": str(exc)}))
+""")
+
+
+def test_core_library_runs_without_deepspeed(wheel_venv):
+    """``pip install zen_ds`` needs no DeepSpeed: sparse_allreduce works on 2 gloo ranks, and the
+    plug-in's entry point says in one message what to install."""
+    _, wheel, python, _, env = wheel_venv
+    with zipfile.ZipFile(wheel) as whl:
+        meta = next(whl.read(n).decode() for n in whl.namelist() if n.endswith("METADATA"))
+    requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist: deepspeed")]
+    assert requires and all("extra ==" in line for line in requires), requires
+    script = WORK / "without_deepspeed.py"
+    script.write_text(WITHOUT_DEEPSPEED)
+    out = _run([str(python), str(script)], cwd=WORK, env=env).stdout
+    import json
+
+    message = json.loads(out.split("RESULT ", 1)[1])["error"]
+    assert "pip install 'zen_ds[deepspeed]'" in message and "sparse_allreduce" in message, message

@@ -15,17 +15,25 @@ DeepSpeed plug-in::
 """
 from __future__ import annotations
 
-from .api import (INDEX_ENCODINGS, SyncOptions, ZenInputError, default_options, set_cost_model,
-                  set_default_options, sparse_allreduce)
-from .comm import ZenSyncError
-from .partition import ShardLayout, owner
-from .reduce_scatter import shard_rows, sparse_reduce_scatter, sparse_reduce_scatter_flat
-from .planner import CostModel
-from .schemes import scheme_names
-from .sparse import RowSparse
-from .stats import SyncStats, last_sync_stats
-from .config import ZenConfig, ZenConfigError
-from .deepspeed import ZenReductionError, attach, disable, enable, initialize, state_of
+from zen_ds.core.comm import ZenSyncError
+from zen_ds.core.partition import ShardLayout, owner
+from zen_ds.core.sparse import RowSparse
+from zen_ds.core.stats import SyncStats, last_sync_stats
+from zen_ds.integrations.config import ZenConfig, ZenConfigError
+from zen_ds.integrations.deepspeed.engine import attach, disable, enable, initialize, state_of
+from zen_ds.integrations.deepspeed.faults import ZenReductionError
+from zen_ds.model.cost import CostModel
+from zen_ds.schemes import scheme_names
+from zen_ds.sync.allreduce import sparse_allreduce
+from zen_ds.sync.options import (
+                                 INDEX_ENCODINGS,
+                                 SyncOptions,
+                                 ZenInputError,
+                                 default_options,
+                                 set_cost_model,
+                                 set_default_options,
+)
+from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter, sparse_reduce_scatter_flat
 
 __version__ = "0.1.0"
 

@@ -12,188 +12,22 @@ schemes and deadlock in mismatched collectives.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
-import struct
 from collections import OrderedDict
-from dataclasses import dataclass, replace
-from typing import Dict, Hashable, Iterable, List, Mapping, Sequence, Tuple
+from dataclasses import replace
+from typing import Dict, Hashable, Iterable, Optional, Tuple
 
-import numpy as np
-import torch
-
-from .schemes import auto_candidates, get_scheme
-from .schemes.base import ByteEstimate, SyncShape, with_rank
+from zen_ds.model.cost import CostModel
+from zen_ds.model.shape import ByteEstimate, SyncShape, with_rank
+from zen_ds.model.support import planning_ranks
+from zen_ds.schemes import auto_candidates, get_scheme
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CostModel", "DEFAULT_COMPUTE_RATES", "COMPUTE_OPS", "estimate_union",
-           "estimate_singletons", "estimate_support", "plan", "plan_and_price", "price", "plan_choice",
-           "representative_shape"]
-
-
-# Seconds per element of zen's local ops when nothing was measured: the compiled CPU ops on one
-# core of a 2-vCPU x86 VM. :func:`zen_ds.calibrate.measure_compute_rates` replaces them with this
-# process's own rates (the plug-in and ``zen-bench`` do so at start-up, max over the group).
-DEFAULT_COMPUTE_RATES: Tuple[Tuple[str, float], ...] = (
-    ("partition", 1.0e-9), ("aggregate", 4.0e-10), ("scatter", 5.0e-10), ("scan", 2.0e-10))
-COMPUTE_OPS = tuple(op for op, _ in DEFAULT_COMPUTE_RATES)
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Time of one sync on one rank: latency, link bytes and local work.
-
-    ``seconds = steps * alpha + (nic_bytes + (duplex - 1) * two_way_bytes + (all_to_all_duplex
-    - 1) * all_to_all_two_way_bytes) / bandwidth + intra_bytes / intra_bandwidth + sum_op
-    elements_op * rate_op``. ``bandwidth`` is one node's NIC (with one rank per node,
-    the rank's link), ``intra_bandwidth`` one rank's links inside its node; which bytes load which
-    link comes from the scheme's :class:`ByteEstimate` (see :func:`zen_ds.schemes.base.link_split`).
-    ``duplex`` is a pair's two-way exchange time over its one-way time between nodes (pairwise
-    rounds), ``all_to_all_duplex`` an all-to-all's time over a one-way ring's with the same bytes:
-    1 for full-duplex links (NCCL, RDMA), up to 2 where a connection's two directions share its
-    rate (gloo's TCP pairs on the emulated cluster: ``zen-bench calibrate`` measures both). They
-    charge the estimate's two-way NIC bytes again, in part. ``compute`` holds seconds per element
-    of each local op (:data:`COMPUTE_OPS`). The simulator times its exact traffic with the same
-    methods, so planner and simulator share one model.
-    """
-
-    alpha: float = 50e-6  # seconds per latency step (gloo/TCP order of magnitude)
-    bandwidth: float = 1.25e9  # bytes per second (10 Gbit/s)
-    # Bytes per second over one rank's links inside its node; 0: as ``bandwidth`` (no advantage
-    # assumed until measured: ``zen-bench calibrate`` prints it).
-    intra_bandwidth: float = 0.0
-    compute: Tuple[Tuple[str, float], ...] = DEFAULT_COMPUTE_RATES
-    duplex: float = 1.0  # two-way over one-way time of a pair between nodes, 1..2
-    all_to_all_duplex: float = 1.0  # all-to-all over one-way ring time, same bytes, 1..2
-
-    def __post_init__(self) -> None:
-        if not (self.alpha >= 0 and self.bandwidth > 0 and self.intra_bandwidth >= 0):
-            raise ValueError(f"cost model: alpha must be >= 0 and bandwidths > 0, got alpha="
-                             f"{self.alpha}, bandwidth={self.bandwidth}, intra_bandwidth (0: as bandwidth)="
-                             f"{self.intra_bandwidth}")
-        if not (1.0 <= self.duplex <= 2.0 and 1.0 <= self.all_to_all_duplex <= 2.0):
-            raise ValueError(f"cost model: duplex and all_to_all_duplex are two-way over one-way "
-                             f"times, between 1 (full duplex) and 2 (the two directions share "
-                             f"one rate), got {self.duplex} and {self.all_to_all_duplex}")
-        unknown = [op for op, _ in self.compute if op not in COMPUTE_OPS]
-        if unknown or any(not rate >= 0 for _, rate in self.compute):
-            raise ValueError(f"cost model: compute rates must be non-negative seconds per element "
-                             f"of {COMPUTE_OPS}, got {dict(self.compute)}")
-
-    @property
-    def latency_bytes(self) -> float:
-        """Bytes the link moves in one latency step (schemes trade padding against rounds)."""
-        return self.alpha * self.bandwidth
-
-    @property
-    def intra_rate(self) -> float:
-        return self.intra_bandwidth or self.bandwidth
-
-    def link_seconds(self, nic_bytes: float, intra_bytes: float, latency_steps: int,
-                     two_way_bytes: float = 0.0, all_to_all_two_way_bytes: float = 0.0) -> float:
-        extra = ((self.duplex - 1.0) * two_way_bytes
-                 + (self.all_to_all_duplex - 1.0) * all_to_all_two_way_bytes)
-        return (latency_steps * self.alpha + (nic_bytes + extra) / self.bandwidth
-                + intra_bytes / self.intra_rate)
-
-    def compute_seconds(self, elements: Mapping[str, float]) -> float:
-        rates = dict(self.compute)
-        return sum(count * rates.get(op, 0.0) for op, count in elements.items())
-
-    def seconds(self, estimate: ByteEstimate) -> float:
-        return (self.link_seconds(estimate.nic_bytes, estimate.intra, estimate.latency_steps,
-                                  estimate.two_way, estimate.all_to_all_two_way)
-                + self.compute_seconds(estimate.compute))
-
-    def digest(self) -> int:
-        """One int64 naming every constant: ranks must plan with the same model (the handshake
-        compares it), or they could choose different schemes and deadlock."""
-        values = (self.alpha, self.bandwidth, self.intra_bandwidth, self.duplex,
-                  self.all_to_all_duplex) + tuple(
-            v for pair in sorted(self.compute) for v in (COMPUTE_OPS.index(pair[0]), pair[1]))
-        data = struct.pack(f"<{len(values)}d", *values)
-        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
-
-    def with_compute(self, rates: Mapping[str, float]) -> "CostModel":
-        return replace(self, compute=tuple((op, float(rates[op])) for op in COMPUTE_OPS
-                                           if op in rates))
-
-
-def _complete_sample(sketches: torch.Tensor) -> Tuple[np.ndarray, np.ndarray, int]:
-    """``(positions, holder counts, threshold)``: every union position up to the threshold,
-    with how many ranks hold it, exactly. A full sketch (no -1 padding) lists its rank's k
-    smallest positions, so it is complete up to its largest; a padded one lists its whole
-    support. Up to the smallest of the full sketches' largest values every rank's positions are
-    therefore all present: a sample of the union of up to n k positions, rather than the k
-    smallest of the merged sketch. Threshold -1: no sketch is full, the sample is the union."""
-    values = sketches.numpy()
-    full = values.min(axis=1) >= 0 if values.size else np.zeros(0, dtype=bool)
-    threshold = int(values[full].max(axis=1).min()) if full.any() else -1
-    kept = values[(values >= 0) & (values <= threshold)] if threshold >= 0 else values[values >= 0]
-    positions, holders = np.unique(kept, return_counts=True)
-    return positions, holders, threshold
-
-
-def estimate_support(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int
-                     ) -> Tuple[int, int]:
-    """``(union, singletons)`` from the per-rank KMV sketches (the k smallest permuted
-    positions, -1 padded), in one pass.
-
-    Exact when no rank's support outgrows its sketch. Otherwise the complete sample below the
-    threshold (:func:`_complete_sample`: c positions) scales to the union, ``c N / (t + 1)``,
-    clamped to ``[max m_i, min(sum m_i, N)]``, and the fraction of it held by one rank to the
-    singletons. Positions are uniform (the seeded permutation), so the sample is unbiased, and
-    with n ranks it holds up to n k positions: the error falls with the group's overlap, not
-    only with k (numpy: a few hundred values, where torch's per-op overhead dominates)."""
-    positions, holders, threshold = _complete_sample(sketches)
-    lower, upper = max(nnz_per_rank, default=0), min(sum(nnz_per_rank), num_rows)
-    if threshold < 0:
-        return int(positions.size), int((holders == 1).sum())
-    union = min(max(int(round(positions.size * num_rows / (threshold + 1))), lower), upper)
-    return union, _singletons_from(holders, union)
-
-
-def estimate_union(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int) -> int:
-    """Union support size from per-rank KMV sketches: :func:`estimate_support`'s first half."""
-    return estimate_support(sketches, nnz_per_rank, num_rows)[0]
-
-
-def estimate_singletons(sketches: torch.Tensor, union: int) -> int:
-    """Rows held by exactly one rank, from the same KMV sketches as :func:`estimate_union`.
-
-    Up to the threshold of :func:`_complete_sample` every rank lists every position it holds,
-    so the holder counts of that sample are exact, and the fraction held once scales to the
-    union."""
-    _, holders, _ = _complete_sample(sketches)
-    return _singletons_from(holders, union)
-
-
-def _singletons_from(holders: np.ndarray, union: int) -> int:
-    if holders.size == 0:
-        return 0
-    return int(round(union * int((holders == 1).sum()) / holders.size))
-
-
-EVERY_RANK_UP_TO = 8
-
-
-def planning_ranks(shape: SyncShape) -> List[int]:
-    """The ranks whose costs bound a sync: every rank in groups up to 8, else the ranks with the
-    most and the fewest non-zeros (the largest sender and the largest receiver in every byte
-    model here) and the first and last rank (the ends of the node layout and of recursive
-    doubling's fold). Pricing every scheme at every rank grows with the group (n ranks x the
-    candidates, per sync); these four bound it. The list depends only on the handshake, so it is the
-    same on every rank."""
-    n = shape.world_size
-    if n <= EVERY_RANK_UP_TO or not shape.nnz_per_rank:
-        return list(range(n))
-    nnz = list(shape.nnz_per_rank)
-    most = max(range(n), key=lambda r: (nnz[r], -r))
-    fewest = min(range(n), key=lambda r: (nnz[r], r))
-    return sorted({most, fewest, 0, n - 1})
+__all__ = ["plan", "plan_and_price", "price", "plan_choice", "representative_shape", "PlanMemo",
+           "DEFAULT_PLAN_MEMO"]
 
 
 def price(shape: SyncShape, names: Iterable[str], cost: CostModel, prune: bool = False
@@ -251,7 +85,36 @@ STEPS_PER_OCTAVE = 16
 PLAN_MEMO_SIZE = 4096
 # Settings the schemes' byte models read from the environment (part of the memo key).
 _MODEL_ENV = ("ZEN_DS_OMNIREDUCE_BLOCK", "ZEN_DS_RANKS_PER_NODE", "LOCAL_WORLD_SIZE")
-_memo: "OrderedDict[Hashable, str]" = OrderedDict()
+
+
+class PlanMemo:
+    """Choices :func:`plan_choice` already priced, most recent last (at most ``size``). Whoever
+    syncs holds one: each engine's :class:`~zen_ds.sync.options.SyncOptions` carries its own;
+    calls without one share :data:`DEFAULT_PLAN_MEMO`, this process's documented default."""
+
+    def __init__(self, size: int = PLAN_MEMO_SIZE) -> None:
+        self.size = size
+        self._choices: "OrderedDict[Hashable, str]" = OrderedDict()
+
+    def get(self, key: Hashable) -> Optional[str]:
+        chosen = self._choices.get(key)
+        if chosen is not None:
+            self._choices.move_to_end(key)
+        return chosen
+
+    def put(self, key: Hashable, chosen: str) -> None:
+        self._choices[key] = chosen
+        if len(self._choices) > self.size:
+            self._choices.popitem(last=False)
+
+    def clear(self) -> None:
+        self._choices.clear()
+
+    def __len__(self) -> int:
+        return len(self._choices)
+
+
+DEFAULT_PLAN_MEMO = PlanMemo()
 
 
 def _bucket(count: int) -> int:
@@ -278,8 +141,8 @@ def representative_shape(shape: SyncShape) -> SyncShape:
     return replace(shape, nnz_per_rank=nnz, union_nnz=union, singletons=singletons, rank=0)
 
 
-def plan_choice(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = CostModel()
-                ) -> str:
+def plan_choice(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = CostModel(),
+                memo: Optional[PlanMemo] = None) -> str:
     """The scheme :func:`plan` picks for :func:`representative_shape` of ``shape``, memoised.
 
     Pricing six schemes costs more host time than a latency-bound sync of a small tensor on a
@@ -294,12 +157,9 @@ def plan_choice(shape: SyncShape, candidates: Iterable[str] = (), cost: CostMode
            shape.latency_bytes, shape.ranks_per_node, tuple(os.environ.get(v) for v in _MODEL_ENV),
            tuple(_bucket(m) for m in shape.nnz_per_rank), _bucket(shape.union_nnz),
            _bucket(shape.singletons))
-    chosen = _memo.get(key)
+    memo = DEFAULT_PLAN_MEMO if memo is None else memo
+    chosen = memo.get(key)
     if chosen is None:
         chosen = plan(representative_shape(shape), names, cost)[0]
-        _memo[key] = chosen
-        if len(_memo) > PLAN_MEMO_SIZE:
-            _memo.popitem(last=False)
-    else:
-        _memo.move_to_end(key)
+        memo.put(key, chosen)
     return chosen

@@ -17,14 +17,11 @@ import os
 from types import ModuleType
 from typing import Dict, Optional
 
-from . import torch_ops
+from zen_ds.ops import torch_ops
 
 logger = logging.getLogger(__name__)
 
-OP_NAMES = (
-    "permute", "unpermute", "nonzero_rows", "partition", "aggregate", "aggregate_bitmap",
-    "bitmap_encode", "bitmap_decode", "scatter_rows", "scatter_shard",
-)
+OP_NAMES = torch_ops.OP_NAMES
 
 _backend: Optional[ModuleType] = None
 _backend_reason: str = ""
@@ -33,7 +30,7 @@ _warned = False
 
 def _load_compiled(timeout: Optional[float]) -> ModuleType:
     # Imported lazily: zen_ds must import (and fall back) without deepspeed or a compiler.
-    from .compiled import load_compiled_ops  # noqa: WPS433
+    from zen_ds.ops.compiled import load_compiled_ops  # noqa: WPS433
 
     return load_compiled_ops(timeout)
 
@@ -96,7 +93,7 @@ def ensure_built(timeout: Optional[float] = None) -> Dict[str, str]:
 
 
 def backend_info() -> Dict[str, str]:
-    """Which implementation runs and why (for ``python -m zen_ds.report``)."""
+    """Which implementation runs and why (for ``python -m zen_ds report``)."""
     impl = backend()
     info = {"implementation": getattr(impl, "NAME", impl.__name__), "reason": _backend_reason}
     # The compiled facade routes per call (CUDA tensors without CUDA kernels, dtypes the kernels

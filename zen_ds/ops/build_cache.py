@@ -53,7 +53,7 @@ class BuildLockTimeout(RuntimeError):
         super().__init__(
             f"waited {waited_s:.0f} s for the zen_ds ops build lock {lock_path} (held by {holder}); "
             f"if no zen_ds build is running, remove {lock_path}; raise the wait with "
-            f"{TIMEOUT_ENV}=<seconds> or build ahead with `python -m zen_ds.report --build`")
+            f"{TIMEOUT_ENV}=<seconds> or build ahead with `python -m zen_ds report --build`")
 
 
 def build_timeout(timeout: Optional[float] = None) -> float:

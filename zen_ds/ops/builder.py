@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import List, Optional, Sequence
 
-from . import build_cache
+from zen_ds.ops import build_cache
 
 logger = logging.getLogger(__name__)
 

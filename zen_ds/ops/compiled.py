@@ -21,7 +21,10 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from . import selfcheck, torch_ops
+from zen_ds.ops import selfcheck, torch_ops
+from zen_ds.ops.build_cache import BuildLockTimeout
+from zen_ds.ops.builder import OpBuilderUnavailable, accelerator_name, get_builder
+from zen_ds.ops.torch_ops import OP_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +113,6 @@ class CompiledOps:
     def check_all(self, device: Optional[torch.device] = None) -> Dict[str, str]:
         """Self-check every op on ``device`` (default CPU) now; ``{op: result}``."""
         device = torch.device(device or "cpu")
-        from . import OP_NAMES
 
         for op in OP_NAMES:
             self.check(op, device)
@@ -264,8 +266,6 @@ def load_compiled_ops(timeout: Optional[float] = None) -> CompiledOps:
     On a CUDA accelerator the CUDA module (CPU + CUDA kernels) is tried first; if it cannot be
     built the CPU module is used and CUDA tensors take the torch path.
     """
-    from .build_cache import BuildLockTimeout
-    from .builder import OpBuilderUnavailable, accelerator_name, get_builder
 
     device = accelerator_name()
     builder = get_builder(device)

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .builder import CSRC, CUDA_EMU_NAME
+from zen_ds.ops import builder as builder_module
+from zen_ds.ops.build_cache import build_directory
+from zen_ds.ops.builder import CSRC, CUDA_EMU_NAME
+from zen_ds.ops.compiled import CompiledOps
 
 KERNELS_HEADER = "zen_ops_cuda_kernels.cuh"
 DEFAULT_MAX_GRID = 4  # small inputs wrap around every grid-stride loop
@@ -68,9 +71,6 @@ def load_emulated_ops(max_grid: int = DEFAULT_MAX_GRID, mutation: Optional[Mutat
 
     Raises :class:`zen_ds.ops.builder.OpBuilderUnavailable` without deepspeed or a compiler.
     """
-    from . import builder as builder_module
-    from .build_cache import build_directory
-    from .compiled import CompiledOps
 
     if builder_module.ZenCUDAEmulationOpBuilder is None:
         raise builder_module.OpBuilderUnavailable(

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from . import torch_ops
+from zen_ds.ops import torch_ops
 
 Case = Callable[[torch.device], tuple]  # builds fresh arguments (ops may write in place)
 _SEED = 20250705

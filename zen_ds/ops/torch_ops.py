@@ -15,6 +15,11 @@ from typing import Callable, List, Tuple
 import torch
 
 NAME = "torch"
+# Every op an implementation provides (the compiled facade and the report list them).
+OP_NAMES = (
+    "permute", "unpermute", "nonzero_rows", "partition", "aggregate", "aggregate_bitmap",
+    "bitmap_encode", "bitmap_decode", "scatter_rows", "scatter_shard",
+)
 
 MAX_NUM_ROWS = 1 << 48  # mulmod below stays inside int64 (12-bit limbs)
 _LIMB_BITS = 12

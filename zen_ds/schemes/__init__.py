@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from .agsparse import AllGatherSparseScheme
-from .balanced import BalancedScheme
-from .base import ByteEstimate, Scheme, SyncContext, SyncShape
-from .dense import DenseScheme
-from .hierarchical import HierarchicalScheme
-from .omnireduce import OmniReduceScheme
-from .sparcml import SparCMLScheme
+from zen_ds.model.shape import ByteEstimate, SyncShape
+from zen_ds.schemes.agsparse import AllGatherSparseScheme
+from zen_ds.schemes.balanced import BalancedScheme
+from zen_ds.schemes.base import Scheme, SyncContext
+from zen_ds.schemes.dense import DenseScheme
+from zen_ds.schemes.hierarchical import HierarchicalScheme
+from zen_ds.schemes.omnireduce import OmniReduceScheme
+from zen_ds.schemes.sparcml import SparCMLScheme
 
 __all__ = ["get_scheme", "register_scheme", "scheme_names", "auto_candidates", "Scheme",
            "SyncContext", "SyncShape", "ByteEstimate"]

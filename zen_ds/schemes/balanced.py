@@ -1,7 +1,7 @@
 """``balanced``: ZEN's balanced parallelism — hash-partitioned push, per-shard aggregation, pull.
 
 1. Each rank groups its non-zero rows by owner (seeded permutation, contiguous slices; see
-   :mod:`zen_ds.partition`) with a counting sort and pushes them with one ``all_to_all_single``
+   :mod:`zen_ds.core.partition`) with a counting sort and pushes them with one ``all_to_all_single``
    of exact splits: shard-relative ids (int32 when shards fit) and values, packed per row.
 2. Each owner sums what it received for its shard (fp32 accumulation for fp16/bf16).
 3. Each owner sends its aggregated shard to every rank, its index encoded as COO ids or as a bitmap
@@ -41,10 +41,11 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .. import ops
-from ..partition import ShardLayout
-from ..sparse import RowSparse, accum_dtype
-from .base import SPREAD, ByteEstimate, Scheme, SyncContext, SyncShape, on_links
+from zen_ds import ops
+from zen_ds.core.partition import ShardLayout
+from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.model.shape import SPREAD, ByteEstimate, SyncShape, on_links
+from zen_ds.schemes.base import Scheme, SyncContext
 
 ENCODING_COO = 0
 ENCODING_BITMAP = 1

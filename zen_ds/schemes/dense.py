@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse import RowSparse, accum_dtype
-from .base import RING, ByteEstimate, Scheme, SyncContext, SyncShape, on_links
+from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.model.shape import RING, ByteEstimate, SyncShape, on_links
+from zen_ds.schemes.base import Scheme, SyncContext
 
 
 def dense_allreduce(tensor: torch.Tensor, ctx: SyncContext, name: str = "dense") -> torch.Tensor:

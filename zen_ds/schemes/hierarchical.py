@@ -6,7 +6,7 @@ slice, see below); balance hash-balanced slices inside the node, and the inner s
 balance across nodes.
 
 1. **Intra-node**: rows are cut into ``k`` slices by a seeded hash (``k`` = the largest node's
-   rank count, :class:`zen_ds.partition.ShardLayout`); each rank pushes every slice to the local
+   rank count, :class:`zen_ds.core.partition.ShardLayout`); each rank pushes every slice to the local
    rank handling it (counts all-gather, then one all-to-all), which sums it (fp32 for fp16/bf16).
 2. **Inter-node**: each local rank syncs its slice with the ranks handling the same slice on the
    other nodes, with ``balanced`` or ``agsparse`` — the cheaper under the byte model, from a small
@@ -48,17 +48,26 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .. import ops
-from ..comm import Communicator
-from ..partition import ShardLayout
-from ..sparse import RowSparse, accum_dtype
-from .agsparse import AllGatherSparseScheme
-from .balanced import BalancedScheme, rows_from_positions
-from .base import (DEFAULT_LATENCY_BYTES, SKETCH_SIZE, ByteEstimate, Scheme, SyncContext,
-                   SyncShape, with_rank)
-from .streams import (effective_universe, exchange, expected_union, latency_cost, pack, round8,
-                      unpack)
-from .topology import Topology, ranks_per_node, topology_for
+from zen_ds import ops
+from zen_ds.core.comm import Communicator
+from zen_ds.core.handshake import SKETCH_SIZE
+from zen_ds.core.partition import ShardLayout
+from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.model.shape import DEFAULT_LATENCY_BYTES, ByteEstimate, SyncShape, with_rank
+from zen_ds.model.support import estimate_support, planning_ranks
+from zen_ds.schemes.agsparse import AllGatherSparseScheme
+from zen_ds.schemes.balanced import BalancedScheme, rows_from_positions
+from zen_ds.schemes.base import Scheme, SyncContext
+from zen_ds.schemes.streams import (
+    effective_universe,
+    exchange,
+    expected_union,
+    latency_cost,
+    pack,
+    round8,
+    unpack,
+)
+from zen_ds.schemes.topology import Topology, ranks_per_node, topology_for
 
 __all__ = ["HierarchicalScheme"]
 
@@ -70,7 +79,6 @@ Part = Tuple[torch.Tensor, torch.Tensor]  # slice offsets (int64), values [rows,
 
 def _inner_scheme(shape: SyncShape) -> Scheme:
     """balanced or agsparse for one slice's inter-node sync: the slowest rank's cost decides."""
-    from ..planner import planning_ranks  # the planner imports the schemes
 
     ranks = planning_ranks(shape)
 
@@ -154,7 +162,6 @@ class HierarchicalScheme(Scheme):
     def _across(rows: torch.Tensor, sums: torch.Tensor, slice_size: int, comm: Communicator,
                 ctx: SyncContext) -> Part:
         """Sum one slice over the nodes with the inner scheme the byte model prefers."""
-        from ..planner import estimate_support
 
         g = comm.world_size
         if g == 1 or slice_size == 0:

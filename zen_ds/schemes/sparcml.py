@@ -38,7 +38,7 @@ supports): exact for dense data, an estimate otherwise (skewed ids make it optim
 
 The variant follows the byte models under the cost model's latency (``ctx.shape``), so every rank
 picks the same one. Once a stream is dense, rows whose sum is +0.0 drop out of the result, as
-with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.sparse` for the signed-zero rule).
+with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.core.sparse` for the signed-zero rule).
 
 The module is over 400 lines because its two variants share one stream codec and each keeps its
 byte model next to the code whose bytes it predicts (the tests hold them equal).
@@ -57,11 +57,21 @@ from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import ops
-from ..sparse import RowSparse, accum_dtype
-from .base import (SPREAD, ByteEstimate, Scheme, SyncContext, SyncShape, nodes_of, on_links,
-                   with_rank)
-from .streams import exchange, exchange_pairwise, latency_cost, pack, round8, row_id_dtype, unpack, view_as
+from zen_ds import ops
+from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.model.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
+from zen_ds.model.support import planning_ranks
+from zen_ds.schemes.base import Scheme, SyncContext
+from zen_ds.schemes.streams import (
+    exchange,
+    exchange_pairwise,
+    latency_cost,
+    pack,
+    round8,
+    row_id_dtype,
+    unpack,
+    view_as,
+)
 
 __all__ = ["SparCMLScheme", "RECURSIVE_DOUBLING", "SPLIT_ALLGATHER"]
 
@@ -267,7 +277,6 @@ class SparCMLScheme(Scheme):
         """Recursive doubling unless split-allgather's slowest planning rank is faster. Both are
         first priced at one planning rank; a variant whose time there already exceeds the
         other's slowest is not priced further (it cannot win), so ranks still agree."""
-        from ..planner import planning_ranks  # the planner imports the schemes
 
         ranks = planning_ranks(shape)
         probe = shape.rank if shape.rank in ranks else ranks[0]

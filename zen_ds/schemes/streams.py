@@ -2,7 +2,7 @@
 byte payloads, and the overlap model their byte estimates use.
 
 The peer schemes talk to a few partners per step (recursive doubling, aggregators, node
-groups). :class:`~zen_ds.comm.Communicator` has no send/recv, so :func:`exchange` runs one
+groups). :class:`~zen_ds.core.comm.Communicator` has no send/recv, so :func:`exchange` runs one
 ``all_to_all_single`` in which every rank names exact byte splits for its partners and zero for
 everyone else: the byte counts stay exact, and gloo supports it.
 """
@@ -14,8 +14,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..comm import Communicator
-from .balanced import _as_bytes, _view_as
+from zen_ds.core.comm import Communicator
+from zen_ds.schemes.balanced import _as_bytes, _view_as
 
 __all__ = ["exchange", "pack", "unpack", "round8", "as_bytes", "view_as", "row_id_dtype",
            "effective_universe", "expected_union", "latency_cost", "positive_int_env"]
@@ -111,7 +111,7 @@ def unpack(buffer: torch.Tensor, layout: Sequence[Tuple[torch.dtype, int, int]]
 
 
 def latency_cost(estimate, latency_bytes: float) -> float:
-    """A :class:`~zen_ds.schemes.base.ByteEstimate` as bytes-equivalent time (alpha-beta)."""
+    """A :class:`~zen_ds.model.shape.ByteEstimate` as bytes-equivalent time (alpha-beta)."""
     return estimate.latency_steps * latency_bytes + estimate.wire_bytes
 
 

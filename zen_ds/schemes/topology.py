@@ -6,7 +6,7 @@ node. Global ranks ``[i k, (i + 1) k)`` form node i (launchers number ranks node
 last node may be smaller, and a group that is a subset of the world sees each node's members.
 
 Rows are cut into ``slices`` = the largest node's size (a seeded hash partition, see
-:class:`zen_ds.partition.ShardLayout`); on a node of ``s`` ranks, local rank ``l`` handles the
+:class:`zen_ds.core.partition.ShardLayout`); on a node of ``s`` ranks, local rank ``l`` handles the
 slices ``l, l + s, ...``. Slice j's cross-node group holds each node's handler of slice j.
 
 Groups are created once per layout and cached, by every rank of the world in one global order
@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from ..comm import Communicator
-from .streams import positive_int_env
+from zen_ds.core.comm import Communicator
+from zen_ds.schemes.streams import positive_int_env
 
 __all__ = ["RANKS_PER_NODE_ENV", "ranks_per_node", "Topology", "node_layout", "topology_for"]
 

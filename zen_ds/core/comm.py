@@ -1,0 +1,242 @@
+"""Collectives that count their wire bytes.
+
+Every scheme talks to the network only through :class:`Communicator`, which (1) counts the bytes
+each call puts on and takes off the wire for this rank, from the buffers handed to the collective,
+and (2) routes through ``deepspeed.comm`` with a ``log_name`` when DeepSpeed's communication backend
+is initialised, so zen's collectives appear as their own rows in DeepSpeed's comms logger.
+
+Byte accounting (per rank, bytes that leave / arrive over the network; the rank's own share never
+travels):
+
+* ``all_to_all_single``: exactly the rows sent to / received from the other ranks.
+* ``all_gather_into_tensor``: ``(n - 1) * chunk`` both ways (ring; what every rank forwards).
+* ``all_reduce``: ``2 (n - 1) / n * nbytes`` both ways (ring reduce-scatter + all-gather).
+* ``send_recv``: exactly the buffers sent to / received from the named peers. Point to point:
+  only those peers take part, so a pairwise step costs one latency, not a whole-group
+  collective; every rank still records it (zero bytes when it has no partner), so every rank's
+  records line up phase by phase.
+
+A collective that fails (a peer died, or stalled past the process group's timeout) raises
+:class:`ZenSyncError`, which names the scheme and the phase (the collective's name) and chains
+the backend's error, on every rank that sees the failure.
+
+NCCL: every collective here is one NCCL runs with the arguments zen passes (uint8, int64 and float
+payloads, never bool or int16; ``all_to_all_single`` with uneven host-side splits; all-gathers of
+equal chunks); ``tests/test_nccl_collectives.py`` records every call of every scheme, the
+reduce-scatter, DS-Sync and the plug-in's overlap thread and checks them.
+
+Host synchronisations of one ``sparse_allreduce`` on CUDA, outside the schemes (each scheme's
+module docstring lists its own): the input check reads the row ids' min and max
+(:mod:`zen_ds.core.inputs`; a dense input's non-zero rows are found by an op that reads their count);
+the handshake copies the row ids to the host when a scheme needs the support sketch and owner
+counts, sends its record up and reads the gathered table back (the plan is made on the host, from
+it; the owner counts stay there, so the balanced push's splits cost no further sync); an error
+report (only when a rank failed) is an ``all_gather_object``; after a dense all-reduce the stats
+count the result's non-zero rows; writing a result into the caller's dense tensor in place finds
+the stale rows. Splits and receive sizes must be host integers (NCCL's API), so the size reads
+in the schemes cannot be deferred, only batched.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group"]
+
+# torch >= 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ZenSyncError(RuntimeError):
+    """A collective of a zen sync failed: a peer died, stalled past the process group's timeout,
+    or called a different collective. ``phase`` is the collective's name (``handshake``,
+    ``balanced.push``, ...), ``scheme`` the scheme that was running (``auto`` while planning)."""
+
+    def __init__(self, phase: str, scheme: str, rank: int, world_size: int, cause: BaseException
+                 ) -> None:
+        self.phase, self.scheme = phase, scheme
+        super().__init__(
+            f"zen_ds: the {scheme} sync failed in phase {phase!r} on rank {rank} of {world_size} "
+            f"({type(cause).__name__}: {cause}). A peer rank died, stalled past the process "
+            "group's timeout, or called a different collective; check the other ranks' logs")
+
+
+@dataclass
+class CommRecord:
+    """One collective call as seen by this rank."""
+
+    op: str
+    log_name: str
+    bytes_sent: int
+    bytes_received: int
+
+
+def resolve_group(group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
+    """``(group, world_size, rank)``; the default group is used only when ``group`` is None."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise RuntimeError("a process group was passed but torch.distributed is not initialised")
+        return None, 1, 0
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _deepspeed_comm():
+    """``deepspeed.comm`` if DeepSpeed's backend is up in this process, else None (no import)."""
+    ds = sys.modules.get("deepspeed")
+    if ds is None:
+        return None
+    ds_comm = getattr(ds, "comm", None)
+    try:
+        return ds_comm if ds_comm is not None and ds_comm.is_initialized() else None
+    except Exception:  # a half-initialised DeepSpeed: plain torch.distributed still works
+        return None
+
+
+def _ds_all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group=None,
+                               async_op: bool = False, prof: bool = False,
+                               log_name: str = "all_gather_into_tensor", debug: str = ""):
+    """DeepSpeed's ``all_gather_into_tensor`` signature over torch's non-deprecated name, so the
+    comms logger records it under zen's ``log_name`` without DeepSpeed calling the old name."""
+    return _all_gather_single(output_tensor, tensor, group=group, async_op=async_op)
+
+
+_ds_all_gather_into_tensor.__name__ = "all_gather_into_tensor"  # DeepSpeed logs the op by it
+_logged_all_gather: Optional[Callable] = None
+
+
+def _ds_logged_all_gather() -> Callable:
+    global _logged_all_gather
+    if _logged_all_gather is None:
+        from deepspeed.comm.comm import timed_op
+
+        _logged_all_gather = timed_op(_ds_all_gather_into_tensor)
+    return _logged_all_gather
+
+
+@dataclass
+class Communicator:
+    """A process group plus per-call byte counting; ``log_prefix`` names the rows in DS logs.
+
+    ``scheme`` names the running scheme in :class:`ZenSyncError` (set by the caller once planned).
+    """
+
+    group: Optional[dist.ProcessGroup]
+    world_size: int
+    rank: int
+    log_prefix: str = "zen"
+    records: List[CommRecord] = field(default_factory=list)
+    scheme: str = "auto"
+
+    @classmethod
+    def for_group(cls, group: Optional[dist.ProcessGroup], log_prefix: str = "zen") -> "Communicator":
+        group, world_size, rank = resolve_group(group)
+        return cls(group, world_size, rank, log_prefix)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.records)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(r.bytes_received for r in self.records)
+
+    def _record(self, op: str, name: str, sent: int, received: int) -> str:
+        log_name = f"{self.log_prefix}.{name}"
+        self.records.append(CommRecord(op, log_name, int(sent), int(received)))
+        return log_name
+
+    def _run(self, name: str, collective: Callable[[], object]) -> None:
+        """Run one collective; a backend failure becomes a :class:`ZenSyncError` naming it."""
+        try:
+            collective()
+        except ZenSyncError:
+            raise
+        except RuntimeError as exc:  # gloo/NCCL errors, DistBackendError, timeouts
+            raise ZenSyncError(name, self.scheme, self.rank, self.world_size, exc) from exc
+
+    # ------------------------------------------------------------------ collectives
+    def all_gather_object(self, obj: object, name: str) -> List[object]:
+        """Every rank's ``obj`` (pickled; error reports only, not counted as sync bytes)."""
+        gathered: List[object] = [None] * self.world_size
+        if self.world_size == 1:
+            return [obj]
+        self._run(name, lambda: dist.all_gather_object(gathered, obj, group=self.group))
+        return gathered
+
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        chunk = tensor.numel() * tensor.element_size()
+        log_name = self._record("all_gather", name, (self.world_size - 1) * chunk,
+                                (self.world_size - 1) * chunk)
+        if self.world_size == 1:
+            output.copy_(tensor.reshape(output.shape))
+            return
+        if _deepspeed_comm() is not None:
+            gather = _ds_logged_all_gather()
+            self._run(name, lambda: gather(output, tensor, group=self.group, log_name=log_name))
+        else:
+            self._run(name, lambda: _all_gather_single(output, tensor, group=self.group))
+
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor,
+                          output_splits: Sequence[int], input_splits: Sequence[int], name: str) -> None:
+        """Exchange rows with exact splits (splits count entries along dim 0)."""
+        row_bytes = tensor.element_size() * int(torch.Size(tensor.shape[1:]).numel())
+        sent = (sum(input_splits) - input_splits[self.rank]) * row_bytes
+        received = (sum(output_splits) - output_splits[self.rank]) * row_bytes
+        log_name = self._record("all_to_all", name, sent, received)
+        if self.world_size == 1:
+            output.copy_(tensor)
+            return
+        out_splits, in_splits = list(map(int, output_splits)), list(map(int, input_splits))
+        ds_comm = _deepspeed_comm()
+        if ds_comm is not None:
+            self._run(name, lambda: ds_comm.all_to_all_single(
+                output, tensor, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                group=self.group, log_name=log_name))
+        else:
+            self._run(name, lambda: dist.all_to_all_single(
+                output, tensor, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                group=self.group))
+
+    def send_recv(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
+                  name: str) -> None:
+        """Send ``sends[peer]`` to each peer and receive ``recvs[peer]`` (filled in place) from
+        each; peers are ranks of this group, both ends must agree on every size (empty buffers
+        are skipped on both ends), and a rank with no partner calls it with empty maps."""
+        def nbytes(buffers: Mapping[int, torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for p, t in buffers.items() if p != self.rank)
+
+        self._record("send_recv", name, nbytes(sends), nbytes(recvs))
+        ops = [dist.P2POp(op, t, self._global_rank(peer), self.group)
+               for op, buffers in ((dist.isend, sends), (dist.irecv, recvs))
+               for peer, t in buffers.items() if peer != self.rank and t.numel()]
+        if not ops:
+            return
+
+        def run() -> None:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+        self._run(name, run)
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def all_reduce(self, tensor: torch.Tensor, name: str) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        ring = 2 * (self.world_size - 1) * nbytes // max(self.world_size, 1)
+        log_name = self._record("all_reduce", name, ring, ring)
+        if self.world_size == 1:
+            return
+        ds_comm = _deepspeed_comm()
+        if ds_comm is not None:
+            self._run(name, lambda: ds_comm.all_reduce(tensor, op=ds_comm.ReduceOp.SUM,
+                                                       group=self.group, log_name=log_name))
+        else:
+            self._run(name, lambda: dist.all_reduce(tensor, group=self.group))

@@ -1,0 +1,177 @@
+"""The handshake record: what every rank publishes at the start of a sync, defined once.
+
+One rank's record is a flat int64 vector: the named fields of :data:`FIELDS` (floats travel as
+their IEEE-754 bits, so ranks must agree on them exactly), then a KMV sketch of the support
+(``SKETCH_SIZE`` smallest permuted row positions, -1 padded), then how many of its rows each
+rank owns under the balanced partition. :mod:`zen_ds.sync.allreduce` builds and checks it; schemes and the
+planner read the gathered table through :class:`HandshakeTable`, by field name.
+
+A rank whose input is unusable still sends a record, with ``error`` set: every rank then learns
+it from the same collective and raises the same error, and the collective sequence stays aligned.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["FIELDS", "AGREED_FIELDS", "MAX_ROW_DIMS", "SKETCH_SIZE", "DTYPE_CODES",
+           "HandshakeTable", "encode_record", "record_width", "handshake_bytes",
+           "float_bits", "bits_float"]
+
+SKETCH_SIZE = 64
+# Row shapes travel dim by dim up to this rank; deeper rows fold their tail into the last slot.
+MAX_ROW_DIMS = 8
+
+DTYPE_CODES: Dict[torch.dtype, int] = {torch.float32: 1, torch.float64: 2, torch.float16: 3,
+                                       torch.bfloat16: 4}
+
+# (name, number of int64 slots, what it means). Order is the wire layout.
+FIELDS: Tuple[Tuple[str, int, str], ...] = (
+    ("error", 1, "1 when this rank's input or options are unusable (details follow on error)"),
+    ("num_rows", 1, "rows of the full tensor"),
+    ("row_numel", 1, "elements per row"),
+    ("row_ndim", 1, "dims of one row"),
+    ("row_dims", MAX_ROW_DIMS, "the row's sizes, -1 padded"),
+    ("dtype", 1, "values dtype (DTYPE_CODES)"),
+    ("nnz", 1, "rows this rank holds"),
+    ("scheme", 1, "requested scheme: 0 auto, 1 + registry index"),
+    ("index_encoding", 1, "requested pull index encoding (api.INDEX_ENCODINGS)"),
+    ("seed", 1, "partition seed"),
+    ("average", 1, "1 to divide the sum by the group size"),
+    ("prescale", 1, "float bits: factor applied before the sum"),
+    ("postscale", 1, "float bits: factor applied after the sum"),
+    ("density_threshold", 1, "float bits: above this row density on any rank, sync dense"),
+    ("ranks_per_node", 1, "ranks per host (0 unknown)"),
+    ("cost_alpha", 1, "float bits: cost model latency (s)"),
+    ("cost_bandwidth", 1, "float bits: cost model bandwidth (B/s)"),
+    ("cost_model", 1, "digest of the whole cost model (intra-node bandwidth, compute rates)"),
+)
+# Every field but these must be equal on every rank.
+AGREED_FIELDS = tuple(name for name, _, _ in FIELDS if name not in ("error", "nnz"))
+FLOAT_FIELDS = ("prescale", "postscale", "density_threshold", "cost_alpha", "cost_bandwidth")
+
+_OFFSETS: Dict[str, Tuple[int, int]] = {}
+_at = 0
+for _name, _width, _ in FIELDS:
+    _OFFSETS[_name] = (_at, _at + _width)
+    _at += _width
+FIXED_WIDTH = _at
+
+
+def record_width(world_size: int) -> int:
+    """int64 slots of one rank's record."""
+    return FIXED_WIDTH + SKETCH_SIZE + world_size
+
+
+def handshake_bytes(world_size: int) -> int:
+    """Bytes of one rank's handshake record."""
+    return 8 * record_width(world_size)
+
+
+def float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
+
+
+def row_dims_slots(row_shape: Sequence[int]) -> List[int]:
+    """The row shape in ``MAX_ROW_DIMS`` slots: sizes, -1 padded; a deeper row's tail is folded
+    into the last slot as its product (the ndim and numel fields still tell such rows apart)."""
+    dims = [int(s) for s in row_shape]
+    if len(dims) > MAX_ROW_DIMS:
+        tail = 1
+        for size in dims[MAX_ROW_DIMS - 1:]:
+            tail *= size
+        dims = dims[: MAX_ROW_DIMS - 1] + [tail]
+    return dims + [-1] * (MAX_ROW_DIMS - len(dims))
+
+
+def encode_record(values: Dict[str, object], sketch: Optional[torch.Tensor] = None,
+                  owner_counts: Optional[torch.Tensor] = None, world_size: int = 1) -> torch.Tensor:
+    """One rank's record (int64, CPU) from ``{field name: value}``; absent fields are 0."""
+    fixed: List[int] = []
+    for name, width, _ in FIELDS:
+        value = values.get(name, 0 if width == 1 else [0] * width)
+        if name in FLOAT_FIELDS:
+            value = float_bits(float(value))
+        if width == 1:
+            fixed.append(int(value))
+        else:
+            fixed.extend(int(v) for v in value)
+    record = torch.empty(record_width(world_size), dtype=torch.int64)
+    record[:FIXED_WIDTH] = torch.tensor(fixed, dtype=torch.int64)
+    sketch_area = record[FIXED_WIDTH: FIXED_WIDTH + SKETCH_SIZE]
+    sketch_area.fill_(-1)
+    if sketch is not None:
+        sketch_area[: sketch.numel()] = sketch
+    counts_area = record[FIXED_WIDTH + SKETCH_SIZE:]
+    if owner_counts is not None:
+        counts_area.copy_(owner_counts)
+    else:
+        counts_area.zero_()
+    return record
+
+
+class HandshakeTable:
+    """The gathered records, ``[n, record]`` int64 on the CPU, read by field name."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+    @property
+    def world_size(self) -> int:
+        return int(self.table.shape[0])
+
+    def column(self, name: str) -> List[int]:
+        """Every rank's value of a one-slot field (float fields as floats)."""
+        start, stop = _OFFSETS[name]
+        if stop - start != 1:
+            raise KeyError(f"handshake field {name!r} has {stop - start} slots; use slots()")
+        values = self.table[:, start].tolist()
+        return [bits_float(v) for v in values] if name in FLOAT_FIELDS else values
+
+    def slots(self, name: str) -> torch.Tensor:
+        start, stop = _OFFSETS[name]
+        return self.table[:, start:stop]
+
+    def value(self, name: str):
+        """The field's value on rank 0 (for agreed fields: on every rank)."""
+        return self.column(name)[0]
+
+    def row_shape(self, rank: int) -> Tuple[int, ...]:
+        ndim = int(self.column("row_ndim")[rank])
+        dims = self.slots("row_dims")[rank, : min(ndim, MAX_ROW_DIMS)].tolist()
+        return tuple(dims)
+
+    @property
+    def sketches(self) -> torch.Tensor:
+        return self.table[:, FIXED_WIDTH: FIXED_WIDTH + SKETCH_SIZE]
+
+    @property
+    def owner_counts(self) -> torch.Tensor:
+        """``[n, n]``: row i = rank i's rows per owner."""
+        return self.table[:, FIXED_WIDTH + SKETCH_SIZE:]
+
+    def disagreement(self) -> Optional[Tuple[str, List[object]]]:
+        """``(field, per-rank values)`` of the first agreed field that differs, else None."""
+        fixed = self.table[:, :FIXED_WIDTH]
+        if not bool(((fixed != fixed[0]) & _AGREED_MASK).any()):  # one check on the usual path
+            return None
+        for name in AGREED_FIELDS:
+            start, stop = _OFFSETS[name]
+            part = self.table[:, start:stop]
+            if bool((part != part[0]).any()):
+                if name in _ROW_SHAPE_FIELDS:
+                    return "row shape", [self.row_shape(r) for r in range(self.world_size)]
+                return name, self.column(name) if stop - start == 1 else part.tolist()
+        return None
+
+
+_ROW_SHAPE_FIELDS = ("row_numel", "row_ndim", "row_dims")
+_AGREED_MASK = torch.zeros(FIXED_WIDTH, dtype=torch.bool)
+for _name in AGREED_FIELDS:
+    _AGREED_MASK[_OFFSETS[_name][0]:_OFFSETS[_name][1]] = True

@@ -1,0 +1,71 @@
+"""Ownership: which rank aggregates which row, shared by push, pull and bitmap decode.
+
+Rows are placed by a seeded bijective permutation ``pi`` of ``[0, num_rows)`` (a multiplicative
+Weyl permutation, see :func:`zen_ds.ops.torch_ops.permutation_params`); rank ``r`` owns the rows
+whose ``pi(row)`` falls in the r-th contiguous slice ``[starts[r], starts[r+1])``. A shard's universe
+is therefore a contiguous range of permuted positions: bitmaps need no tables, and bit ``p`` of
+shard ``r`` decodes to ``pi^-1(starts[r] + p)``. Clustered ids (frequent tokens are low ids) spread
+evenly, because a Weyl sequence scatters any contiguous block almost uniformly over the slices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+
+from zen_ds import ops
+
+__all__ = ["ShardLayout", "owner"]
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The partition of ``[0, num_rows)`` over ``world_size`` ranks for one seed."""
+
+    num_rows: int
+    world_size: int
+    seed: int = 0
+    starts: List[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        ops.permutation_params(max(self.num_rows, 1), self.seed)  # validates num_rows range
+        object.__setattr__(self, "starts", ops.shard_starts(self.num_rows, self.world_size))
+
+    def shard_size(self, rank: int) -> int:
+        return self.starts[rank + 1] - self.starts[rank]
+
+    @property
+    def max_shard_size(self) -> int:
+        return max(self.shard_size(r) for r in range(self.world_size))
+
+    @property
+    def id_dtype(self) -> torch.dtype:
+        """int32 shard-relative ids on the wire whenever every shard fits, else int64."""
+        return torch.int32 if self.max_shard_size <= _INT32_MAX else torch.int64
+
+    def positions(self, rows: torch.Tensor) -> torch.Tensor:
+        return ops.permute(rows, self.num_rows, self.seed)
+
+    def owner_of_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        # Largest r with floor(r * N / n) <= p, i.e. r = floor(((p + 1) * n - 1) / N).
+        return ((positions + 1) * self.world_size - 1) // self.num_rows
+
+    def owner(self, rows: torch.Tensor) -> torch.Tensor:
+        """Owning rank (int64) of each row id."""
+        return self.owner_of_positions(self.positions(rows))
+
+    def owner_counts(self, rows: torch.Tensor) -> torch.Tensor:
+        """How many of ``rows`` each rank owns (int64 ``[world_size]``)."""
+        if rows.numel() == 0:
+            return torch.zeros(self.world_size, dtype=torch.int64, device=rows.device)
+        return torch.bincount(self.owner(rows), minlength=self.world_size)
+
+
+def owner(rows: torch.Tensor, num_rows: int, world_size: int, seed: int = 0) -> torch.Tensor:
+    """The owner function every phase uses: rank that aggregates each row id."""
+    return ShardLayout(num_rows, world_size, seed).owner(rows)

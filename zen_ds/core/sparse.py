@@ -1,0 +1,184 @@
+"""RowSparse: the one sparse type that flows through every scheme.
+
+A RowSparse is a set of row ids plus those rows' values over a tensor of ``num_rows`` rows. An
+embedding gradient keeps whole rows (``row_shape == (hidden,)``); an element-sparse 1-D tensor
+(top-k) is a RowSparse with ``row_shape == ()``. Nothing here allocates anything of size
+``num_rows`` except :meth:`RowSparse.to_dense`, so tables of 2**33 rows are fine.
+
+Signed zeros. A RowSparse stands for the dense tensor that holds its rows' bits exactly and
++0.0 in every other row (duplicate rows summed in IEEE arithmetic: -0.0 + -0.0 = -0.0; a COO
+tensor likewise, as ``coalesce()`` sums it, whereas torch's ``to_dense()`` of a COO tensor turns
+a -0.0 entry into +0.0). A sync equals the dense all-reduce of those tensors bit for bit in the
+sign of zeros: an element is -0.0 in the sum exactly when it is -0.0 on every rank, since
+-0.0 + +0.0 = +0.0. To keep that exact without knowing the other ranks' zeros, a dense input's
+support is the rows with any element other than +0.0 (-0.0 included; a row left out counts as
++0.0), sums start from -0.0 (the additive identity) and a row fewer than all ranks hold also
+sums the others' +0.0 (``zen_ds.ops.aggregate(..., terms=n)``). Positive scale factors keep
+the rule (-0.0 * 0.25 = -0.0); with a negative one, rows no rank holds stay +0.0 where a dense
+all-reduce would turn them into -0.0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+from zen_ds import ops
+
+__all__ = ["RowSparse"]
+
+
+@dataclass
+class RowSparse:
+    """Rows ``indices`` (int64, ``[k]``) of a ``[num_rows, *row_shape]`` tensor with ``values``.
+
+    ``coalesced`` means indices are unique and ascending; every scheme returns coalesced results.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    num_rows: int
+    coalesced: bool = False
+
+    def __post_init__(self) -> None:
+        self.num_rows = int(self.num_rows)
+        if self.indices.dim() != 1:
+            raise ValueError(f"RowSparse indices must be 1-D, got shape {tuple(self.indices.shape)}")
+        if self.indices.dtype.is_floating_point or self.indices.dtype in (torch.bool,
+                                                                         torch.complex64,
+                                                                         torch.complex128):
+            raise TypeError(f"RowSparse indices must be an integer tensor, got "
+                            f"{self.indices.dtype}; float and bool ids are rejected, not rounded")
+        if self.indices.dtype != torch.int64:
+            self.indices = self.indices.to(torch.int64)
+        if self.values.dim() < 1 or self.values.shape[0] != self.indices.shape[0]:
+            raise ValueError(
+                f"RowSparse values must have one row per index: {self.indices.shape[0]} indices, "
+                f"values of shape {tuple(self.values.shape)}")
+        if self.num_rows < 0:
+            raise ValueError(f"num_rows must be >= 0, got {self.num_rows}")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def row_shape(self) -> Tuple[int, ...]:
+        return tuple(self.values.shape[1:])
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return (self.num_rows,) + self.row_shape
+
+    @property
+    def row_numel(self) -> int:
+        numel = 1
+        for size in self.row_shape:
+            numel *= size
+        return numel
+
+    @property
+    def nnz(self) -> int:
+        """Number of stored rows (not elements)."""
+        return int(self.indices.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def values_2d(self) -> torch.Tensor:
+        """Values as ``[k, row_numel]`` (a view when contiguous)."""
+        return self.values.reshape(self.nnz, self.row_numel)
+
+    # ---------------------------------------------------------------- constructors
+    @classmethod
+    def empty(cls, num_rows: int, row_shape: Tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> "RowSparse":
+        return cls(torch.empty(0, dtype=torch.int64, device=device),
+                   torch.empty((0,) + tuple(row_shape), dtype=dtype, device=device),
+                   num_rows, coalesced=True)
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> "RowSparse":
+        """Keep the rows with any element other than +0.0 (NaN, Inf and -0.0 count)."""
+        if tensor.is_sparse:
+            return cls.from_coo(tensor)
+        if tensor.dim() == 0:
+            raise ValueError("RowSparse.from_dense needs a tensor with at least one dimension")
+        flat = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor
+        rows = ops.nonzero_rows(flat)
+        return cls(rows, tensor.index_select(0, rows), tensor.shape[0], coalesced=True)
+
+    @classmethod
+    def from_coo(cls, tensor: torch.Tensor) -> "RowSparse":
+        """From a torch sparse COO tensor; duplicate entries are summed (in fp32 for fp16/bf16).
+
+        Hybrid tensors (``sparse_dim == 1``, as ``nn.Embedding(sparse=True)`` produces) map row for
+        row; fully sparse N-D tensors are grouped by their first index into dense rows.
+        """
+        if not tensor.is_sparse:
+            raise ValueError("RowSparse.from_coo expects a torch sparse COO tensor; use from_dense "
+                             "for strided tensors")
+        indices, values = tensor._indices(), tensor._values()
+        num_rows = tensor.shape[0]
+        if tensor.sparse_dim() == 1:
+            result = cls(indices[0], values, num_rows, coalesced=tensor.is_coalesced())
+            return result.coalesce()
+        # Fully sparse N-D: scatter each entry into its row's dense block.
+        row_shape = tuple(tensor.shape[1:tensor.sparse_dim()]) + tuple(values.shape[1:])
+        rows, inverse = torch.unique(indices[0], sorted=True, return_inverse=True)
+        accum = _accum_dtype(values.dtype)
+        # From -0.0 (the additive identity, so a -0.0 entry stays -0.0); elements no entry
+        # names are +0.0.
+        block = torch.full((rows.numel(),) + row_shape, -0.0, dtype=accum, device=values.device)
+        index = (inverse,) + tuple(indices[d] for d in range(1, tensor.sparse_dim()))
+        block.index_put_(index, values.to(accum), accumulate=True)
+        named = torch.zeros(block.shape[:tensor.sparse_dim()], dtype=torch.bool,
+                            device=values.device)
+        named[index] = True
+        block.masked_fill_(~named.view(named.shape + (1,) * (block.dim() - named.dim())), 0.0)
+        return cls(rows, block.to(values.dtype), num_rows, coalesced=True)
+
+    # ------------------------------------------------------------------ conversions
+    def coalesce(self) -> "RowSparse":
+        """Sum duplicate rows (fp32 accumulation for fp16/bf16) and sort ids ascending."""
+        if self.coalesced:
+            return self
+        rows, sums = ops.aggregate(self.indices, self.values_2d(), _accum_dtype(self.dtype))
+        values = sums.to(self.dtype).reshape((rows.numel(),) + self.row_shape)
+        return RowSparse(rows, values, self.num_rows, coalesced=True)
+
+    def to_dense(self) -> torch.Tensor:
+        """Materialise ``[num_rows, *row_shape]`` (allocates the full tensor)."""
+        out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        coalesced = self.coalesce()
+        if coalesced.nnz:
+            ops.scatter_rows(out, coalesced.indices, coalesced.values)
+        return out
+
+    def to_coo(self) -> torch.Tensor:
+        """A coalesced hybrid sparse COO tensor (``sparse_dim == 1``)."""
+        coalesced = self.coalesce()
+        # The ids are unique, ascending and in range by construction: skip torch's O(nnz)
+        # invariant check (saying so explicitly, which also keeps torch from warning).
+        return torch.sparse_coo_tensor(coalesced.indices.unsqueeze(0), coalesced.values,
+                                       self.shape, is_coalesced=True, check_invariants=False)
+
+    def to(self, *args, **kwargs) -> "RowSparse":
+        """Move/cast the values (indices follow the device)."""
+        values = self.values.to(*args, **kwargs)
+        return RowSparse(self.indices.to(values.device), values, self.num_rows, self.coalesced)
+
+    def __repr__(self) -> str:
+        return (f"RowSparse(num_rows={self.num_rows}, row_shape={self.row_shape}, nnz={self.nnz}, "
+                f"dtype={self.dtype}, device={self.device}, coalesced={self.coalesced})")
+
+
+def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 sums accumulate in fp32; everything else in its own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+accum_dtype = _accum_dtype

@@ -1,0 +1,122 @@
+"""zen's share of a DeepSpeed checkpoint: one file per rank next to DeepSpeed's own files.
+
+It holds the reducer's step counter and compression residuals, on the owned route zen's
+optimizer state and fp32 master copies, and on the shuffle route the schedule position with this
+rank's own model and optimizer state. Resuming checks that the same params are synced.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from zen_ds.integrations.deepspeed.shuffling import load_shuffle_state_dict, shuffle_state_dict
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zen_ds.integrations.deepspeed.engine import ZenEngineState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["state_dict", "load_state_dict", "save", "load"]
+
+STATE_FILE = "zen_ds_rank{rank:05d}.pt"
+
+
+def state_dict(state: "ZenEngineState") -> Dict[str, Any]:
+    sd: Dict[str, Any] = {"version": 1, "params": [p.name for p in state.reducer.params],
+                          "reducer": state.reducer.state_dict()}
+    if state.owned is not None:
+        sd["owned"] = state.owned.state_dict()
+    if state.shuffle is not None:
+        sd["shuffle"] = shuffle_state_dict(state.shuffle, state.engine.module, state.engine.optimizer)
+    return sd
+
+
+def load_state_dict(state: "ZenEngineState", sd: Dict[str, Any], strict: bool = True,
+                    optimizer_states: bool = True, module_only: bool = False) -> None:
+    """Restore zen's state, honouring ``deepspeed.load_checkpoint``'s flags as DeepSpeed does.
+
+    ``module_only`` or ``optimizer_states=False``: the weights DeepSpeed just loaded are kept, zen's
+    fp32 masters are refreshed from them and its optimizer state, residuals and schedule position
+    start fresh (fine-tuning from a checkpoint). ``strict=False``: a checkpoint saved for other
+    params (another model) loads nothing of zen's but the step counter, with one warning; strict,
+    that is an error.
+    """
+    names = [p.name for p in state.reducer.params]
+    saved_names = sd.get("params")
+    if saved_names != names:
+        if strict:
+            raise ValueError(f"zen checkpoint was saved for params {saved_names}, this engine syncs "
+                             f"{names}; resume with the same model and \"zen.params\", or pass "
+                             "load_module_strict=False to load the weights only")
+        _warn_once(f"zen: the checkpoint was saved for params {saved_names}, this engine syncs {names} "
+                   "(load_module_strict=False): zen's optimizer state, masters and residuals start fresh")
+        if not module_only and "step" in sd.get("reducer", {}):
+            state.reducer.step = int(sd["reducer"]["step"])
+        _fresh_from_module(state)
+        return
+    if module_only or not optimizer_states:
+        _fresh_from_module(state)
+        return
+    state.reducer.load_state_dict(sd["reducer"])
+    if state.owned is not None:
+        if "owned" not in sd:
+            raise ValueError("zen checkpoint has no zen-owned optimizer state; it was saved with a "
+                             "different ZeRO stage / precision. Resume with the same ds_config, or "
+                             "pass load_optimizer_states=False to load the weights only")
+        state.owned.load_state_dict(sd["owned"])
+    if state.shuffle is not None:
+        if "shuffle" not in sd:
+            raise ValueError("zen checkpoint has no shuffle (DS-Sync) state; it was saved without "
+                             "\"zen.shuffle\". Resume with the same ds_config")
+        load_shuffle_state_dict(state.shuffle, state.engine.module, state.engine.optimizer, sd["shuffle"])
+
+
+def _fresh_from_module(state: "ZenEngineState") -> None:
+    """zen's masters follow the weights DeepSpeed loaded (DeepSpeed does the same for its own
+    fp32 masters when it loads no optimizer state)."""
+    if state.owned is not None:
+        state.owned.masters_from_params()
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
+def save(state: "ZenEngineState", save_dir: str, tag: str, rank: int) -> None:
+    """Write this rank's file under ``save_dir/tag`` (after DeepSpeed wrote its own)."""
+    path = os.path.join(save_dir, str(tag))
+    os.makedirs(path, exist_ok=True)
+    torch.save(state_dict(state), os.path.join(path, STATE_FILE.format(rank=rank)))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load(state: "ZenEngineState", load_dir: str, tag: Optional[Any], rank: int, strict: bool = True,
+         optimizer_states: bool = True, module_only: bool = False) -> None:
+    """Read this rank's file; ``tag=None`` follows DeepSpeed's ``latest`` file. The flags are
+    ``load_checkpoint``'s (see :func:`load_state_dict`); a checkpoint saved without zen loads
+    when zen's state is not wanted (weights only, or not strict)."""
+    if tag is None:
+        with open(os.path.join(load_dir, "latest")) as fh:
+            tag = fh.read().strip()
+    path = os.path.join(load_dir, str(tag), STATE_FILE.format(rank=rank))
+    if not os.path.exists(path):
+        if module_only or not optimizer_states or not strict:
+            _warn_once(f"zen: {path} is missing (saved without zen or with other ranks): zen's optimizer "
+                       "state, masters and residuals start fresh from the loaded weights")
+            _fresh_from_module(state)
+            return
+        raise FileNotFoundError(f"zen: {path} is missing; the checkpoint was saved without zen or with "
+                                "a different number of ranks. Resume with the same ds_config and ranks, "
+                                "or pass load_optimizer_states=False to load the weights only")
+    load_state_dict(state, torch.load(path, map_location="cpu", weights_only=False), strict=strict,
+                    optimizer_states=optimizer_states, module_only=module_only)

@@ -1,0 +1,170 @@
+"""Sharded optimizer state for zen-owned params: each rank keeps 1/n of a table's rows.
+
+Under ZeRO-1/2 zen steps its params itself (:mod:`.owned`). Replicating their fp32 masters and
+optimizer state on every rank would give up ZeRO's saving on exactly the largest tensors (a
+256k x 8192 embedding's fp32 master + Adam moments are ~25 GB), so a large param is *sharded*:
+
+1. rank ``r`` owns the rows of balanced's ownership permutation (:class:`~zen_ds.core.partition.ShardLayout`),
+   which spreads clustered ids (frequent tokens are low ids) evenly, and holds masters and optimizer
+   state for those rows only;
+2. the gradient reaches each owner through a sparse reduce-scatter (balanced's push, no pull):
+   :func:`zen_ds.sync.reduce_scatter.sparse_reduce_scatter`;
+3. after the owner's optimizer step, every rank receives the updated rows (:meth:`ShardedRows.gather`):
+   only the rows whose value changed when few did (SGD, Adagrad, SparseAdam touch only rows with a
+   gradient), else the whole table as ZeRO's parameter all-gather does (Adam moves every row it ever
+   touched).
+
+Element-wise optimizers (SGD, Adam/AdamW, Adagrad, SparseAdam) step a shard exactly as they step
+the whole tensor, so the sharded and replicated routes give the same parameters.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zen_ds import ops
+from zen_ds.core.comm import Communicator
+from zen_ds.core.partition import ShardLayout
+from zen_ds.schemes.balanced import _as_bytes, _view_as
+from zen_ds.sync.reduce_scatter import shard_rows
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardedRows", "GatherStats", "state_bytes_per_element", "should_shard"]
+
+MIB = 1 << 20
+
+
+def state_bytes_per_element(optimizer: torch.optim.Optimizer, half: bool) -> int:
+    """fp32 bytes per element that zen keeps for an owned param: master copy (half precision
+    only) and the optimizer's state, by optimizer type (8 for unknown types: two moments)."""
+    master = 4 if half else 0
+    defaults = getattr(optimizer, "defaults", {})
+    if isinstance(optimizer, torch.optim.SGD):
+        state = 4 if defaults.get("momentum", 0) else 0
+    elif isinstance(optimizer, torch.optim.Adagrad):
+        state = 4
+    elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        state = 12 if defaults.get("amsgrad") else 8
+    else:
+        state = 8
+    return master + state
+
+
+def should_shard(mode: str, param: nn.Parameter, world_size: int, bytes_per_element: int,
+                 min_mb: float) -> bool:
+    """The ``optimizer_state`` decision for one param (same answer on every rank)."""
+    if world_size <= 1 or param.dim() == 0 or mode == "replicated":
+        return False
+    if mode == "sharded":
+        return True
+    saved = param.numel() * bytes_per_element * (world_size - 1) / world_size
+    return saved >= min_mb * MIB and bytes_per_element > 0
+
+
+@dataclass
+class GatherStats:
+    """One parameter all-gather: which way it went and what it moved (this rank's view)."""
+
+    mode: str = ""  # "rows" (changed rows only) or "dense" (every shard)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class ShardedRows:
+    """The rows of one param that this rank owns, and the all-gather of updated rows."""
+
+    def __init__(self, param: nn.Parameter, group: Optional[dist.ProcessGroup], seed: int) -> None:
+        self.group = group
+        comm = Communicator.for_group(group)
+        self.world_size, self.rank = comm.world_size, comm.rank
+        self.layout = ShardLayout(int(param.shape[0]), self.world_size, seed)
+        self.rows = shard_rows(self.layout, self.rank, param.device)
+        sizes = [self.layout.shard_size(r) for r in range(self.world_size)]
+        self.max_rows = max(sizes)
+        # Every row in shard order (rank 0's shard first): where the dense gather's rows go.
+        self.all_rows = ops.unpermute(torch.arange(self.layout.num_rows, dtype=torch.int64, device=param.device),
+                                      self.layout.num_rows, seed)
+        # Positions of real rows in the padded dense gather (None when no shard is padded).
+        self.valid = None
+        if any(s != self.max_rows for s in sizes):
+            self.valid = torch.cat([torch.arange(r * self.max_rows, r * self.max_rows + s, dtype=torch.int64)
+                                    for r, s in enumerate(sizes)]).to(param.device)
+
+    @property
+    def shard_size(self) -> int:
+        return int(self.rows.numel())
+
+    def master_from(self, full: torch.Tensor) -> nn.Parameter:
+        """An fp32 master of this rank's rows of ``full``."""
+        return nn.Parameter(full.detach()[self.rows].float().clone())
+
+    def layout_key(self) -> dict:
+        """What a checkpoint must match to be loaded into this shard."""
+        return {"num_rows": self.layout.num_rows, "world_size": self.world_size, "rank": self.rank,
+                "seed": self.layout.seed}
+
+    @torch.no_grad()
+    def gather(self, master: torch.Tensor, param: nn.Parameter) -> GatherStats:
+        """Write every rank's updated rows into ``param`` (collective over the group)."""
+        comm = Communicator.for_group(self.group, "zen.gather")
+        comm.scheme = "owned"
+        new = master.detach().to(param.dtype)
+        row_numel = math.prod(param.shape[1:])  # explicit: a rank may own no rows at all
+        flat_new = new.reshape(self.shard_size, row_numel)
+        changed = (flat_new != param.data[self.rows].reshape(self.shard_size, row_numel)).any(dim=1)
+        changed_rows = torch.nonzero(changed).flatten()
+        counts = torch.empty(self.world_size, dtype=torch.int64, device=param.device)
+        comm.all_gather_into_tensor(counts, torch.tensor([changed_rows.numel()], dtype=torch.int64,
+                                                         device=param.device), "counts")
+        per_rank = counts.tolist()
+        row_bytes = flat_new.shape[1] * param.element_size()
+        rows_bytes = max(per_rank) * (row_bytes + 8) * self.world_size
+        dense_bytes = self.max_rows * row_bytes * self.world_size
+        stats = GatherStats()
+        if rows_bytes < dense_bytes:
+            stats.mode = "rows"
+            self._gather_rows(comm, param, flat_new, changed_rows, per_rank)
+        else:
+            stats.mode = "dense"
+            self._gather_dense(comm, param, new)
+        stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
+        return stats
+
+    def _gather_rows(self, comm: Communicator, param: nn.Parameter, flat_new: torch.Tensor,
+                     changed: torch.Tensor, per_rank: list) -> None:
+        """All-gather (row id, row) for the changed rows only, padded to the largest count."""
+        most = max(per_rank)
+        if most == 0:
+            return
+        ids = torch.zeros(most, dtype=torch.int64, device=param.device)
+        ids[:changed.numel()] = self.rows[changed]
+        values = torch.zeros((most, flat_new.shape[1]), dtype=param.dtype, device=param.device)
+        values[:changed.numel()] = flat_new[changed]
+        send = torch.cat([_as_bytes(ids), _as_bytes(values)], dim=1)
+        received = torch.empty((self.world_size * most, send.shape[1]), dtype=torch.uint8, device=param.device)
+        comm.all_gather_into_tensor(received, send, "rows")
+        keep = torch.cat([torch.arange(r * most, r * most + c, dtype=torch.int64)
+                          for r, c in enumerate(per_rank)]).to(param.device)
+        received = received[keep]
+        got_ids = _view_as(received[:, :8], torch.int64).flatten()
+        got_values = _view_as(received[:, 8:], param.dtype).reshape(-1, flat_new.shape[1])
+        param.data.view(param.shape[0], -1).index_copy_(0, got_ids, got_values)
+
+    def _gather_dense(self, comm: Communicator, param: nn.Parameter, new: torch.Tensor) -> None:
+        """All-gather every shard (padded to the largest), as ZeRO's parameter all-gather."""
+        row_shape = tuple(param.shape[1:])
+        send = torch.zeros((self.max_rows,) + row_shape, dtype=param.dtype, device=param.device)
+        send[:self.shard_size] = new
+        gathered = torch.empty((self.world_size * self.max_rows,) + row_shape, dtype=param.dtype,
+                               device=param.device)
+        comm.all_gather_into_tensor(gathered, send, "dense")
+        if self.valid is not None:
+            gathered = gathered[self.valid]
+        param.data.index_copy_(0, self.all_rows, gathered)

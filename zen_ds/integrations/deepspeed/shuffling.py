@@ -1,0 +1,91 @@
+"""DS-Sync on the shuffle route: :class:`zen_ds.features.shuffle_sync.ShuffleSync` over every param of an engine.
+
+DeepSpeed reduces nothing on this route (:mod:`.install` skips its fallback); each optimizer step
+zen averages the gradients (or, after the step, the parameters) inside the step's shuffle group.
+DeepSpeed's fp32 clipping then runs on the group-averaged gradients, i.e. on the norm of what each
+rank applies.
+
+Replicas differ between full syncs, so a checkpoint keeps every rank's own model and optimizer
+state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only) next to the schedule position.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zen_ds.features.shuffle_sync import ShuffleParam, ShuffleSync
+from zen_ds.integrations.config import ShuffleConfig, ZenConfig
+from zen_ds.integrations.deepspeed.routes import Route, refuse
+from zen_ds.integrations.reducer import ScaleRule
+from zen_ds.sync.options import SyncOptions
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_shuffle", "rows_stay_local", "shuffle_state_dict", "load_shuffle_state_dict"]
+
+
+def rows_stay_local(optimizer: Any) -> bool:
+    """True when ``optimizer`` changes only the rows of a param that have a non-zero gradient.
+
+    ShuffleSync then averages a row-sparse param's parameters only on the rows that changed since
+    the last consensus. Momentum, weight decay or Adam moments change every row, so any other
+    optimizer makes parameter averaging dense (correct, only more bytes); gradient averaging
+    stays row-sparse whatever the optimizer.
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return False
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        return True
+    if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adagrad)):
+        return all(not g.get("momentum", 0.0) and not g.get("weight_decay", 0.0) for g in groups)
+    return False
+
+
+def build_shuffle(module: nn.Module, route: Route, zen_config: ZenConfig, optimizer: Any,
+                  dp_group: Optional[dist.ProcessGroup], scale: ScaleRule,
+                  options: Optional[SyncOptions] = None) -> ShuffleSync:
+    """The engine's ShuffleSync: every trainable param; zen's selected ones have row-sparse
+    gradients, and row-tracked parameter averaging when the optimizer keeps rows local. Its
+    sparse syncs plan with ``options`` (the engine's cost model and topology)."""
+    cfg: ShuffleConfig = zen_config.shuffle
+    if not scale.average or scale.predivide_factor != 1.0:
+        refuse("\"zen.shuffle\" averages inside each group; remove \"gradient_allreduce_op\": \"sum\" "
+               "and \"gradient_predivide_factor\" from the ds_config, or the \"shuffle\" block")
+    row_local = rows_stay_local(optimizer)
+    selected = {id(p) for _, p, _ in route.selected}
+    specs: List[ShuffleParam] = []
+    seen = set()
+    for name, param in module.named_parameters():
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            sparse_grad = id(param) in selected
+            specs.append(ShuffleParam(name, param, sparse_grad, sparse_grad and row_local))
+    if route.selected and not row_local and cfg.mode == "parameters":
+        logger.info("zen shuffle: %s changes rows without a gradient (momentum, weight decay or "
+                    "moments): parameters are averaged densely", type(optimizer).__name__)
+    dp_size = dist.get_world_size(dp_group)
+    try:
+        return ShuffleSync(specs, dp_group, group_size=cfg.group_size, mode=cfg.mode,
+                           full_sync_every=cfg.full_sync_every, seed=cfg.seed,
+                           domains=cfg.domain_lists(dp_size), scheme=zen_config.scheme, options=options)
+    except ValueError as err:
+        refuse(f"\"zen.shuffle\" does not fit this run's {dp_size} data-parallel ranks: {err}")
+        raise  # unreachable: refuse raises
+
+
+def shuffle_state_dict(sync: ShuffleSync, module: nn.Module, optimizer: Any) -> Dict[str, Any]:
+    """This rank's schedule position, model and optimizer state (replicas may differ)."""
+    return {"sync": sync.state_dict(),
+            "module": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "optimizer": optimizer.state_dict()}
+
+
+def load_shuffle_state_dict(sync: ShuffleSync, module: nn.Module, optimizer: Any, sd: Dict[str, Any]) -> None:
+    sync.load_state_dict(sd["sync"])
+    module.load_state_dict(sd["module"])
+    optimizer.load_state_dict(sd["optimizer"])

@@ -1,0 +1,148 @@
+"""ZeRO stage 3: zen's params reach ZeRO-3's gradient partitions with only their non-zero rows on
+the wire.
+
+Stock ZeRO-3 reduce-scatters every param's whole gradient into contiguous flat partitions
+(rank ``r`` owns elements ``[r * P, (r + 1) * P)``, ``P = ceil(numel / n)``), which DeepSpeed's
+optimizer then steps. For a zen param (an untied embedding) zen replaces only that reduction:
+when DeepSpeed's gradient hook hands the param over, zen sends its non-zero rows to the owners of
+the partitions they overlap (:func:`zen_ds.sparse_reduce_scatter_flat`) and gives DeepSpeed the
+summed partition, scaled exactly as DeepSpeed's own reduce-scatter scales it. Everything after
+that is DeepSpeed's: accumulation over micro-steps, the fp32 masters and optimizer state,
+clipping (the norm is over the partitions, so zen's rows count once), fp16 overflow skips,
+checkpoints, ``save_16bit_model``, ``zero_to_fp32.py`` and ``GatheredParameters``.
+
+Ownership follows DeepSpeed's layout, so frequent (low) token ids crowd the first ranks' partitions;
+the stats line reports each rank's received rows. A tied embedding (its weight is also the output
+layer's) has a dense gradient: zen leaves it to DeepSpeed and says so. This module holds zen's
+side; the DeepSpeed internals it plugs into are in :mod:`.install`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zen_ds.core.stats import SyncStats
+from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
+from zen_ds.sync.options import SyncOptions, ZenInputError
+from zen_ds.sync.reduce_scatter import sparse_reduce_scatter_flat
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Zero3Sync", "IdCheck", "install_id_checks"]
+
+
+class Zero3Sync:
+    """zen's reduction of its params' gradients into ZeRO-3's partitions, and its per-step stats."""
+
+    def __init__(self, reducer: ZenReducer, options: SyncOptions, left: Optional[Dict[str, str]] = None) -> None:
+        self.reducer = reducer
+        self.options = options
+        self.left = dict(left or {})  # selected params left to DeepSpeed (tied), with the reason
+        self.index = {id(p.param): i for i, p in enumerate(reducer.params)}
+        self._step_stats: Dict[str, ParamStats] = {}
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return id(param) in self.index
+
+    def reduce(self, param: torch.Tensor, grad: torch.Tensor, group: Optional[dist.ProcessGroup],
+               partition_numel: int, comm_dtype: torch.dtype, out_dtype: torch.dtype,
+               prescale: float, postscale: float) -> Optional[torch.Tensor]:
+        """This rank's partition of the scaled sum of ``grad`` over ``group``, in ``out_dtype``;
+        None (on every rank alike) when the gradient is so dense that DeepSpeed's own
+        reduce-scatter moves fewer bytes: the caller hands it to DeepSpeed."""
+        p: ZenParam = self.reducer.params[self.index[id(param)]]
+        st = SyncStats()
+        x = grad.coalesce() if grad.is_sparse else grad
+        if x.dtype != comm_dtype:
+            x = x.to(comm_dtype)
+        if not x.is_sparse and x.dim() == 1:
+            x = x.view(-1, 1)
+        elif not x.is_sparse and x.dim() > 2:
+            x = x.reshape(x.shape[0], -1)
+        started = time.perf_counter()
+        out = sparse_reduce_scatter_flat(x, group, partition_numel=partition_numel, prescale=prescale,
+                                         postscale=postscale, out_dtype=out_dtype, options=self.options,
+                                         stats=st, log_prefix=p.log_prefix, dense_fallback=True)
+        st.seconds = time.perf_counter() - started
+        self._add(p.name, st)
+        return out
+
+    def _add(self, name: str, st: SyncStats) -> None:
+        """Micro-steps add up: bytes and seconds summed, densities of the last one."""
+        old = self._step_stats.get(name)
+        summary = ParamStats()
+        for f in fields(SyncStats):
+            setattr(summary, f.name, getattr(st, f.name))
+        if old is not None:
+            for key in ("bytes_sent", "bytes_received", "seconds", "nnz_result"):
+                setattr(summary, key, getattr(old, key) + getattr(summary, key))
+        self._step_stats[name] = summary
+
+    def log_left(self, rank: int) -> None:
+        """The stats line for params zen leaves to DeepSpeed (with the reducer's interval)."""
+        interval = self.reducer.config.stats_interval
+        if not interval or rank != 0 or self.reducer.step % interval != 0:
+            return
+        for name, why in self.left.items():
+            logger.info("zen step %d %s: left to DeepSpeed, dense (%s)", self.reducer.step, name, why)
+
+    def end_step(self) -> None:
+        """The optimizer step is over: record its stats on the reducer (it counts the steps)."""
+        self.reducer.end_step(dict(self._step_stats))
+        self._step_stats = {}
+
+
+class IdCheck:
+    """A forward pre-hook on each zen embedding: ids outside the table on any rank raise the same
+    :class:`zen_ds.ZenInputError` on every rank *before* ZeRO-3 gathers the table, so no rank is
+    left waiting in a collective (one small all-reduce per embedding forward)."""
+
+    def __init__(self, name: str, num_rows: int, group: Optional[dist.ProcessGroup]) -> None:
+        self.name = name
+        self.num_rows = num_rows
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
+        ids = args[0] if args else None
+        problem = ""
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+            problem = f"the input of {self.name} is not an integer tensor"
+        elif ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.num_rows:
+                problem = (f"{self.name} got id {low if low < 0 else high} outside the table "
+                           f"[0, {self.num_rows})")
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            if problem:
+                raise ZenInputError(f"zen: {problem}", {0: problem})
+            return
+        flag = torch.tensor([1 if problem else 0], dtype=torch.int32,
+                            device=ids.device if isinstance(ids, torch.Tensor) else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flag.item()):
+            reports: List[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(reports, problem, group=self.group)
+            reasons = {rank: text for rank, text in enumerate(reports) if text}
+            raise ZenInputError("zen: " + "; ".join(f"rank {r}: {t}" for r, t in reasons.items()), reasons)
+
+
+def install_id_checks(model: nn.Module, params: Sequence[ZenParam], group: Optional[dist.ProcessGroup]
+                      ) -> List[Any]:
+    """:class:`IdCheck` on every ``nn.Embedding`` whose weight is a zen param; runs before
+    DeepSpeed's own pre-forward hooks (they gather the table)."""
+    wanted = {id(p.param): p.name for p in params}
+    handles = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Embedding) and id(weight) in wanted:
+            rows = int(getattr(weight, "ds_shape", weight.shape)[0])
+            handles.append(module.register_forward_pre_hook(IdCheck(wanted[id(weight)], rows, group),
+                                                            prepend=True))
+    return handles
+

@@ -1,0 +1,316 @@
+"""The per-step work zen does for a DeepSpeed engine: sync the selected params' gradients.
+
+:class:`ZenReducer` is a state object in the spirit of PyTorch's PowerSGD hook state: it holds the
+selected params, the process group, the scaling rules copied from the engine, the optional
+gradient compressor and the per-param statistics. It knows nothing about *where* the gradients
+live (``param.grad``, BF16_Optimizer's ``_hp_grad``, zen's own fp32 accumulators): the engine glue
+(:mod:`zen_ds.integrations.deepspeed.grads`) hands it one gradient per param and writes the results back.
+
+Every rank calls :meth:`ZenReducer.sync` with the same params in the same order once per optimizer
+step, also when it has no local gradient for a param (``None`` -> an empty RowSparse), so the
+collectives always line up.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zen_ds.core.partition import ShardLayout
+from zen_ds.core.sparse import RowSparse
+from zen_ds.core.stats import SyncStats
+from zen_ds.integrations.config import ZenConfig
+from zen_ds.sync.allreduce import sparse_allreduce
+from zen_ds.sync.options import SyncOptions, ZenInputError, default_options
+from zen_ds.sync.reduce_scatter import sparse_reduce_scatter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ZenReducer", "ZenParam", "ScaleRule"]
+
+
+# ----------------------------------------------------------------------------- scaling
+@dataclass(frozen=True)
+class ScaleRule:
+    """How DeepSpeed scales a data-parallel sum; zen applies the same rule to its params.
+
+    ``mean`` with ``prescale``: x/n then sum. ``mean`` without it (postscale, the default): x/f, sum,
+    then *f/n (f = ``gradient_predivide_factor``). ``sum``: plain sum.
+    """
+
+    average: bool = True
+    prescale: bool = False
+    predivide_factor: float = 1.0
+    comm_dtype: Optional[torch.dtype] = None  # None: the gradient's own dtype
+
+    def factors(self, world_size: int) -> Tuple[float, float]:
+        """(before, after) multipliers around the sum."""
+        if not self.average:
+            return 1.0, 1.0
+        if self.prescale:
+            return 1.0 / world_size, 1.0
+        f = float(self.predivide_factor)
+        return 1.0 / f, f / world_size
+
+
+# ----------------------------------------------------------------------------- state object
+@dataclass
+class ZenParam:
+    """One param zen syncs; ``log_prefix`` names its collectives in DeepSpeed's comms logger."""
+
+    name: str
+    param: nn.Parameter
+    native_sparse: bool
+    compressed: bool = False
+    # Set when zen's optimizer state for this param is sharded: the reducer then reduce-scatters
+    # (each rank gets the sum of the rows it owns under this layout) instead of all-reducing.
+    shard: Optional[ShardLayout] = None
+
+    @property
+    def log_prefix(self) -> str:
+        return f"zen.{self.name}"
+
+
+@dataclass
+class ParamStats(SyncStats):
+    """What one param's sync cost this step (this rank's view): its :class:`SyncStats`, with
+    ``seconds`` covering zen's whole work on the param, and whether it was compressed."""
+
+    compressed: bool = False
+    # sharded optimizer state (owned route): the parameter all-gather after the step
+    gather: str = ""  # "rows", "dense", or "" when the param is not sharded
+    gather_bytes_sent: int = 0
+    gather_bytes_received: int = 0
+
+
+class ZenReducer:
+    """Syncs the selected params' gradients over one data-parallel group.
+
+    ``options`` (default: :func:`zen_ds.default_options` when the reducer is built) carry the cost
+    model and topology its syncs plan with; the config's seed, index encoding and density
+    threshold go on top of them."""
+
+    def __init__(self, config: ZenConfig, params: Sequence[ZenParam], group: Optional[dist.ProcessGroup],
+                 scale: ScaleRule, compressor: Optional[Any] = None,
+                 loss_scale: Optional[Callable[[], float]] = None,
+                 options: Optional[SyncOptions] = None) -> None:
+        # --- what and where, and the sync options (cost model, topology) every sync plans with
+        self.config = config
+        self.params: List[ZenParam] = list(params)
+        self.group = group
+        self.scale = scale
+        self.options = options if options is not None else default_options()
+        # --- optional top-k / DGC compression of other dense params; the current fp16 loss
+        # scale of the gradients it is handed (its residuals stay unscaled)
+        self.compressor = compressor
+        self.loss_scale = loss_scale
+        # --- bookkeeping: optimizer steps synced so far, and the last step's per-param cost
+        self.step = 0
+        self.last_stats: Dict[str, ParamStats] = {}
+        self.history: List[Dict[str, ParamStats]] = []
+        self.keep_history = False
+
+    # ---------------------------------------------------------------------- helpers
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    def _options(self, density_threshold: float = 1.0) -> SyncOptions:
+        return replace(self.options, seed=self.config.seed,
+                       index_encoding=self.config.index_encoding,
+                       density_threshold=density_threshold)
+
+    def _wire(self, p: ZenParam, grad: Optional[torch.Tensor], before: float) -> torch.Tensor:
+        """A dense gradient as it goes on the wire: times ``before``, in the communication dtype."""
+        dense = grad if grad is not None else torch.zeros_like(p.param)
+        comm_dtype = self.scale.comm_dtype or dense.dtype
+        if before != 1.0:
+            return (dense.float() * before).to(comm_dtype)
+        return dense.to(comm_dtype)
+
+    def _sync_compressed(self, p: ZenParam, grad: Optional[torch.Tensor], rs: Optional[RowSparse],
+                         before: float, after: float, stats: SyncStats,
+                         group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        """A compressed param: its top-k rows (or, in warmup, the whole dense gradient)."""
+        if rs is None:  # warmup: every rank sends the dense gradient
+            # Not in place: the compressor may keep what it was handed.
+            return sparse_allreduce(self._wire(p, grad, before), group, "dense", postscale=after,
+                                    options=self._options(), stats=stats, log_prefix=p.log_prefix)
+        dense = torch.empty(rs.shape, dtype=rs.dtype, device=rs.device)
+        return sparse_allreduce(rs, group, self.config.scheme, out=dense, postscale=after,
+                                options=self._options(), stats=stats, log_prefix=p.log_prefix)
+
+    def _sync_plain(self, p: ZenParam, grad: Optional[torch.Tensor], before: float, after: float,
+                    stats: SyncStats, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        """A param zen syncs as it is: a dense gradient in place (no sparse round trip), a COO
+        gradient as COO, a missing one as no rows. Returns the synced gradient in the
+        communication dtype (``grad`` itself when it already is)."""
+        comm_dtype = self.scale.comm_dtype or (grad.dtype if grad is not None else p.param.dtype)
+        kwargs = dict(prescale=before, postscale=after, stats=stats, log_prefix=p.log_prefix,
+                      options=self._options(self.config.density_threshold))
+        if grad is None:
+            shape = tuple(p.param.shape)
+            empty = RowSparse.empty(shape[0], shape[1:], dtype=comm_dtype, device=p.param.device)
+            out = None if p.native_sparse else torch.empty(shape, dtype=comm_dtype,
+                                                           device=p.param.device)
+            summed = sparse_allreduce(empty, group, self.config.scheme, out=out, **kwargs)
+            return summed.to_coo() if isinstance(summed, RowSparse) else summed
+        if grad.is_sparse:
+            return sparse_allreduce(grad.to(comm_dtype), group, self.config.scheme, **kwargs)
+        if grad.dtype == comm_dtype and grad.is_contiguous():
+            wire = grad
+        else:  # the wire dtype differs: scale once, in fp32, while casting
+            wire = self._wire(p, grad, before).contiguous()
+            kwargs["prescale"] = 1.0
+        summed = sparse_allreduce(wire, group, self.config.scheme, out=wire, **kwargs)
+        return RowSparse.from_dense(summed).to_coo() if p.native_sparse else summed
+
+    def _sync_shard(self, p: ZenParam, grad: Optional[torch.Tensor], before: float, after: float,
+                    stats: SyncStats, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        """A param with sharded optimizer state: the summed rows this rank owns, dense
+        ``[shard rows, *row_shape]`` in the communication dtype."""
+        comm_dtype = self.scale.comm_dtype or (grad.dtype if grad is not None else p.param.dtype)
+        if grad is None:
+            x = RowSparse.empty(p.param.shape[0], tuple(p.param.shape[1:]), dtype=comm_dtype,
+                                device=p.param.device)
+        elif grad.is_sparse:
+            x = RowSparse.from_coo(grad.to(comm_dtype))
+        elif grad.dtype == comm_dtype:
+            x = RowSparse.from_dense(grad)
+        else:  # the wire dtype differs: scale once, in fp32, while casting
+            x, before = RowSparse.from_dense(self._wire(p, grad, before)), 1.0
+        return sparse_reduce_scatter(x, group, seed=p.shard.seed, prescale=before, postscale=after,
+                                     options=self._options(), stats=stats, log_prefix=p.log_prefix)
+
+    # ---------------------------------------------------------------------- the step
+    @torch.no_grad()
+    def sync(self, grads: Sequence[Optional[torch.Tensor]], local_error: Optional[str] = None
+             ) -> List[torch.Tensor]:
+        """Sum (or average, per :class:`ScaleRule`) each param's gradient over the group.
+
+        ``grads[i]`` belongs to ``self.params[i]``: a dense tensor, a sparse COO tensor or None.
+        Returns one tensor per param in the gradient's layout (sparse COO for natively sparse
+        params), dtype of the given gradient (param dtype for None). A dense gradient in the
+        communication dtype is synced in place and returned itself. Each param costs one
+        metadata collective (the handshake also carries the density-threshold decision).
+        ``local_error``: this rank's gradients could not be read (the reason); the first param's
+        handshake makes every rank raise the same :class:`zen_ds.ZenInputError` naming it.
+        """
+        if local_error is not None:
+            if not self.params:
+                raise ValueError(local_error)
+            self.sync_param(0, None, local_error=local_error)
+        if len(grads) != len(self.params):
+            raise ValueError(f"zen: {len(grads)} gradients for {len(self.params)} params")
+        results: List[torch.Tensor] = []
+        stats: Dict[str, ParamStats] = {}
+        for index, grad in enumerate(grads):
+            result, stats[self.params[index].name] = self.sync_param(index, grad)
+            results.append(result)
+        self.end_step(stats)
+        return results
+
+    @torch.no_grad()
+    def sync_param(self, index: int, grad: Optional[torch.Tensor],
+                   group: Optional[dist.ProcessGroup] = None, local_error: Optional[str] = None
+                   ) -> Tuple[torch.Tensor, ParamStats]:
+        """One param's part of :meth:`sync` (result and cost), over ``group`` (default: the
+        reducer's). Every rank must sync the same params in the same order on a group; the
+        overlapped sync calls this from its comm thread on a group of the same ranks.
+        ``local_error``: this rank cannot sync the param (the reason); it joins the param's
+        handshake with it, and every rank raises :class:`zen_ds.ZenInputError` there."""
+        p = self.params[index]
+        group = self.group if group is None else group
+        if local_error is not None:  # any first call of a param pairs with this handshake
+            sparse_allreduce(None, group, self.config.scheme, options=self._options(),
+                             log_prefix=p.log_prefix, local_error=local_error)
+            raise RuntimeError("zen: a handshake with a local error returned")  # it always raises
+        started = time.perf_counter()
+        before, after = self.scale.factors(self.world_size)
+        # The compressor gets the gradient exactly as it goes on the wire (scaled, in the
+        # communication dtype), so the rounding of the sent values stays in its residual.
+        saved = self.compressor.param_state(p.name) if p.compressed else None
+        rs_c = (self.compressor.compress(p.name, self._wire(p, grad, before), self.step,
+                                         scale=self.loss_scale() if self.loss_scale is not None else 1.0)
+                if p.compressed else None)
+        out_dtype = grad.dtype if grad is not None else p.param.dtype
+        st = SyncStats()
+        if p.compressed:
+            try:
+                result = self._sync_compressed(p, grad, rs_c, before, after, st, group)
+            except ZenInputError:  # agreed at the handshake: nothing was sent, nothing is lost
+                self.compressor.restore_param(p.name, saved)
+                raise
+        elif p.shard is not None:
+            result = self._sync_shard(p, grad, before, after, st, group)
+        else:
+            result = self._sync_plain(p, grad, before, after, st, group)
+        if result.dtype != out_dtype:
+            result = result.to(out_dtype)
+        if not result.is_sparse and (p.shard is None or p.compressed):  # a shard stays shard-shaped
+            result = result.view_as(p.param)
+        summary = ParamStats(compressed=p.compressed and rs_c is not None)
+        for f in fields(SyncStats):
+            setattr(summary, f.name, getattr(st, f.name))
+        summary.seconds = time.perf_counter() - started
+        return result, summary
+
+    def end_step(self, stats: Dict[str, ParamStats]) -> None:
+        """Record one optimizer step's per-param cost (``stats`` in the params' order)."""
+        self.last_stats = stats
+        if self.keep_history:
+            self.history.append(stats)
+        self.step += 1
+
+    # ---------------------------------------------------------------------- norms and logging
+    @staticmethod
+    def norm_sq(grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+        """Sum of squares (fp32) of synced gradients, sparse ones included."""
+        total = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            if g is None:
+                continue
+            vals = g.coalesce().values() if g.is_sparse else g
+            total = total + vals.detach().float().pow(2).sum().cpu()
+        return total
+
+    def log_stats(self, rank: int) -> None:
+        """One line per param, rank 0 only, every ``stats_interval`` steps."""
+        interval = self.config.stats_interval
+        if not interval or rank != 0 or self.step % interval != 0:
+            return
+        for name, s in self.last_stats.items():
+            wire = s.bytes_sent + s.bytes_received
+            ring = 2 * 2 * (self.world_size - 1) * s.dense_bytes // max(self.world_size, 1)
+            baseline = "dense all-reduce"
+            if s.scheme == "reduce_scatter_flat":  # ZeRO-3: against its dense reduce-scatter
+                ring, baseline = ring // 2, "dense reduce-scatter"
+            extra = " (compressed)" if s.compressed else ""
+            if s.gather:  # sharded optimizer state: reduce-scatter, step the shard, all-gather rows
+                gathered = s.gather_bytes_sent + s.gather_bytes_received
+                extra = f" + {s.gather} param all-gather {gathered} B (optimizer state sharded)"
+                wire += gathered
+            logger.info("zen step %d %s: density %.4f -> %.4f, scheme %s%s, wire %d B (sent+recv) vs "
+                        "%s %d B (%.1f%%), %.2f ms", self.step, name, s.density,
+                        s.result_density, s.scheme, extra, wire, baseline,
+                        ring, 100.0 * wire / max(ring, 1), 1e3 * s.seconds)
+
+    # ---------------------------------------------------------------------- checkpoint state
+    def state_dict(self) -> Dict[str, Any]:
+        sd: Dict[str, Any] = {"step": self.step}
+        if self.compressor is not None:
+            sd["compressor"] = self.compressor.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.step = int(sd["step"])
+        if self.compressor is not None:
+            if "compressor" not in sd:
+                raise ValueError("zen checkpoint has no compressor state but compression is enabled; "
+                                 "load a checkpoint saved with the same \"zen.compression\" block")
+            self.compressor.load_state_dict(sd["compressor"])

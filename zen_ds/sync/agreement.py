@@ -1,0 +1,145 @@
+"""Agreement before any data moves: the local checks, the one handshake (:mod:`zen_ds.core.handshake`)
+and the error every rank raises together.
+
+Every local check (input type, dtype, device, row ids, options, group) runs *before* the
+handshake and is published in it: a rank whose input is unusable still takes part, so every rank
+raises the same :class:`ZenInputError` naming the ranks and reasons, and the next call pairs
+correctly."""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from zen_ds.core.comm import Communicator
+from zen_ds.core.handshake import DTYPE_CODES, SKETCH_SIZE, HandshakeTable, encode_record, row_dims_slots
+from zen_ds.core.inputs import LocalInput, inspect_input
+from zen_ds.core.partition import ShardLayout
+from zen_ds.schemes import get_scheme, scheme_names
+from zen_ds.schemes.topology import ranks_per_node
+from zen_ds.sync.options import INDEX_ENCODINGS, SyncOptions, ZenInputError, option_problems
+
+
+def _usable_group(group) -> Tuple[Optional[dist.ProcessGroup], List[str]]:
+    """The group to sync over, or the default group plus a problem when ``group`` is unusable
+    (the handshake then runs on the default group, where the other ranks most likely are)."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return group, []
+    if not isinstance(group, dist.ProcessGroup):
+        return None, [f"group must be a torch.distributed.ProcessGroup or None, got "
+                      f"{type(group).__name__}"]
+    if dist.get_rank(group) < 0:
+        return None, ["this rank is not a member of the group it passed"]
+    return group, []
+
+
+def _expected_device_types(comm: Communicator) -> Optional[Tuple[str, ...]]:
+    """Device types the group's backend moves (None: unknown backend, not checked)."""
+    if comm.world_size == 1:
+        return None
+    try:
+        backend = str(dist.get_backend(comm.group)).lower()
+    except Exception:  # a backend torch cannot name: leave the device to the backend
+        return None
+    types = tuple(t for t, name in (("cpu", "gloo"), ("cuda", "nccl")) if name in backend)
+    return types or None
+
+
+def _fallback_device(types: Optional[Tuple[str, ...]]) -> torch.device:
+    if types == ("cuda",) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- handshake
+_DISPLAY = {"cost_alpha": "cost model alpha", "cost_bandwidth": "cost model bandwidth",
+            "cost_model": "cost model (intra-node bandwidth or compute rates)"}
+
+
+def effective_ranks_per_node(opts: SyncOptions) -> int:
+    """The options' ranks per node, or the environment's (:func:`zen_ds.schemes.topology.
+    ranks_per_node`) when they leave it 0."""
+    return opts.ranks_per_node or ranks_per_node()
+
+
+def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool,
+               opts: SyncOptions, prescale: float, postscale: float, problems: List[str],
+               device: torch.device) -> HandshakeTable:
+    """All-gather every rank's record (:mod:`zen_ds.core.handshake`)."""
+    n = comm.world_size
+    if problems:
+        record_ = encode_record({"error": 1}, world_size=n)
+    else:
+        sketch = owner_counts = None
+        needs_layout = n > 1 and local.num_rows > 0 and local.row_numel > 0 and (
+            scheme == "auto" or get_scheme(scheme).needs_sketch)
+        if needs_layout and local.nnz:
+            layout = ShardLayout(local.num_rows, n, opts.seed)
+            positions = layout.positions(local.rows.cpu())
+            sketch = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
+            owner_counts = torch.bincount(layout.owner_of_positions(positions), minlength=n)
+        record_ = encode_record({
+            "num_rows": local.num_rows, "row_numel": local.row_numel,
+            "row_ndim": len(local.row_shape), "row_dims": row_dims_slots(local.row_shape),
+            "dtype": DTYPE_CODES[local.dtype], "nnz": local.nnz,
+            "scheme": 0 if scheme == "auto" else 1 + scheme_names().index(scheme),
+            "index_encoding": INDEX_ENCODINGS.index(opts.index_encoding), "seed": opts.seed,
+            "average": int(bool(average)), "prescale": prescale, "postscale": postscale,
+            "density_threshold": opts.density_threshold,
+            "ranks_per_node": effective_ranks_per_node(opts),
+            "cost_alpha": opts.cost_model.alpha, "cost_bandwidth": opts.cost_model.bandwidth,
+            "cost_model": opts.cost_model.digest(),
+        }, sketch, owner_counts, n)
+    record_ = record_.to(device)
+    gathered = torch.empty(n * record_.numel(), dtype=torch.int64, device=device)
+    comm.all_gather_into_tensor(gathered, record_, "handshake")
+    return HandshakeTable(gathered.view(n, -1).cpu())
+
+
+def _raise_on_errors(table: HandshakeTable, comm: Communicator, problems: List[str]) -> None:
+    """Raise the same :class:`ZenInputError` on every rank if any rank's input is bad or the ranks differ."""
+    if any(table.column("error")):
+        # Every rank saw the flag in the same collective, so every rank joins this exchange.
+        reports = comm.all_gather_object("; ".join(problems), "error report")
+        reasons = {rank: text for rank, text in enumerate(reports) if text}
+        detail = "; ".join(f"rank {rank}: {text}" for rank, text in reasons.items())
+        raise ZenInputError(f"zen_ds.sparse_allreduce: invalid input ({detail}). Every rank raises "
+                            "this error; the group stays usable for the next call", reasons)
+    differing = table.disagreement()
+    if differing is None:
+        return
+    name, values = differing
+    if name == "dtype":
+        names = {code: str(dtype) for dtype, code in DTYPE_CODES.items()}
+        values = [names.get(v, v) for v in values]
+    elif name == "scheme":
+        values = [(("auto",) + scheme_names())[v] for v in values]
+    elif name == "index_encoding":
+        values = [INDEX_ENCODINGS[v] for v in values]
+    per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+    raise ZenInputError(f"zen_ds.sparse_allreduce: ranks disagree on {_DISPLAY.get(name, name)} "
+                        f"({per_rank}); every rank must sync the same tensor with the same options")
+
+
+def agree(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
+          prescale: object, postscale: object, log_prefix: str, local_error: Optional[str] = None
+          ) -> Tuple[Communicator, LocalInput, HandshakeTable]:
+    """Check this rank's input and options, then the one handshake: every rank learns every
+    rank's sizes (and, for schemes that need them, its rows per owner); a bad input or a mismatch
+    on any rank, or a ``local_error`` the caller brings, raises the same :class:`ZenInputError`
+    on every rank, and the group stays aligned."""
+    group, problems = _usable_group(group)
+    comm = Communicator.for_group(group, log_prefix)
+    comm.scheme = scheme if isinstance(scheme, str) else "auto"
+    problems += option_problems(scheme, opts, prescale, postscale)
+    device_types = _expected_device_types(comm)
+    local = inspect_input(x, out, device_types)
+    if local_error is not None:  # the caller's reason; its input is not looked at
+        problems.append(str(local_error))
+    elif local.error:
+        problems.append(local.error)
+    device = local.device if not local.error else _fallback_device(device_types)
+    table = _handshake(comm, local, scheme, average, opts, prescale, postscale, problems, device)
+    _raise_on_errors(table, comm, problems)
+    return comm, local, table

@@ -1,0 +1,229 @@
+"""``sparse_allreduce``: the public entry point of the core library, one call from start to finish.
+
+1. :func:`zen_ds.sync.agreement.agree`: the local checks and the one small all-gather, the
+   *handshake* (:mod:`zen_ds.core.handshake`), in which every rank publishes its tensor's shape,
+   dtype and options, its nnz, a KMV sketch of its support and how many of its rows each rank
+   owns; a bad input or a mismatch on any rank raises the same error on every rank.
+2. :func:`plan_sync`: every rank computes the same plan from the handshake (the density-threshold
+   switch to dense included) and knows the balanced scheme's push splits without another round.
+3. The chosen scheme's :meth:`~zen_ds.schemes.base.Scheme.sync` moves the data; the result is
+   scattered into the caller's tensor or returned, and the call's :class:`SyncStats` recorded.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import fields, replace
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from zen_ds import ops
+from zen_ds.core.comm import Communicator
+from zen_ds.core.handshake import HandshakeTable, handshake_bytes
+from zen_ds.core.inputs import LocalInput
+from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.stats import SyncStats, record
+from zen_ds.model.shape import SyncShape
+from zen_ds.model.support import estimate_support
+from zen_ds.planner import plan_and_price, plan_choice
+from zen_ds.schemes import auto_candidates, get_scheme
+from zen_ds.schemes.base import SyncContext
+from zen_ds.sync.agreement import agree
+from zen_ds.sync.options import SyncOptions, TensorLike, default_options
+
+__all__ = ["sparse_allreduce", "auto_candidates_for", "local_rows", "plan_sync"]
+
+
+# ----------------------------------------------------------------------------- execution
+def _dense_sum(local: LocalInput, out: Optional[torch.Tensor], prescale: float,
+               scale: Optional[float], comm: Optional[Communicator]) -> torch.Tensor:
+    """The library all-reduce of a dense input (fp32 for fp16/bf16), in place in ``out`` when
+    its dtype allows; ``comm`` None sums over this rank alone."""
+    x = local.dense
+    accum = accum_dtype(x.dtype)
+    if out is not None and out.dtype == accum:
+        work = out
+        if not local.aliases(out):
+            work.copy_(x)
+    else:
+        work = x.to(accum, memory_format=torch.contiguous_format, copy=True)
+    if prescale != 1.0:
+        work.mul_(prescale)
+    if comm is not None:
+        comm.all_reduce(work, "dense")
+    if scale is not None:
+        work.mul_(scale)
+    if out is None:
+        return work if work.dtype == x.dtype else work.to(x.dtype)
+    if work is not out:
+        out.copy_(work)
+    return out
+
+
+def local_rows(local: LocalInput, prescale: float) -> RowSparse:
+    """This rank's rows as a RowSparse (a copy when scaled or gathered from a dense tensor)."""
+    rs = local.sparse if local.sparse is not None else local.gather_rows()
+    if prescale == 1.0:
+        return rs
+    values = (rs.values.to(accum_dtype(rs.dtype)) * prescale).to(rs.dtype)
+    return RowSparse(rs.indices, values, rs.num_rows, coalesced=rs.coalesced)
+
+
+def _scaled_copy(rs: RowSparse, scale: Optional[float]) -> RowSparse:
+    values = rs.values.to(accum_dtype(rs.dtype), copy=True)
+    if scale is not None:
+        values.mul_(scale)
+    return RowSparse(rs.indices.clone(), values.to(rs.dtype), rs.num_rows, coalesced=True)
+
+
+def _into_dense(result: RowSparse, target: torch.Tensor, local: LocalInput, in_place: bool
+                ) -> None:
+    """Scatter a scheme's rows into the caller's dense tensor. In place, this rank's own rows
+    must all be overwritten: any the result lacks are zeroed."""
+    view = target.view((result.num_rows,) + result.row_shape)
+    if result.nnz:
+        ops.scatter_rows(view, result.indices, result.values)
+    if in_place and local.nnz:
+        stale = local.rows[~torch.isin(local.rows, result.indices)]
+        if stale.numel():
+            view.index_fill_(0, stale, 0)
+
+
+def _sketched(scheme: str) -> bool:
+    """Whether the handshake carried sketches and owner counts (decided from agreed fields)."""
+    return scheme == "auto" or get_scheme(scheme).needs_sketch
+
+
+def auto_candidates_for(comm: Communicator, shape: SyncShape) -> Tuple[str, ...]:
+    """The schemes ``auto`` may pick for this group: hierarchical only on the default group
+    (its node groups are made by every rank of the world; the planner further keeps it to
+    several nodes of several ranks)."""
+    names = auto_candidates()
+    whole_world = comm.group is None or not dist.is_initialized() or \
+        list(dist.get_process_group_ranks(comm.group)) == list(range(dist.get_world_size()))
+    return names if whole_world else tuple(name for name in names if name != "hierarchical")
+
+
+def plan_sync(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptions,
+          comm: Communicator) -> Tuple[str, SyncShape, Tuple[float, float, float]]:
+    """(scheme to run, what the planner knew, predicted bytes sent/received and the model's
+    seconds on the slowest rank)."""
+    n, num_rows = comm.world_size, local.num_rows
+    nnz_per_rank = table.column("nnz")
+    if _sketched(scheme):
+        union, singletons = estimate_support(table.sketches, nnz_per_rank, num_rows)
+    else:
+        union, singletons = min(sum(nnz_per_rank), num_rows), 0
+    shape = SyncShape(n, nnz_per_rank, union, num_rows, local.row_numel, local.element_size,
+                      comm.rank, opts.cost_model.latency_bytes, singletons,
+                      table.column("ranks_per_node")[0])
+    if max(nnz_per_rank) > opts.density_threshold * num_rows:
+        names: Tuple[str, ...] = ("dense",)
+    elif scheme == "auto":  # memoised on bucketed counts: priced afresh only when they move
+        names = (plan_choice(shape, auto_candidates_for(comm, shape), opts.cost_model, opts.plan_memo),)
+    else:
+        names = (scheme,)
+    chosen, slowest, estimates = plan_and_price(shape, names, opts.cost_model)
+    estimate = estimates[chosen]
+    handshake = (n - 1) * handshake_bytes(n)
+    seconds = slowest[chosen] + opts.cost_model.link_seconds(handshake, 0.0, n - 1)
+    return chosen, shape, (estimate.bytes_sent + handshake, estimate.bytes_received + handshake,
+                           seconds)
+
+
+def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
+                     scheme: str = "auto", average: bool = False, *,
+                     out: Optional[torch.Tensor] = None, prescale: float = 1.0,
+                     postscale: float = 1.0, options: Optional[SyncOptions] = None,
+                     stats: Optional[SyncStats] = None, seed: Optional[int] = None,
+                     index_encoding: Optional[str] = None, log_prefix: str = "zen",
+                     local_error: Optional[str] = None) -> TensorLike:
+    """Sum ``x`` over ``group``, returned as the same kind of tensor (or written into ``out``).
+
+    ``x`` is a :class:`RowSparse`, a dense tensor (rows with any non-zero element are synced) or a
+    torch sparse COO tensor; the result has x's dtype and shape and is coalesced. The result is
+    ``postscale * sum(prescale * x) [/ n if average]``. ``out``: a contiguous dense tensor of x's
+    full shape and dtype that receives the result (it may be ``x`` itself: a dense gradient synced
+    in place); it is returned. Zeros keep the dense all-reduce's sign: the result equals the sum
+    of the ranks' dense tensors bit for bit where it is zero too (-0.0 only where every rank
+    holds -0.0; see :mod:`zen_ds.core.sparse`), for every scheme and output form, averaged or scaled
+    by a factor >= 0. ``scheme`` is one of :data:`zen_ds.SCHEMES` or ``"auto"`` (the byte
+    models choose, dense included). ``options`` (default: :func:`default_options`) carries the cost
+    model, seed, index encoding, density threshold and topology; ``seed`` / ``index_encoding``
+    override it. ``stats``, if given, is filled with this call's :class:`SyncStats` (also kept for
+    :func:`zen_ds.last_sync_stats`). Every rank of the group must call with the same shape, dtype
+    and options; a mismatch or a bad input on any rank raises the same :class:`ZenInputError` (a
+    ValueError) on every rank. ``local_error``: this rank could not prepare its input (the
+    reason); it still joins the handshake, with any ``x``, and every rank raises that
+    :class:`ZenInputError` naming it: a failure agreed at no extra collective.
+    """
+    started = time.perf_counter()
+    opts = options if options is not None else default_options()
+    if isinstance(opts, SyncOptions) and (seed is not None or index_encoding is not None):
+        opts = replace(opts, seed=opts.seed if seed is None else seed,
+                       index_encoding=opts.index_encoding if index_encoding is None
+                       else index_encoding)
+    comm, local, table = agree(x, out, group, scheme, average, opts, prescale, postscale, log_prefix,
+                               local_error)
+
+    n, prescale = comm.world_size, float(prescale)
+    factor = float(postscale) / (n if average else 1)
+    scale = None if factor == 1.0 else factor
+    nothing_to_move = n == 1 or local.num_rows == 0 or local.row_numel == 0
+    if nothing_to_move:  # "local": a sync that moves nothing (a group of one, an empty tensor)
+        chosen = "local" if scheme == "auto" else scheme
+        nnz_per_rank, union = table.column("nnz"), local.nnz
+        predicted = (0.0, 0.0, 0.0)
+    else:
+        chosen, shape, predicted = plan_sync(table, local, scheme, opts, comm)
+        nnz_per_rank, union = shape.nnz_per_rank, shape.union_nnz
+    comm.scheme = chosen
+
+    in_place = out is not None and local.aliases(out)
+    dense_result = out is not None or local.kind == "dense"
+    if local.kind == "dense" and (chosen == "dense" or nothing_to_move):
+        result = _dense_sum(local, out, prescale, scale, None if nothing_to_move else comm)
+        nnz_result = local.nnz if nothing_to_move else -1
+    else:
+        rs = local_rows(local, prescale)
+        target = out if out is not None else (
+            torch.zeros(local.shape, dtype=local.dtype, device=local.device)
+            if dense_result else None)
+        if target is not None and not in_place and out is not None:
+            target.zero_()
+        if nothing_to_move:
+            summed, ctx = _scaled_copy(rs, scale), None
+        else:
+            ctx = SyncContext(comm, opts.seed, scale, opts.index_encoding, list(nnz_per_rank),
+                              table.owner_counts  # host: read as splits, no device sync
+                              if _sketched(scheme) else None,
+                              sorted_output=not dense_result,
+                              dense_out=None if target is None else
+                              target.view((local.num_rows,) + local.row_shape),
+                              shape=shape, handshake=table)
+            summed = get_scheme(chosen).sync(rs, ctx)
+        if summed is None:  # the scheme wrote the sum into ctx.dense_out
+            result, nnz_result = target, ctx.dense_nnz
+        elif target is not None:
+            _into_dense(summed, target, local, in_place)
+            result, nnz_result = target, summed.nnz
+        else:
+            result = summed if local.kind == "rowsparse" else summed.to_coo()
+            nnz_result = summed.nnz
+    if nnz_result < 0:  # a dense all-reduce: count the rows it produced
+        nnz_result = int(ops.nonzero_rows(result.reshape(local.num_rows, -1)).numel())
+
+    sync_stats = SyncStats(
+        scheme=chosen, bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
+        seconds=time.perf_counter() - started, nnz_local=local.nnz, nnz_result=nnz_result,
+        num_rows=local.num_rows, row_numel=local.row_numel, world_size=n,
+        dense_bytes=local.num_rows * local.row_numel * local.element_size,
+        union_estimate=union, predicted_bytes_sent=predicted[0],
+        predicted_bytes_received=predicted[1], predicted_seconds=predicted[2],
+        collectives=list(comm.records))
+    record(sync_stats)
+    if stats is not None:
+        for f in fields(SyncStats):
+            setattr(stats, f.name, getattr(sync_stats, f.name))
+    return result

@@ -1,0 +1,198 @@
+"""Sparse reduce-scatter: each rank receives the sum of its own shard of rows, nothing more.
+
+This is the push half of ``balanced`` (see :mod:`zen_ds.schemes.balanced`) offered on its own. It
+is what a sharded optimizer needs: under ZeRO-1/2 a rank steps only the rows it owns, so the pull
+that would hand every rank the whole sum is wasted bytes. Ownership is the same seeded permutation
+of rows (:class:`zen_ds.core.partition.ShardLayout`) that balanced uses, so clustered ids (frequent tokens
+are low ids) still land evenly on the ranks.
+
+Per rank the push moves ``(n-1)/n`` of its non-zero rows (each row to its owner only), against
+``(n-1)/n`` of the *whole* table for a dense reduce-scatter.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from zen_ds import ops
+from zen_ds.core.partition import ShardLayout
+from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.stats import SyncStats
+from zen_ds.schemes.balanced import _as_bytes, _view_as, push
+from zen_ds.schemes.base import SyncContext
+from zen_ds.sync.agreement import agree
+from zen_ds.sync.allreduce import local_rows
+from zen_ds.sync.options import SyncOptions, default_options
+
+__all__ = ["sparse_reduce_scatter", "sparse_reduce_scatter_flat", "shard_rows"]
+
+
+def shard_rows(layout: ShardLayout, rank: int, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    """Row ids rank ``rank`` owns, in shard order (position ``p`` of the shard is row ``[p]``)."""
+    start = layout.starts[rank]
+    positions = torch.arange(start, start + layout.shard_size(rank), dtype=torch.int64, device=device)
+    return ops.unpermute(positions, layout.num_rows, layout.seed)
+
+
+def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dist.ProcessGroup] = None, *,
+                          seed: Optional[int] = None, prescale: float = 1.0, postscale: float = 1.0,
+                          options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
+                          log_prefix: str = "zen", as_rows: bool = False) -> Union[torch.Tensor, RowSparse]:
+    """The sum over ``group`` of this rank's shard of rows, as a dense ``[shard_size, *row_shape]``
+    tensor in ``x``'s dtype (rows nobody sent are zero), or with ``as_rows`` only the rows some
+    rank sent, as a :class:`RowSparse` over the whole table (global row ids, in shard order).
+
+    ``x`` is a :class:`RowSparse`, a sparse COO tensor or a dense tensor (its non-zero rows are
+    sent). Every rank must pass the same shape and dtype: a mismatch or a bad input on any rank
+    raises the same ValueError on every rank (the handshake of :func:`zen_ds.sparse_allreduce`,
+    which also tells each owner how many rows it will receive). ``prescale`` multiplies the values before
+    they are sent, ``postscale`` the sum (in the accumulation dtype: fp32 for fp16/bf16) before it
+    is cast back, as :func:`zen_ds.sparse_allreduce` does. ``options`` (default:
+    :func:`zen_ds.default_options`) are the sync options every rank must agree on (the handshake
+    checks them); ``seed``, when given, overrides their seed. The shard's rows are
+    ``shard_rows(ShardLayout(num_rows, world_size, seed), rank)`` for that seed.
+    """
+    opts = options if options is not None else default_options()
+    if seed is not None and isinstance(opts, SyncOptions):
+        opts = replace(opts, seed=seed)
+    seed = opts.seed if isinstance(opts, SyncOptions) else 0
+    comm, local, table = agree(x, None, group, "balanced", False, opts, prescale, postscale, log_prefix)
+    comm.scheme = "reduce_scatter"
+    n, rank = comm.world_size, comm.rank
+    x = local_rows(local, float(prescale))
+    layout = ShardLayout(x.num_rows, n, seed)
+    owner_counts = table.owner_counts if n > 1 and x.num_rows and x.row_numel else None
+    ctx = SyncContext(comm, seed, None, "auto",
+                      owner_counts=None if owner_counts is None else owner_counts.to(x.device))
+    pushed = push(x, ctx, layout, "reduce_scatter")
+    recv_offsets, recv_values = pushed.recv_offsets, pushed.recv_values
+    rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype), n)  # n: -0.0 rule
+    if postscale != 1.0:
+        sums.mul_(float(postscale))
+    if stats is not None:
+        stats.scheme = "reduce_scatter"
+        stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
+        stats.nnz_local, stats.nnz_result = int(x.indices.numel()), int(rows.numel())
+        stats.num_rows, stats.row_numel, stats.world_size = x.num_rows, x.row_numel, n
+        stats.dense_bytes = x.num_rows * x.row_numel * x.values.element_size()
+        stats.collectives = list(comm.records)
+    if as_rows:
+        ids = ops.unpermute(rows.to(torch.int64) + layout.starts[rank], x.num_rows, seed)
+        return RowSparse(ids, sums.to(x.dtype).reshape((-1,) + x.row_shape), x.num_rows)
+    shard = torch.zeros((layout.shard_size(rank),) + x.row_shape, dtype=x.dtype, device=x.device)
+    if rows.numel():
+        shard.view(shard.shape[0], -1).index_copy_(0, rows.to(torch.int64), sums.to(x.dtype))
+    return shard
+
+
+def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optional[dist.ProcessGroup] = None, *,
+                               partition_numel: Optional[int] = None, prescale: float = 1.0,
+                               postscale: float = 1.0, out_dtype: Optional[torch.dtype] = None,
+                               options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
+                               log_prefix: str = "zen", dense_fallback: bool = False) -> Optional[torch.Tensor]:
+    """This rank's contiguous flat partition of the sum over ``group``, with only the non-zero
+    rows on the wire: ZeRO-3's gradient layout, where rank ``r`` owns the row-major elements
+    ``[r * P, (r + 1) * P)`` of the whole tensor (``P = partition_numel``, default
+    ``ceil(numel / n)``; zero past the tensor's end), exactly what a dense reduce-scatter of the
+    padded flat tensor hands it.
+
+    Ownership is fixed by that layout, not hashed: a row is sent whole to every rank whose
+    partition it overlaps (a row straddling a boundary goes to both; rows wider than a partition
+    to several), and each receiver keeps its slice. So rows cluster as their ids do: with
+    frequent low ids the first ranks receive more rows (``stats.nnz_result`` is this rank's
+    received row count). Sums are in fp32 for fp16/bf16; the result is ``postscale * sum(prescale
+    * x)`` as a 1-D tensor of ``out_dtype`` (default: ``x``'s dtype). Bad input or a mismatch on
+    any rank raises the same ValueError on every rank (:func:`zen_ds.sparse_allreduce`'s handshake).
+
+    ``dense_fallback``: return None, on every rank alike (decided from the handshake's counts),
+    when the rows would move more bytes than a ring reduce-scatter of the dense tensor; the
+    caller then runs that one.
+    """
+    opts = options if options is not None else default_options()
+    comm, local, table = agree(x, None, group, "agsparse", False, opts, prescale, postscale, log_prefix)
+    comm.scheme = "reduce_scatter_flat"
+    n, rank = comm.world_size, comm.rank
+    width = local.row_numel
+    numel = local.num_rows * width
+    part = int(partition_numel) if partition_numel is not None else -(-numel // n)
+    if part * n < numel:
+        raise ValueError(f"partition_numel {part} x {n} ranks < {numel} elements: the partitions must cover "
+                         "the tensor")
+    if dense_fallback and n > 1:
+        # Bytes the busiest rank sends: its rows (id + values, most of them to other ranks)
+        # against the (n-1)/n of the padded tensor a ring reduce-scatter sends from every rank.
+        row_bytes = 8 + width * local.dtype.itemsize
+        sparse = max(table.column("nnz")) * row_bytes * (n - 1) / n
+        if sparse >= (n - 1) * part * local.dtype.itemsize:
+            if stats is not None:
+                stats.scheme, stats.collectives = "dense", list(comm.records)
+                stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
+            return None
+    rs = local_rows(local, float(prescale))
+    acc = accum_dtype(rs.dtype)
+    device = rs.values.device
+    out = torch.zeros(part, dtype=acc, device=device)
+    if width and numel:
+        ids = rs.indices.to(torch.int64)
+        first = torch.div(ids * width, part, rounding_mode="floor")
+        last = torch.div((ids + 1) * width - 1, part, rounding_mode="floor")
+        spans = last - first + 1
+        if bool((spans == 1).all()):
+            dest, pick = first, None
+        else:  # rows over a partition boundary go to each owner
+            pick = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), spans)
+            starts = torch.repeat_interleave(first, spans)
+            dest = starts + (torch.arange(pick.numel(), device=ids.device)
+                             - torch.repeat_interleave(torch.cumsum(spans, 0) - spans, spans))
+        order = torch.argsort(dest, stable=True)
+        rows = pick[order] if pick is not None else order
+        send_counts = torch.bincount(dest, minlength=n).to(torch.int64)
+        recv_counts = torch.empty_like(send_counts)
+        comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "reduce_scatter_flat.counts")
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        values = rs.values_2d().index_select(0, rows)
+        send = torch.cat([_as_bytes(ids.index_select(0, rows)), _as_bytes(values)], dim=1)
+        received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=device)
+        comm.all_to_all_single(received, send, recv_splits, send_splits, "reduce_scatter_flat.push")
+        del send, values
+        got_ids = _view_as(received[:, :8], torch.int64).flatten()
+        got_values = _view_as(received[:, 8:], rs.dtype).reshape(-1, width)
+        _add_rows_into_partition(out, got_ids, got_values, width, rank * part)
+        recv_rows = int(got_ids.numel())
+    else:
+        recv_rows = 0
+    if postscale != 1.0:
+        out.mul_(float(postscale))
+    end = numel - rank * part  # elements of this partition that are real (the rest is padding)
+    if end < part:
+        out[max(end, 0):].zero_()
+    result = out.to(out_dtype if out_dtype is not None else rs.dtype)
+    if stats is not None:
+        stats.scheme = "reduce_scatter_flat"
+        stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
+        stats.nnz_local, stats.nnz_result = int(rs.indices.numel()), recv_rows
+        stats.num_rows, stats.row_numel, stats.world_size = rs.num_rows, width, n
+        stats.dense_bytes = numel * rs.values.element_size()
+        stats.collectives = list(comm.records)
+    return result
+
+
+def _add_rows_into_partition(out: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, width: int,
+                             base: int) -> None:
+    """Add whole rows (flat start ``id * width``) into the partition that starts at flat ``base``;
+    the parts of straddling rows outside it are dropped."""
+    if not ids.numel():
+        return
+    part = out.numel()
+    starts = ids * width - base
+    inside = (starts >= 0) & (starts + width <= part)
+    if bool(inside.all()) and part % width == 0 and base % width == 0:
+        out.view(-1, width).index_add_(0, torch.div(starts, width, rounding_mode="floor"),
+                                       values.to(out.dtype))
+        return
+    positions = starts.unsqueeze(1) + torch.arange(width, device=ids.device)
+    keep = (positions >= 0) & (positions < part)
+    out.index_add_(0, positions[keep], values.to(out.dtype)[keep])

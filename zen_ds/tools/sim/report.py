@@ -1,0 +1,113 @@
+"""Tables, JSON and plots of simulated syncs, in the spirit of nccl-tests' output.
+
+Columns: wire bytes per rank (max over ranks, sent / received), communication and compute time,
+algbw (dense gradient bytes / time) and busbw (algbw x 2(n-1)/n, the ring all-reduce's factor, so
+a dense all-reduce reads as link utilisation), and speed-ups over dense all-reduce and over the
+sparse all-gather. The lossless bound is printed under every table.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Dict, List, Optional, Sequence
+
+from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, SimResult
+from zen_ds.tools.sim.supports import LosslessBound
+
+__all__ = ["format_table", "result_rows", "write_json", "plot_speedups", "bound_line"]
+
+
+def bound_line(result: SimResult) -> str:
+    b: LosslessBound = result.bound
+    return (f"# lossless bound: max_r(U - S_r) = {b.bound_rows:,} rows vs the sparse all-gather's "
+            f"(n-1) max m = {b.allgather_rows:,} rows -> bound ratio {b.ratio:.2f}x "
+            f"(union {b.union:,} rows, {result.nnz_mean:,.0f} rows/rank)")
+
+
+def _speedup(base: float, seconds: float) -> float:
+    return base / seconds if seconds > 0 else math.inf
+
+
+def result_rows(result: SimResult) -> List[Dict[str, object]]:
+    """JSON rows: one per scheme, plus auto (with ``chosen``) and deepspeed."""
+    dense = result.row("dense").seconds if any(r.scheme == "dense" for r in result.rows) else None
+    agsparse = result.row("agsparse").seconds if any(r.scheme == "agsparse"
+                                                     for r in result.rows) else None
+    out = []
+    for r in result.rows:
+        row = {"workload": result.workload, "ranks": result.world_size,
+               "ranks_per_node": result.ranks_per_node, **r.as_dict()}
+        if dense is not None:
+            row["speedup_vs_dense"] = _speedup(dense, r.seconds)
+        if agsparse is not None:
+            row["speedup_vs_agsparse"] = _speedup(agsparse, r.seconds)
+        out.append(row)
+    return out
+
+
+def format_table(result: SimResult, header: str = "") -> str:
+    n = result.world_size
+    lines = [f"# {result.workload}  n={n} ({result.ranks_per_node}/node)  rows={result.num_rows:,} x {result.row_numel}  "
+             f"dense {result.dense_bytes / 1e6:,.1f} MB  {header}".rstrip()]
+    head = (f"{'scheme':>10} {'method':>6} {'sent MB':>10} {'recv MB':>10} {'comm ms':>10} "
+            f"{'comp ms':>9} {'time ms':>10} {'algbw GB/s':>10} {'busbw GB/s':>10} "
+            f"{'vs dense':>8} {'vs agsp':>8}  chosen")
+    lines.append(head)
+    for row in result_rows(result):
+        seconds = row["seconds"]
+        algbw = result.dense_bytes / seconds / 1e9 if seconds > 0 else math.inf
+        busbw = algbw * 2 * (n - 1) / n
+        lines.append(
+            f"{row['scheme']:>10} {row['method']:>6} {row['bytes_sent'] / 1e6:>10.2f} "
+            f"{row['bytes_received'] / 1e6:>10.2f} {row['comm_seconds'] * 1e3:>10.3f} "
+            f"{row['compute_seconds'] * 1e3:>9.3f} {seconds * 1e3:>10.3f} {algbw:>10.2f} "
+            f"{busbw:>10.2f} {row.get('speedup_vs_dense', math.nan):>7.2f}x "
+            f"{row.get('speedup_vs_agsparse', math.nan):>7.2f}x  {row.get('chosen', '')}")
+    lines.append(bound_line(result))
+    return "\n".join(lines)
+
+
+def write_json(path: str, results: Sequence[SimResult], context: Dict[str, object],
+               extra: Optional[Dict[str, object]] = None) -> None:
+    data = {"rows": [row for r in results for row in result_rows(r)],
+            "bounds": [{"workload": r.workload, "ranks": r.world_size, **r.bound.as_dict()}
+                       for r in results],
+            "context": context}
+    if extra:
+        data.update(extra)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def plot_speedups(path: str, results: Sequence[SimResult], baseline: str = "dense") -> None:
+    """One panel per workload and ranks per node: each scheme's (and auto's) speed-up over ``baseline`` vs n,
+    both axes log-scaled; the bound ratio over the sparse all-gather as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r.workload, r.ranks_per_node) for r in results))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (workload, per_node) in zip(axes[0], panels):
+        runs = sorted((r for r in results if (r.workload, r.ranks_per_node) == (workload, per_node)),
+                      key=lambda r: r.world_size)
+        ranks = [r.world_size for r in runs]
+        for scheme in dict.fromkeys(row.scheme for r in runs for row in r.rows):
+            ys = [r.row(baseline).seconds / r.row(scheme).seconds for r in runs]
+            # auto and deepspeed coincide with the schemes they run: draw them dashed on top.
+            style = {"color": "black", "linestyle": "--", "marker": "x"} if scheme == AUTO else \
+                {"linestyle": ":", "marker": "+"} if scheme == DEEPSPEED else {"marker": "o"}
+            ax.plot(ranks, ys, label=scheme, **style)
+        if baseline == "agsparse":
+            ax.plot(ranks, [r.bound.ratio for r in runs], "k--", label="bytes bound")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks")
+        ax.set_ylabel(f"speed-up over {baseline}")
+        ax.set_title(f"{workload}, {per_node} rank(s) per node")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,192 @@
+"""One simulated sync: every scheme's exact traffic and time, and what ``auto`` would pick.
+
+For each registered scheme the simulator rebuilds the SyncShape ``sparse_allreduce`` would hand
+it (sketch-estimated union and singletons when the call builds a layout), runs the scheme's
+traffic function (:mod:`zen_ds.tools.sim.traffic`) after the handshake, and times the result with the
+planner's cost model on the topology (:mod:`zen_ds.tools.sim.cost`). ``auto`` is
+:func:`zen_ds.planner.plan` on the handshake's SyncShape with the network's cost model, then
+simulated exactly like the scheme it chose. ``deepspeed`` is DeepSpeed's own reduction: its
+padded sparse all-gather after a size all-gather (no zen handshake), or a dense all-reduce for
+dense gradients.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from zen_ds.model.cost import CostModel
+from zen_ds.model.shape import SyncShape
+from zen_ds.model.support import planning_ranks
+from zen_ds.planner import plan_choice
+from zen_ds.schemes import get_scheme, scheme_names
+from zen_ds.tools.sim import peers  # noqa: F401  (registers the peer schemes' traffic functions)
+from zen_ds.tools.sim.cost import SimCost
+from zen_ds.tools.sim.supports import LosslessBound, Supports, handshake_shape, lossless_bound
+from zen_ds.tools.sim.traffic import (
+    Phase,
+    Traffic,
+    agsparse_traffic,
+    dense_traffic,
+    handshake_phase,
+    traffic_function,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SchemeResult", "SimResult", "simulate", "DEEPSPEED", "AUTO"]
+
+AUTO = "auto"
+DEEPSPEED = "deepspeed"
+
+
+@dataclass
+class SchemeResult:
+    """One scheme's simulated sync (bytes are the maximum over ranks)."""
+
+    scheme: str
+    method: str  # "exact": its traffic function; "model": its predict() (no traffic function)
+    comm_seconds: float
+    compute_seconds: float
+    bytes_sent: int
+    bytes_received: int
+    latency_steps: int
+    phases: List[Dict[str, object]] = field(default_factory=list)
+    chosen: Optional[str] = None  # auto only: the scheme the planner picked
+    traffic: Optional[Traffic] = field(default=None, repr=False)
+
+    @property
+    def seconds(self) -> float:
+        return self.comm_seconds + self.compute_seconds
+
+    def as_dict(self) -> Dict[str, object]:
+        out = {"scheme": self.scheme, "method": self.method, "seconds": self.seconds,
+               "comm_seconds": self.comm_seconds, "compute_seconds": self.compute_seconds,
+               "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+               "latency_steps": self.latency_steps, "phases": self.phases}
+        if self.chosen is not None:
+            out["chosen"] = self.chosen
+        return out
+
+
+@dataclass
+class SimResult:
+    """Every scheme at one (workload, n): rows in registry order, then auto and deepspeed."""
+
+    workload: str
+    world_size: int
+    num_rows: int
+    row_numel: int
+    value_bytes: int
+    nnz_mean: float
+    bound: LosslessBound
+    rows: List[SchemeResult]
+    ranks_per_node: int = 1
+
+    def row(self, scheme: str) -> SchemeResult:
+        for r in self.rows:
+            if r.scheme == scheme:
+                return r
+        raise KeyError(scheme)
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.num_rows * self.row_numel * self.value_bytes
+
+
+def _result(name: str, method: str, traffic: Traffic, cost: SimCost, row_numel: int,
+            steps: Optional[int] = None) -> SchemeResult:
+    phases = [{"name": p.name, "op": p.op, "bytes_sent": int(p.sent.max()),
+               "bytes_received": int(p.received.max()), "seconds": cost.phase_seconds(p)}
+              for p in traffic.phases]
+    return SchemeResult(name, method, cost.comm_seconds(traffic),
+                        cost.compute_seconds(traffic, row_numel), int(traffic.bytes_sent.max()),
+                        int(traffic.bytes_received.max()),
+                        sum(p.latency_steps for p in traffic.phases) if steps is None else steps,
+                        phases, traffic=traffic)
+
+
+def scheme_traffic(supports: Supports, name: str, shape: SyncShape, index_encoding: str = "auto"
+                   ) -> Optional[Traffic]:
+    """The exact traffic of ``sparse_allreduce(scheme=name)`` (handshake first), or None when
+    the scheme has no traffic function."""
+    fn = traffic_function(name)
+    if fn is None:
+        return None
+    body = fn(supports, shape, index_encoding)
+    return Traffic([handshake_phase(supports.world_size)] + body.phases, body.compute)
+
+
+def _model_traffic(supports: Supports, name: str, shape: SyncShape) -> Traffic:
+    """A scheme without a traffic function: its ``predict`` at the ranks the planner checks,
+    as one flat phase per rank (the largest estimate for ranks it did not check)."""
+    n = supports.world_size
+    scheme = get_scheme(name)
+    ranks = planning_ranks(shape)
+    estimates = {r: scheme.predict(replace(shape, rank=r)) for r in ranks}
+    sent = torch.zeros(n, dtype=torch.int64)
+    received = torch.zeros(n, dtype=torch.int64)
+    top_sent = max(int(e.bytes_sent) for e in estimates.values())
+    top_received = max(int(e.bytes_received) for e in estimates.values())
+    sent[:] = top_sent
+    received[:] = top_received
+    for r, e in estimates.items():
+        sent[r], received[r] = int(e.bytes_sent), int(e.bytes_received)
+    steps = max(e.latency_steps for e in estimates.values())
+    phase = Phase(name, "model", sent, received, steps=steps)
+    return Traffic([handshake_phase(n), phase])
+
+
+def _deepspeed_traffic(supports: Supports, sparse: bool) -> Traffic:
+    n = supports.world_size
+    reduction = agsparse_traffic if sparse else dense_traffic
+    body = reduction(supports, handshake_shape(supports, with_layout=False), "auto")
+    if not sparse:
+        return body
+    sizes = Phase.ring("deepspeed.sizes", "all_gather",
+                       torch.full((n,), (n - 1) * 8, dtype=torch.int64))
+    return Traffic([sizes] + body.phases, body.compute)
+
+
+def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
+             index_encoding: str = "auto", sparse: bool = True,
+             planning: Optional[CostModel] = None) -> SimResult:
+    """Every scheme (default: all registered), ``auto`` and ``deepspeed`` on ``supports``.
+
+    ``planning``: the cost model the ranks plan with (their SyncOptions'), when it is not the
+    network's: the schemes' data-independent choices and ``auto`` follow it, the time follows
+    ``cost`` (replaying a run whose ranks used the default model on a slower link)."""
+    n = supports.world_size
+    if n < 2:
+        raise ValueError("simulate needs at least 2 ranks: a group of one moves nothing")
+    planning = cost.model if planning is None else planning
+    latency_bytes = planning.latency_bytes
+    per_node = cost.topology.ranks_per_node  # what SyncOptions.ranks_per_node would say
+    auto_shape = replace(handshake_shape(supports, latency_bytes), ranks_per_node=per_node)
+    rows: List[SchemeResult] = []
+    for name in (tuple(schemes) or scheme_names()):
+        shape = replace(handshake_shape(supports, latency_bytes,
+                                        with_layout=get_scheme(name).needs_sketch),
+                        ranks_per_node=per_node)
+        traffic = scheme_traffic(supports, name, shape, index_encoding)
+        if traffic is None:
+            traffic = _model_traffic(supports, name, auto_shape)
+            rows.append(_result(name, "model", traffic, cost, supports.row_numel))
+        else:
+            rows.append(_result(name, "exact", traffic, cost, supports.row_numel))
+    chosen = plan_choice(auto_shape, cost=planning)  # the runtime's (memoised) choice
+    traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding)
+    method = "exact"
+    if traffic is None:
+        traffic, method = _model_traffic(supports, chosen, auto_shape), "model"
+    auto = _result(AUTO, method, traffic, cost, supports.row_numel)
+    auto.chosen = chosen
+    rows.append(auto)
+    rows.append(_result(DEEPSPEED, "exact", _deepspeed_traffic(supports, sparse), cost,
+                        supports.row_numel))
+    nnz = supports.nnz.double()
+    return SimResult(supports.name, n, supports.num_rows, supports.row_numel,
+                     supports.value_bytes, float(nnz.mean()), lossless_bound(supports), rows,
+                     cost.topology.ranks_per_node)
