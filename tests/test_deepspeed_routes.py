@@ -117,7 +117,7 @@ def test_engine_and_config_facts_agree():
 
 
 def test_every_refusal_message_is_written_once():
-    package = Path(__file__).resolve().parents[1] / "zen_ds" / "deepspeed"
+    package = Path(__file__).resolve().parents[1] / "zen_ds" / "integrations" / "deepspeed"
     messages = []
     for path in package.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -51,6 +51,61 @@ LONG_MODULES = {
 }
 
 
+# Module-level state that code changes after import: (module, name) -> what it holds and why it is
+# per process. Everything else a sync or an engine keeps lives in objects the caller holds
+# (SyncOptions with its PlanMemo, ZenEngineState, ZenReducer, SyncStats passed as stats=).
+PROCESS_STATE = {
+    ("zen_ds.ops", "_backend"): "the op implementation this process loaded (compiled or torch)",
+    ("zen_ds.ops", "_backend_reason"): "why, for the report",
+    ("zen_ds.ops", "_warned"): "the torch-fallback warning is printed once per process",
+    ("zen_ds.core.comm", "_logged_all_gather"): "the all-gather function torch offers, resolved once",
+    ("zen_ds.core.handshake", "_OFFSETS"): "the record layout, computed at import from FIELDS",
+    ("zen_ds.core.handshake", "_AGREED_MASK"): "the record layout, computed at import from FIELDS",
+    ("zen_ds.core.stats", "_last"): "last_sync_stats(): the documented process-wide view of the last "
+                                    "call; callers that own their stats pass stats=",
+    ("zen_ds.schemes", "_REGISTRY"): "the scheme registry: built-in schemes plus register_scheme()",
+    ("zen_ds.schemes.sparcml", "_VARIANTS"): "cache of a pure function of the shape (bounded)",
+    ("zen_ds.schemes.sparcml", "_RANGES"): "cache of a pure function of the shape",
+    ("zen_ds.schemes.topology", "_CREATED"): "node process groups: torch's new_group is collective and "
+                                             "per process, so each is made once",
+    ("zen_ds.schemes.topology", "_CHECKED"): "node layouts the group already agreed on",
+    ("zen_ds.sync.options", "_default_options"): "the documented process default of set_default_options()",
+    ("zen_ds.sync.calibrate", "_MEASURED"): "this machine's measured compute rates, measured once",
+    ("zen_ds.integrations.megatron", "_IMPORTED"): "megatron-core's import outcome, once",
+    ("zen_ds.integrations.deepspeed.engine", "_REGISTRY"): "engine -> its ZenEngineState (weak keys: "
+                                                           "the state lives and dies with its engine)",
+    ("zen_ds.integrations.deepspeed.install", "_ORIGINAL_INITIALIZE"): "deepspeed.initialize is "
+                                                                       "process-wide, so is enable()",
+    ("zen_ds.integrations.deepspeed.overlap", "_HOOKED"): "gradient tensors -> the overlap thread "
+                                                          "feeding on them (weak references)",
+    ("zen_ds.integrations.deepspeed.checkpoint", "_WARNED"): "each skipped-flag warning once per process",
+    ("zen_ds.tools.sim.traffic", "_TRAFFIC"): "the simulator's traffic functions by scheme (a tool)",
+    ("zen_ds.tools.bench.ops", "_stat"): "the ops benchmark's statistic, set by its CLI (a tool)",
+}
+_MUTATORS = {"update", "pop", "clear", "append", "add", "setdefault", "popitem", "move_to_end",
+             "discard", "remove", "extend"}
+
+
+def mutated_globals(source: str) -> Set[str]:
+    """Module-level names the module rebinds (``global``) or mutates (item assignment, in-place
+    container methods) after import."""
+    tree = ast.parse(source)
+    top = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+           for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    found: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.update(node.names)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name):
+            found.add(node.func.value.id)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                    found.add(t.value.id)
+    return found & top
+
+
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -205,7 +260,23 @@ def test_modules_stay_small(package) -> None:
     assert all(reason for _, reason in LONG_MODULES.values())
 
 
+def test_module_state_is_documented(package) -> None:
+    sources, _, _ = package
+    found = {(m, name) for m, source in sources.items() for name in mutated_globals(source)}
+    assert not found - set(PROCESS_STATE), (
+        "module-level state changed after import: keep it in an object the caller holds, or "
+        f"document why it is per process in PROCESS_STATE: {sorted(found - set(PROCESS_STATE))}")
+    assert not set(PROCESS_STATE) - found, f"stale PROCESS_STATE entries: {set(PROCESS_STATE) - found}"
+
+
 # ----------------------------------------------------------------------------- the checks bite
+def test_module_state_is_seen() -> None:
+    source = ("CACHE = {}\n_n = 0\nCONST = (1, 2)\n"
+              "def f(k):\n    global _n\n    _n += 1\n    CACHE[k] = 1\n    local = {}\n    local[k] = 2\n")
+    assert mutated_globals(source) == {"CACHE", "_n"}
+
+
+
 def _sources(**modules: str) -> Dict[str, str]:
     return {name.replace("__", "."): text for name, text in modules.items()}
 

@@ -125,10 +125,14 @@ class ZenReducer:
                        index_encoding=self.config.index_encoding,
                        density_threshold=density_threshold)
 
+    def _wire_dtype(self, p: ZenParam, grad: Optional[torch.Tensor]) -> torch.dtype:
+        """The dtype a gradient travels in: DeepSpeed's communication dtype, else its own."""
+        return self.scale.comm_dtype or (grad.dtype if grad is not None else p.param.dtype)
+
     def _wire(self, p: ZenParam, grad: Optional[torch.Tensor], before: float) -> torch.Tensor:
         """A dense gradient as it goes on the wire: times ``before``, in the communication dtype."""
         dense = grad if grad is not None else torch.zeros_like(p.param)
-        comm_dtype = self.scale.comm_dtype or dense.dtype
+        comm_dtype = self._wire_dtype(p, dense)
         if before != 1.0:
             return (dense.float() * before).to(comm_dtype)
         return dense.to(comm_dtype)
@@ -150,7 +154,7 @@ class ZenReducer:
         """A param zen syncs as it is: a dense gradient in place (no sparse round trip), a COO
         gradient as COO, a missing one as no rows. Returns the synced gradient in the
         communication dtype (``grad`` itself when it already is)."""
-        comm_dtype = self.scale.comm_dtype or (grad.dtype if grad is not None else p.param.dtype)
+        comm_dtype = self._wire_dtype(p, grad)
         kwargs = dict(prescale=before, postscale=after, stats=stats, log_prefix=p.log_prefix,
                       options=self._options(self.config.density_threshold))
         if grad is None:
@@ -174,7 +178,7 @@ class ZenReducer:
                     stats: SyncStats, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
         """A param with sharded optimizer state: the summed rows this rank owns, dense
         ``[shard rows, *row_shape]`` in the communication dtype."""
-        comm_dtype = self.scale.comm_dtype or (grad.dtype if grad is not None else p.param.dtype)
+        comm_dtype = self._wire_dtype(p, grad)
         if grad is None:
             x = RowSparse.empty(p.param.shape[0], tuple(p.param.shape[1:]), dtype=comm_dtype,
                                 device=p.param.device)

@@ -1,5 +1,4 @@
-"""How zen changes one DeepSpeed engine (with :mod:`.facts`, the only modules that touch DeepSpeed
-internals). Supported: DeepSpeed 0.19.x.
+"""How zen changes one DeepSpeed 0.19.x engine (with :mod:`.facts`, the only DeepSpeed internals).
 
 DeepSpeed 0.19 has no reduction hook, no engine factory and no config plug-in registry, so zen
 wraps a few methods *on the engine instance* (never on DeepSpeed's classes; other engines in the
@@ -73,7 +72,6 @@ def _grads_for_deepspeed(engine: Any, state: "ZenEngineState") -> List[Any]:
     return out
 
 
-# ============================================================================ engine wrappers
 def install(engine: Any, state: "ZenEngineState") -> None:
     """Instance-level wrappers that make ``engine`` run zen's reduction and step."""
     if state.zero3 is not None:
