@@ -1,10 +1,23 @@
-"""Suite-wide settings: quiet known third-party warnings; tests import helpers from this folder."""
+"""Suite-wide settings: quiet known third-party warnings, helpers on the path, unit/multirank by folder.
+
+The tests mirror the package: ``tests/unit/<layer>/`` holds tests that run in this one process
+(never start a process; ``pytest tests/unit`` or ``-m unit``) and ``tests/multirank/<layer>/``
+the ones that start processes (gloo ranks, launchers, builds, scripts). Shared helpers live in
+``tests/support/`` (``dist_utils``, ``ds_cases``, ``sync_cases``), importable by plain name.
+"""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+UNIT = os.path.join(TESTS, "unit") + os.sep
+for _path in (os.path.join(TESTS, "support"), TESTS):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 def pytest_configure(config) -> None:
@@ -12,51 +25,67 @@ def pytest_configure(config) -> None:
                  "ignore:Sparse invariant checks:UserWarning",
                  "ignore:.*TypedStorage is deprecated:UserWarning"):
         config.addinivalue_line("filterwarnings", rule)
-    config.addinivalue_line("markers", "unit: one process, no ranks (pytest -m unit: the fast suite)")
-    config.addinivalue_line("markers", "multirank: starts processes (gloo ranks, launchers, scripts)")
+    config.addinivalue_line("markers", "unit: one process, no ranks (tests/unit; pytest -m unit: the fast suite)")
+    config.addinivalue_line("markers", "multirank: starts processes (tests/multirank: gloo ranks, launchers, scripts)")
 
 
-# ----------------------------------------------------------------------------- unit / multirank
-# Every test is in one of two suites: "multirank" (its module starts processes: gloo ranks, a
-# launcher, a subprocess) or "unit" (one process, seconds). `pytest -m unit` runs the fast suite;
-# a unit test that starts a process anyway fails, so the split cannot silently rot.
-_STARTS_PROCESSES = ("run_ranks", "dist_utils", "ds_cases", "subprocess", "mp.spawn",
-                     "multiprocessing")
-_sources: dict = {}
-
-
-def _starts_processes(path: str) -> bool:
-    if path not in _sources:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-        _sources[path] = any(marker in text for marker in _STARTS_PROCESSES)
-    return _sources[path]
+def is_unit(path: str) -> bool:
+    return os.path.abspath(path).startswith(UNIT)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    import pytest
-
     for item in items:
         path = str(getattr(item, "path", item.fspath))
-        item.add_marker(pytest.mark.multirank if _starts_processes(path) else pytest.mark.unit)
+        item.add_marker(pytest.mark.unit if is_unit(path) else pytest.mark.multirank)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Stop the shared rank pools (tests/support/dist_utils.py) before the interpreter exits."""
+    dist_utils = sys.modules.get("dist_utils")
+    if dist_utils is not None:
+        dist_utils.close_pools()
+
+
+# ----------------------------------------------------------------------------- the unit guard
+# A unit test that starts a process anyway (a multiprocessing child, or a Python interpreter
+# through subprocess) fails, so the split cannot silently rot: move such a test to tests/multirank.
+_MESSAGE = ("a unit test started a process: tests that start processes (ranks, launchers, Python "
+            "subprocesses) belong in tests/multirank")
 
 
 def _no_process_start(self, *args, **kwargs):
-    raise RuntimeError("a unit test started a process: start processes only in tests whose module "
-                       "uses dist_utils.run_ranks / subprocess (the multirank suite)")
+    raise RuntimeError(_MESSAGE)
+
+
+def _starts_python(args) -> bool:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args or [])
+    if not argv:
+        return False
+    first = os.fsdecode(argv[0]).split()[0] if argv[0] else ""
+    name = os.path.basename(first)
+    return first == sys.executable or name.startswith("python")
 
 
 def pytest_runtest_setup(item) -> None:
-    if item.get_closest_marker("unit") is not None:
-        import multiprocessing.process
+    if item.get_closest_marker("unit") is None:
+        return
+    import multiprocessing.process
 
-        item._zen_saved_start = multiprocessing.process.BaseProcess.start
-        multiprocessing.process.BaseProcess.start = _no_process_start
+    saved_start, saved_init = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
+
+    def guarded_init(self, args, *rest, **kwargs):
+        if _starts_python(args):
+            raise RuntimeError(_MESSAGE)
+        saved_init(self, args, *rest, **kwargs)
+
+    item._zen_saved = (saved_start, saved_init)
+    multiprocessing.process.BaseProcess.start = _no_process_start
+    subprocess.Popen.__init__ = guarded_init
 
 
 def pytest_runtest_teardown(item) -> None:
-    saved = getattr(item, "_zen_saved_start", None)
+    saved = getattr(item, "_zen_saved", None)
     if saved is not None:
         import multiprocessing.process
 
-        multiprocessing.process.BaseProcess.start = saved
+        multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__ = saved

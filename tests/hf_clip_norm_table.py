@@ -13,9 +13,10 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS, os.path.join(_TESTS, "support")]
 
-import test_hf_trainer as hf  # noqa: E402
+from multirank.integrations import test_hf_trainer as hf  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 from ds_cases import max_rel_err, set_env  # noqa: E402
 

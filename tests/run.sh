@@ -27,12 +27,51 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 echo "== building the zen_ds C++ ops (cached after the first run)"
 python -m zen_ds report --build || echo "(compiled ops unavailable: the torch fallback is tested)"
 
-set +e
-python -m pytest tests --durations=25 "$@"
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
+# Two parts, each timed: the unit suite (tests/unit: one process, about a minute) first, then the
+# multirank suite (tests/multirank and the README commands: ranks, launchers, builds). Arguments
+# go to both; a part they select nothing from is fine, but nothing selected at all is a failure.
+# `-m unit` / `-m multirank` run that part only; arguments naming a test path run just those.
+unit_part="unit:tests/unit"
+multirank_part="multirank:tests/multirank tests/test_readme_commands.py"
+parts=("$unit_part" "$multirank_part")
+previous=""
+for arg in "$@"; do
+    if [[ "$previous" == "-m" && "$arg" == "unit" ]]; then
+        parts=("$unit_part")
+    elif [[ "$previous" == "-m" && "$arg" == "multirank" ]]; then
+        parts=("$multirank_part")
+    elif [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+        parts=("selected:")
+        break
+    fi
+    previous="$arg"
+done
+overall=0
+ran=0
+summary=""
+for part in "${parts[@]}"; do
+    name="${part%%:*}"
+    read -r -a paths <<< "${part#*:}"
+    echo "== $name tests"
+    start=$SECONDS
+    set +e
+    python -m pytest "${paths[@]}" --durations=15 "$@"
+    status=$?
+    set -e
+    elapsed=$((SECONDS - start))
+    summary+="$(printf '%s tests: %dm%02ds (pytest exit %d)' "$name" $((elapsed / 60)) $((elapsed % 60)) "$status")"$'\n'
+    if [ "$status" -eq 5 ]; then
+        continue  # this part selected nothing
+    fi
+    ran=1
+    if [ "$status" -ne 0 ]; then
+        overall=$status
+    fi
+done
+echo "== times"
+printf '%s' "$summary"
+if [ "$ran" -eq 0 ]; then
     echo "pytest collected no tests: treat as a failure (check the -k/-m filter or the tests folder)"
     exit 1
 fi
-exit "$status"
+exit "$overall"

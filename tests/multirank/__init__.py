@@ -1,0 +1,1 @@
+"""The multirank suite: gloo ranks, launchers, builds and scripts in processes of their own."""

@@ -1,0 +1,474 @@
+"""The CUDA kernels, run on the CPU through the emulation, against the torch reference ops.
+
+``zen_ds.ops.emulation`` compiles ``csrc/zen/includes/zen_ops_cuda_kernels.cuh`` (the very kernels
+and launchers nvcc compiles) with a host-side CUDA emulation: real threads per block, barriers,
+warp collectives, shared memory, atomics. Every kernel runs here on the adversarial cases of
+tests/unit/ops/test_ops.py (row 0, last row, empty input, duplicates, unsorted input, NaN / -0.0 rows, row
+widths that are not a multiple of the copy or warp width, large universes) and on contention cases
+(many threads on one histogram bin, one bitmap word, one segment). The emulation caps grids at
+4 blocks of 256 threads, so these small inputs span several blocks and wrap every grid-stride loop.
+
+Two tests prove the comparisons catch broken kernels: atomics made non-atomic (the emulation's
+fault switch) and an off-by-one in the partition's per-warp histogram prefix (a mutated copy of
+the kernels header, built separately).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+import torch
+
+from zen_ds.ops import selfcheck
+from zen_ds.ops import torch_ops as ref
+
+REPO = Path(__file__).resolve().parents[3]
+KERNELS = REPO / "csrc" / "zen" / "includes" / "zen_ops_cuda_kernels.cuh"
+HUGE = [5_000_000_000, 2**48 - 1]
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# The partition's per-warp exclusive prefix, with an off-by-one: warp 0's rows are not counted.
+OFF_BY_ONE = ("for (int w = 0; w < warp; ++w) rank += warp_hist[w * n + o];",
+              "for (int w = 1; w < warp; ++w) rank += warp_hist[w * n + o];")
+
+
+def _skip_without_builder() -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:
+        pytest.skip("deepspeed not importable: the emulated ops cannot be built")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def emu():
+    """The emulated CUDA ops (built once per source tree, then loaded from the JIT cache)."""
+    _skip_without_builder()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+    from zen_ds.ops.emulation import load_emulated_ops
+
+    ops = load_emulated_ops()
+    assert ops.module.emu_config() == {"threads": 256, "max_grid": 4}
+    yield ops
+    ops.module.emu_set_fault("none")
+
+
+@pytest.fixture(autouse=True)
+def _no_fault(request):
+    yield
+    if "emu" in request.fixturenames:
+        request.getfixturevalue("emu").module.emu_set_fault("none")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------- comparison
+
+
+def difference(got, want, what: str = "result") -> Optional[str]:
+    """None when equal (dtype, shape, bits; -0.0 != +0.0; any NaN equals any NaN), else what
+    differs."""
+    if isinstance(want, (tuple, list)):
+        if len(got) != len(want):
+            return f"{what}: {len(got)} outputs, want {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            diff = difference(g, w, f"{what}[{i}]")
+            if diff:
+                return diff
+        return None
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{what}: {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}"
+    bits = _BITS[got.element_size()]
+    g = got.contiguous().reshape(-1).view(bits)
+    w = want.contiguous().reshape(-1).view(bits)
+    differs = g != w
+    if got.is_floating_point():  # any NaN equals any NaN (payload and sign are not specified)
+        differs &= ~(got.reshape(-1).isnan() & want.reshape(-1).isnan())
+    if not bool(differs.any()):
+        return None
+    bad = differs.nonzero().flatten()
+    first = bad[:6].tolist()
+    return (f"{what}: {bad.numel()} of {g.numel()} elements differ, first at {first}: got "
+            f"{got.reshape(-1)[first].tolist()}, want {want.reshape(-1)[first].tolist()}")
+
+
+def assert_same(got, want, what: str = "result") -> None:
+    diff = difference(got, want, what)
+    assert diff is None, diff
+
+
+def assert_close_sums(got, want) -> None:
+    """Sums of random values: equal up to rounding (order of addition), NaN where NaN."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _row_sets(num_rows: int, gen: torch.Generator, k: int = 600) -> List[torch.Tensor]:
+    """Empty, row 0, last row, both ends, unique random rows in random order (several blocks)."""
+    sets = [torch.empty(0, dtype=torch.int64), torch.tensor([0]), torch.tensor([num_rows - 1]),
+            torch.unique(torch.tensor([0, num_rows - 1]))]
+    rows = torch.unique(torch.cat([torch.tensor([0, num_rows - 1]),
+                                   torch.randint(0, num_rows, (min(k, num_rows),), generator=gen)]))
+    sets.append(rows[torch.randperm(rows.numel(), generator=gen)])
+    return sets
+
+
+def _one_owner_rows(num_rows: int, world_size: int, seed: int, k: int) -> torch.Tensor:
+    """k rows that all belong to the last rank: every thread of every block on one histogram bin."""
+    start = ref.shard_starts(num_rows, world_size)[-2]
+    positions = torch.arange(start, min(num_rows, start + k))
+    return ref.unpermute(positions, num_rows, seed)
+
+
+# ---------------------------------------------------------------- permute
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 1003, 2**31 + 11, 2**32 + 1] + HUGE)
+def test_permute_unpermute(emu, num_rows):
+    gen = _gen(num_rows % 997)
+    for seed in (0, 2**63 + 5):
+        for rows in _row_sets(num_rows, gen) + [torch.randint(0, num_rows, (300,), generator=gen)]:
+            pos = emu.permute(rows, num_rows, seed)
+            assert_same(pos, ref.permute(rows, num_rows, seed), "permute")
+            assert_same(emu.unpermute(pos, num_rows, seed), rows, "unpermute")
+    with pytest.raises(RuntimeError, match="num_rows"):
+        emu.permute(torch.tensor([0, 5, num_rows]), num_rows, 0)
+
+
+# ---------------------------------------------------------------- nonzero rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("width", [1, 3, 33, 70])
+def test_nonzero_rows(emu, dtype, width):
+    rows = 90
+    tiny = 1e-39 if dtype == torch.bfloat16 else torch.finfo(dtype).tiny / 4  # a denormal
+    x = torch.zeros(rows, width, dtype=dtype)
+    cases = [x.clone(), torch.ones(rows, width, dtype=dtype)]
+    y = x.clone(); y[0, width - 1] = 1; cases.append(y)                    # row 0, last element
+    y = x.clone(); y[rows - 1, 0] = 2; cases.append(y)                     # last row only
+    y = x.clone(); y[7, width // 2] = float("nan"); y[40, 0] = float("-inf"); cases.append(y)
+    y = x.clone(); y[3, width - 1] = -0.0; y[4, 0] = tiny; cases.append(y)  # -0.0, denormal
+    if width >= 2:
+        y = x.clone(); y[11, 0], y[11, 1] = 1, -1; cases.append(y)          # sums to zero
+    cases.append((torch.rand(rows, width, generator=_gen(width)) < 0.03).to(dtype))
+    for values in cases:
+        assert_same(emu.nonzero_rows(values), ref.nonzero_rows(values), "nonzero_rows")
+        flat = values.reshape(-1)
+        assert_same(emu.nonzero_rows(flat), ref.nonzero_rows(flat), "nonzero_rows 1-D")
+    assert_same(emu.nonzero_rows(torch.empty(0, width, dtype=dtype)), torch.empty(0, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------- partition
+
+# (dtype, row shape): row bytes 1*3, 2, 4, 8, 12, 16 -> every copy unit (uint8 ... uint4)
+_ROW_KINDS = [(torch.uint8, (3,)), (torch.float16, ()), (torch.float32, ()), (torch.float64, ()),
+              (torch.float32, (3,)), (torch.float32, (4,)), (torch.bfloat16, (2, 5))]
+
+
+def _values(k: int, dtype: torch.dtype, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (k,) + shape, generator=gen, dtype=torch.uint8)
+    values = torch.randn((k,) + shape, generator=gen).to(dtype)
+    if k > 2:  # NaN and -0.0 rows are moved bit for bit
+        values[1] = float("nan")
+        values[k - 1] = -0.0
+    return values
+
+
+def _check_partition(impl, rows, values, num_rows, world_size, seed, id_dtype) -> Optional[str]:
+    got = impl.partition(rows, values, num_rows, world_size, seed, id_dtype)
+    want = ref.partition(rows, values, num_rows, world_size, seed, id_dtype)
+    return difference(got, want, f"partition(k={rows.numel()}, n={world_size})")
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 1003, 2**31 + 11] + HUGE)
+def test_partition(emu, num_rows):
+    gen = _gen(num_rows % 991)
+    for i, rows in enumerate(_row_sets(num_rows, gen)):
+        for world_size in ((1, 3, 8, 33) if i == 4 else (1, 3) if i % 2 else (8,)):
+            id_dtypes = [torch.int64] + ([torch.int32] if num_rows // world_size < 2**31 - 1 else [])
+            for id_dtype in id_dtypes:
+                dtype, shape = _ROW_KINDS[(world_size + len(id_dtypes)) % len(_ROW_KINDS)]
+                values = _values(rows.numel(), dtype, shape, gen)
+                diff = _check_partition(emu, rows, values, num_rows, world_size, 11, id_dtype)
+                assert diff is None, diff
+
+
+def test_partition_every_copy_unit_and_one_bin(emu):
+    """Every row width (copy units uint8 to uint4) and the contention case: 700 rows of one owner
+    over three blocks, so all 256 threads of a block add to one shared histogram bin and match
+    one warp peer group."""
+    gen = _gen(5)
+    num_rows = 50_021
+    rows = _one_owner_rows(num_rows, 8, 3, 700)
+    for dtype, shape in _ROW_KINDS:
+        values = _values(rows.numel(), dtype, shape, gen)
+        for id_dtype in (torch.int32, torch.int64):
+            diff = _check_partition(emu, rows, values, num_rows, 8, 3, id_dtype)
+            assert diff is None, diff
+    counts = emu.partition(rows, torch.zeros(rows.numel()), num_rows, 8, 3, torch.int64)[0]
+    assert counts.tolist() == [0] * 7 + [700]
+
+
+def test_partition_rejects_bad_input(emu):
+    with pytest.raises(RuntimeError, match="num_rows"):
+        emu.partition(torch.tensor([3, 10]), torch.ones(2), 10, 2, 0, torch.int64)
+    with pytest.raises(RuntimeError, match="int32"):
+        emu.partition(torch.tensor([1]), torch.ones(1), 2**40, 2, 0, torch.int32)
+
+
+# ---------------------------------------------------------------- aggregate
+
+
+def _offset_sets(universe: int, gen: torch.Generator) -> List[torch.Tensor]:
+    """Empty, offset 0, last offset, both ends duplicated out of order, every offset twice
+    shuffled (small universes), random with duplicates, one offset many times (one segment)."""
+    last = universe - 1
+    sets = [torch.empty(0, dtype=torch.int64), torch.tensor([0]), torch.tensor([last]),
+            torch.tensor([last, 0, last, 0, last])]
+    if universe <= 4096:
+        every = torch.arange(universe)
+        sets.append(torch.cat([every, every])[torch.randperm(2 * universe, generator=gen)])
+    sets.append(torch.randint(0, universe, (min(3 * universe, 900),), generator=gen))
+    sets.append(torch.full((600,), last // 2))
+    return sets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("universe", [1, 77, 2**40])
+def test_aggregate(emu, dtype, universe):
+    gen = _gen(universe % 1009)
+    accums = [torch.float64] if dtype == torch.float64 else [torch.float32, torch.float64]
+    for i, offsets in enumerate(_offset_sets(universe, gen)):
+        k = offsets.numel()
+        shape = (k,) if i % 2 else (k, 5)
+        # small integers: every sum is exact in any order, so the comparison is bit-exact,
+        # signs of zeros included; -0.0 and NaN values
+        values = torch.randint(-3, 4, shape, generator=gen).to(dtype)
+        if k > 3:
+            values[0] = -0.0
+            values[k // 2] = float("nan")
+        accum, terms = accums[i % len(accums)], (0, 3)[(i // 2) % 2]
+        got = emu.aggregate(offsets, values, accum, terms)
+        assert_same(got, ref.aggregate(offsets, values, accum, terms), "aggregate")
+    offsets = torch.randint(0, min(universe, 300), (900,), generator=gen)
+    values = torch.randn(900, 3, generator=gen).to(dtype)
+    got = emu.aggregate(offsets, values, accums[0])
+    want = ref.aggregate(offsets, values, accums[0])
+    assert_same(got[0], want[0])
+    assert_close_sums(got[1], want[1])
+
+
+def test_aggregate_rejects_negative_offsets(emu):
+    with pytest.raises(RuntimeError, match=">= 0"):
+        emu.aggregate(torch.tensor([3, -1]), torch.ones(2), torch.float32)
+
+
+@pytest.mark.parametrize("universe", [1, 7, 8, 9, 31, 32, 33, 63, 64, 65, 1003])
+def test_aggregate_bitmap(emu, universe):
+    gen = _gen(31 + universe)
+    for offsets in _offset_sets(universe, gen):
+        k = offsets.numel()
+        for dtype, shape in ((torch.float32, (k,)), (torch.bfloat16, (k, 3))):
+            values = torch.randint(-3, 4, shape, generator=gen).to(dtype)
+            for off in (offsets, offsets.to(torch.int32)):
+                got = emu.aggregate_bitmap(off, values, torch.float32, universe, 2)
+                want = ref.aggregate_bitmap(off, values, torch.float32, universe, 2)
+                assert_same(got, want, "aggregate_bitmap")
+    with pytest.raises(RuntimeError, match="universe"):
+        emu.aggregate_bitmap(torch.tensor([universe]), torch.ones(1), torch.float32, universe)
+
+
+# ---------------------------------------------------------------- bitmap codec
+
+
+@pytest.mark.parametrize("universe", [0, 1, 7, 8, 9, 32, 33, 64, 65, 1000, 2**22 + 3])
+def test_bitmap_encode_decode(emu, universe):
+    gen = _gen(universe % 1013)
+    sets = _offset_sets(universe, gen) if universe else [torch.empty(0, dtype=torch.int64)]
+    for offsets in sets:
+        bitmap = emu.bitmap_encode(offsets, universe)
+        assert_same(bitmap, ref.bitmap_encode(offsets, universe), "bitmap_encode")
+        assert_same(emu.bitmap_decode(bitmap, universe), ref.bitmap_decode(bitmap, universe),
+                    "bitmap_decode")
+    if universe % 8:  # bits past the universe in the last byte are ignored
+        full = torch.full(((universe + 7) // 8,), 255, dtype=torch.uint8)
+        assert_same(emu.bitmap_decode(full, universe), ref.bitmap_decode(full, universe))
+    with pytest.raises(RuntimeError, match="universe"):
+        emu.bitmap_encode(torch.tensor([universe]), universe)
+
+
+def test_bitmap_one_word_contention(emu):
+    """1024 threads (4 blocks of 256) set bits of one 32-bit word, each bit 32 times."""
+    offsets = torch.arange(32).repeat(32)[torch.randperm(1024, generator=_gen(2))]
+    for universe in (32, 40):
+        assert_same(emu.bitmap_encode(offsets, universe), ref.bitmap_encode(offsets, universe))
+    half = offsets[offsets % 2 == 1]  # every other bit: the word is not all ones
+    assert_same(emu.bitmap_encode(half, 32), ref.bitmap_encode(half, 32))
+
+
+# ---------------------------------------------------------------- scatter
+
+
+@pytest.mark.parametrize("dtype, shape", [(torch.float32, (3,)), (torch.float16, ()),
+                                          (torch.float64, (2, 5)), (torch.uint8, (3,)),
+                                          (torch.float32, (4,))])
+def test_scatter_rows(emu, dtype, shape):
+    gen = _gen(9)
+    num_rows = 1100
+    for rows in _row_sets(num_rows, gen):
+        values = _values(rows.numel(), dtype, shape, gen)
+        out = torch.full((num_rows,) + shape, 7, dtype=dtype)
+        got = emu.scatter_rows(out.clone(), rows, values)
+        assert_same(got, ref.scatter_rows(out.clone(), rows, values), "scatter_rows")
+    with pytest.raises(RuntimeError, match="row ids"):
+        emu.scatter_rows(torch.zeros((5,) + shape, dtype=dtype), torch.tensor([5]),
+                         torch.ones((1,) + shape, dtype=dtype))
+
+
+def _shard_cases(num_rows: int, world_size: int, seed: int, gen: torch.Generator):
+    starts = ref.shard_starts(num_rows, world_size)
+    for rows in _row_sets(num_rows, gen, k=300):
+        positions = ref.permute(rows, num_rows, seed)
+        for j in range(world_size):
+            lo, hi = starts[j], starts[j + 1]
+            mine = positions[(positions >= lo) & (positions < hi)]
+            yield lo, hi - lo, torch.sort(mine - lo).values
+
+
+@pytest.mark.parametrize("num_rows", [1, 1003, 4099, 2**33 + 5])
+def test_scatter_shard(emu, num_rows):
+    gen = _gen(num_rows % 983)
+    width = 3 if num_rows < 2**20 else 0  # zero-width rows: the dense output costs nothing
+    for world_size, seed in ((1, 0), (3, 2**63 + 5), (8, 5)):
+        for start, universe, offsets in _shard_cases(num_rows, world_size, seed, gen):
+            if True:
+                k = offsets.numel()
+                values = _values(k, torch.float32, (width,), gen)
+                shape = (num_rows, width)
+                want = ref.scatter_rows(torch.zeros(shape),
+                                        ref.unpermute(offsets + start, num_rows, seed), values)
+                shuffled = torch.randperm(k, generator=gen)
+                ids = offsets[shuffled].to(torch.int32 if universe < 2**31 else torch.int64)
+                cases = [(offsets, values, False), (ids, values[shuffled], False)]
+                if universe <= 2**24:
+                    bitmap = ref.bitmap_encode(offsets, universe)
+                    stray = bitmap.clone()
+                    if universe % 8:  # bits past the universe in the last byte: ignored
+                        stray[universe // 8] |= (0xFF << (universe % 8)) & 0xFF
+                    cases += [(bitmap, values, True), (stray, values, True)]
+                for index, vals, is_bitmap in cases:
+                    got = emu.scatter_shard(torch.zeros(shape), index, vals, is_bitmap, universe,
+                                            start, num_rows, seed)
+                    assert_same(got, want, "scatter_shard")
+
+
+def test_scatter_shard_rejects_bad_input(emu):
+    out = torch.zeros(100, 2)
+    with pytest.raises(RuntimeError, match="set bits"):
+        emu.scatter_shard(out, torch.tensor([3] + [0] * 6, dtype=torch.uint8), torch.ones(1, 2),
+                          True, 50, 0, 100, 0)
+    with pytest.raises(RuntimeError, match="universe"):
+        emu.scatter_shard(out, torch.tensor([50]), torch.ones(1, 2), False, 50, 0, 100, 0)
+
+
+# ---------------------------------------------------------------- every kernel, self-check cases
+
+
+def _kernel_names() -> List[str]:
+    return re.findall(r"__global__ void (\w+)\(", KERNELS.read_text(encoding="utf-8"))
+
+
+def test_every_kernel_runs_the_selfcheck_cases(emu):
+    """The run-time self-check's cases for every op, through the emulation; every __global__
+    kernel of the header and every row-copy unit is launched."""
+    from zen_ds.ops import OP_NAMES
+
+    emu.module.emu_reset_launch_counts()
+    for op in OP_NAMES:
+        method = getattr(type(emu), op).unchecked
+        passed, detail = selfcheck.check_op(op, lambda *a, m=method: m(emu, *a), torch.device("cpu"))
+        assert passed, f"{op}: {detail}"
+    # row copies of every unit width
+    for dtype, shape in _ROW_KINDS:
+        values = _values(5, dtype, shape, _gen(1))
+        emu.scatter_rows(torch.zeros((9,) + shape, dtype=dtype), torch.tensor([8, 0, 3, 1, 2]),
+                         values)
+    launched = emu.module.emu_launch_counts()
+    names = _kernel_names()
+    assert len(names) == 15, names
+    missing = [k for k in names if not any(n.split("<")[0] == k for n in launched)]
+    assert not missing, f"kernels never launched: {missing} (launched: {sorted(launched)})"
+    for unit in ("uint8_t", "uint16_t", "uint32_t", "uint2", "uint4"):
+        assert launched.get(f"copy_rows_kernel<{unit}>", 0) > 0, (unit, sorted(launched))
+
+
+# ---------------------------------------------------------------- broken kernels are caught
+
+
+def contention_differences(impl) -> List[str]:
+    """The contention cases; what differs from the torch ops (empty when every kernel is right)."""
+    found = []
+    offsets = torch.arange(32).repeat(32)[torch.randperm(1024, generator=_gen(2))]
+    diff = difference(impl.bitmap_encode(offsets, 32), ref.bitmap_encode(offsets, 32),
+                      "bitmap_encode (1024 threads on one word)")
+    found += [diff] if diff else []
+    rows = _one_owner_rows(50_021, 8, 3, 700)
+    values = torch.arange(700, dtype=torch.float32)
+    diff = _check_partition(impl, rows, values, 50_021, 8, 3, torch.int64)
+    found += [diff + " (700 rows on one histogram bin)"] if diff else []
+    return found
+
+
+def test_a_missing_atomic_is_caught(emu):
+    """With atomics made plain read-modify-writes (the lockstep race a warp gives them), the
+    contention cases differ from the torch ops: bitmap words lose bits, histogram bins counts."""
+    assert contention_differences(emu) == []
+    emu.module.emu_set_fault("nonatomic")
+    try:
+        found = contention_differences(emu)
+    finally:
+        emu.module.emu_set_fault("none")
+    print("\n".join(found))
+    assert len(found) == 2, found
+    assert "bitmap_encode" in found[0] and "partition" in found[1]
+    assert contention_differences(emu) == []
+
+
+def partition_differences(impl) -> List[str]:
+    """The partition cases of test_partition at 1003 rows; what differs from the torch op."""
+    found = []
+    gen = _gen(1003 % 991)
+    for rows in _row_sets(1003, gen):
+        for world_size in (1, 3, 8, 33):
+            values = _values(rows.numel(), torch.float32, (3,), gen)
+            diff = _check_partition(impl, rows, values, 1003, world_size, 11, torch.int64)
+            if diff:
+                found.append(diff)
+    return found
+
+
+def test_an_off_by_one_in_the_partition_histogram_is_caught(emu):
+    """A copy of the kernels whose per-warp prefix skips warp 0 (a separate, cached build) gives
+    wrong partitions on the very cases test_partition passes."""
+    from zen_ds.ops.emulation import Mutation, load_emulated_ops
+
+    assert partition_differences(emu) == []
+    mutant = load_emulated_ops(mutation=Mutation(*OFF_BY_ONE))
+    found = partition_differences(mutant)
+    print("\n".join(found))
+    assert found, "the off-by-one mutant passed every partition case"
+    # the mutation touches only the partition: the other kernels still agree
+    offsets = torch.tensor([9, 3, 3, 0, 12])
+    assert_same(mutant.bitmap_encode(offsets, 13), ref.bitmap_encode(offsets, 13))

@@ -1,0 +1,92 @@
+"""The sync benchmark's command line on real processes: validation before spawning, end-to-end
+``zen-bench sync --local 2`` (sparse and dense input), ``calibrate``, and launch/reduction_compare.py
+(the generators themselves are tests/unit/tools/test_bench_workloads.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def test_bench_cli_validates_before_spawning():
+    env = dict(os.environ, RANK="", WORLD_SIZE="")
+    env.pop("RANK")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "zen_ds", "bench", "sync", *a],
+                                    capture_output=True, text=True, env=env, timeout=120)
+    p = run("-s", "nope")
+    assert p.returncode == 2 and "unknown scheme" in p.stderr
+    p = run("-w", "lm")
+    assert p.returncode == 2 and "--local N" in p.stderr
+
+
+def test_sync_end_to_end_two_local_ranks(tmp_path):
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "zen_ds", "bench", "sync", "--local", "2", "--no-progress",
+                        "-w", "synthetic:rows=4000,width=8,density=0.05,overlap=0.5",
+                        "-w", "dense:mb=0.25", "--iters", "1", "--warmup", "0", "--rate", "1gbit",
+                        "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    import zen_ds
+
+    assert {r["scheme"] for r in rows} == set(zen_ds.SCHEMES)
+    assert all(r["correct"] for r in rows), [(r["workload"], r["scheme"], r["max_abs_err"]) for r in rows]
+    for r in rows:
+        assert r["bytes_sent_max"] > 0 and r["bound_s"] > 0 and r["speedup_vs_dense"] > 0
+    assert "vs_dense" in p.stdout
+
+
+def test_reduction_compare_checks_every_variant_against_the_dense_allreduce(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "compare.json"
+    script = Path(__file__).resolve().parents[3] / "launch" / "reduction_compare.py"
+    p = subprocess.run([sys.executable, str(script), "--ranks", "2", "--rounds", "1", "--port", "29587",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["medians"]) == set(result["max_error"]) == {
+        "ds-sparse", "zen-sparse-agsparse", "zen-sparse-auto", "zen-dense-agsparse", "zen-dense-auto",
+        "ds-dense"}
+    assert all(e <= 1.0 for e in result["max_error"].values()), result["max_error"]  # allclose(1e-5)
+    assert result["schemes"]["zen-sparse-agsparse"] == result["schemes"]["zen-dense-agsparse"] == "agsparse"
+    assert "zen / DeepSpeed, sparse=True, same algorithm (agsparse)" in p.stdout
+
+
+def test_sync_dense_input_is_synced_in_place_and_compared_with_dense_allreduce(tmp_path):
+    """``--dense-input``: sparse workloads go in as dense tensors written in place (out=), every
+    call from a fresh copy, so repeated calls stay correct also when the schemes take turns
+    (``--interleave``); DeepSpeed's path is then dense."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "zen_ds", "bench", "sync", "--local", "2", "--no-progress",
+                        "-w", "synthetic:rows=3001,width=4,density=0.03,overlap=0.3",
+                        "-s", "balanced", "agsparse", "deepspeed", "--dense-input", "--interleave",
+                        "--iters", "2", "--warmup", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["correct"] and r["input"] == "dense" and r["iters"] == 2 for r in rows.values())
+    assert rows["deepspeed"]["scheme_run"] == "dense"
+    assert rows["balanced"]["bytes_sent_max"] < rows["deepspeed"]["bytes_sent_max"]
+
+
+def test_calibrate_prints_a_network_block_with_the_sync_latency():
+    """``zen-bench calibrate`` on 2 loopback ranks prints a ``network`` block the config accepts;
+    its latency per step is the one zen's own syncs show, never below a bare all-gather's."""
+    from zen_ds.integrations.config import load_zen_config
+
+    p = subprocess.run([sys.executable, "-m", "zen_ds", "bench", "calibrate", "--local", "2",
+                        "--repeats", "1", "--bytes", "65536"],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = p.stdout
+    block = json.loads(text[text.index("{"):text.rindex("}") + 1])
+    network = load_zen_config({"zen": block["zen"]}).network
+    assert network.alpha > 0 and network.bandwidth > 0 and network.ranks_per_node == 1
+    assert 1.0 <= network.duplex <= 2.0 and 1.0 <= network.all_to_all_duplex <= 2.0
+    line = next(line for line in text.splitlines() if line.startswith("# latency per step"))
+    sync_ms, bare_ms = (float(part.split(" ms")[0].split()[-1]) for part in line.split(","))
+    assert sync_ms >= bare_ms > 0

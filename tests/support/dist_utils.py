@@ -1,0 +1,325 @@
+"""Run a function on n real processes joined by a gloo process group.
+
+Spawning is expensive on 2 cores (a torch import per process, DeepSpeed's on top), so
+
+* tests run *many cases per job*: the worker returns a dict of per-case results and pytest
+  parametrizes over it;
+* jobs run on a *shared rank pool* by default: one set of ``world_size`` processes per world size
+  stays up for the whole session, joined by one gloo group, and every module's jobs run on it.
+  Each job starts from the state a fresh rank has (environment, warning filters, torch's RNG and
+  default dtype, zen_ds's default options and ops choice, ``deepspeed.initialize`` unpatched);
+  a job that fails on any rank, hangs or kills a rank takes its pool down, and the next job gets
+  a new one. ``run_ranks(..., fresh=True)`` spawns ranks of its own for a job that needs a new
+  process (it kills a rank, counts first-time warnings, or leaves process-wide state behind).
+"""
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+import warnings
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT = 600
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("ZEN_DS_OPS", os.environ.get("ZEN_DS_OPS", "auto"))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _drain_pending(queue, reported, results, errors) -> bool:
+    """Collect reports already in flight from ranks that have exited; True if any arrived."""
+    got = False
+    while True:
+        try:
+            rank, status, payload = queue.get(timeout=2.0)
+        except queue_module.Empty:
+            return got
+        got = True
+        reported.add(rank)
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+
+
+def remove_shm_buffers(port: int) -> None:
+    """Delete DeepSpeed's CPU shared-memory all-reduce buffers of a finished group on ``port``.
+
+    DeepSpeed's CPU accelerator maps one ``/dev/shm/deepspeed_allreduce_buffer_*_<port>_<rank>``
+    file per rank (tens of MB) and never unlinks it; a suite that spawns hundreds of groups would
+    otherwise fill /dev/shm (RAM) until processes are killed."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT,
+              fresh: bool = False) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). The job runs on the shared
+    pool of that world size unless ``fresh`` (or ``ZEN_DS_TEST_FRESH_RANKS=1`` for the whole run)."""
+    if not fresh and os.environ.get("ZEN_DS_TEST_FRESH_RANKS") != "1":
+        return _pool(world_size).run(fn, args, timeout)
+    return _spawn_ranks(world_size, fn, args, timeout)
+
+
+def _spawn_ranks(world_size: int, fn: Callable, args: tuple, timeout: float) -> List[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue), daemon=True)
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results: List[Any] = [None] * world_size
+    errors: List[str] = []
+    reported = set()
+    try:
+        deadline = time.monotonic() + timeout
+        while len(reported) < world_size:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # A rank that died without reporting (segfault, kill) would otherwise leave the
+                # suite waiting for the full timeout.
+                dead = [r for r, proc in enumerate(procs)
+                        if r not in reported and proc.exitcode is not None]
+                if dead and not _drain_pending(queue, reported, results, errors):
+                    errors += [f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                               for r in dead if r not in reported]
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                continue
+            reported.add(rank)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                # The others may be stuck in a collective: give them a grace period to report,
+                # then kill them rather than hang the suite.
+                deadline = min(deadline, time.monotonic() + 20)
+    except Exception as exc:  # TimeoutError: some rank neither finished nor failed in time
+        errors.append(f"timed out waiting for ranks ({type(exc).__name__}); results so far: "
+                      f"{[r is not None for r in results]}")
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        remove_shm_buffers(port)
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return results
+
+
+# ----------------------------------------------------------------------------- the shared rank pool
+class _CleanState:
+    """What a job may change process-wide and a fresh rank would not have: taken when the pool's
+    rank starts, put back after every job."""
+
+    def __init__(self) -> None:
+        import torch
+        import zen_ds
+
+        self.environ = dict(os.environ)
+        self.filters = list(warnings.filters)
+        self.seed = torch.initial_seed()
+        self.dtype = torch.get_default_dtype()
+        self.options = zen_ds.default_options()
+
+    def restore(self) -> None:
+        import sys
+
+        import torch
+        import zen_ds
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        warnings.filters[:] = self.filters
+        warnings._filters_mutated()  # forget the "shown once" registries as a new process would
+        torch.set_default_dtype(self.dtype)
+        torch.manual_seed(self.seed)
+        torch.set_num_threads(1)
+        zen_ds.set_default_options(self.options)
+        if "zen_ds.ops" in sys.modules:
+            zen_ds.ops.use(os.environ.get("ZEN_DS_OPS", "auto"))
+        if "zen_ds.integrations.deepspeed.engine" in sys.modules:
+            zen_ds.disable()
+
+
+def _pool_entry(rank: int, world_size: int, port: int, inbox, outbox) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("ZEN_DS_OPS", "auto")
+    # DeepSpeed's CPU accelerator names its shared-memory buffers after MASTER_PORT.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        clean = _CleanState()
+    except BaseException:
+        outbox.put((0, rank, "error", traceback.format_exc()))
+        return
+    outbox.put((0, rank, "ok", None))
+    while True:
+        message = inbox.get()
+        if message is None:
+            break
+        job, fn, args = message
+        try:
+            result = fn(rank, world_size, *args)
+            ForkingPickler.dumps(result)  # an unpicklable result is this job's error, not a hang
+            outbox.put((job, rank, "ok", result))
+        except BaseException:
+            outbox.put((job, rank, "error", traceback.format_exc()))
+        finally:
+            clean.restore()
+    dist.destroy_process_group()
+    from zen_ds.tools.teardown import exit_finished_rank
+
+    exit_finished_rank(0, [outbox])
+
+
+class RankPool:
+    """``world_size`` ranks joined by a gloo group that run job after job (see the module doc)."""
+
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size, self.port, self.jobs = world_size, free_port(), 0
+        self.inboxes = [ctx.Queue() for _ in range(world_size)]
+        self.outbox = ctx.Queue()
+        self.procs = [ctx.Process(target=_pool_entry, args=(rank, world_size, self.port,
+                                                           self.inboxes[rank], self.outbox),
+                                  daemon=True) for rank in range(world_size)]
+        for proc in self.procs:
+            proc.start()
+        self.broken = False
+        _, errors = self._collect(0, timeout)
+        if errors:
+            self.close()
+            raise AssertionError("the rank pool did not start:\n" + "\n".join(errors))
+
+    def _collect(self, job: int, timeout: float) -> Tuple[List[Any], List[str]]:
+        results: List[Any] = [None] * self.world_size
+        errors: List[str] = []
+        reported = set()
+        deadline = time.monotonic() + timeout
+        while len(reported) < self.world_size:
+            try:
+                got_job, rank, status, payload = self.outbox.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, proc in enumerate(self.procs)
+                        if r not in reported and proc.exitcode is not None]
+                if dead:
+                    time.sleep(2.0)  # a report still in flight from a rank that has just exited
+                    if not self.outbox.empty():
+                        continue
+                    errors += [f"rank {r} exited with code {self.procs[r].exitcode} without "
+                               "reporting" for r in dead]
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out waiting for ranks; results so far: "
+                                  f"{[r in reported for r in range(self.world_size)]}")
+                    break
+                continue
+            if got_job != job:  # a late report of an earlier job: cannot happen on a live pool
+                continue
+            reported.add(rank)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                # The others may be stuck in a collective: a grace period, then the pool goes.
+                deadline = min(deadline, time.monotonic() + 20)
+        if errors:
+            self.broken = True
+        return results, errors
+
+    def run(self, fn: Callable, args: tuple, timeout: float = DEFAULT_TIMEOUT) -> List[Any]:
+        ForkingPickler.dumps((fn, args))  # fails here, not silently in a queue's feeder thread
+        self.jobs += 1
+        for inbox in self.inboxes:
+            inbox.put((self.jobs, fn, args))
+        results, errors = self._collect(self.jobs, timeout)
+        if errors:
+            self.close()
+            raise AssertionError("\n".join(errors))
+        return results
+
+    def close(self) -> None:
+        self.broken = True
+        for proc, inbox in zip(self.procs, self.inboxes):
+            if proc.is_alive():
+                try:
+                    inbox.put(None)
+                except (OSError, ValueError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        for queue in (*self.inboxes, self.outbox):
+            queue.cancel_join_thread()
+            queue.close()
+        remove_shm_buffers(self.port)
+
+
+_POOLS: Dict[int, RankPool] = {}  # by world size, least recently used first
+MAX_POOLED_RANKS = 10  # idle ranks kept up at once (each holds torch, often DeepSpeed: ~0.5 GB)
+
+
+def _pool(world_size: int) -> RankPool:
+    pool: Optional[RankPool] = _POOLS.pop(world_size, None)
+    if pool is not None and (pool.broken or not all(proc.is_alive() for proc in pool.procs)):
+        pool.close()
+        pool = None
+    if pool is None:
+        while _POOLS and sum(p.world_size for p in _POOLS.values()) + world_size > MAX_POOLED_RANKS:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        pool = RankPool(world_size)
+    _POOLS[world_size] = pool
+    return pool
+
+
+def close_pools() -> None:
+    """Stop every pool's ranks (pytest's session end and interpreter exit call this)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+atexit.register(close_pools)

@@ -1,0 +1,1 @@
+"""The unit suite: one process, no ranks, no Python subprocesses (``pytest tests/unit``, under a minute)."""

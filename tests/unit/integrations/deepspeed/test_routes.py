@@ -1,0 +1,139 @@
+"""The route decision from a raw ds_config (no processes, no engine): which route, which refusal."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+import ds_cases as dc  # noqa: E402
+from zen_ds.integrations.config import ZenConfigError, load_zen_config  # noqa: E402
+from zen_ds.integrations.deepspeed.routes import DeepSpeedSetup, resolve_route  # noqa: E402
+
+COMPRESSION = {"compression": {"type": "topk", "density": 0.05, "min_numel": 16}}
+COMPRESSED = ["mlp.0.weight", "mlp.0.bias", "mlp.2.weight"]
+
+
+def _route(case, sparse=True, **setup):
+    cfg = dc.ds_config(case, world=2)
+    model = dc.make_model(sparse)
+    facts = DeepSpeedSetup(**dict(vars(DeepSpeedSetup.from_config(cfg, model)), **setup)) if setup else cfg
+    return resolve_route(facts, model, load_zen_config(cfg))
+
+
+@pytest.mark.parametrize("case, sparse, route", [
+    ({}, True, "shared"), ({"dtype": "bf16"}, False, "shared"), ({"dtype": "fp16"}, False, "shared"),
+    ({"dtype": "bf16"}, True, "owned"), ({"zero": 1}, True, "owned"), ({"zero": 2, "dtype": "bf16"}, False, "owned"),
+    ({"zero": 1, "dtype": "fp16"}, True, "owned"), ({"zen_extra": COMPRESSION}, False, "shared"),
+    ({"dtype": "bf16", "zen_extra": COMPRESSION}, False, "shared"),
+    # compressed dense params join the owned route wherever zen owns params
+    ({"zero": 1, "zen_extra": COMPRESSION}, False, "owned"), ({"zero": 2, "zen_extra": COMPRESSION}, True, "owned"),
+    ({"zero": 2, "dtype": "bf16", "zen_extra": COMPRESSION}, False, "owned"),
+    ({"dtype": "bf16", "zen_extra": COMPRESSION}, True, "owned"),
+    # fp16: the compressor's residuals stay unscaled, so the loss scale cannot change them
+    ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, "shared"),
+    ({"zero": 1, "dtype": "fp16", "zen_extra": COMPRESSION}, True, "owned"),
+    ({"zero": 2, "dtype": "fp16", "zen_extra": COMPRESSION}, False, "owned"),
+])
+def test_routes_from_the_config(case, sparse, route):
+    got = _route(case, sparse)
+    assert got.name == route
+    assert got.names == ["emb_s.weight", "emb_d.weight"]
+    compressed = COMPRESSED if "zen_extra" in case else []
+    assert [name for name, _, _ in got.synced] == got.names + compressed
+
+
+def test_compression_alone_makes_zero_params_owned():
+    """A model without embeddings: the compressed params alone take the owned route under ZeRO-2."""
+    from torch import nn
+    model = dc.make_model().mlp
+    cfg = dc.ds_config({"zero": 2, "zen_extra": COMPRESSION}, world=2)
+    got = resolve_route(cfg, model, load_zen_config(cfg))
+    assert got.name == "owned" and got.names == []
+    assert [name for name, _, _ in got.synced] == ["0.weight", "0.bias", "2.weight"]
+    assert resolve_route(dc.ds_config({"zero": 2}, world=2), nn.Sequential(model),
+                         load_zen_config(dc.ds_config({"zero": 2}, world=2))).name == "shared"
+
+
+@pytest.mark.parametrize("case, sparse, setup, words", [
+    ({"zero": 3, "zen_extra": COMPRESSION}, False, {}, "\"zen.compression\" is not supported under ZeRO stage 3"),
+    ({"zero": 3, "zen_extra": {"scheme": "agsparse"}}, False, {}, "\"zen.scheme\": \"agsparse\""),
+    ({"zero": 3, "zen_extra": {"optimizer_state": "sharded"}}, False, {}, "\"zen.optimizer_state\""),
+    # DeepSpeed's own restriction: its PipelineEngine asserts ZeRO stage < 2
+    ({"zero": 2}, True, {"pipeline": True}, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"),
+    ({"zero": 2, "zen_extra": COMPRESSION}, False, {"pipeline": True}, "DeepSpeed's PipelineEngine"),
+    # DeepSpeed's optimizer needs a param per stage: this model's stage would give zen every one
+    ({"zero": 1, "zen_extra": {"compression": dict(COMPRESSION["compression"], min_numel=1)}}, False,
+     {"pipeline": True}, "a pipeline stage whose every"),
+    ({"zen_extra": dict(COMPRESSION, shuffle={"group_size": 2})}, False, {},
+     "\"zen.shuffle\" with \"zen.compression\""),
+    ({"dtype": "fp16"}, True, {}, "fp16 with sparse=True embeddings under ZeRO stage 0"),
+    ({"ds_extra": {"sequence_parallel_size": 2}}, True, {}, "sequence parallelism"),
+    ({"ds_extra": {"zero_optimization": {"stage": 1, "zenflow": {}}}}, True, {}, "ZenFlow"),
+])
+def test_refusals_come_from_the_config_alone(case, sparse, setup, words):
+    with pytest.raises(ZenConfigError, match="^zen: ") as err:
+        _route(case, sparse, **setup)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("case, sparse", [({"zero": 1}, True), ({"zero": 1, "zen_extra": COMPRESSION}, True),
+                                          ({"dtype": "bf16"}, True)])
+def test_pipeline_stages_take_the_owned_route(case, sparse):
+    """Inside a PipelineModule zen owns its params at ZeRO-1 (and bf16 with sparse=True
+    embeddings). A stage without zen params takes the owned route too when another stage has
+    some: tests/multirank/integrations/deepspeed/test_pipeline.py checks that on real stages."""
+    got = _route(case, sparse, pipeline=True)
+    assert got.name == "owned" and got.names == ["emb_s.weight", "emb_d.weight"]
+
+
+def test_zero3_route_leaves_tied_embeddings_to_deepspeed():
+    """Stage 3 is accepted; an embedding whose weight is also the output layer's is dense and
+    left to DeepSpeed, with the reason."""
+    from torch import nn
+    assert _route({"zero": 3}, False).name == "zero3"
+    model = dc.make_model(False)
+    model.head = nn.Linear(dc.HIDDEN, dc.VOCAB_D, bias=False)
+    model.head.weight = model.emb_d.weight
+    cfg = dc.ds_config({"zero": 3}, world=2)
+    got = resolve_route(cfg, model, load_zen_config(cfg))
+    assert got.name == "zero3" and got.names == ["emb_s.weight"]
+    assert "tied to head.weight" in got.left_to_deepspeed["emb_d.weight"]
+
+
+def test_fp16_compressor_undoes_skipped_steps():
+    """Only fp16 can skip a step on overflow: only there does the compressor keep the state a
+    step replaced."""
+    assert _route({"dtype": "fp16", "zen_extra": COMPRESSION}, False).compressor.undo
+    assert not _route({"dtype": "bf16", "zen_extra": COMPRESSION}, False).compressor.undo
+    assert not _route({"zen_extra": COMPRESSION}, False).compressor.undo
+
+
+def test_engine_and_config_facts_agree():
+    cfg = dc.ds_config({"zero": 2, "dtype": "bf16"}, world=2)
+    assert DeepSpeedSetup.from_config(cfg, dc.make_model()) == DeepSpeedSetup(zero_stage=2, bf16=True)
+
+
+def test_every_refusal_message_is_written_once():
+    package = Path(__file__).resolve().parents[4] / "zen_ds" / "integrations" / "deepspeed"
+    messages = []
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "refuse" and node.args:
+                messages.append(ast.unparse(node.args[0]))
+    assert len(messages) >= 10
+    assert len(messages) == len(set(messages)), sorted(messages)
+
+
+def test_deepspeed_version_outside_the_supported_range(monkeypatch, caplog):
+    import deepspeed
+    from zen_ds.integrations.deepspeed import facts
+    facts.check_deepspeed_version()  # the installed release is a supported one
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    with pytest.raises(RuntimeError, match=r"supports DeepSpeed >=0\.19,<0\.20.*found 0\.20\.1"):
+        facts.check_deepspeed_version()
+    monkeypatch.setenv("ZEN_DS_UNTESTED_DEEPSPEED", "1")
+    facts.check_deepspeed_version()
+    assert "found 0.20.1" in caplog.text

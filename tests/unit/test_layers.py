@@ -1,0 +1,331 @@
+"""The package's layers, checked on the source (one process, no imports of the modules checked).
+
+``zen_ds`` is built in layers whose imports only go down (docs/architecture.md draws them)::
+
+    ops -> core -> model -> schemes -> planner -> sync -> features -> integrations -> tools
+
+A module may import its own layer and the layers below it. The facade (``zen_ds/__init__.py``,
+``zen_ds/__main__.py``, the public spellings ``zen_ds.integrations.megatron`` / ``zen_ds.features.compression`` and the
+deprecated ``python -m zen_ds.<tool>`` spellings) sits on top and may import anything. Besides the order, the import graph has no cycle (within a layer either),
+no module imports a ``zen_ds`` module inside a function unless the import is a documented
+optional dependency (:data:`OPTIONAL_LOCAL_IMPORTS`), and no module is over 400 lines without a
+stated reason (:data:`LONG_MODULES`). Each check is shown to fail on a small bad example, so a
+passing check is not a vacuous one. ``if TYPE_CHECKING:`` imports are annotations only and are
+not edges.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, Iterable, List, Set, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "zen_ds"
+LAYERS = ("ops", "core", "model", "schemes", "planner", "sync", "features", "integrations", "tools")
+# the public spellings: the package, its CLI, zen_ds.integrations.megatron / zen_ds.features.compression (documented import
+# paths) and the deprecated `python -m zen_ds.<tool>` spellings
+FACADE = {"zen_ds", "zen_ds.__main__", "zen_ds.integrations.megatron", "zen_ds.features.compression", "zen_ds.tools.bench", "zen_ds.tools.sim",
+          "zen_ds.tools.cluster", "zen_ds.tools.report", "zen_ds.tools.data"}
+
+# (importing module, imported module) -> why it is imported inside a function
+OPTIONAL_LOCAL_IMPORTS = {
+    ("zen_ds.ops", "zen_ds.ops.compiled"):
+        "the compiled ops need DeepSpeed's op builder and a compiler; zen_ds imports without both "
+        "and falls back to the torch ops",
+}
+# module -> (line limit, why it is longer than 400 lines)
+LONG_MODULES = {
+    "zen_ds.schemes.sparcml": (540, "SparCML's two variants (split all-gather, recursive doubling) and "
+                               "the byte model that picks between them share their stream layout"),
+    "zen_ds.schemes.balanced": (500, "ZEN's scheme: the push, both pull encodings (COO, bitmap) and "
+                                "their byte model, which must change together"),
+    "zen_ds.features.compression": (490, "three compressors (top-k, DGC, threshold) over one "
+                                    "error-feedback state and its checkpoint format"),
+    "zen_ds.tools.bench.workloads": (580, "one generator per workload family, each a few dozen lines "
+                                     "of the same shape; a tool, never imported by training"),
+    "zen_ds.tools.cluster": (600, "the emulated cluster: namespaces, links, tc shaping, teardown "
+                             "and the launcher share the host table; a tool"),
+    "zen_ds.tools.data": (480, "tokenizer loaders, the indexed-dataset writer and its CLI; a tool"),
+}
+
+
+# Module-level state that code changes after import: (module, name) -> what it holds and why it is
+# per process. Everything else a sync or an engine keeps lives in objects the caller holds
+# (SyncOptions with its PlanMemo, ZenEngineState, ZenReducer, SyncStats passed as stats=).
+PROCESS_STATE = {
+    ("zen_ds.ops", "_backend"): "the op implementation this process loaded (compiled or torch)",
+    ("zen_ds.ops", "_backend_reason"): "why, for the report",
+    ("zen_ds.ops", "_warned"): "the torch-fallback warning is printed once per process",
+    ("zen_ds.core.comm", "_logged_all_gather"): "the all-gather function torch offers, resolved once",
+    ("zen_ds.core.handshake", "_OFFSETS"): "the record layout, computed at import from FIELDS",
+    ("zen_ds.core.handshake", "_AGREED_MASK"): "the record layout, computed at import from FIELDS",
+    ("zen_ds.core.stats", "_last"): "last_sync_stats(): the documented process-wide view of the last "
+                                    "call; callers that own their stats pass stats=",
+    ("zen_ds.schemes", "_REGISTRY"): "the scheme registry: built-in schemes plus register_scheme()",
+    ("zen_ds.schemes.sparcml", "_VARIANTS"): "cache of a pure function of the shape (bounded)",
+    ("zen_ds.schemes.sparcml", "_RANGES"): "cache of a pure function of the shape",
+    ("zen_ds.schemes.topology", "_CREATED"): "node process groups: torch's new_group is collective and "
+                                             "per process, so each is made once",
+    ("zen_ds.schemes.topology", "_CHECKED"): "node layouts the group already agreed on",
+    ("zen_ds.sync.options", "_default_options"): "the documented process default of set_default_options()",
+    ("zen_ds.sync.calibrate", "_MEASURED"): "this machine's measured compute rates, measured once",
+    ("zen_ds.integrations.megatron", "_IMPORTED"): "megatron-core's import outcome, once",
+    ("zen_ds.integrations.deepspeed.engine", "_REGISTRY"): "engine -> its ZenEngineState (weak keys: "
+                                                           "the state lives and dies with its engine)",
+    ("zen_ds.integrations.deepspeed.install", "_ORIGINAL_INITIALIZE"): "deepspeed.initialize is "
+                                                                       "process-wide, so is enable()",
+    ("zen_ds.integrations.deepspeed.overlap", "_HOOKED"): "gradient tensors -> the overlap thread "
+                                                          "feeding on them (weak references)",
+    ("zen_ds.integrations.deepspeed.checkpoint", "_WARNED"): "each skipped-flag warning once per process",
+    ("zen_ds.tools.sim.traffic", "_TRAFFIC"): "the simulator's traffic functions by scheme (a tool)",
+    ("zen_ds.tools.bench.ops", "_stat"): "the ops benchmark's statistic, set by its CLI (a tool)",
+}
+_MUTATORS = {"update", "pop", "clear", "append", "add", "setdefault", "popitem", "move_to_end",
+             "discard", "remove", "extend"}
+
+
+def mutated_globals(source: str) -> Set[str]:
+    """Module-level names the module rebinds (``global``) or mutates (item assignment, in-place
+    container methods) after import."""
+    tree = ast.parse(source)
+    top = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+           for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    found: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.update(node.names)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name):
+            found.add(node.func.value.id)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                    found.add(t.value.id)
+    return found & top
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    """Index in :data:`LAYERS`; the facade is above every layer."""
+    if module in FACADE:
+        return len(LAYERS)
+    top = module.split(".")[1]
+    if top not in LAYERS:
+        raise AssertionError(f"{module} is in no layer: put it under one of {LAYERS} "
+                             "(or, for a public spelling, list it in FACADE)")
+    return LAYERS.index(top)
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(source: str, module: str, known: Set[str]) -> Tuple[Set[str], List[Tuple[int, str]]]:
+    """(zen_ds modules ``module`` imports at run time, [(line, target) imported inside a function])."""
+    targets: Set[str] = set()
+    local: List[Tuple[int, str]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if _type_checking_block(node):
+            return
+        found: List[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                raise AssertionError(f"{module}:{node.lineno}: relative import; zen_ds uses absolute imports")
+            if (node.module or "").split(".")[0] == "zen_ds":
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.append(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            found = [a.name for a in node.names if a.name.split(".")[0] == "zen_ds"]
+        for target in found:
+            targets.add(target)
+            if in_function:
+                local.append((node.lineno, target))
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source), False)
+    return targets, local
+
+
+def graph(sources: Dict[str, str]) -> Tuple[Dict[str, Set[str]], Dict[str, List[Tuple[int, str]]]]:
+    known = set(sources)
+    edges, local = {}, {}
+    for module, source in sources.items():
+        edges[module], local[module] = imports_of(source, module, known)
+    return edges, local
+
+
+def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in edges:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def upward(edges: Dict[str, Set[str]]) -> List[str]:
+    return [f"{m} (layer {LAYERS[layer_of(m)] if layer_of(m) < len(LAYERS) else 'facade'}) imports {t}"
+            for m in sorted(edges) for t in sorted(edges[m])
+            if t in edges and layer_of(t) > layer_of(m)]
+
+
+def unlisted_local_imports(local: Dict[str, List[Tuple[int, str]]]) -> List[str]:
+    return [f"{m}:{line}: imports {t} inside a function" for m in sorted(local)
+            for line, t in local[m] if (m, t) not in OPTIONAL_LOCAL_IMPORTS]
+
+
+def _package_sources() -> Dict[str, str]:
+    return {module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+@pytest.fixture(scope="module")
+def package() -> Tuple[Dict[str, str], Dict[str, Set[str]], Dict[str, List[Tuple[int, str]]]]:
+    sources = _package_sources()
+    edges, local = graph(sources)
+    return sources, edges, local
+
+
+def test_every_module_is_in_a_layer(package) -> None:
+    sources, _, _ = package
+    assert len(sources) > 60, "the package moved: update PACKAGE"
+    for module in sources:
+        layer_of(module)
+
+
+def test_imports_only_go_down(package) -> None:
+    _, edges, _ = package
+    assert not upward(edges), "upward imports:\n" + "\n".join(upward(edges))
+
+
+def test_no_import_cycles(package) -> None:
+    _, edges, _ = package
+    assert not cycles(edges), cycles(edges)
+
+
+def test_no_function_local_imports_of_zen_ds(package) -> None:
+    _, _, local = package
+    bad = unlisted_local_imports(local)
+    assert not bad, ("import these at the top of the module (or document an optional dependency in "
+                     "OPTIONAL_LOCAL_IMPORTS):\n" + "\n".join(bad))
+    listed = {(m, t) for m in local for _, t in local[m]}
+    assert set(OPTIONAL_LOCAL_IMPORTS) <= listed, "stale OPTIONAL_LOCAL_IMPORTS entries"
+
+
+def test_modules_stay_small(package) -> None:
+    sources, _, _ = package
+    for module, source in sources.items():
+        limit, _ = LONG_MODULES.get(module, (400, ""))
+        assert len(source.splitlines()) <= limit, (
+            f"{module} has {len(source.splitlines())} lines (limit {limit}): split it, or state why "
+            "it is one module in LONG_MODULES")
+    assert all(reason for _, reason in LONG_MODULES.values())
+
+
+def test_module_state_is_documented(package) -> None:
+    sources, _, _ = package
+    found = {(m, name) for m, source in sources.items() for name in mutated_globals(source)}
+    assert not found - set(PROCESS_STATE), (
+        "module-level state changed after import: keep it in an object the caller holds, or "
+        f"document why it is per process in PROCESS_STATE: {sorted(found - set(PROCESS_STATE))}")
+    assert not set(PROCESS_STATE) - found, f"stale PROCESS_STATE entries: {set(PROCESS_STATE) - found}"
+
+
+# ----------------------------------------------------------------------------- the checks bite
+def test_module_state_is_seen() -> None:
+    source = ("CACHE = {}\n_n = 0\nCONST = (1, 2)\n"
+              "def f(k):\n    global _n\n    _n += 1\n    CACHE[k] = 1\n    local = {}\n    local[k] = 2\n")
+    assert mutated_globals(source) == {"CACHE", "_n"}
+
+
+
+def _sources(**modules: str) -> Dict[str, str]:
+    return {name.replace("__", "."): text for name, text in modules.items()}
+
+
+def test_an_upward_import_is_caught() -> None:
+    edges, _ = graph(_sources(zen_ds__schemes__x="from zen_ds.planner import plan\n",
+                              zen_ds__planner="import torch\n"))
+    assert upward(edges) == ["zen_ds.schemes.x (layer schemes) imports zen_ds.planner"]
+
+
+def test_a_cycle_is_caught() -> None:
+    edges, _ = graph(_sources(zen_ds__core__a="from zen_ds.core import b\n",
+                              zen_ds__core__b="from zen_ds.core.a import f\n"))
+    assert cycles(edges) == [["zen_ds.core.a", "zen_ds.core.b"]]
+
+
+def test_a_function_local_import_is_caught_and_type_checking_is_not_an_edge() -> None:
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zen_ds.tools import x\n"
+              "def f():\n    from zen_ds.core.sparse import RowSparse\n    return RowSparse\n")
+    edges, local = graph(_sources(zen_ds__sync__y=source, zen_ds__core__sparse=""))
+    assert edges["zen_ds.sync.y"] == {"zen_ds.core.sparse"}
+    assert unlisted_local_imports(local) == ["zen_ds.sync.y:5: imports zen_ds.core.sparse inside a function"]
+
+
+def test_a_module_outside_the_layers_is_refused() -> None:
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("zen_ds.helpers")
+
+
+def test_relative_imports_are_refused() -> None:
+    with pytest.raises(AssertionError, match="relative import"):
+        imports_of("from . import x\n", "zen_ds.core.a", set())
+
+
+def _names(items: Iterable[str]) -> List[str]:
+    return sorted(items)
+
+
+def test_the_public_api_is_unchanged() -> None:
+    """The names users import from ``zen_ds`` (and the ``zen_ds.integrations.megatron`` / ``zen_ds.features.compression``
+    spellings in the docs) are defined in the facade's ``__all__``."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    exported = next(ast.literal_eval(n.value) for n in tree.body
+                    if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__")
+    for name in ("RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats",
+                 "SyncOptions", "default_options", "set_default_options", "ZenSyncError",
+                 "ZenInputError", "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter",
+                 "sparse_reduce_scatter_flat", "CostModel", "set_cost_model", "INDEX_ENCODINGS",
+                 "initialize", "attach", "state_of", "enable", "disable", "ZenReductionError",
+                 "ZenConfig", "ZenConfigError", "__version__"):
+        assert name in exported, name
+    assert _names(exported) == _names(set(exported)), "duplicates in __all__"
