@@ -96,8 +96,18 @@ def _default(field) -> str:
     return f"`{json.dumps(value.model_dump() if isinstance(value, BaseModel) else value)}`"
 
 
+# The models' docstrings name README sections that now live in docs/; point at the pages instead.
+_SECTIONS = {'see README, "Configuration"': "this page",
+             'README, "Configuration"': "this page",
+             'README, "Gradient compression"': "[compression.md](compression.md)",
+             'README, "DS-Sync"': "[ds_sync.md](ds_sync.md)"}
+
+
 def _one_line(text: str) -> str:
-    return " ".join((text or "").split()).replace("``", "`")
+    text = " ".join((text or "").split()).replace("``", "`")
+    for old, new in _SECTIONS.items():
+        text = text.replace(old, new)
+    return text
 
 
 def walk(model: Type[BaseModel], prefix: str) -> Iterator[Tuple[str, Type[BaseModel]]]:
