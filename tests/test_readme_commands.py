@@ -1,15 +1,19 @@
-"""Every command in README.md's code blocks works as written from a plain shell.
+"""Every command in README.md's and docs/*.md's code blocks works as written from a plain shell.
 
-Each shell line of the README runs under ``env -i`` (PATH without any virtualenv, HOME, and
+Each distinct shell line of the README and the docs (docs/benchmarks/, the dated record of earlier
+runs, is not documentation to follow) runs once, under ``env -i`` (PATH without any virtualenv, HOME, and
 ``ZEN_DS_VENV`` naming this test venv so the launchers reuse it instead of installing one), with
 small sizes where the command takes them, and must exit 0. Launch scripts run as written;
 ``python`` / ``zen-bench`` lines run after ``source launch/env.sh``, the one line the README asks
-for. Lines that cannot run on a 2-core CPU machine are skipped with the reason listed in SKIPPED.
-The JSON examples must parse into the config they document. The quick start runs with every
-warning shown and attributed to the code that raised it; its logs must hold none raised from zen_ds.
+for. Lines that cannot run on a 2-core CPU machine, and variants that differ from a line run here
+only by a flag another test covers, are skipped with the reason listed in SKIPPED. The JSON examples
+must parse into the config they document, and docs/configuration.md's block must show ZenConfig's
+defaults. The quick start runs with every warning shown and attributed to the code that raised it;
+its logs must hold none raised from zen_ds.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -24,6 +28,8 @@ from zen_ds.integrations.config import ZenConfig, load_zen_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
+DOCS = [README] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+CONFIGURATION = os.path.join(REPO, "docs", "configuration.md")
 TIMEOUT_S = 600
 
 # Command prefix -> why it is not run here.
@@ -33,6 +39,8 @@ SKIPPED = {
     "launch/single_node.sh 4 --tp 2 --steps 20 --no-zen":
         "same launcher and environment as the line before; stock-vs-zen equality is tests/test_megatron.py's",
     "launch/torchrun.sh 4 --tp 2 --pp 2": "same launcher as the line before; TP x PP is covered by tests/test_megatron.py",
+    "SCRIPT=examples/hf_trainer.py launch/single_node.sh 4 --model llama --zero 2":
+        "same launcher and script as the --zero 3 line; the Trainer at ZeRO-2 is tests/test_hf_trainer.py's",
 }
 # Command prefix -> (extra environment, extra arguments): small sizes for a 2-core machine.
 SMALL = {
@@ -51,9 +59,9 @@ def _code_blocks(text: str) -> List[Tuple[str, str]]:
     return [(m.group(1).strip(), m.group(2)) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.M | re.S)]
 
 
-def readme_commands() -> List[str]:
+def _file_commands(path: str) -> List[str]:
     commands = []
-    with open(README) as fh:
+    with open(path) as fh:
         blocks = _code_blocks(fh.read())
     for lang, body in blocks:
         if lang not in ("", "bash", "sh", "shell", "console"):
@@ -62,6 +70,15 @@ def readme_commands() -> List[str]:
             command = re.split(r"\s+#", line, maxsplit=1)[0].strip()
             if command and not command.startswith("#"):
                 commands.append(command)
+    return commands
+
+
+def readme_commands() -> List[str]:
+    """Every distinct shell line of the README and docs/*.md, in order of first appearance: a
+    command shown in several places runs once."""
+    commands: List[str] = []
+    for path in DOCS:
+        commands += [c for c in _file_commands(path) if c not in commands]
     return commands
 
 
@@ -107,7 +124,9 @@ COMMANDS = readme_commands()
 
 
 def test_readme_has_the_documented_commands():
-    """The extraction finds the commands (an empty list would pass everything below)."""
+    """The extraction finds the commands (an empty list would pass everything below); the README
+    itself shows exactly the two quick-start commands, the rest lives in docs/."""
+    assert _file_commands(README) == ["bash launch/quickstart.sh", "bash tests/run.sh"]
     assert "bash launch/quickstart.sh" in COMMANDS
     assert any(c.startswith("launch/single_node.sh") for c in COMMANDS)
     assert any(c.startswith("zen-bench") for c in COMMANDS)
@@ -155,19 +174,24 @@ def test_readme_command(command, tmp_path):
     assert proc.returncode == 0, _failure(command, proc)
 
 
-def _json_examples() -> List[dict]:
-    with open(README) as fh:
-        bodies = [body for lang, body in _code_blocks(fh.read()) if lang == "json"]
-    return [json.loads("{" + body + "}") for body in bodies]  # the blocks are "zen": {...} members
+def _json_examples(paths: List[str]) -> List[Tuple[str, dict]]:
+    examples = []
+    for path in paths:
+        with open(path) as fh:
+            bodies = [body for lang, body in _code_blocks(fh.read()) if lang == "json"]
+        # the blocks are "zen": {...} members of a ds_config
+        examples += [(os.path.relpath(path, REPO), json.loads("{" + body + "}")) for body in bodies]
+    return examples
 
 
 def test_json_examples_are_valid_zen_blocks():
-    examples = _json_examples()
+    examples = _json_examples(DOCS)
     assert len(examples) >= 2
-    for ds_config in examples:
-        assert load_zen_config(ds_config) is not None
+    assert any(path == "README.md" for path, _ in examples), "README lost its ds_config example"
+    for path, ds_config in examples:
+        assert load_zen_config(ds_config) is not None, path
 
 
-def test_json_example_of_the_configuration_section_shows_the_defaults():
-    documented = _json_examples()[0]["zen"]
-    assert documented == ZenConfig().model_dump(), "README's defaults block drifted from ZenConfig"
+def test_json_example_of_the_configuration_page_shows_the_defaults():
+    documented = _json_examples([CONFIGURATION])[0][1]["zen"]
+    assert documented == ZenConfig().model_dump(), "docs/configuration.md's defaults block drifted from ZenConfig"
