@@ -47,6 +47,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import numpy as np
 
+from zen_ds.tools.optional import optional_import
+
 __all__ = ["Tokenizer", "load_tokenizer", "write_indexed", "write_npy", "read_indexed",
            "load_tokens", "token_metadata", "resolve_tokens", "extract_text", "prepare", "main"]
 
@@ -199,16 +201,8 @@ class Tokenizer:
         return self.encode_batch([text])[0]
 
 
-def _need(module: str, package: str, what: str):
-    try:
-        return __import__(module)
-    except ImportError as e:
-        raise ImportError(f"{what} needs the '{package}' package: pip install {package} "
-                          f"(or pip install 'zen_ds[data]')") from e
-
-
 def _sentencepiece(path: str) -> Tokenizer:
-    spm = _need("sentencepiece", "sentencepiece", "a SentencePiece .model")
+    spm = optional_import("sentencepiece", "data", "a SentencePiece .model")
     proc = spm.SentencePieceProcessor(model_file=path)
     eos = int(proc.eos_id())
     return Tokenizer("sentencepiece", path, int(proc.get_piece_size()), eos if eos >= 0 else None,
@@ -218,7 +212,7 @@ def _sentencepiece(path: str) -> Tokenizer:
 def _tekken(path: str, spec: Dict[str, object]) -> Tokenizer:
     """Tekken: tiktoken BPE over ``vocab[:vocab_size - specials]`` (``token_bytes`` base64), ids
     shifted up by the number of special ids, which come first (<unk>, <s>, </s>, ...)."""
-    tiktoken = _need("tiktoken", "tiktoken", "a Tekken .json tokenizer")
+    tiktoken = optional_import("tiktoken", "data", "a Tekken .json tokenizer")
     config = spec["config"]
     vocab = spec["vocab"]
     specials = spec.get("special_tokens") or []
@@ -247,7 +241,7 @@ def _tekken(path: str, spec: Dict[str, object]) -> Tokenizer:
 
 
 def _hf(path: str) -> Tokenizer:
-    tokenizers = _need("tokenizers", "tokenizers", "a Hugging Face tokenizer.json")
+    tokenizers = optional_import("tokenizers", "data", "a Hugging Face tokenizer.json")
     tok = tokenizers.Tokenizer.from_file(path)
     eod = None
     for name in ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>"):

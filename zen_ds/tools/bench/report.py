@@ -14,6 +14,8 @@ import platform
 import socket
 from typing import Any, Dict, List, Optional, Sequence
 
+from zen_ds.tools.optional import optional_import
+
 logger = logging.getLogger(__name__)
 
 
@@ -100,14 +102,9 @@ def write_json(path: str, rows: Sequence[Dict[str, Any]], context: Dict[str, Any
 
 def plot(path: str, rows: Sequence[Dict[str, Any]], context: Dict[str, Any]) -> None:
     """Grouped bars: median time per scheme per workload (log scale), link-rate bound as ticks."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib: `pip install matplotlib` (or drop --plot; "
-                           "--json keeps every figure)") from e
+    matplotlib = optional_import("matplotlib", "bench", "--plot")  # --json keeps every figure without it
+    matplotlib.use("Agg")
+    plt = optional_import("matplotlib.pyplot", "bench", "--plot")
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
     by = {(r["workload"], r["scheme"]): r for r in rows}

@@ -11,6 +11,7 @@ import json
 import math
 from typing import Dict, List, Optional, Sequence
 
+from zen_ds.tools.optional import optional_import
 from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, SimResult
 from zen_ds.tools.sim.supports import LosslessBound
 
@@ -82,11 +83,9 @@ def write_json(path: str, results: Sequence[SimResult], context: Dict[str, objec
 def plot_speedups(path: str, results: Sequence[SimResult], baseline: str = "dense") -> None:
     """One panel per workload and ranks per node: each scheme's (and auto's) speed-up over ``baseline`` vs n,
     both axes log-scaled; the bound ratio over the sparse all-gather as a dashed line."""
-    import matplotlib
-
+    matplotlib = optional_import("matplotlib", "bench", "--plot")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = optional_import("matplotlib.pyplot", "bench", "--plot")
     panels = list(dict.fromkeys((r.workload, r.ranks_per_node) for r in results))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (workload, per_node) in zip(axes[0], panels):
