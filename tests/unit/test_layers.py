@@ -5,7 +5,7 @@
     ops -> core -> model -> schemes -> planner -> sync -> features -> integrations -> tools
 
 A module may import its own layer and the layers below it. The facade (``zen_ds/__init__.py``,
-``zen_ds/__main__.py``, the public spellings ``zen_ds.integrations.megatron`` / ``zen_ds.features.compression`` and the
+``zen_ds/__main__.py``, the public spellings ``zen_ds.megatron`` / ``zen_ds.compression`` and the
 deprecated ``python -m zen_ds.<tool>`` spellings) sits on top and may import anything. Besides the order, the import graph has no cycle (within a layer either),
 no module imports a ``zen_ds`` module inside a function unless the import is a documented
 optional dependency (:data:`OPTIONAL_LOCAL_IMPORTS`), and no module is over 400 lines without a
@@ -24,10 +24,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "zen_ds"
 LAYERS = ("ops", "core", "model", "schemes", "planner", "sync", "features", "integrations", "tools")
-# the public spellings: the package, its CLI, zen_ds.integrations.megatron / zen_ds.features.compression (documented import
+# the public spellings: the package, its CLI, zen_ds.megatron / zen_ds.compression (documented import
 # paths) and the deprecated `python -m zen_ds.<tool>` spellings
-FACADE = {"zen_ds", "zen_ds.__main__", "zen_ds.integrations.megatron", "zen_ds.features.compression", "zen_ds.tools.bench", "zen_ds.tools.sim",
-          "zen_ds.tools.cluster", "zen_ds.tools.report", "zen_ds.tools.data"}
+FACADE = {"zen_ds", "zen_ds.__main__", "zen_ds.megatron", "zen_ds.compression", "zen_ds.bench", "zen_ds.sim",
+          "zen_ds.cluster", "zen_ds.report", "zen_ds.data"}
 
 # (importing module, imported module) -> why it is imported inside a function
 OPTIONAL_LOCAL_IMPORTS = {
@@ -316,7 +316,7 @@ def _names(items: Iterable[str]) -> List[str]:
 
 
 def test_the_public_api_is_unchanged() -> None:
-    """The names users import from ``zen_ds`` (and the ``zen_ds.integrations.megatron`` / ``zen_ds.features.compression``
+    """The names users import from ``zen_ds`` (and the ``zen_ds.megatron`` / ``zen_ds.compression``
     spellings in the docs) are defined in the facade's ``__all__``."""
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
     exported = next(ast.literal_eval(n.value) for n in tree.body

@@ -117,7 +117,7 @@ def test_scheme_without_traffic_function_is_modelled(monkeypatch) -> None:
     row = result.row("agsparse")
     assert row.method == "model"
     predicted = zen_ds.schemes.get_scheme("agsparse").predict(handshake_shape(supports))
-    handshake = 2 * zen_ds.schemes.base.handshake_bytes(3)
+    handshake = 2 * zen_ds.core.handshake.handshake_bytes(3)
     assert row.bytes_sent == predicted.bytes_sent + handshake
 
 
