@@ -12,6 +12,10 @@ DeepSpeed plug-in::
     zen_ds.enable()  # then any deepspeed.initialize with a "zen" block in its config attaches zen
     engine, optimizer, _, _ = zen_ds.initialize(model=model, config=ds_config)  # reads "zen"
     zen_ds.attach(engine)  # for engines built elsewhere
+
+Tools: ``python -m zen_ds <bench|sim|cluster|report|data> ...`` (``zen-ds``). The package's layers
+(ops, core, model, schemes, planner, sync, features, integrations, tools; imports only go down)
+are drawn in docs/architecture.md.
 """
 from __future__ import annotations
 

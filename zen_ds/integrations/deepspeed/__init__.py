@@ -8,6 +8,8 @@ Modules, in the order a step meets them:
 * :mod:`.faults`: a failure in zen's reduction raises on every rank.
 * :mod:`.norms`: gradient norms counted once per model replica.
 * :mod:`.checkpoint`: zen's file in DeepSpeed checkpoints.
+* :mod:`.overlap`: syncs that start during backward; :mod:`.sharded`: sharded optimizer state;
+  :mod:`.shuffling`: DS-Sync's route; :mod:`.zero3`: zen's rows into ZeRO-3's partitions.
 * :mod:`.facts` (what zen reads from DeepSpeed, the version check) and :mod:`.install` (the
   wrappers on one engine): the only modules that touch DeepSpeed internals.
 * :mod:`.engine`: ``initialize`` / ``attach`` / ``state_of`` / ``enable`` / ``disable``.
