@@ -257,7 +257,7 @@ def _dying_worker(rank: int, world: int) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as root:
-        return run_ranks(WORLD, _worker, root)
+        return run_ranks(WORLD, _worker, root, fresh=True)
 
 
 def test_reducer_syncs_every_layout_by_the_scale_rule(results):
