@@ -11,6 +11,9 @@ Spawning is expensive on 2 cores (a torch import per process, DeepSpeed's on top
   a job that fails on any rank, hangs or kills a rank takes its pool down, and the next job gets
   a new one. ``run_ranks(..., fresh=True)`` spawns ranks of its own for a job that needs a new
   process (it kills a rank, counts first-time warnings, or leaves process-wide state behind).
+  Jobs that build DeepSpeed engines run fresh: an engine leaves threads and DeepSpeed's
+  process-wide groups (a pipeline's ``mpu``) behind; in a shared pool later engines went wrong
+  and a rank ended with ~1000 threads. Those modules run one job per module anyway.
 """
 from __future__ import annotations
 
