@@ -11,6 +11,9 @@ Spawning is expensive on 2 cores (a torch import per process, DeepSpeed's on top
   a job that fails on any rank, hangs or kills a rank takes its pool down, and the next job gets
   a new one. ``run_ranks(..., fresh=True)`` spawns ranks of its own for a job that needs a new
   process (it kills a rank, counts first-time warnings, or leaves process-wide state behind).
+  Jobs that build DeepSpeed engines run fresh: an engine leaves threads and DeepSpeed's
+  process-wide groups (a pipeline's ``mpu``) behind; in a shared pool later engines went wrong
+  and a rank ended with ~1000 threads. Those modules run one job per module anyway.
 """
 from __future__ import annotations
 
@@ -46,28 +49,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        queue.put((0, rank, "ok", result))
     except BaseException:  # report everything, including assertion errors, to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        queue.put((0, rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _drain_pending(queue, reported, results, errors) -> bool:
-    """Collect reports already in flight from ranks that have exited; True if any arrived."""
-    got = False
-    while True:
-        try:
-            rank, status, payload = queue.get(timeout=2.0)
-        except queue_module.Empty:
-            return got
-        got = True
-        reported.add(rank)
-        if status == "ok":
-            results[rank] = payload
-        else:
-            errors.append(f"rank {rank}:\n{payload}")
 
 
 def remove_shm_buffers(port: int) -> None:
@@ -102,37 +89,8 @@ def _spawn_ranks(world_size: int, fn: Callable, args: tuple, timeout: float) -> 
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
-    results: List[Any] = [None] * world_size
-    errors: List[str] = []
-    reported = set()
     try:
-        deadline = time.monotonic() + timeout
-        while len(reported) < world_size:
-            try:
-                rank, status, payload = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                # A rank that died without reporting (segfault, kill) would otherwise leave the
-                # suite waiting for the full timeout.
-                dead = [r for r, proc in enumerate(procs)
-                        if r not in reported and proc.exitcode is not None]
-                if dead and not _drain_pending(queue, reported, results, errors):
-                    errors += [f"rank {r} exited with code {procs[r].exitcode} without reporting"
-                               for r in dead if r not in reported]
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                continue
-            reported.add(rank)
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                # The others may be stuck in a collective: give them a grace period to report,
-                # then kill them rather than hang the suite.
-                deadline = min(deadline, time.monotonic() + 20)
-    except Exception as exc:  # TimeoutError: some rank neither finished nor failed in time
-        errors.append(f"timed out waiting for ranks ({type(exc).__name__}); results so far: "
-                      f"{[r is not None for r in results]}")
+        results, errors = collect_reports(procs, queue, 0, timeout)
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -142,6 +100,44 @@ def _spawn_ranks(world_size: int, fn: Callable, args: tuple, timeout: float) -> 
     if errors:
         raise AssertionError("\n".join(errors))
     return results
+
+
+def collect_reports(procs: list, queue, job: int, timeout: float) -> Tuple[List[Any], List[str]]:
+    """Every rank's ``(job, rank, status, payload)`` report of ``job``: (results by rank, errors).
+
+    A rank that died without reporting (segfault, kill) ends the wait at once, not at the
+    timeout; after a rank's error the others get 20 s to report (they may be stuck in a
+    collective that the failed rank never joined)."""
+    results: List[Any] = [None] * len(procs)
+    errors: List[str] = []
+    reported = set()
+    deadline = time.monotonic() + timeout
+    while len(reported) < len(procs):
+        try:
+            got_job, rank, status, payload = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            dead = [r for r, proc in enumerate(procs) if r not in reported and proc.exitcode is not None]
+            if dead:
+                time.sleep(2.0)  # a report still in flight from a rank that has just exited
+                if not queue.empty():
+                    continue
+                errors += [f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                           for r in dead]
+                break
+            if time.monotonic() > deadline:
+                errors.append(f"timed out waiting for ranks; reported so far: "
+                              f"{[r in reported for r in range(len(procs))]}")
+                break
+            continue
+        if got_job != job:  # a late report of an earlier job (only a broken pool has one)
+            continue
+        reported.add(rank)
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+            deadline = min(deadline, time.monotonic() + 20)
+    return results, errors
 
 
 # ----------------------------------------------------------------------------- the shared rank pool
@@ -195,8 +191,14 @@ def _pool_entry(rank: int, world_size: int, port: int, inbox, outbox) -> None:
         outbox.put((0, rank, "error", traceback.format_exc()))
         return
     outbox.put((0, rank, "ok", None))
+    parent = os.getppid()
     while True:
-        message = inbox.get()
+        try:
+            message = inbox.get(timeout=5.0)
+        except queue_module.Empty:
+            if os.getppid() != parent:  # the test session died without closing its pools
+                os._exit(0)
+            continue
         if message is None:
             break
         job, fn, args = message
@@ -234,37 +236,7 @@ class RankPool:
             raise AssertionError("the rank pool did not start:\n" + "\n".join(errors))
 
     def _collect(self, job: int, timeout: float) -> Tuple[List[Any], List[str]]:
-        results: List[Any] = [None] * self.world_size
-        errors: List[str] = []
-        reported = set()
-        deadline = time.monotonic() + timeout
-        while len(reported) < self.world_size:
-            try:
-                got_job, rank, status, payload = self.outbox.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = [r for r, proc in enumerate(self.procs)
-                        if r not in reported and proc.exitcode is not None]
-                if dead:
-                    time.sleep(2.0)  # a report still in flight from a rank that has just exited
-                    if not self.outbox.empty():
-                        continue
-                    errors += [f"rank {r} exited with code {self.procs[r].exitcode} without "
-                               "reporting" for r in dead]
-                    break
-                if time.monotonic() > deadline:
-                    errors.append(f"timed out waiting for ranks; results so far: "
-                                  f"{[r in reported for r in range(self.world_size)]}")
-                    break
-                continue
-            if got_job != job:  # a late report of an earlier job: cannot happen on a live pool
-                continue
-            reported.add(rank)
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                # The others may be stuck in a collective: a grace period, then the pool goes.
-                deadline = min(deadline, time.monotonic() + 20)
+        results, errors = collect_reports(self.procs, self.outbox, job, timeout)
         if errors:
             self.broken = True
         return results, errors

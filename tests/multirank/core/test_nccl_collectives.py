@@ -266,7 +266,8 @@ def _problems(results: Dict[str, List[Dict[str, Any]]]) -> List[str]:
 
 @pytest.fixture(scope="module")
 def scheme_records():
-    return run_ranks(4, _scheme_worker)
+    # fresh ranks: the recorder wraps torch.distributed's collectives for the rest of the process
+    return run_ranks(4, _scheme_worker, fresh=True)
 
 
 def test_recorder_flags_what_nccl_rejects():
@@ -312,7 +313,7 @@ def test_reduce_scatter_and_ds_sync_issue_only_nccl_collectives(scheme_records):
 
 def test_plugin_overlap_path_issues_only_nccl_collectives():
     pytest.importorskip("deepspeed")
-    results = run_ranks(2, _overlap_worker)
+    results = run_ranks(2, _overlap_worker, fresh=True)
     for per_rank in results:
         assert set(per_rank) == {"overlap/zero0", "overlap/zero2"}
         assert all(per_rank.values())

@@ -172,7 +172,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> List[Dict[str, Any]]:
-    return run_ranks(WORLD, _worker, timeout=900)
+    return run_ranks(WORLD, _worker, timeout=900, fresh=True)
 
 
 def _ok(results: List[Dict[str, Any]], name: str) -> List[Dict[str, Any]]:

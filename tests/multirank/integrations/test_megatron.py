@@ -148,7 +148,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
 
 @lru_cache(maxsize=None)
 def results() -> List[Dict[str, Any]]:
-    return run_ranks(4, _worker, timeout=420)
+    return run_ranks(4, _worker, timeout=420, fresh=True)
 
 
 @pytest.mark.parametrize("case", [c for c, (_, cmp) in CASES.items() if cmp])

@@ -1,10 +1,14 @@
 """Every CUDA source under csrc/ compiles with nvcc (compile only) for sm_80 and sm_90.
 
 The JIT build only compiles .cu files where torch has CUDA, so without this test a CPU-only CI
-would never notice a broken kernel. Skipped when nvcc is absent; a compile error fails.
+would never notice a broken kernel. Skipped when nvcc is absent; a compile error fails. A compile
+that passed is remembered in TORCH_EXTENSIONS_DIR under a key of everything it read (the sources
+and headers under csrc/, the command line, nvcc's and torch's versions), so a rerun of the suite
+on an unchanged tree does not compile again; CI starts with an empty cache and always compiles.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -50,6 +54,26 @@ def test_nvcc_compiles(source: Path, tmp_path: Path):
         "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
         "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
     ] + _include_flags(tmp_path / "shim")
+    stamp = _passed_stamp(source, cmd, tmp_path)
+    if stamp.exists():
+        return  # this very compile passed before
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"nvcc failed for {source}:\n{result.stderr[-6000:]}"
     assert (tmp_path / (source.stem + ".o")).stat().st_size > 0
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(" ".join(cmd) + "\n")
+
+
+def _passed_stamp(source: Path, cmd: list, tmp_path: Path) -> Path:
+    """Where a passed compile of ``source`` with ``cmd`` is recorded (see the module doc)."""
+    import torch
+
+    version = subprocess.run([NVCC, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256()
+    for text in [version, torch.__version__, str(source)] + [a for a in cmd if str(tmp_path) not in a]:
+        key.update(text.encode() + b"\0")
+    for path in sorted(REPO.glob("csrc/**/*")):
+        if path.is_file():
+            key.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", REPO / ".torch_extensions"))
+    return root / "zen_ds_nvcc_check" / f"{source.stem}_{key.hexdigest()[:16]}.passed"

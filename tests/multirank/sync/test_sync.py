@@ -124,5 +124,6 @@ def _sync_under_warnings(rank: int, n: int) -> list:
 
 
 def test_syncs_raise_no_warnings() -> None:
-    per_rank = run_ranks(2, _sync_under_warnings)
+    # fresh ranks: torch warns once per process, so an earlier job could hide a warning
+    per_rank = run_ranks(2, _sync_under_warnings, fresh=True)
     assert per_rank == [[], []], per_rank

@@ -80,7 +80,7 @@ def results() -> List[Dict[str, Any]]:
     subprocess.run([sys.executable, "-m", "zen_ds", "data", "prepare", "--tokenizer",
                     os.path.join(work, "tokenizer.json"), "--text", os.path.join(work, "corpus.txt"),
                     "--out", prefix], check=True, capture_output=True, timeout=120)
-    return run_ranks(2, _worker, prefix, timeout=400) + [tok.get_vocab_size()]
+    return run_ranks(2, _worker, prefix, timeout=400, fresh=True) + [tok.get_vocab_size()]
 
 
 def test_lm_example_trains_on_real_tokens_with_and_without_zen() -> None:

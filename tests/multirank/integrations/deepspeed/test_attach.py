@@ -257,7 +257,7 @@ def _dying_worker(rank: int, world: int) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as root:
-        return run_ranks(WORLD, _worker, root)
+        return run_ranks(WORLD, _worker, root, fresh=True)
 
 
 def test_reducer_syncs_every_layout_by_the_scale_rule(results):
@@ -336,7 +336,8 @@ def test_agreed_failure_leaves_the_compressor_as_it_was(results):
 
 
 def test_reducer_failure_mid_sync_reaches_every_rank():
-    results = run_ranks(WORLD, _dying_worker, timeout=300)
+    # fresh ranks: the injected failure leaves the group broken, as a real one would
+    results = run_ranks(WORLD, _dying_worker, timeout=300, fresh=True)
     for rank, got in enumerate(results):
         kind, message = got["raised"]
         assert kind == "ZenReductionError" and message.startswith("zen: gradient sync of step 0"), got["raised"]

@@ -242,7 +242,7 @@ def _fp32_or_bf16(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as root:
-        return run_ranks(WORLD, _worker, root)
+        return run_ranks(WORLD, _worker, root, fresh=True)
 
 
 @pytest.mark.parametrize("name, tol", [("fp32", 1e-6), ("bf16", 1e-2)])

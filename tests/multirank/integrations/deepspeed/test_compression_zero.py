@@ -129,7 +129,7 @@ def _fp16_case(name: str, zero: int) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as root:
-        return run_ranks(WORLD, _worker, root)
+        return run_ranks(WORLD, _worker, root, fresh=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -266,7 +266,7 @@ def compressed_pipe_reference(case: Dict[str, Any]) -> Dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def pipe_results():
-    return run_ranks(pipe.WORLD, pipe._worker, PIPE_CASES)
+    return run_ranks(pipe.WORLD, pipe._worker, PIPE_CASES, fresh=True)
 
 
 @pytest.mark.parametrize("case", PIPE_CASES, ids=[c["name"] for c in PIPE_CASES])

@@ -237,7 +237,7 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as save_dir:
-        return run_ranks(WORLD, _worker, save_dir)
+        return run_ranks(WORLD, _worker, save_dir, fresh=True)
 
 
 def _params(results, name: str) -> Dict[str, Any]:

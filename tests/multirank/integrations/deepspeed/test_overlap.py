@@ -177,7 +177,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(WORLD, _worker)
+    return run_ranks(WORLD, _worker, fresh=True)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

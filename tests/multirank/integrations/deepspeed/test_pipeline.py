@@ -278,7 +278,7 @@ CKPT_CASES = [dict(name="ckpt_z1_tied", zero=1, tied=True, temp=True, clip=CLIP)
 def results():
     with tempfile.TemporaryDirectory() as root:
         ckpt = [dict(case, ckpt=os.path.join(root, case["name"])) for case in CKPT_CASES]
-        return run_ranks(WORLD, _worker, CASES + ckpt)
+        return run_ranks(WORLD, _worker, CASES + ckpt, fresh=True)
 
 
 def _merged(results, name: str) -> Dict[str, Any]:

@@ -137,7 +137,7 @@ def _worker(rank: int, world: int, cases, ckpt_root: str) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as root:
-        return run_ranks(WORLD, _worker, CASES, root)
+        return run_ranks(WORLD, _worker, CASES, root, fresh=True)
 
 
 def _ok(results, name):

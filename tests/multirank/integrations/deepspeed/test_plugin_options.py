@@ -175,7 +175,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(WORLD, _worker)
+    return run_ranks(WORLD, _worker, fresh=True)
 
 
 def test_reducers_in_one_process_plan_with_their_own_options(results):

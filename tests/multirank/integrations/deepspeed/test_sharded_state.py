@@ -141,7 +141,7 @@ def _worker(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as root:
-        return run_ranks(WORLD, _worker, os.path.join(root, "ckpt"), timeout=900)
+        return run_ranks(WORLD, _worker, os.path.join(root, "ckpt"), timeout=900, fresh=True)
 
 
 def _case(results, name: str):

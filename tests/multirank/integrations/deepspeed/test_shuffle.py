@@ -156,7 +156,7 @@ def _worker(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as root:
-        return run_ranks(WORLD, _worker, root)
+        return run_ranks(WORLD, _worker, root, fresh=True)
 
 
 def _all(results, name):
