@@ -96,11 +96,10 @@ def _default(field) -> str:
     return f"`{json.dumps(value.model_dump() if isinstance(value, BaseModel) else value)}`"
 
 
-# The models' docstrings name README sections that now live in docs/; point at the pages instead.
-_SECTIONS = {'see README, "Configuration"': "this page",
-             'README, "Configuration"': "this page",
-             'README, "Gradient compression"': "[compression.md](compression.md)",
-             'README, "DS-Sync"': "[ds_sync.md](ds_sync.md)"}
+# The models' docstrings name their docs pages by path; link them from this page.
+_SECTIONS = {"(docs/configuration.md)": "(this page)",
+             "docs/compression.md": "[compression.md](compression.md)",
+             "docs/ds_sync.md": "[ds_sync.md](ds_sync.md)"}
 
 
 def _one_line(text: str) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Design-space runs on the emulated cluster (BENCHMARKS.md "Design space on the emulated
-# cluster"): per topology, `zen-bench calibrate` measures latency, bandwidth, duplex and compute rates,
+# Design-space runs on the emulated cluster (BENCHMARKS.md "Design space"):
+# per topology, `zen-bench calibrate` measures latency, bandwidth, duplex and compute rates,
 # then `zen-bench sync` runs all six schemes and auto with that cost model, taking turns every
 # round (--interleave) so drift falls on all alike. Needs root (network
 # namespaces, tc). Results: bench_out/design_{h4,h4x2,h8}.{json,txt}, bench_out/cal_*.txt.

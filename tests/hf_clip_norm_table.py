@@ -1,4 +1,4 @@
-"""Reproduces the README's "Comparing runs with and without zen" figures (not a test).
+"""Reproduces docs/zero.md's "Comparing runs with and without zen" figures (not a test).
 
 A Llama-style ``transformers`` model on 4 gloo ranks, ZeRO-0 fp32, SGD, through
 ``deepspeed.initialize`` with and without zen, for (accumulation, clipping) in CASES; each run's

@@ -28,7 +28,7 @@ class ZenConfigError(ValueError):
 
 
 class ShuffleConfig(BaseModel):
-    """DS-Sync (README, "DS-Sync"): data-parallel ranks synchronise in small groups that change
+    """DS-Sync (docs/ds_sync.md): data-parallel ranks synchronise in small groups that change
     every step. With it zen takes over the data-parallel reduction of every param."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
@@ -78,7 +78,7 @@ class ShuffleConfig(BaseModel):
 
 
 class NetworkConfig(BaseModel):
-    """The planner's cost model (README, "Configuration"): links, latency, topology and the
+    """The planner's cost model (docs/configuration.md): links, latency, topology and the
     compute rates of zen's local ops. ``zen-bench calibrate`` measures the links and prints this
     block."""
 
@@ -125,7 +125,7 @@ class NetworkConfig(BaseModel):
 
 
 class ZenConfig(BaseModel):
-    """Options of the ``"zen"`` ds_config block (see README, "Configuration")."""
+    """Options of the ``"zen"`` ds_config block (docs/configuration.md)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
@@ -178,11 +178,11 @@ class ZenConfig(BaseModel):
     after backward as with ``false``."""
 
     compression: Optional[CompressionConfig] = None
-    """Top-k / DGC gradient compression of dense params (README, "Gradient compression");
+    """Top-k / DGC gradient compression of dense params (docs/compression.md);
     ``null`` = off. Params zen already syncs as sparse are excluded from it."""
 
     shuffle: Optional[ShuffleConfig] = None
-    """DS-Sync divide-and-shuffle synchronisation (README, "DS-Sync"); ``null`` = off."""
+    """DS-Sync divide-and-shuffle synchronisation (docs/ds_sync.md); ``null`` = off."""
 
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     """The cost model ``auto`` plans with (links, latency, ranks per node, compute rates)."""
@@ -270,4 +270,4 @@ def load_zen_config(ds_config: Union[None, str, Mapping[str, Any]]) -> Optional[
         return ZenConfig(**block)
     except ValidationError as err:
         raise ZenConfigError("invalid \"zen\" block in the DeepSpeed config:\n" + _format_errors(err)
-                             + "\nFix the block (see README, \"Configuration\") and relaunch.") from None
+                             + "\nFix the block (every key: docs/configuration.md) and relaunch.") from None
