@@ -13,11 +13,13 @@ if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
 fi
 NUM="$1"; shift
 SCRIPT="${SCRIPT:-${REPO}/examples/train_lm.py}"
-PORT="${MASTER_PORT:-29500}"
 # Finds (or creates) the Python environment; train_lm.py also needs megatron-core.
 [[ "${SCRIPT}" == *train_lm.py ]] && export ZEN_NEEDS="${ZEN_NEEDS:-megatron.core}"
 [[ "${SCRIPT}" == *hf_trainer.py ]] && export ZEN_NEEDS="${ZEN_NEEDS:-transformers accelerate}"
 # shellcheck source=launch/env.sh
 source "${REPO}/launch/env.sh"
 [[ "${ZEN_ENV_OK}" == 1 ]] || exit 1
+# A free port unless MASTER_PORT says otherwise: two jobs on one port (or the shared-memory
+# buffers DeepSpeed's CPU accelerator names after it, left by a killed job) would meet.
+PORT="${MASTER_PORT:-$("${ZEN_PY}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 exec "${ZEN_PY}" -m deepspeed.launcher.runner --num_gpus "${NUM}" --master_port "${PORT}" "${SCRIPT}" "$@"

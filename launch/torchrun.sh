@@ -17,5 +17,9 @@ SCRIPT="${SCRIPT:-${REPO}/examples/train_lm.py}"
 # shellcheck source=launch/env.sh
 source "${REPO}/launch/env.sh"
 [[ "${ZEN_ENV_OK}" == 1 ]] || exit 1
+# One node: a free port unless MASTER_PORT says otherwise (several nodes must agree on one: 29500).
+if [[ -z "${MASTER_PORT:-}" && "${NNODES:-1}" == 1 ]]; then
+  MASTER_PORT="$("${ZEN_PY}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+fi
 exec "${ZEN_PY}" -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "${NPROC}" \
   --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" "${SCRIPT}" "$@"
