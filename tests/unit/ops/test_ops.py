@@ -300,7 +300,7 @@ def _offset_sets(universe: int, gen: torch.Generator):
         return sets
     last = universe - 1
     sets += [torch.tensor([0]), torch.tensor([last]), torch.tensor([last, 0, last, 0, last])]
-    if universe <= 1 << 20:
+    if universe <= 1 << 19:  # both sides of the bucketed path's threshold (4096 words)
         every = torch.arange(universe)
         sets.append(torch.cat([every, every])[torch.randperm(2 * universe, generator=gen)])
     k = min(3 * universe, 50_000)
@@ -476,15 +476,17 @@ def _shard_cases(num_rows, world_size, seed, gen):
 
 
 # Every table size in fp32; the copy of the other row widths (8 and 2 bytes) at an odd size and a
-# multiple of 8. World sizes: one shard, even and uneven splits, more shards than tiny tables' rows.
+# multiple of 8. World sizes: one shard, an even and an uneven split, more shards than tiny tables
+# have rows.
 SCATTER_SHARD_GRID = ([(torch.float32, n) for n in (1, 2, 7, 1000, 1003, 4099)]
                       + [(dtype, n) for dtype in DTYPES[1:] for n in (7, 1000)])
 
 
-@pytest.mark.parametrize("dtype, num_rows", SCATTER_SHARD_GRID)
+@pytest.mark.parametrize("dtype, num_rows", SCATTER_SHARD_GRID,
+                         ids=[f"{str(d).split('.')[-1]}-{n}" for d, n in SCATTER_SHARD_GRID])
 def test_scatter_shard_matches_reference(compiled, num_rows, dtype):
     gen = _gen(num_rows)
-    for world_size in (1, 2, 3, 5, 8):
+    for world_size in (1, 2, 3, 8):
         for seed in (0, 2**63 + 5):
             for j, start, universe, offsets in _shard_cases(num_rows, world_size, seed, gen):
                 k = offsets.numel()
