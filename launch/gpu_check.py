@@ -13,7 +13,7 @@ install inside 8) runs out:
 2. ``build``: the CUDA ops through the op builder (``zen_ds.ops.ensure_built`` with
    ``ZEN_DS_OPS=compiled``), for this device's architecture only.
 3. ``selfcheck``: every compiled op against the torch op on ``cuda:0``.
-4. ``op_tests``: the CUDA op tests (``tests/test_ops.py -k cuda``).
+4. ``op_tests``: the CUDA op tests (``tests/unit/ops/test_ops.py -k cuda``).
 5. ``bandwidth``: each op on CUDA tensors of 64 MB and 256 MB against a device-to-device copy of
    the same bytes (GB/s of the op's input bytes, and % of the copy's time).
 6. ``sync_world1``: ``sparse_allreduce`` with every scheme on CUDA tensors in one process.
@@ -166,7 +166,7 @@ def step_op_tests(timeout: float) -> Dict[str, Any]:
     # -P: the tests import the zen_ds this check runs (the installed wheel), not the checkout's,
     # so they load the ops built above instead of building the checkout's sources again.
     cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           str(REPO / "tests" / "test_ops.py"), "-k", "cuda"]
+           str(REPO / "tests" / "unit" / "ops" / "test_ops.py"), "-k", "cuda"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     tail = (proc.stdout + proc.stderr)[-3000:]
     last = [line for line in tail.splitlines() if line.strip()][-1:] or [""]

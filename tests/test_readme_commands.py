@@ -37,10 +37,10 @@ SKIPPED = {
     "bash tests/run.sh": "runs this whole suite (CI runs it through .ci/run)",
     "sudo ": "needs root for network namespaces and tc",
     "launch/single_node.sh 4 --tp 2 --steps 20 --no-zen":
-        "same launcher and environment as the line before; stock-vs-zen equality is tests/test_megatron.py's",
-    "launch/torchrun.sh 4 --tp 2 --pp 2": "same launcher as the line before; TP x PP is covered by tests/test_megatron.py",
+        "same launcher and environment as the line before; stock-vs-zen equality is tests/multirank/integrations/test_megatron.py's",
+    "launch/torchrun.sh 4 --tp 2 --pp 2": "same launcher as the line before; TP x PP is covered by tests/multirank/integrations/test_megatron.py",
     "SCRIPT=examples/hf_trainer.py launch/single_node.sh 4 --model llama --zero 2":
-        "same launcher and script as the --zero 3 line; the Trainer at ZeRO-2 is tests/test_hf_trainer.py's",
+        "same launcher and script as the --zero 3 line; the Trainer at ZeRO-2 is tests/multirank/integrations/test_hf_trainer.py's",
 }
 # Command prefix -> (extra environment, extra arguments): small sizes for a 2-core machine.
 SMALL = {

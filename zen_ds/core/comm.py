@@ -22,7 +22,7 @@ the backend's error, on every rank that sees the failure.
 
 NCCL: every collective here is one NCCL runs with the arguments zen passes (uint8, int64 and float
 payloads, never bool or int16; ``all_to_all_single`` with uneven host-side splits; all-gathers of
-equal chunks); ``tests/test_nccl_collectives.py`` records every call of every scheme, the
+equal chunks); ``tests/multirank/core/test_nccl_collectives.py`` records every call of every scheme, the
 reduce-scatter, DS-Sync and the plug-in's overlap thread and checks them.
 
 Host synchronisations of one ``sparse_allreduce`` on CUDA, outside the schemes (each scheme's
