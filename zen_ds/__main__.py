@@ -45,11 +45,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run_deprecated_alias(name: str) -> int:
-    """``python -m zen_ds.<name>`` (the old spelling): warn once, then run ``zen-ds <name>``."""
+    """``python -m zen_ds.<name>`` (the old spelling): warn (shown: the caller is ``__main__``),
+    then run ``zen-ds <name>``."""
     warnings.warn(f"`python -m zen_ds.{name}` is deprecated; use `python -m zen_ds {name}` "
                   f"(or `zen-ds {name}`)", DeprecationWarning, stacklevel=2)
-    print(f"zen_ds: `python -m zen_ds.{name}` is deprecated; use `python -m zen_ds {name}`",
-          file=sys.stderr)
     return main([name, *sys.argv[1:]])
 
 
