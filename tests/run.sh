@@ -21,6 +21,11 @@ if ! python -c "import torch, deepspeed, zen_ds, pytest, hypothesis, megatron.co
     pip install -q -e ".[test,megatron,bench,hf]"
 fi
 
+# Every rank, launcher and script imports torch and DeepSpeed (and torch._dynamo, sympy,
+# transformers, megatron, most of them without byte-code that pip compiled at install): with
+# PYTHONDONTWRITEBYTECODE set, as some images do, each of those processes compiles them from source
+# again (~30 s of CPU per DeepSpeed rank). Let Python cache the byte-code it compiles.
+unset PYTHONDONTWRITEBYTECODE
 # JIT-built ops (zen_ds and DeepSpeed's shm_comm) are cached inside the checkout.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$repo/.torch_extensions}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

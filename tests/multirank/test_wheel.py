@@ -3,10 +3,12 @@
 The sdist is built from a copy of the checkout, the wheel from the sdist (so both must carry the
 C++/CUDA sources), and the wheel is installed into a new virtualenv that sees torch and deepspeed
 through a ``.pth`` line (nothing is downloaded). Two processes there then call
-``zen_ds.ops.ensure_built`` at once: the ops are JIT-built from the sources shipped in the package,
-by at most one of them. The virtualenv lives at a fixed path under ``build/`` and the build goes to
-the suite's ``TORCH_EXTENSIONS_DIR``, so like every other test of the compiled ops only the first
-run pays for the compile (its cache key includes the installed package's path).
+``zen_ds.ops.ensure_built`` at once, with the suite's ``TORCH_EXTENSIONS_DIR``. The build's cache
+key hashes every source file's bytes and path inside the source tree (not where the tree lives), so
+when the checkout's ops are built (tests/run.sh builds them first) the installed package must load
+that very build: proof that the wheel ships byte-for-byte the sources that built and self-checked.
+A wheel that lost or changed a source gets another key and builds from the package's own copy (by
+at most one of the two processes), and that build must self-check too.
 """
 from __future__ import annotations
 
@@ -111,10 +113,27 @@ def test_installed_wheel_builds_and_loads_the_compiled_ops(wheel_venv):
         assert "passed" in info["self_checks"] and "failed" not in info["self_checks"]
     assert results[0]["file"] == results[1]["file"]
     assert sum(info["built_here"] for info in results) <= 1
+    checkout = _checkout_build()
+    if checkout is not None:  # the same sources: the checkout's build, not a second compile
+        assert results[0]["file"] == checkout, (results[0]["file"], checkout)
+        assert not any(info["built_here"] for info in results)
 
     report = _run([str(python), "-m", "zen_ds", "report", "--no-color"], cwd=WORK, env=env).stdout
     assert "(shipped in the package)" in report
     assert "compiled ops ............ [OKAY]" in report
+
+
+def _checkout_build():
+    """The module file of the checkout's compiled ops when they are built, else None."""
+    from zen_ds.ops import build_cache, builder
+
+    try:
+        ops_builder = builder.get_builder("cpu")
+        name = builder.jit_name(ops_builder)
+    except Exception:  # no DeepSpeed op builder here: nothing to compare with
+        return None
+    build_dir = build_cache.build_directory(name)
+    return str(build_dir / f"{name}.so") if build_cache.is_built(name, build_dir) else None
 
 
 WITHOUT_DEEPSPEED = textwrap.dedent("""

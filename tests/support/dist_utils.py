@@ -14,6 +14,13 @@ Spawning is expensive on 2 cores (a torch import per process, DeepSpeed's on top
   Jobs that build DeepSpeed engines run fresh: an engine leaves threads and DeepSpeed's
   process-wide groups (a pipeline's ``mpu``) behind; in a shared pool later engines went wrong
   and a rank ended with ~1000 threads. Those modules run one job per module anyway.
+
+Ranks (pooled and fresh) are forked from a *fork server* that imported torch, DeepSpeed and
+zen_ds once for the whole session (``multiprocessing``'s ``forkserver`` with those modules
+preloaded): a spawned rank pays 5-15 s of imports on a 2-core machine, a forked one nothing. A
+forked rank is still a new process with nothing run in it (only imports) and gets the parent's
+*current* environment, ``sys.path`` and working directory, as a spawned one would. A job that must
+see first-import behaviour passes ``new_interpreter=True`` to get spawned ranks.
 """
 from __future__ import annotations
 
@@ -31,6 +38,28 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT = 600
+# Imported once by the fork server, before it forks any rank (a module that is not installed is
+# skipped by multiprocessing). Nothing here may start a thread or touch a device at import.
+# torch._dynamo and DeepSpeed's Muon module are what every ``deepspeed.initialize`` imports first
+# (its optimizer check; torch's optimizers' compile hooks): ~10 s per rank on a 2-core machine.
+PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "deepspeed",
+             "deepspeed.runtime.zero.muon.muon_optimizer", "zen_ds", "zen_ds.integrations.deepspeed"]
+
+
+def _context(new_interpreter: bool = False):
+    """The start method for ranks: forked from the preloading fork server, or spawned."""
+    if new_interpreter or os.environ.get("ZEN_DS_TEST_SPAWN") == "1":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)
+    return ctx
+
+
+def _adopt(environ: Dict[str, str]) -> None:
+    """Take the parent's environment of the moment the rank was started (a fork server's children
+    would otherwise inherit the server's, from when it started)."""
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def free_port() -> int:
@@ -39,7 +68,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
+           environ: Dict[str, str]) -> None:
+    _adopt(environ)
     import torch
     import torch.distributed as dist
 
@@ -71,22 +102,25 @@ def remove_shm_buffers(port: int) -> None:
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT,
-              fresh: bool = False) -> List[Any]:
+              fresh: bool = False, new_interpreter: bool = False) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function). The job runs on the shared
-    pool of that world size unless ``fresh`` (or ``ZEN_DS_TEST_FRESH_RANKS=1`` for the whole run)."""
-    if not fresh and os.environ.get("ZEN_DS_TEST_FRESH_RANKS") != "1":
+    pool of that world size unless ``fresh`` (or ``ZEN_DS_TEST_FRESH_RANKS=1`` for the whole run);
+    ``new_interpreter`` spawns its ranks instead of forking them from the preloaded fork server."""
+    if not (fresh or new_interpreter) and os.environ.get("ZEN_DS_TEST_FRESH_RANKS") != "1":
         return _pool(world_size).run(fn, args, timeout)
-    return _spawn_ranks(world_size, fn, args, timeout)
+    return _spawn_ranks(world_size, fn, args, timeout, new_interpreter)
 
 
-def _spawn_ranks(world_size: int, fn: Callable, args: tuple, timeout: float) -> List[Any]:
-    ctx = mp.get_context("spawn")
+def _spawn_ranks(world_size: int, fn: Callable, args: tuple, timeout: float,
+                 new_interpreter: bool = False) -> List[Any]:
+    ctx = _context(new_interpreter)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue), daemon=True)
-             for rank in range(world_size)]
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue, environ),
+                         daemon=True) for rank in range(world_size)]
     for proc in procs:
         proc.start()
     try:
@@ -175,7 +209,9 @@ class _CleanState:
             zen_ds.disable()
 
 
-def _pool_entry(rank: int, world_size: int, port: int, inbox, outbox) -> None:
+def _pool_entry(rank: int, world_size: int, port: int, inbox, outbox,
+                environ: Dict[str, str]) -> None:
+    _adopt(environ)
     import torch
     import torch.distributed as dist
 
@@ -220,12 +256,13 @@ class RankPool:
     """``world_size`` ranks joined by a gloo group that run job after job (see the module doc)."""
 
     def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size, self.port, self.jobs = world_size, free_port(), 0
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         self.outbox = ctx.Queue()
+        environ = dict(os.environ)
         self.procs = [ctx.Process(target=_pool_entry, args=(rank, world_size, self.port,
-                                                           self.inboxes[rank], self.outbox),
+                                                           self.inboxes[rank], self.outbox, environ),
                                   daemon=True) for rank in range(world_size)]
         for proc in self.procs:
             proc.start()

@@ -5,9 +5,11 @@ a ``lock`` file that a killed process leaves behind, after which every later pro
 forever. Here:
 
 * the extension's name carries a short hash of everything the binary depends on (the sources'
-  bytes, where the sources live, torch / python / CUDA versions, the CPU's feature flags because
-  DeepSpeed compiles with ``-march=native``), so two checkouts or two virtualenvs sharing one
-  ``TORCH_EXTENSIONS_DIR`` never rebuild each other's module, and changed sources get a new one;
+  bytes and their paths inside the source tree, torch / python / CUDA versions, the CPU's feature
+  flags because DeepSpeed compiles with ``-march=native``), so changed sources get a new module and
+  two checkouts or virtualenvs with the same sources sharing one ``TORCH_EXTENSIONS_DIR`` share one
+  build (where the tree lives is not part of the key: an installed wheel's copy of the sources
+  loads the checkout's build, and a wheel that ships different sources gets its own);
 * a finished build leaves a marker next to the module; when it is there the module is imported
   directly, without ninja or any lock;
 * building holds an advisory ``flock`` on ``zen_ds_build.lock`` in the build directory (the kernel
@@ -87,7 +89,7 @@ def cache_key(kind: str, source_files: Iterable[Path], source_root: Path,
               extra: Iterable[str] = ()) -> str:
     """Short hash of what the built module depends on; ``kind`` names the builder."""
     digest = hashlib.sha256()
-    for part in (kind, str(source_root.resolve()), torch.__version__, str(torch.version.cuda),
+    for part in (kind, torch.__version__, str(torch.version.cuda),
                  str(sysconfig.get_config_var("SOABI")), sys.version, _cpu_flags(),
                  os.environ.get("TORCH_CUDA_ARCH_LIST", ""), *extra):
         digest.update(part.encode() + b"\0")
