@@ -42,7 +42,7 @@ def test_plan_is_the_same_on_every_rank(shape: SyncShape, cost: CostModel, per_n
     assert len(choices) == 1, choices
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(shapes(), st.sampled_from([CostModel(), CostModel(alpha=2e-3, bandwidth=1.2e7, duplex=2.0,
                                                          all_to_all_duplex=1.4)]),
        st.sampled_from([1, 2, 3]), st.integers(0, 63))
@@ -61,7 +61,7 @@ def test_pruned_plan_equals_full_pricing(shape: SyncShape, cost: CostModel, per_
     assert all(slowest[n] <= full[n] for n in names)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(shapes(), st.sampled_from([CostModel(), CostModel(alpha=2e-3, bandwidth=1.2e7, duplex=2.0,
                                                          all_to_all_duplex=1.4)]),
        st.sampled_from([1, 2, 3]), st.integers(0, 63), st.integers(0, 2**31))
@@ -189,7 +189,7 @@ def test_support_estimates_use_every_complete_position(n, per_rank, shared, boun
     num_rows, union_err, single_err = 2_000_000, [], []
     for seed in range(20):
         gen = torch.Generator().manual_seed(seed)
-        common = torch.randperm(num_rows, generator=gen)[: int(per_rank * shared)]
+        common = torch.randint(0, num_rows, (int(per_rank * shared),), generator=gen)
         sets = [torch.unique(torch.cat([common, torch.randint(0, num_rows, (per_rank - common.numel(),),
                                                               generator=gen)]))
                 for _ in range(n)]

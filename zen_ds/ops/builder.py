@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 from zen_ds.ops import build_cache
 
@@ -90,7 +90,7 @@ def jit_name(builder) -> str:
         pass
     if builder.NAME == CUDA_NAME and torch.cuda.is_available():
         extra += [str(torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())]
-    extra += list(getattr(builder, "cache_extra", ()))  # e.g. the emulation's mutated sources
+    extra += list(getattr(builder, "cache_extra", ()))  # e.g. the emulation's grid cap
     key = build_cache.cache_key(builder.NAME, _all_source_files(), CSRC, extra)
     return f"{builder.NAME}_{key}"
 
@@ -172,20 +172,17 @@ if CPUOpBuilder is not None:
         host compiler with the emulation of ``csrc/zen/emu`` (see :mod:`zen_ds.ops.emulation`).
 
         Never prebuilt and never used for training. ``max_grid`` caps grid-stride launches so that
-        small inputs wrap their loops; ``extra_includes`` come first on the include path (a mutated
-        copy of a kernel header); ``cache_extra`` joins the cache key.
+        small inputs wrap their loops (it joins the cache key).
         """
 
         BUILD_VAR = BUILD_ENV
         NAME = CUDA_EMU_NAME
 
-        def __init__(self, max_grid: int = 4, extra_includes: Sequence[str] = (),
-                     cache_extra: Sequence[str] = (), name: str = CUDA_EMU_NAME) -> None:
+        def __init__(self, max_grid: int = 4, name: str = CUDA_EMU_NAME) -> None:
             super().__init__(name=name)
             self.NAME = name
             self.max_grid = int(max_grid)
-            self.extra_includes = [str(p) for p in extra_includes]
-            self.cache_extra = [f"max_grid={self.max_grid}", *cache_extra]
+            self.cache_extra = [f"max_grid={self.max_grid}"]
 
         def absolute_name(self) -> str:
             return f"zen_ds.ops.{self.NAME}"
@@ -194,7 +191,7 @@ if CPUOpBuilder is not None:
             return _emulation_sources()
 
         def include_paths(self) -> List[str]:
-            return self.extra_includes + _include_paths() + [str(CSRC / "emu")]
+            return _include_paths() + [str(CSRC / "emu")]
 
         def cxx_args(self) -> List[str]:
             # -O1 without -g: a test build, where compile time dominates; C++20 for atomic_ref.

@@ -18,6 +18,8 @@
 // thread order:
 // the schedule a warp executing a plain read-then-write in lockstep produces. A test proves with it
 // that its inputs contend, i.e. that a kernel missing an atomic would be caught.
+// set_fault("warp_prefix_skips_warp0") turns on the kernels' one mutation point (an off-by-one in
+// the partition's per-warp prefix; see ZEN_MUTATION_WARP_PREFIX_FIRST) without a second build.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -69,7 +71,7 @@ namespace zen_emu {
 constexpr size_t kMaxSharedBytes = 48 * 1024;  // dynamic shared memory without an opt-in
 constexpr int kMaxBlockThreads = 1024;
 
-enum class Fault { none, nonatomic };
+enum class Fault { none, nonatomic, warp_prefix_skips_warp0 };
 
 // Unwinds a thread whose block was aborted by another thread's error.
 struct Aborted {
@@ -313,7 +315,9 @@ inline void set_fault(const std::string& name)
     std::lock_guard<std::mutex> lock(registry().mutex);
     if (name == "none") registry().fault = Fault::none;
     else if (name == "nonatomic") registry().fault = Fault::nonatomic;
-    else throw std::invalid_argument("zen_ds emulation: unknown fault '" + name + "' (none, nonatomic)");
+    else if (name == "warp_prefix_skips_warp0") registry().fault = Fault::warp_prefix_skips_warp0;
+    else throw std::invalid_argument("zen_ds emulation: unknown fault '" + name +
+                                     "' (none, nonatomic, warp_prefix_skips_warp0)");
 }
 
 inline std::map<std::string, int64_t> launch_counts()
@@ -542,6 +546,10 @@ T rmw(T* address, Op op, Atomic atomic)
 }
 
 }  // namespace zen_emu
+
+// The kernels' mutation point (zen_ops_cuda_kernels.cuh): wrong only under that fault.
+#define ZEN_MUTATION_WARP_PREFIX_FIRST \
+    (zen_emu::block_of_caller().fault() == zen_emu::Fault::warp_prefix_skips_warp0 ? 1 : 0)
 
 template <typename T, typename V>
 T atomicAdd(T* address, V value)

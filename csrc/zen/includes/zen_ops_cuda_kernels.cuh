@@ -33,6 +33,13 @@
 #error "include zen_ops_cuda_kernels.cuh from zen_ops_cuda.cu or the emulation, which define the platform"
 #endif
 
+// Mutation point: the first warp counted in the partition's per-warp prefix. The GPU build
+// compiles the correct 0; the emulation makes it a run-time switch (emu_set_fault
+// "warp_prefix_skips_warp0": 1, an off-by-one) to show that the tests catch such a bug.
+#ifndef ZEN_MUTATION_WARP_PREFIX_FIRST
+#define ZEN_MUTATION_WARP_PREFIX_FIRST 0
+#endif
+
 // Block size and grid cap. The emulation may shrink the grid cap so that small test inputs wrap
 // around every grid-stride loop; the GPU build uses the defaults.
 #ifndef ZEN_CUDA_THREADS
@@ -178,7 +185,7 @@ __global__ void partition_scatter_kernel(const int32_t* __restrict__ owner,
     __syncthreads();
     if (!valid) return;
     int64_t rank = rank_in_warp;
-    for (int w = 0; w < warp; ++w) rank += warp_hist[w * n + o];
+    for (int w = ZEN_MUTATION_WARP_PREFIX_FIRST; w < warp; ++w) rank += warp_hist[w * n + o];
     const int64_t d = base[o * int64_t(gridDim.x) + blockIdx.x] + rank;
     dest[i] = d;
     out_off[d] = static_cast<Id>(shard_off[i]);

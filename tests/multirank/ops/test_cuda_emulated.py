@@ -8,9 +8,9 @@ widths that are not a multiple of the copy or warp width, large universes) and o
 (many threads on one histogram bin, one bitmap word, one segment). The emulation caps grids at
 4 blocks of 256 threads, so these small inputs span several blocks and wrap every grid-stride loop.
 
-Two tests prove the comparisons catch broken kernels: atomics made non-atomic (the emulation's
-fault switch) and an off-by-one in the partition's per-warp histogram prefix (a mutated copy of
-the kernels header, built separately).
+Two tests prove the comparisons catch broken kernels, through the emulation's fault switch:
+atomics made non-atomic, and the kernels' mutation point (an off-by-one in the partition's per-warp
+histogram prefix, which the GPU build compiles to the correct constant).
 """
 from __future__ import annotations
 
@@ -31,9 +31,6 @@ KERNELS = REPO / "csrc" / "zen" / "includes" / "zen_ops_cuda_kernels.cuh"
 HUGE = [5_000_000_000, 2**48 - 1]
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-# The partition's per-warp exclusive prefix, with an off-by-one: warp 0's rows are not counted.
-OFF_BY_ONE = ("for (int w = 0; w < warp; ++w) rank += warp_hist[w * n + o];",
-              "for (int w = 1; w < warp; ++w) rank += warp_hist[w * n + o];")
 
 
 def _skip_without_builder() -> None:
@@ -460,15 +457,17 @@ def partition_differences(impl) -> List[str]:
 
 
 def test_an_off_by_one_in_the_partition_histogram_is_caught(emu):
-    """A copy of the kernels whose per-warp prefix skips warp 0 (a separate, cached build) gives
-    wrong partitions on the very cases test_partition passes."""
-    from zen_ds.ops.emulation import Mutation, load_emulated_ops
-
+    """The kernels' mutation point switched on (the per-warp prefix skips warp 0: an off-by-one)
+    gives wrong partitions on the very cases test_partition passes."""
     assert partition_differences(emu) == []
-    mutant = load_emulated_ops(mutation=Mutation(*OFF_BY_ONE))
-    found = partition_differences(mutant)
+    emu.module.emu_set_fault("warp_prefix_skips_warp0")
+    try:
+        found = partition_differences(emu)
+        # the mutation touches only the partition: the other kernels still agree
+        offsets = torch.tensor([9, 3, 3, 0, 12])
+        assert_same(emu.bitmap_encode(offsets, 13), ref.bitmap_encode(offsets, 13))
+    finally:
+        emu.module.emu_set_fault("none")
     print("\n".join(found))
     assert found, "the off-by-one mutant passed every partition case"
-    # the mutation touches only the partition: the other kernels still agree
-    offsets = torch.tensor([9, 3, 3, 0, 12])
-    assert_same(mutant.bitmap_encode(offsets, 13), ref.bitmap_encode(offsets, 13))
+    assert partition_differences(emu) == []
