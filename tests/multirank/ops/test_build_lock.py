@@ -262,9 +262,11 @@ def test_first_op_falls_back_once_when_the_build_lock_is_held(tmp_path, lock_hol
     assert "RuntimeError" in strict.stderr and str(lock) in strict.stderr
 
 
-def test_a_second_checkout_keys_its_own_build(tmp_path):
-    """A copy of the package elsewhere (its sources shipped inside it, as in a wheel) builds into
-    its own directory: it can never rebuild, relink or lock this checkout's ops."""
+def test_a_second_copy_shares_the_build_of_the_same_sources_only(tmp_path):
+    """A copy of the package elsewhere (its sources shipped inside it, as in a wheel) keys its build
+    by the sources' bytes, not by where they live: with the same sources it loads this checkout's
+    build (no second compile), and one changed byte gives it a build directory of its own, so it
+    can never rebuild, relink or lock this checkout's ops."""
     _needs_builder()
     ext_dir = tmp_path / "shared_cache"
     copy = tmp_path / "other_checkout"
@@ -272,14 +274,20 @@ def test_a_second_checkout_keys_its_own_build(tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__", "_csrc"))
     shutil.copytree(REPO / "csrc", copy / "zen_ds" / "_csrc")
     probe = REAL_LOCK + "print(builder.CSRC)\n"
-    mine = subprocess.run([PYTHON, "-c", probe], env=_env(ext_dir), capture_output=True,
-                          text=True, check=True).stdout.split()
-    theirs = subprocess.run([PYTHON, "-c", probe], env=_env(ext_dir, PYTHONPATH=str(copy)),
-                            cwd=copy, capture_output=True, text=True, check=True).stdout.split()
-    assert Path(theirs[-1]) == copy / "zen_ds" / "_csrc" / "zen"
-    assert Path(mine[-1]) == REPO / "csrc" / "zen"
-    assert Path(mine[-2]).parent != Path(theirs[-2]).parent
-    assert Path(mine[-2]).parent.parent == Path(theirs[-2]).parent.parent == ext_dir
+
+    def lock_and_sources(**env):
+        out = subprocess.run([PYTHON, "-c", probe], env=_env(ext_dir, **env), cwd=copy if env else None,
+                             capture_output=True, text=True, check=True).stdout.split()
+        return Path(out[-2]), Path(out[-1])
+
+    mine, theirs = lock_and_sources(), lock_and_sources(PYTHONPATH=str(copy))
+    assert theirs[1] == copy / "zen_ds" / "_csrc" / "zen"
+    assert mine[1] == REPO / "csrc" / "zen"
+    assert mine[0] == theirs[0] and mine[0].parent.parent == ext_dir
+    changed = copy / "zen_ds" / "_csrc" / "zen" / "cpu" / "zen_ops_cpu.cpp"
+    changed.write_text(changed.read_text(encoding="utf-8") + "\n// another build\n", encoding="utf-8")
+    other = lock_and_sources(PYTHONPATH=str(copy))
+    assert other[0].parent != mine[0].parent and other[0].parent.parent == ext_dir
 
 
 def test_an_unchanged_tree_loads_the_cached_ops_without_building():
