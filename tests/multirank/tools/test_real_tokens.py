@@ -93,3 +93,23 @@ def test_lm_example_trains_on_real_tokens_with_and_without_zen() -> None:
         assert all(torch.isfinite(torch.tensor(zen["losses"] + base["losses"])))
         worst = max(res["rel_err"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, f"rank {rank}: {worst[0]} differs by {worst[1]:.3e} (rel)"
+
+
+@pytest.mark.parametrize("kind", ["hf", "sentencepiece"])
+def test_megatron_indexed_dataset_reads_prepared_ids(tmp_path, kind: str) -> None:
+    """``zen_ds data prepare``'s indexed files, read by megatron-core's own IndexedDataset: the
+    same documents, ids and document index as zen_ds's reader (no process started)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from unit.tools import test_data as unit_data
+    from zen_ds.tools import data as D
+
+    tokenizer = (unit_data._hf_tokenizer(tmp_path) if kind == "hf"
+                 else unit_data._sentencepiece_model(tmp_path))
+    D.prepare(tokenizer, [unit_data._corpus(tmp_path)], str(tmp_path / "out"), "indexed")
+    tok = D.load_tokenizer(tokenizer)
+    docs = [tok.encode(p) for p in unit_data._paragraphs(unit_data.TEXT * 20)]
+    theirs = IndexedDataset(str(tmp_path / "out"))
+    assert len(theirs) == len(docs)
+    assert all(theirs[i].tolist() == docs[i] for i in range(len(docs)))
+    assert theirs.document_indices.tolist() == list(range(len(docs) + 1))
