@@ -18,9 +18,14 @@ ZEN_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ZEN_TORCH_VERSION="${ZEN_TORCH_VERSION:-2.13.0}"
 
 _zen_imports() {  # $1 = python; true if it runs zen_ds from this checkout with $ZEN_NEEDS
+  # One interpreter start (torch and DeepSpeed take seconds to import) checks the imports and
+  # records what the rest of this file needs: "<environment prefix> <cpu|cuda>".
   local modules="torch, deepspeed, pydantic, zen_ds"
   [ -n "${ZEN_NEEDS:-}" ] && modules="$modules, ${ZEN_NEEDS// /, }"
-  PYTHONPATH="$ZEN_REPO" "$1" -c "import $modules" >/dev/null 2>&1
+  local out
+  out="$(PYTHONPATH="$ZEN_REPO" "$1" -c "import os, sys, $modules
+print(os.path.realpath(sys.prefix), 'cuda' if torch.cuda.is_available() else 'cpu')" 2>/dev/null)" || return 1
+  _zen_facts="${out##*$'\n'}"  # the last line: an import may print (DeepSpeed's accelerator notice)
 }
 
 _zen_extras() {  # pip extras of zen_ds for the modules in $ZEN_NEEDS
@@ -60,7 +65,6 @@ _zen_find_python() {
 if _zen_find_python; then
   export ZEN_PY ZEN_REPO
   export PYTHONPATH="$ZEN_REPO${PYTHONPATH:+:$PYTHONPATH}"
-  _zen_facts="$("$ZEN_PY" -c "import os, sys, torch; print(os.path.realpath(sys.prefix), 'cuda' if torch.cuda.is_available() else 'cpu')" 2>/dev/null)"
   ZEN_DEVICE="${_zen_facts##* }"
   _zen_prefix="${_zen_facts% *}"
   if [ -z "${TORCH_EXTENSIONS_DIR:-}" ]; then
