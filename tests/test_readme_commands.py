@@ -3,7 +3,8 @@
 Each distinct shell line of the README and the docs (docs/benchmarks/, the dated record of earlier
 runs, is not documentation to follow) runs once, under ``env -i`` (PATH without any virtualenv, HOME, and
 ``ZEN_DS_VENV`` naming this test venv so the launchers reuse it instead of installing one), with
-small sizes where the command takes them, and must exit 0. Launch scripts run as written;
+small sizes where the command takes them (steps, vocabulary, 2 ranks where 4 only add data-parallel
+replicas), and must exit 0. Launch scripts run as written;
 ``python`` / ``zen-bench`` lines run after ``source launch/env.sh``, the one line the README asks
 for. Lines that cannot run on a 2-core CPU machine, and variants that differ from a line run here
 only by a flag another test covers, are skipped with the reason listed in SKIPPED. The JSON examples
@@ -49,7 +50,8 @@ SMALL = {
     "launch/torchrun.sh": ({}, ["--steps", "2", "--vocab", "4096"]),
     "SCRIPT=examples/train_pipeline.py": ({}, ["--steps", "2"]),
     "SCRIPT=examples/hf_trainer.py": ({}, ["--steps", "2", "--vocab", "2000"]),
-    "zen-bench sync": ({}, ["--scale", "0.01", "--iters", "1", "--warmup", "0", "--no-progress"]),
+    "zen-bench sync": ({}, ["--scale", "0.01", "--iters", "1", "--warmup", "0", "--no-progress",
+                            "--local", "2"]),
     "zen-bench ops": ({}, ["--workload", "embedding", "--rows", "20000", "--repeat", "1"]),
 }
 
@@ -82,6 +84,18 @@ def readme_commands() -> List[str]:
     return commands
 
 
+# A launcher line at 4 ranks runs at 2 unless it splits the ranks into tensor- or pipeline-parallel
+# groups (then data parallelism, what zen reduces over, needs all 4): each rank imports torch,
+# DeepSpeed and megatron-core, ~20 s of CPU on a 2-core machine.
+_FOUR_RANK_LAUNCH = re.compile(r"^((?:SCRIPT=\S+ )?launch/(?:single_node|torchrun)\.sh) 4 ")
+
+
+def small_ranks(command: str) -> str:
+    if re.search(r"--(tp|pp)\b|pipeline", command):
+        return command
+    return _FOUR_RANK_LAUNCH.sub(r"\1 2 ", command)
+
+
 def _match(table: Dict, command: str):
     return next((value for prefix, value in table.items() if command.startswith(prefix)), None)
 
@@ -108,7 +122,7 @@ def _zen_warnings_shown() -> Dict[str, str]:
 def run_command(command: str, tmp_path, extra_env: Dict[str, str] = None) -> subprocess.CompletedProcess:
     env_extra, args = _match(SMALL, command) or ({}, [])
     env = _plain_environment({**env_extra, **(extra_env or {})})
-    line = command + "".join(" " + shlex.quote(a) for a in args)
+    line = small_ranks(command) + "".join(" " + shlex.quote(a) for a in args)
     if not line.startswith(("bash launch/", "launch/", "SCRIPT=")):
         line = "source launch/env.sh && " + line  # what the README asks for python / zen-bench
     return subprocess.run(["env", "-i", *(f"{k}={v}" for k, v in env.items()), "bash", "-c", line],
