@@ -18,12 +18,20 @@ ZEN_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ZEN_TORCH_VERSION="${ZEN_TORCH_VERSION:-2.13.0}"
 
 _zen_imports() {  # $1 = python; true if it runs zen_ds from this checkout with $ZEN_NEEDS
-  # One interpreter start (torch and DeepSpeed take seconds to import) checks the imports and
-  # records what the rest of this file needs: "<environment prefix> <cpu|cuda>".
-  local modules="torch, deepspeed, pydantic, zen_ds"
-  [ -n "${ZEN_NEEDS:-}" ] && modules="$modules, ${ZEN_NEEDS// /, }"
+  # One interpreter start checks that the packages are there (found, not imported: DeepSpeed and
+  # megatron-core take seconds to import, and the job imports them anyway) and records what the
+  # rest of this file needs: "<environment prefix> <cpu|cuda>".
+  local modules="'deepspeed', 'pydantic', 'zen_ds'"
+  [ -n "${ZEN_NEEDS:-}" ] && modules="$modules, '${ZEN_NEEDS// /\', \'}'"
   local out
-  out="$(PYTHONPATH="$ZEN_REPO" "$1" -c "import os, sys, $modules
+  out="$(PYTHONPATH="$ZEN_REPO" "$1" -c "import importlib.util, os, sys
+def found(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # its parent package is missing
+        return False
+sys.exit(1) if not all(found(m) for m in ($modules,)) else None
+import torch
 print(os.path.realpath(sys.prefix), 'cuda' if torch.cuda.is_available() else 'cpu')" 2>/dev/null)" || return 1
   _zen_facts="${out##*$'\n'}"  # the last line: an import may print (DeepSpeed's accelerator notice)
 }
