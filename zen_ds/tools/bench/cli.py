@@ -138,17 +138,23 @@ def _calibrate_worker(rank: int, world_size: int, args: argparse.Namespace,
     exit_finished_rank(0)
 
 
+def _start_local_ranks(worker, nprocs: int, args: tuple) -> None:
+    """``worker(rank, *args)`` on ``nprocs`` local processes, forked from a fork server that imports
+    torch and zen_ds once: a spawned rank would import them itself (seconds of CPU each)."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.set_forkserver_preload(["torch", "torch.distributed", "zen_ds"])
+    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def _run_calibrate(args: argparse.Namespace) -> int:
 
     if args.local is not None:
         if args.local < 2:
             print("error: --local needs N >= 2 (links need two ends)", file=sys.stderr)
             return 2
-        import torch.multiprocessing as mp
-
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        mp.spawn(_calibrate_worker, args=(args.local, args, runner.free_port()),
-                 nprocs=args.local, join=True)
+        _start_local_ranks(_calibrate_worker, args.local, (args.local, args, runner.free_port()))
         return 0
     if "RANK" not in os.environ:
         print("error: no process group: pass --local N, or launch under `python -m zen_ds cluster` "
@@ -192,11 +198,7 @@ def _run_sync(args: argparse.Namespace, argv: List[str]) -> int:
         if args.local < 1:
             print("error: --local needs N >= 1", file=sys.stderr)
             return 2
-        import torch.multiprocessing as mp
-
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        mp.spawn(_sync_worker, args=(args.local, args, argv, runner.free_port()), nprocs=args.local,
-                 join=True)
+        _start_local_ranks(_sync_worker, args.local, (args.local, args, argv, runner.free_port()))
         return 0
     if "RANK" not in os.environ:
         print("error: no process group: pass --local N, or launch under `python -m zen_ds cluster` "
