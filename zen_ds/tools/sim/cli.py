@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the default) to 2 (gloo's TCP pairs on the emulated cluster)")
     p.add_argument("--all-to-all-duplex", type=float, default=1.0,
                    help="an all-to-all's over a one-way ring's time with the same bytes (default 1)")
+    p.add_argument("--all-reduce", default="nccl", choices=("nccl", "ring"),
+                   help="how the library all-reduce runs: 'nccl' (the cheaper of ring and tree, as "
+                        "NCCL's tuner picks; the default) or 'ring' (gloo)")
     p.add_argument("--compute", default="measure",
                    help="local op rates: 'measure' (a short micro-benchmark of zen's ops here, the "
                         "default), 'none', FILE.json, or op=seconds_per_element,...")
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         topologies = [Topology(k, _bytes_per_second(args.bandwidth),
                                _bytes_per_second(args.intra_bandwidth), _seconds(args.latency),
-                               args.duplex, args.all_to_all_duplex)
+                               args.duplex, args.all_to_all_duplex, args.all_reduce)
                       for k in args.ranks_per_node]
         if min(args.ranks) < 2:
             raise ValueError("--ranks must all be >= 2")
@@ -115,7 +118,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"# topology: {' / '.join(str(t.ranks_per_node) for t in topologies)} ranks/node, inter "
           f"{topology.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
           f"{topology.intra_bandwidth * 8 / 1e9:g} Gbit/s per rank, latency "
-          f"{topology.latency * 1e6:g} us/step, duplex {topology.duplex:g} (all-to-all {topology.all_to_all_duplex:g}); compute: {rates.source}")
+          f"{topology.latency * 1e6:g} us/step, duplex {topology.duplex:g} (all-to-all {topology.all_to_all_duplex:g}), all-reduce {topology.all_reduce}; compute: {rates.source}")
     results = []
     for workload in workloads:
         for n in args.ranks:

@@ -99,7 +99,8 @@ class SimResult:
 def _result(name: str, method: str, traffic: Traffic, cost: SimCost, row_numel: int,
             steps: Optional[int] = None) -> SchemeResult:
     phases = [{"name": p.name, "op": p.op, "bytes_sent": int(p.sent.max()),
-               "bytes_received": int(p.received.max()), "seconds": cost.phase_seconds(p)}
+               "bytes_received": int(p.received.max()), "seconds": cost.phase_seconds(p),
+               "algorithm": cost.algorithm(p)}
               for p in traffic.phases]
     return SchemeResult(name, method, cost.comm_seconds(traffic),
                         cost.compute_seconds(traffic, row_numel), int(traffic.bytes_sent.max()),

@@ -58,6 +58,9 @@ class Phase:
     matrix: Optional[torch.Tensor] = None  # all_to_all: int64 [src, dst] bytes, zero diagonal
     members: Optional[torch.Tensor] = None  # bool [n]; None: every rank records this collective
     steps: Optional[int] = None  # latency steps; None: one collective over all n ranks
+    # all_reduce: the tensor's bytes, so the cost model can price it as NCCL runs it (ring or
+    # tree, :func:`zen_ds.model.cost.all_reduce_estimate`); None: a ring at the bytes above.
+    tensor_bytes: Optional[int] = None
 
     @classmethod
     def ring(cls, name: str, op: str, per_rank: torch.Tensor,
@@ -73,8 +76,11 @@ class Phase:
 
     @property
     def latency_steps(self) -> int:
-        """Latency steps of one collective, as the schemes' ``predict`` count them."""
-        return self.sent.numel() - 1 if self.steps is None else self.steps
+        """Latency steps of one collective (the ring's for an all-reduce), as the schemes'
+        ``predict`` count them."""
+        if self.steps is not None:
+            return self.steps
+        return (2 if self.op == "all_reduce" else 1) * (self.sent.numel() - 1)
 
     def records(self, rank: int) -> bool:
         """Whether ``rank`` calls this collective (and so has a byte record of it)."""
@@ -137,7 +143,9 @@ def dense_traffic(s: Supports, shape: SyncShape, index_encoding: str) -> Traffic
     nbytes = s.num_rows * s.row_numel * accum_bytes
     ring = 2 * (n - 1) * nbytes // n  # as Communicator.all_reduce counts it
     rows = _full(n, s.num_rows)
-    return Traffic([Phase.ring("dense", "all_reduce", _full(n, ring))],
+    phase = Phase.ring("dense", "all_reduce", _full(n, ring))
+    phase.tensor_bytes = nbytes
+    return Traffic([phase],
                    {"scan": 2 * rows, "aggregate": _full(n, 2 * (n - 1) * s.num_rows // n)})
 
 
