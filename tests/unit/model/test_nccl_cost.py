@@ -21,6 +21,9 @@ from zen_ds.model.shape import SyncShape
 from zen_ds.planner import plan_and_price
 from zen_ds.schemes import get_scheme
 from zen_ds.tools.sim.cost import SimCost, Topology
+from zen_ds.tools.sim.report import deepspeed_best, format_table
+from zen_ds.tools.sim.simulate import simulate
+from zen_ds.tools.sim.supports import Supports
 from zen_ds.tools.sim.traffic import dense_traffic
 
 NET = CostModel(alpha=50e-6, bandwidth=25e9 / 8, intra_bandwidth=150e9, compute=())
@@ -132,3 +135,18 @@ def test_simulator_prices_the_all_reduce_like_the_planner(k: int) -> None:
     assert cost.phase_seconds(phase) == pytest.approx(expected)
     assert int(phase.sent[0]) == 2 * 1023 * 4096 * 64 * 4 // 1024
     assert isinstance(phase.sent, torch.Tensor)
+
+
+def test_simulator_reports_deepspeed_best_path() -> None:
+    """The table names DeepSpeed's faster path: its dense all-reduce (no zen handshake, as NCCL
+    runs it) or its sparse all-gather."""
+    from_ids = [torch.arange(r, 4096, 7, dtype=torch.int64)[:300] for r in range(64)]
+    supports = Supports.from_ranks(from_ids, 4096, 16, 4, 0, "nearly-dense")
+    result = simulate(supports, SimCost(Topology(1, NET.bandwidth, NET.intra_bandwidth, NET.alpha)),
+                      ("dense", "agsparse"))
+    best = deepspeed_best(result)
+    dense = result.row("dense")
+    handshake = [p for p in dense.phases if p["name"] == "handshake"][0]["seconds"]
+    assert best["paths"]["dense all-reduce (tree)"] == pytest.approx(dense.seconds - handshake)
+    assert best["seconds"] == min(best["paths"].values())
+    assert "DeepSpeed's best path" in format_table(result)

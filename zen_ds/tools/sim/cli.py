@@ -8,6 +8,10 @@ Examples::
     python -m zen_ds sim -w lstm -w deepfm -w nmt --ranks 16 64 128 512 --step-compute 0.3
     python -m zen_ds sim -w tokens:sp32k,tokens=16384,hidden=4096,dtype=bf16 --ranks 16 128 1024
     python -m zen_ds sim fit tokens:sp32k,tokens=16384,hidden=4096 --ranks 4 16 128
+    python -m zen_ds sim step --layers 100 --embedding 200000x64:2048 --ranks 16 1024 4096
+
+``step`` prices a whole training step (many compressed layers and embedding tables, one
+handshake each) and reports the handshake's share (:mod:`zen_ds.tools.sim.step`).
 
 ``tokens:FILE,...`` takes real token ids (``python -m zen_ds data prepare`` writes them), rank r
 the r-th contiguous chunk of ``tokens`` ids; ``fit`` calibrates the synthetic ``lm:`` workload to
@@ -33,6 +37,7 @@ from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
 from zen_ds.tools.sim.fit import main as fit_main
 from zen_ds.tools.sim.report import format_table, plot_speedups, write_json
 from zen_ds.tools.sim.simulate import simulate
+from zen_ds.tools.sim.step import main as step_main
 from zen_ds.tools.sim.supports import generate_supports
 from zen_ds.tools.sim.throughput import format_throughput, throughput_rows
 
@@ -154,6 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["fit"]:  # python -m zen_ds sim fit tokens:FILE,...: zen_ds.tools.sim.fit
 
         return fit_main(argv[1:])
+    if argv[:1] == ["step"]:  # python -m zen_ds sim step ...: zen_ds.tools.sim.step
+        return step_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     return run(args, ["python -m zen_ds sim", *argv])
