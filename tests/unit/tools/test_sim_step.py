@@ -93,3 +93,19 @@ def test_cli(tmp_path, capsys) -> None:
     assert len(data["totals"]) == 4 and len(data["tensors"]) == 4 * 4
     assert {"handshake_share", "deepspeed_best_seconds"} <= set(data["totals"][0])
     assert cli.main(["step", "--embedding", "bad"]) == 2
+
+
+def test_reduce_handshake_what_if() -> None:
+    """A fixed-size all-reduce handshake: latency in log2(n) (tree), far below the all-gather's
+    (n - 1) steps at 1024 ranks; a scheme needing per-owner counts pays their exchange."""
+    assert handshake_seconds(128, NET, "reduce", 8) < handshake_seconds(128, NET) / 2
+    for n in (1024, 4096):
+        assert handshake_seconds(n, NET, "reduce", 8) < handshake_seconds(n, NET) / 10
+    with pytest.raises(ValueError, match="handshake"):
+        handshake_seconds(16, NET, "gossip")
+    n = 1024
+    tensors = [topk_tensor(f"l{i}", size, 0.01, n) for i, size in enumerate(layer_sizes(4, 1 << 20, 1 << 24))]
+    today = simulate_step(tensors, n, 8, NET)
+    what_if = simulate_step(tensors, n, 8, NET, handshake_mode="reduce")
+    assert what_if.handshake_share < today.handshake_share
+    assert [t.chosen for t in what_if.tensors] == [t.chosen for t in today.tensors]
