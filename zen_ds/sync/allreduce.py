@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from zen_ds import ops
 from zen_ds.core.comm import Communicator
-from zen_ds.core.handshake import HandshakeTable, handshake_bytes
+from zen_ds.core.handshake import HandshakeSummary, HandshakeTable, handshake_bytes, summary_width
 from zen_ds.core.inputs import LocalInput
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
@@ -29,10 +29,11 @@ from zen_ds.model.support import estimate_support
 from zen_ds.planner import plan_and_price, plan_choice
 from zen_ds.schemes import auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncContext
-from zen_ds.sync.agreement import agree
+from zen_ds.sync.agreement import Agreement, agree, agree_reduced
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options
 
-__all__ = ["sparse_allreduce", "auto_candidates_for", "local_rows", "plan_sync"]
+__all__ = ["sparse_allreduce", "auto_candidates_for", "local_rows", "plan_sync",
+           "plan_from_summary"]
 
 
 # ----------------------------------------------------------------------------- execution
@@ -132,6 +133,52 @@ def plan_sync(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncO
                            seconds)
 
 
+def _reduced_seconds(opts: SyncOptions, n: int, ranks_per_node: int) -> float:
+    """The reduced handshake's time: one fixed-size all-reduce, as the backend runs it."""
+    return opts.cost_model.all_reduce_seconds(8 * summary_width(), n, max(ranks_per_node, 1))[0]
+
+
+def plan_from_summary(summary: HandshakeSummary, local: LocalInput, scheme: str,
+                      opts: SyncOptions, comm: Communicator
+                      ) -> Optional[Tuple[str, SyncShape, Tuple[float, float, float]]]:
+    """The plan when it can be made from the reduced handshake alone: ``dense`` (pinned, over
+    the density threshold, or ``auto``'s choice on a shape of the largest and smallest counts
+    and the merged sketch's union), else None: the records are needed. The same on every rank
+    (the summary is)."""
+    n, num_rows = comm.world_size, local.num_rows
+    per_node = summary.value("ranks_per_node")
+    nnz = [summary.nnz_max] + [summary.nnz_min] * (n - 1)
+    union = summary.union_estimate(num_rows) if scheme == "auto" else min(sum(nnz), num_rows)
+    shape = SyncShape(n, nnz, union, num_rows, local.row_numel, local.element_size, comm.rank,
+                      opts.cost_model.latency_bytes, 0, per_node)
+    dense = scheme == "dense" or summary.nnz_max > opts.density_threshold * num_rows or (
+        scheme == "auto" and plan_choice(shape, auto_candidates_for(comm, shape),
+                                         opts.cost_model, opts.plan_memo) == "dense")
+    if not dense:
+        return None
+    _, slowest, estimates = plan_and_price(shape, ("dense",), opts.cost_model)
+    seconds = slowest["dense"] + _reduced_seconds(opts, n, per_node)
+    handshake = 2 * (n - 1) * 8 * summary_width() / n
+    return "dense", shape, (estimates["dense"].bytes_sent + handshake,
+                            estimates["dense"].bytes_received + handshake, seconds)
+
+
+def _plan(agreement: Agreement, scheme: str, opts: SyncOptions
+          ) -> Tuple[str, SyncShape, Tuple[float, float, float]]:
+    """:func:`plan_from_summary` where a reduced handshake allows it, else :func:`plan_sync` on
+    the gathered records (the reduced handshake's time added to the prediction)."""
+    comm, local, summary = agreement.comm, agreement.local, agreement.summary
+    if summary is not None:
+        planned = plan_from_summary(summary, local, scheme, opts, comm)
+        if planned is not None:
+            return planned
+    chosen, shape, predicted = plan_sync(agreement.gather(), local, scheme, opts, comm)
+    if summary is not None:
+        extra = _reduced_seconds(opts, comm.world_size, shape.ranks_per_node)
+        predicted = (predicted[0], predicted[1], predicted[2] + extra)
+    return chosen, shape, predicted
+
+
 def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
                      scheme: str = "auto", average: bool = False, *,
                      out: Optional[torch.Tensor] = None, prescale: float = 1.0,
@@ -164,8 +211,13 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         opts = replace(opts, seed=opts.seed if seed is None else seed,
                        index_encoding=opts.index_encoding if index_encoding is None
                        else index_encoding)
-    comm, local, table = agree(x, out, group, scheme, average, opts, prescale, postscale, log_prefix,
-                               local_error)
+    if isinstance(opts, SyncOptions) and opts.handshake == "reduce":
+        agreement = agree_reduced(x, out, group, scheme, average, opts, prescale, postscale,
+                                  log_prefix, local_error)
+    else:
+        agreement = Agreement(*agree(x, out, group, scheme, average, opts, prescale, postscale,
+                                     log_prefix, local_error))
+    comm, local = agreement.comm, agreement.local
 
     n, prescale = comm.world_size, float(prescale)
     factor = float(postscale) / (n if average else 1)
@@ -173,12 +225,14 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
     nothing_to_move = n == 1 or local.num_rows == 0 or local.row_numel == 0
     if nothing_to_move:  # "local": a sync that moves nothing (a group of one, an empty tensor)
         chosen = "local" if scheme == "auto" else scheme
-        nnz_per_rank, union = table.column("nnz"), local.nnz
-        predicted = (0.0, 0.0, 0.0)
+        nnz_per_rank = (agreement.table.column("nnz") if agreement.table is not None
+                        else [agreement.summary.nnz_max] * n)
+        union, predicted = local.nnz, (0.0, 0.0, 0.0)
     else:
-        chosen, shape, predicted = plan_sync(table, local, scheme, opts, comm)
+        chosen, shape, predicted = _plan(agreement, scheme, opts)
         nnz_per_rank, union = shape.nnz_per_rank, shape.union_nnz
     comm.scheme = chosen
+    table = agreement.table  # None: planned from the reduced handshake alone (dense)
 
     in_place = out is not None and local.aliases(out)
     dense_result = out is not None or local.kind == "dense"
@@ -197,7 +251,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         else:
             ctx = SyncContext(comm, opts.seed, scale, opts.index_encoding, list(nnz_per_rank),
                               table.owner_counts  # host: read as splits, no device sync
-                              if _sketched(scheme) else None,
+                              if table is not None and _sketched(scheme) else None,
                               sorted_output=not dense_result,
                               dense_out=None if target is None else
                               target.view((local.num_rows,) + local.row_shape),

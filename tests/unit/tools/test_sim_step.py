@@ -95,17 +95,25 @@ def test_cli(tmp_path, capsys) -> None:
     assert cli.main(["step", "--embedding", "bad"]) == 2
 
 
-def test_reduce_handshake_what_if() -> None:
-    """A fixed-size all-reduce handshake: latency in log2(n) (tree), far below the all-gather's
-    (n - 1) steps at 1024 ranks; a scheme needing per-owner counts pays their exchange."""
+def test_reduce_handshake() -> None:
+    """The fixed-size all-reduce handshake: latency in log2(n) (tree), far below the
+    all-gather's (n - 1) steps at 1024 ranks; records still gathered for non-dense plans."""
     assert handshake_seconds(128, NET, "reduce", 8) < handshake_seconds(128, NET) / 2
     for n in (1024, 4096):
         assert handshake_seconds(n, NET, "reduce", 8) < handshake_seconds(n, NET) / 10
     with pytest.raises(ValueError, match="handshake"):
         handshake_seconds(16, NET, "gossip")
-    n = 1024
-    tensors = [topk_tensor(f"l{i}", size, 0.01, n) for i, size in enumerate(layer_sizes(4, 1 << 20, 1 << 24))]
-    today = simulate_step(tensors, n, 8, NET)
-    what_if = simulate_step(tensors, n, 8, NET, handshake_mode="reduce")
-    assert what_if.handshake_share < today.handshake_share
-    assert [t.chosen for t in what_if.tensors] == [t.chosen for t in today.tensors]
+    for n in (16, 1024):
+        tensors = [topk_tensor(f"l{i}", size, 0.01, n)
+                   for i, size in enumerate(layer_sizes(4, 1 << 20, 1 << 24))]
+        tensors.append(zipf_tensor("emb", 200_000, 64, 2048, n))
+        today = simulate_step(tensors, n, 8, NET)
+        reduced = simulate_step(tensors, n, 8, NET, handshake_mode="reduce")
+        for a, b in zip(today.tensors, reduced.tensors):
+            both = handshake_seconds(n, NET, "reduce", 8) + handshake_seconds(n, NET)
+            if b.chosen == "dense":
+                assert b.handshake_seconds == pytest.approx(handshake_seconds(n, NET, "reduce", 8))
+            else:
+                assert b.handshake_seconds == pytest.approx(both)
+                assert b.chosen == a.chosen
+    assert reduced.handshake_share < today.handshake_share / 10  # 1024 ranks: dense plans

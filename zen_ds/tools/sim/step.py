@@ -26,23 +26,21 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zen_ds.core.handshake import FIXED_WIDTH, SKETCH_SIZE, handshake_bytes
+from zen_ds.core.handshake import handshake_bytes, summary_width
 from zen_ds.model.cost import CostModel
 from zen_ds.model.shape import SyncShape
 from zen_ds.planner import PlanMemo, plan_choice, price
-from zen_ds.schemes import get_scheme
 from zen_ds.tools.bench.workloads import _log_miss
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, Topology
 
 __all__ = ["StepTensor", "TensorCost", "StepResult", "topk_tensor", "zipf_tensor",
-           "layer_sizes", "handshake_seconds", "owner_counts_seconds", "simulate_step",
-           "HANDSHAKES", "main"]
+           "layer_sizes", "handshake_seconds", "simulate_step", "HANDSHAKES", "main"]
 
 SIZE_SIZE_BYTES = 8  # DeepSpeed's size all-gather: one int64 per rank
 
@@ -110,24 +108,17 @@ HANDSHAKES = ("allgather", "reduce")
 
 def handshake_seconds(world_size: int, cost: CostModel, mode: str = "allgather",
                       ranks_per_node: int = 1) -> float:
-    """One ``sparse_allreduce``'s handshake. ``allgather`` is today's: a ring all-gather of
-    every rank's record (what :func:`zen_ds.sync.allreduce.plan_sync` adds to its prediction).
-    ``reduce`` is a what-if, not implemented in the sync: the record's fixed fields and a
-    mergeable sketch in one fixed-size all-reduce, priced as NCCL runs it (tree at scale:
-    ``2 log2`` latency steps), without the per-owner counts (see :func:`simulate_step`)."""
+    """One ``sparse_allreduce``'s first handshake collective. ``allgather`` (today's default):
+    a ring all-gather of every rank's record (what :func:`zen_ds.sync.allreduce.plan_sync` adds
+    to its prediction). ``reduce`` (``SyncOptions(handshake="reduce")``): one fixed-size MAX
+    all-reduce of the summary, priced as the backend runs it (NCCL's tree at scale: ``2 log2``
+    latency steps); :func:`simulate_step` adds the record all-gather where the plan is not dense."""
     n = world_size
     if mode == "allgather":
         return cost.link_seconds((n - 1) * handshake_bytes(n), 0.0, n - 1)
     if mode == "reduce":
-        return cost.all_reduce_seconds(8 * (FIXED_WIDTH + SKETCH_SIZE), n, ranks_per_node)[0]
+        return cost.all_reduce_seconds(8 * summary_width(), n, ranks_per_node)[0]
     raise ValueError(f"handshake must be one of {HANDSHAKES}, got {mode!r}")
-
-
-def owner_counts_seconds(world_size: int, cost: CostModel) -> float:
-    """What a scheme that needs exact per-owner splits (``balanced``) pays for them once the
-    handshake no longer carries them: one all-to-all of ``n`` int64 counts (``n - 1`` steps)."""
-    n = world_size
-    return cost.link_seconds((n - 1) * 8, 0.0, n - 1)
 
 
 @dataclass
@@ -136,8 +127,8 @@ class TensorCost:
 
     name: str
     chosen: str
-    auto_seconds: float  # the scheme, plus its own count exchange under a ``reduce`` handshake
-    handshake_seconds: float
+    auto_seconds: float
+    handshake_seconds: float  # the handshake's collectives (both, when reduce had to gather)
     dense_seconds: float  # DeepSpeed's dense all-reduce (no zen handshake)
     dense_algorithm: str
     allgather_seconds: float  # DeepSpeed's size all-gather, then its padded sparse all-gather
@@ -190,22 +181,29 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
                   handshake_mode: str = "allgather") -> StepResult:
     """Every tensor's ``auto`` (the planner's memoised choice, priced on the slowest rank),
     its handshake (:func:`handshake_seconds`), and DeepSpeed's dense all-reduce and sparse
-    all-gather. Under the ``reduce`` what-if a scheme that needs per-owner counts pays
-    :func:`owner_counts_seconds` on top (the planner's choice itself is unchanged)."""
+    all-gather. With the ``reduce`` handshake, as ``sparse_allreduce`` does: the plan is made
+    from the summary (no single-holder estimate) and, unless it is ``dense``, the records are
+    gathered too and the full plan runs."""
     n = world_size
     memo = PlanMemo() if memo is None else memo
-    handshake = handshake_seconds(n, cost, handshake_mode, ranks_per_node)
-    counts = owner_counts_seconds(n, cost) if handshake_mode == "reduce" else 0.0
+    gather = handshake_seconds(n, cost, "allgather")
+    first = handshake_seconds(n, cost, handshake_mode, ranks_per_node)
     sizes = cost.link_seconds((n - 1) * SIZE_SIZE_BYTES, 0.0, n - 1)
     result = StepResult(n, ranks_per_node)
     for t in tensors:
         shape = t.shape(n, ranks_per_node, cost)
+        handshake = first
+        if handshake_mode == "reduce":
+            summary = replace(shape, singletons=0)
+            if plan_choice(summary, (), cost, memo) != "dense":
+                handshake += gather
         chosen = plan_choice(shape, (), cost, memo)
+        if handshake_mode == "reduce" and handshake == first:
+            chosen = "dense"
         names = tuple(dict.fromkeys((chosen, "dense", "agsparse")))
         seconds, estimates = price(shape, names, cost)
         algorithm = cost.choose(estimates["dense"]).algorithm
-        extra = counts if get_scheme(chosen).needs_owner_counts else 0.0
-        result.tensors.append(TensorCost(t.name, chosen, seconds[chosen] + extra, handshake,
+        result.tensors.append(TensorCost(t.name, chosen, seconds[chosen], handshake,
                                          seconds["dense"], algorithm,
                                          sizes + seconds["agsparse"]))
     return result
@@ -250,8 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", default="50us", help="seconds per latency step")
     p.add_argument("--all-reduce", default="nccl", choices=("nccl", "ring"))
     p.add_argument("--handshake", default="allgather", choices=HANDSHAKES,
-                   help="'allgather': today's handshake; 'reduce': what-if, a fixed-size "
-                        "all-reduce (not implemented in the sync yet)")
+                   help="'allgather' (the default) or 'reduce' (SyncOptions(handshake='reduce'): "
+                        "a fixed-size all-reduce, records gathered only for non-dense plans)")
     p.add_argument("--compute", default="none",
                    help="local op rates: 'none' (the default), 'measure', FILE.json or op=s,...")
     p.add_argument("--json", default=None, help="write the per-tensor rows and totals here")
@@ -295,8 +293,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{args.layer_elements[1]} elements + embedding(s) {args.embedding or ['200000x64:2048']}"
           f"; {args.bandwidth} per node, latency {args.latency}/step, all-reduce {args.all_reduce}; "
           f"compute: {rates.source}; handshake per tensor: "
-          + ("today's all-gather" if args.handshake == "allgather" else
-             "what-if fixed-size all-reduce (not implemented)"))
+          + ("all-gather of records (default)" if args.handshake == "allgather" else
+             "reduce (fixed-size all-reduce; records gathered for non-dense plans)"))
     print(f"{'ranks':>6} {'/node':>4} {'zen ms':>10} {'hs ms':>10} {'hs %':>7} {'DS best ms':>10} "
           f"{'DS/zen':>8}  auto picks")
     results = []
