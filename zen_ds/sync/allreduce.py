@@ -26,14 +26,14 @@ from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
 from zen_ds.model.shape import SyncShape
 from zen_ds.model.support import estimate_support
-from zen_ds.planner import plan_and_price, plan_choice
+from zen_ds.planner import plan_and_price, plan_choice, price
 from zen_ds.schemes import auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncContext
 from zen_ds.sync.agreement import Agreement, agree, agree_reduced
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options
 
 __all__ = ["sparse_allreduce", "auto_candidates_for", "local_rows", "plan_sync",
-           "plan_from_summary"]
+           "plan_from_summary", "summary_prefers_dense"]
 
 
 # ----------------------------------------------------------------------------- execution
@@ -138,6 +138,22 @@ def _reduced_seconds(opts: SyncOptions, n: int, ranks_per_node: int) -> float:
     return opts.cost_model.all_reduce_seconds(8 * summary_width(), n, max(ranks_per_node, 1))[0]
 
 
+def summary_prefers_dense(shape: SyncShape, candidates: Tuple[str, ...], opts: SyncOptions
+                          ) -> bool:
+    """``auto`` after a reduced handshake: any plan but ``dense`` must still gather the records
+    (``n - 1`` latency steps), so ``dense`` wins unless the best other scheme beats it by more
+    than that all-gather."""
+    chosen = plan_choice(shape, candidates, opts.cost_model, opts.plan_memo)
+    if chosen == "dense":
+        return True
+    if "dense" not in candidates:
+        return False
+    n = shape.world_size
+    gather = opts.cost_model.link_seconds((n - 1) * handshake_bytes(n), 0.0, n - 1)
+    seconds = price(shape, (chosen, "dense"), opts.cost_model)[0]
+    return seconds["dense"] <= seconds[chosen] + gather
+
+
 def plan_from_summary(summary: HandshakeSummary, local: LocalInput, scheme: str,
                       opts: SyncOptions, comm: Communicator
                       ) -> Optional[Tuple[str, SyncShape, Tuple[float, float, float]]]:
@@ -152,8 +168,8 @@ def plan_from_summary(summary: HandshakeSummary, local: LocalInput, scheme: str,
     shape = SyncShape(n, nnz, union, num_rows, local.row_numel, local.element_size, comm.rank,
                       opts.cost_model.latency_bytes, 0, per_node)
     dense = scheme == "dense" or summary.nnz_max > opts.density_threshold * num_rows or (
-        scheme == "auto" and plan_choice(shape, auto_candidates_for(comm, shape),
-                                         opts.cost_model, opts.plan_memo) == "dense")
+        scheme == "auto" and summary_prefers_dense(shape, auto_candidates_for(comm, shape),
+                                                   opts))
     if not dense:
         return None
     _, slowest, estimates = plan_and_price(shape, ("dense",), opts.cost_model)

@@ -35,6 +35,9 @@ from zen_ds.core.handshake import handshake_bytes, summary_width
 from zen_ds.model.cost import CostModel
 from zen_ds.model.shape import SyncShape
 from zen_ds.planner import PlanMemo, plan_choice, price
+from zen_ds.schemes import auto_candidates
+from zen_ds.sync.allreduce import summary_prefers_dense
+from zen_ds.sync.options import SyncOptions
 from zen_ds.tools.bench.workloads import _log_miss
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, Topology
@@ -183,7 +186,8 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
     its handshake (:func:`handshake_seconds`), and DeepSpeed's dense all-reduce and sparse
     all-gather. With the ``reduce`` handshake, as ``sparse_allreduce`` does: the plan is made
     from the summary (no single-holder estimate) and, unless it is ``dense``, the records are
-    gathered too and the full plan runs."""
+    gathered too and the full plan runs (``auto`` then keeps ``dense`` unless another scheme
+    beats it by more than that all-gather: :func:`~zen_ds.sync.allreduce.summary_prefers_dense`)."""
     n = world_size
     memo = PlanMemo() if memo is None else memo
     gather = handshake_seconds(n, cost, "allgather")
@@ -192,14 +196,14 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
     result = StepResult(n, ranks_per_node)
     for t in tensors:
         shape = t.shape(n, ranks_per_node, cost)
-        handshake = first
+        handshake, chosen = first, plan_choice(shape, (), cost, memo)
         if handshake_mode == "reduce":
             summary = replace(shape, singletons=0)
-            if plan_choice(summary, (), cost, memo) != "dense":
+            options = SyncOptions(cost_model=cost, plan_memo=memo)
+            if summary_prefers_dense(summary, auto_candidates(), options):
+                chosen = "dense"
+            else:
                 handshake += gather
-        chosen = plan_choice(shape, (), cost, memo)
-        if handshake_mode == "reduce" and handshake == first:
-            chosen = "dense"
         names = tuple(dict.fromkeys((chosen, "dense", "agsparse")))
         seconds, estimates = price(shape, names, cost)
         algorithm = cost.choose(estimates["dense"]).algorithm
