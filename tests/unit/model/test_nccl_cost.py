@@ -150,3 +150,19 @@ def test_simulator_reports_deepspeed_best_path() -> None:
     assert best["paths"]["dense all-reduce (tree)"] == pytest.approx(dense.seconds - handshake)
     assert best["seconds"] == min(best["paths"].values())
     assert "DeepSpeed's best path" in format_table(result)
+
+
+def test_simulator_reduced_handshake() -> None:
+    """``--handshake reduce``: a summary all-reduce first, the record all-gather only for
+    non-dense plans; auto keeps dense where the tree makes it cheapest."""
+    from_ids = [torch.arange(r, 4096, 7, dtype=torch.int64)[:300] for r in range(64)]
+    supports = Supports.from_ranks(from_ids, 4096, 16, 4, 0, "nearly-dense")
+    cost = SimCost(Topology(1, NET.bandwidth, NET.intra_bandwidth, NET.alpha))
+    result = simulate(supports, cost, ("dense", "agsparse"), handshake="reduce")
+    assert [p["name"] for p in result.row("dense").phases][:1] == ["handshake.reduce"]
+    assert [p["name"] for p in result.row("agsparse").phases][:2] == ["handshake.reduce",
+                                                                      "handshake"]
+    auto = result.row("auto")
+    assert auto.chosen == "dense" and "handshake" not in [p["name"] for p in auto.phases]
+    today = simulate(supports, cost, ("dense", "agsparse"))
+    assert auto.seconds < today.row("auto").seconds

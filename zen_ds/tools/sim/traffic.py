@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from zen_ds.core.handshake import handshake_bytes
+from zen_ds.core.handshake import handshake_bytes, summary_width
 from zen_ds.core.sparse import accum_dtype
 from zen_ds.model.shape import SyncShape
 from zen_ds.schemes.balanced import (
@@ -37,7 +37,7 @@ from zen_ds.schemes.balanced import (
 from zen_ds.tools.sim.supports import Supports
 
 __all__ = ["Phase", "Traffic", "TrafficFn", "register_traffic", "traffic_function",
-           "handshake_phase", "OPS_RING", "OP_ALL_TO_ALL"]
+           "handshake_phase", "reduced_handshake_phase", "OPS_RING", "OP_ALL_TO_ALL"]
 
 OPS_RING = ("all_gather", "all_reduce")
 OP_ALL_TO_ALL = "all_to_all"
@@ -130,6 +130,15 @@ def handshake_phase(n: int) -> Phase:
     """sparse_allreduce's handshake: one all-gather of every rank's record."""
     return Phase.ring("handshake", "all_gather",
                       torch.full((n,), (n - 1) * handshake_bytes(n), dtype=torch.int64))
+
+
+def reduced_handshake_phase(n: int) -> Phase:
+    """``SyncOptions(handshake="reduce")``'s first collective: one fixed-size all-reduce of
+    every rank's summary, priced as the backend runs it (tree or ring)."""
+    nbytes = 8 * summary_width()
+    phase = Phase.ring("handshake.reduce", "all_reduce", _full(n, 2 * (n - 1) * nbytes // n))
+    phase.tensor_bytes = nbytes
+    return phase
 
 
 def _full(n: int, value: int) -> torch.Tensor:
