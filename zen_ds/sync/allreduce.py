@@ -174,7 +174,7 @@ def plan_from_summary(summary: HandshakeSummary, local: LocalInput, scheme: str,
         return None
     _, slowest, estimates = plan_and_price(shape, ("dense",), opts.cost_model)
     seconds = slowest["dense"] + _reduced_seconds(opts, n, per_node)
-    handshake = 2 * (n - 1) * 8 * summary_width() / n
+    handshake = 2 * (n - 1) * 8 * summary_width() / n  # as Communicator.all_reduce counts it
     return "dense", shape, (estimates["dense"].bytes_sent + handshake,
                             estimates["dense"].bytes_received + handshake, seconds)
 
@@ -190,8 +190,11 @@ def _plan(agreement: Agreement, scheme: str, opts: SyncOptions
             return planned
     chosen, shape, predicted = plan_sync(agreement.gather(), local, scheme, opts, comm)
     if summary is not None:
-        extra = _reduced_seconds(opts, comm.world_size, shape.ranks_per_node)
-        predicted = (predicted[0], predicted[1], predicted[2] + extra)
+        n = comm.world_size
+        extra = _reduced_seconds(opts, n, shape.ranks_per_node)
+        summary_bytes = 2 * (n - 1) * 8 * summary_width() / n
+        predicted = (predicted[0] + summary_bytes, predicted[1] + summary_bytes,
+                     predicted[2] + extra)
     return chosen, shape, predicted
 
 
