@@ -4,8 +4,11 @@
    *handshake* (:mod:`zen_ds.core.handshake`), in which every rank publishes its tensor's shape,
    dtype and options, its nnz, a KMV sketch of its support and how many of its rows each rank
    owns; a bad input or a mismatch on any rank raises the same error on every rank.
+   With ``SyncOptions(handshake="reduce")``, :func:`zen_ds.sync.agreement.agree_reduced` runs
+   one fixed-size all-reduce first and gathers the records only when the plan needs them.
 2. :func:`plan_sync`: every rank computes the same plan from the handshake (the density-threshold
-   switch to dense included) and knows the balanced scheme's push splits without another round.
+   switch to dense included) and knows the balanced scheme's push splits without another round;
+   :func:`plan_from_summary` plans ``dense`` from the reduced handshake alone where it can.
 3. The chosen scheme's :meth:`~zen_ds.schemes.base.Scheme.sync` moves the data; the result is
    scattered into the caller's tensor or returned, and the call's :class:`SyncStats` recorded.
 """
