@@ -228,7 +228,10 @@ class Communicator:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def all_reduce(self, tensor: torch.Tensor, name: str) -> None:
+    def all_reduce(self, tensor: torch.Tensor, name: str, op: str = "sum") -> None:
+        """In-place all-reduce; ``op`` is ``"sum"`` or ``"max"``."""
+        if op not in ("sum", "max"):
+            raise ValueError(f"all_reduce op must be 'sum' or 'max', got {op!r}")
         nbytes = tensor.numel() * tensor.element_size()
         ring = 2 * (self.world_size - 1) * nbytes // max(self.world_size, 1)
         log_name = self._record("all_reduce", name, ring, ring)
@@ -236,7 +239,9 @@ class Communicator:
             return
         ds_comm = _deepspeed_comm()
         if ds_comm is not None:
-            self._run(name, lambda: ds_comm.all_reduce(tensor, op=ds_comm.ReduceOp.SUM,
+            ds_op = ds_comm.ReduceOp.SUM if op == "sum" else ds_comm.ReduceOp.MAX
+            self._run(name, lambda: ds_comm.all_reduce(tensor, op=ds_op,
                                                        group=self.group, log_name=log_name))
         else:
-            self._run(name, lambda: dist.all_reduce(tensor, group=self.group))
+            dist_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+            self._run(name, lambda: dist.all_reduce(tensor, op=dist_op, group=self.group))

@@ -11,6 +11,7 @@ it from the same collective and raises the same error, and the collective sequen
 """
 from __future__ import annotations
 
+import math
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -18,7 +19,8 @@ import torch
 
 __all__ = ["FIELDS", "AGREED_FIELDS", "MAX_ROW_DIMS", "SKETCH_SIZE", "DTYPE_CODES",
            "HandshakeTable", "encode_record", "record_width", "handshake_bytes",
-           "float_bits", "bits_float"]
+           "float_bits", "bits_float", "BUCKETS", "bucket_minima", "encode_summary",
+           "summary_width", "HandshakeSummary"]
 
 SKETCH_SIZE = 64
 # Row shapes travel dim by dim up to this rank; deeper rows fold their tail into the last slot.
@@ -175,3 +177,99 @@ _ROW_SHAPE_FIELDS = ("row_numel", "row_ndim", "row_dims")
 _AGREED_MASK = torch.zeros(FIXED_WIDTH, dtype=torch.bool)
 for _name in AGREED_FIELDS:
     _AGREED_MASK[_OFFSETS[_name][0]:_OFFSETS[_name][1]] = True
+
+
+# ------------------------------------------------------------------ the reduced handshake
+# ``SyncOptions(handshake="reduce")``: one fixed-size MAX all-reduce instead of the all-gather
+# of records. Every agreed slot travels as +v and -v (the MAX gives its largest and smallest
+# value: they differ exactly where some ranks disagree), and the support as one-permutation
+# minima: the smallest permuted row position per bucket of the permuted space, negated (a MAX
+# of -min is a min), buckets merging exactly across ranks, so the union estimate is the same
+# whatever the group size. Latency: a library all-reduce (NCCL's tree: 2 log2 n steps).
+BUCKETS = SKETCH_SIZE
+_EMPTY = -(2 ** 62)  # a bucket no rank touched, negated
+
+
+def summary_width() -> int:
+    return 2 * FIXED_WIDTH + BUCKETS
+
+
+def bucket_minima(positions: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Smallest permuted position in each of :data:`BUCKETS` contiguous slices of ``[0,
+    num_rows)`` (int64, CPU; ``num_rows`` for an empty bucket)."""
+    minima = torch.full((BUCKETS,), int(num_rows), dtype=torch.int64)
+    if positions.numel() and num_rows > 0:
+        positions = positions.to(torch.int64).cpu()
+        buckets = positions * BUCKETS // num_rows
+        minima.scatter_reduce_(0, buckets, positions, reduce="amin")
+    return minima
+
+
+def encode_summary(record: torch.Tensor, minima: Optional[torch.Tensor]) -> torch.Tensor:
+    """This rank's summary vector (int64, CPU) from its record (:func:`encode_record`) and its
+    bucket minima (None: no rows or no sketch)."""
+    fixed = record[:FIXED_WIDTH]
+    support = torch.full((BUCKETS,), _EMPTY, dtype=torch.int64)
+    if minima is not None:
+        touched = minima < _row_count(record)
+        support[touched] = -minima[touched]
+    return torch.cat([fixed, -fixed, support])
+
+
+def _row_count(record: torch.Tensor) -> int:
+    start, _ = _OFFSETS["num_rows"]
+    return int(record[start])
+
+
+class HandshakeSummary:
+    """The reduced summaries (the element-wise MAX over the group), read by field name."""
+
+    def __init__(self, reduced: torch.Tensor, world_size: int) -> None:
+        reduced = reduced.cpu()
+        self.world_size = world_size
+        self.largest = reduced[:FIXED_WIDTH]
+        self.smallest = -reduced[FIXED_WIDTH: 2 * FIXED_WIDTH]
+        support = reduced[2 * FIXED_WIDTH:]
+        self.minima = torch.where(support == _EMPTY, torch.full_like(support, -1), -support)
+
+    @property
+    def problem(self) -> bool:
+        """Whether some rank reported an error or the ranks disagree on an agreed field: then
+        every rank runs the full handshake, which names them (same error on every rank)."""
+        differ = bool(((self.largest != self.smallest) & _AGREED_MASK).any())
+        return differ or int(self.largest[_OFFSETS["error"][0]]) != 0
+
+    def value(self, name: str):
+        start, stop = _OFFSETS[name]
+        if stop - start != 1:
+            raise KeyError(f"handshake field {name!r} has {stop - start} slots")
+        value = int(self.largest[start])
+        return bits_float(value) if name in FLOAT_FIELDS else value
+
+    @property
+    def nnz_max(self) -> int:
+        return int(self.largest[_OFFSETS["nnz"][0]])
+
+    @property
+    def nnz_min(self) -> int:
+        return int(self.smallest[_OFFSETS["nnz"][0]])
+
+    def union_estimate(self, num_rows: int) -> int:
+        """Rows held by some rank, from the merged bucket minima (a one-permutation sketch):
+        linear counting while buckets are empty, else the count whose expected minimum offset
+        in a bucket of ``w`` positions, ``(w - c) / (c + 1)``, matches the mean offset (exact
+        for dense unions too); clamped to ``[max nnz, min(n max nnz, num_rows)]``."""
+        low = self.nnz_max
+        high = min(self.world_size * self.nnz_max, num_rows)
+        if high <= low or num_rows <= 0:
+            return max(low, 0)
+        touched = self.minima >= 0
+        empty = BUCKETS - int(touched.sum())
+        if empty:
+            estimate = BUCKETS * math.log(BUCKETS / empty)
+        else:
+            starts = (torch.arange(BUCKETS, dtype=torch.int64) * num_rows + BUCKETS - 1) // BUCKETS
+            offset = float((self.minima - starts).double().mean())
+            width = num_rows / BUCKETS
+            estimate = BUCKETS * (width - offset) / (offset + 1.0)
+        return int(min(max(round(estimate), low), high))

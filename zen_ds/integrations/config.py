@@ -148,6 +148,12 @@ class ZenConfig(BaseModel):
     index_encoding: Literal["auto", "coo", "bitmap"] = "auto"
     """Row-id encoding of the pull phase: ``auto`` (by size), ``coo`` (ids) or ``bitmap``."""
 
+    handshake: Literal["allgather", "reduce"] = "allgather"
+    """How each sync starts (``zen_ds.SyncOptions.handshake``): ``allgather`` (every rank's record
+    to every rank: latency grows with the data-parallel size) or ``reduce`` (one fixed-size
+    all-reduce, ``log n`` latency under NCCL's tree; the records are gathered only when the plan
+    is not ``dense``). ``reduce`` pays off from a few hundred ranks."""
+
     stats_interval: int = Field(0, ge=0)
     """Every this many optimizer steps, rank 0 logs one line per zen param (density, aggregated
     density, scheme, wire bytes vs dense bytes, time). ``0`` turns the lines off."""

@@ -1,11 +1,13 @@
 """The alpha-beta cost model every plan and the simulator price with: latency steps, link
-bytes and local work (:class:`CostModel`)."""
+bytes and local work (:class:`CostModel`), and the library collectives priced the way NCCL runs
+them (:func:`all_reduce_estimate`; sources in ``docs/schemes.md``, "Library collectives")."""
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import dataclass, replace
-from typing import Mapping, Tuple
+from typing import Mapping, Optional, Tuple
 
 from zen_ds.model.shape import ByteEstimate
 
@@ -15,6 +17,15 @@ from zen_ds.model.shape import ByteEstimate
 DEFAULT_COMPUTE_RATES: Tuple[Tuple[str, float], ...] = (
     ("partition", 1.0e-9), ("aggregate", 4.0e-10), ("scatter", 5.0e-10), ("scan", 2.0e-10))
 COMPUTE_OPS = tuple(op for op, _ in DEFAULT_COMPUTE_RATES)
+
+# How the library all-reduce runs (:attr:`CostModel.all_reduce`).
+ALL_REDUCE_NCCL = "nccl"  # the cheaper of ring and tree at each size and n, as NCCL's tuner picks
+ALL_REDUCE_RING = "ring"  # ring at every size: gloo, and so the emulated cluster
+ALL_REDUCE_MODES = (ALL_REDUCE_NCCL, ALL_REDUCE_RING)
+RING_ALGORITHM, TREE_ALGORITHM = "ring", "tree"
+# NCCL's tuner runs the tree all-reduce at 0.92 of the ring's bus bandwidth (src/graph/tuning.cc,
+# "busBw*.92" for Tree/AllReduce): why ring wins for large tensors even at large n.
+TREE_BUS_EFFICIENCY = 0.92
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,11 @@ class CostModel:
     charge the estimate's two-way NIC bytes again, in part. ``compute`` holds seconds per element
     of each local op (:data:`COMPUTE_OPS`). The simulator times its exact traffic with the same
     methods, so planner and simulator share one model.
+
+    A library all-reduce (the ``dense`` scheme, DeepSpeed's dense path) is priced as its backend
+    runs it: ``all_reduce="nccl"`` takes the cheaper of NCCL's ring and double binary tree
+    (:func:`all_reduce_estimate`; the tree's bytes move at ``tree_efficiency`` of the ring's bus
+    bandwidth), ``"ring"`` the ring alone (gloo).
     """
 
     alpha: float = 50e-6  # seconds per latency step (gloo/TCP order of magnitude)
@@ -43,6 +59,8 @@ class CostModel:
     compute: Tuple[Tuple[str, float], ...] = DEFAULT_COMPUTE_RATES
     duplex: float = 1.0  # two-way over one-way time of a pair between nodes, 1..2
     all_to_all_duplex: float = 1.0  # all-to-all over one-way ring time, same bytes, 1..2
+    all_reduce: str = ALL_REDUCE_NCCL  # "nccl": ring or tree, the cheaper; "ring": gloo's
+    tree_efficiency: float = TREE_BUS_EFFICIENCY  # tree's bus bandwidth over the ring's, (0, 1]
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.bandwidth > 0 and self.intra_bandwidth >= 0):
@@ -53,6 +71,10 @@ class CostModel:
             raise ValueError(f"cost model: duplex and all_to_all_duplex are two-way over one-way "
                              f"times, between 1 (full duplex) and 2 (the two directions share "
                              f"one rate), got {self.duplex} and {self.all_to_all_duplex}")
+        if self.all_reduce not in ALL_REDUCE_MODES or not 0 < self.tree_efficiency <= 1:
+            raise ValueError(f"cost model: all_reduce must be one of {ALL_REDUCE_MODES} and "
+                             f"tree_efficiency in (0, 1], got {self.all_reduce!r} and "
+                             f"{self.tree_efficiency}")
         unknown = [op for op, _ in self.compute if op not in COMPUTE_OPS]
         if unknown or any(not rate >= 0 for _, rate in self.compute):
             raise ValueError(f"cost model: compute rates must be non-negative seconds per element "
@@ -79,15 +101,36 @@ class CostModel:
         return sum(count * rates.get(op, 0.0) for op, count in elements.items())
 
     def seconds(self, estimate: ByteEstimate) -> float:
-        return (self.link_seconds(estimate.nic_bytes, estimate.intra, estimate.latency_steps,
-                                  estimate.two_way, estimate.all_to_all_two_way)
-                + self.compute_seconds(estimate.compute))
+        """The estimate's time, by the cheapest algorithm this model allows (:meth:`choose`)."""
+        return self._seconds(self.choose(estimate))
+
+    def choose(self, estimate: ByteEstimate) -> ByteEstimate:
+        """``estimate`` or the alternative algorithm the backend would run instead: NCCL's
+        tuner takes the one its model predicts fastest; a ``"ring"`` model keeps the ring."""
+        if not estimate.alternatives or self.all_reduce == ALL_REDUCE_RING:
+            return estimate
+        return min((estimate,) + tuple(estimate.alternatives), key=self._seconds)
+
+    def _seconds(self, estimate: ByteEstimate) -> float:
+        link = self.link_seconds(estimate.nic_bytes, estimate.intra, estimate.latency_steps,
+                                 estimate.two_way, estimate.all_to_all_two_way)
+        if estimate.algorithm == TREE_ALGORITHM:  # its bytes move at a lower bus bandwidth
+            latency = estimate.latency_steps * self.alpha
+            link = latency + (link - latency) / self.tree_efficiency
+        return link + self.compute_seconds(estimate.compute)
+
+    def all_reduce_seconds(self, tensor_bytes: float, world_size: int, ranks_per_node: int = 1
+                           ) -> Tuple[float, str]:
+        """(seconds, algorithm) of one library all-reduce of ``tensor_bytes`` over the group."""
+        chosen = self.choose(all_reduce_estimate(tensor_bytes, world_size, ranks_per_node))
+        return self._seconds(chosen), chosen.algorithm
 
     def digest(self) -> int:
         """One int64 naming every constant: ranks must plan with the same model (the handshake
         compares it), or they could choose different schemes and deadlock."""
         values = (self.alpha, self.bandwidth, self.intra_bandwidth, self.duplex,
-                  self.all_to_all_duplex) + tuple(
+                  self.all_to_all_duplex, float(ALL_REDUCE_MODES.index(self.all_reduce)),
+                  self.tree_efficiency) + tuple(
             v for pair in sorted(self.compute) for v in (COMPUTE_OPS.index(pair[0]), pair[1]))
         data = struct.pack(f"<{len(values)}d", *values)
         return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
@@ -95,3 +138,60 @@ class CostModel:
     def with_compute(self, rates: Mapping[str, float]) -> "CostModel":
         return replace(self, compute=tuple((op, float(rates[op])) for op in COMPUTE_OPS
                                            if op in rates))
+
+
+# ----------------------------------------------------------------------- library collectives
+def _nodes(world_size: int, ranks_per_node: int) -> Tuple[int, int]:
+    k = min(max(ranks_per_node, 1), max(world_size, 1))
+    return k, -(-world_size // k)
+
+
+def _placed(wire: float, world_size: int, ranks_per_node: int) -> Tuple[float, float]:
+    """(NIC bytes, intra-node bytes) of a node-ordered ring or tree: one rank's bytes cross each
+    NIC (the intra-node hops run alongside, pipelined); on one node every byte stays inside."""
+    k, nodes = _nodes(world_size, ranks_per_node)
+    if nodes == 1 and k > 1:
+        return 0.0, wire
+    return wire, 0.0
+
+
+def ring_all_reduce(tensor_bytes: float, world_size: int, ranks_per_node: int = 1,
+                    compute: Optional[Mapping[str, float]] = None) -> ByteEstimate:
+    """Ring all-reduce (reduce-scatter then all-gather): ``2 (n - 1)`` latency steps and
+    ``2 (n - 1) / n`` of the tensor through each link (NCCL's tuner and nccl-tests' bus
+    bandwidth factor; the byte count ``Communicator.all_reduce`` records)."""
+    n = world_size
+    wire = 2 * (n - 1) * tensor_bytes / n if n > 1 else 0.0
+    nic, intra = _placed(wire, n, ranks_per_node)
+    # Two ranks on two nodes: the one neighbour is the same peer both ways (shape.two_way_nic).
+    two_way = wire if n == 2 and _nodes(n, ranks_per_node)[1] == 2 else 0.0
+    return ByteEstimate(wire, wire, 2 * (n - 1), nic, intra, dict(compute or {}), two_way,
+                        algorithm=RING_ALGORITHM)
+
+
+def tree_all_reduce(tensor_bytes: float, world_size: int, ranks_per_node: int = 1,
+                    compute: Optional[Mapping[str, float]] = None) -> ByteEstimate:
+    """NCCL's double binary tree all-reduce (reduce up, broadcast down, each of the two trees
+    carrying half the tensor): every rank sends and receives the tensor twice (NCCL's tuner
+    converts its bus bandwidth to algorithm bandwidth by 1/2), and the latency is
+    ``2 ((k - 1) + ceil(log2 nodes))`` steps: a chain inside each node of ``k`` ranks, a tree
+    across nodes. The bytes move at the cost model's ``tree_efficiency`` of the ring's bus
+    bandwidth."""
+    n = world_size
+    k, nodes = _nodes(n, ranks_per_node)
+    if n < 2:
+        return ByteEstimate(0.0, 0.0, 0, 0.0, 0.0, dict(compute or {}), algorithm=TREE_ALGORITHM)
+    wire = 2.0 * tensor_bytes
+    nic, intra = _placed(wire, n, ranks_per_node)
+    steps = 2 * ((k - 1) + math.ceil(math.log2(nodes)))
+    return ByteEstimate(wire, wire, steps, nic, intra, dict(compute or {}),
+                        algorithm=TREE_ALGORITHM)
+
+
+def all_reduce_estimate(tensor_bytes: float, world_size: int, ranks_per_node: int = 1,
+                        compute: Optional[Mapping[str, float]] = None) -> ByteEstimate:
+    """A library all-reduce as NCCL may run it: the ring (its bytes are what the byte counters
+    record) with the tree as the alternative :meth:`CostModel.choose` weighs."""
+    ring = ring_all_reduce(tensor_bytes, world_size, ranks_per_node, compute)
+    tree = tree_all_reduce(tensor_bytes, world_size, ranks_per_node, compute)
+    return replace(ring, alternatives=(tree,))

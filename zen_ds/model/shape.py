@@ -57,7 +57,10 @@ class ByteEstimate:
     bytes, those that cross it while the same pair of ranks moves bytes the other way, in
     pairwise rounds / in all-to-alls: a link that is not full duplex per connection pays for them
     again in part (the cost model's ``duplex`` / ``all_to_all_duplex``).
-    :meth:`zen_ds.model.cost.CostModel.seconds` times it.
+    ``alternatives``: the same library collective run by another algorithm (NCCL's tree for an
+    all-reduce, :func:`zen_ds.model.cost.all_reduce_estimate`), each naming its ``algorithm``;
+    the bytes above stay what the byte counters record.
+    :meth:`zen_ds.model.cost.CostModel.seconds` times the cheapest the model allows.
     """
 
     bytes_sent: float
@@ -68,6 +71,8 @@ class ByteEstimate:
     compute: Mapping[str, float] = field(default_factory=dict)
     two_way: float = 0.0
     all_to_all_two_way: float = 0.0
+    algorithm: str = ""  # "ring" / "tree" where one collective's algorithm was modelled
+    alternatives: Tuple["ByteEstimate", ...] = ()
 
     @property
     def wire_bytes(self) -> float:

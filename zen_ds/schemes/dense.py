@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from zen_ds.core.sparse import RowSparse, accum_dtype
-from zen_ds.model.shape import RING, ByteEstimate, SyncShape, on_links
+from zen_ds.model.cost import all_reduce_estimate
+from zen_ds.model.shape import ByteEstimate, SyncShape, nodes_of
 from zen_ds.schemes.base import Scheme, SyncContext
 
 
@@ -29,10 +30,12 @@ class DenseScheme(Scheme):
         return RowSparse.from_dense(dense_allreduce(x.to_dense(), ctx))
 
     def predict(self, shape: SyncShape) -> ByteEstimate:
+        """The library all-reduce as its backend runs it: the ring's bytes (what the byte
+        counters record) with NCCL's tree as the alternative the cost model weighs."""
         n = shape.world_size
         # fp16/bf16 travel as fp32 (accumulated in fp32 on the wire).
-        ring = 2 * (n - 1) * shape.num_rows * shape.row_numel * max(shape.value_bytes, 4) / n
+        tensor_bytes = shape.num_rows * shape.row_numel * max(shape.value_bytes, 4)
         elements = shape.num_rows * shape.row_numel
-        # Two passes over the tensor (to and from the wire dtype), and the ring's reduce steps.
+        # Two passes over the tensor (to and from the wire dtype), and the reduce steps.
         compute = {"scan": 2 * elements, "aggregate": 2 * (n - 1) * elements / n}
-        return on_links(ByteEstimate(ring, ring, 2 * (n - 1)), shape, RING, compute)
+        return all_reduce_estimate(tensor_bytes, n, nodes_of(shape)[0], compute)

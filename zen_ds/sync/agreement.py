@@ -7,13 +7,23 @@ raises the same :class:`ZenInputError` naming the ranks and reasons, and the nex
 correctly."""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from zen_ds.core.comm import Communicator
-from zen_ds.core.handshake import DTYPE_CODES, SKETCH_SIZE, HandshakeTable, encode_record, row_dims_slots
+from zen_ds.core.handshake import (
+    DTYPE_CODES,
+    SKETCH_SIZE,
+    HandshakeSummary,
+    HandshakeTable,
+    bucket_minima,
+    encode_record,
+    encode_summary,
+    row_dims_slots,
+)
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.partition import ShardLayout
 from zen_ds.schemes import get_scheme, scheme_names
@@ -63,34 +73,44 @@ def effective_ranks_per_node(opts: SyncOptions) -> int:
     return opts.ranks_per_node or ranks_per_node()
 
 
+def _record(comm: Communicator, local: LocalInput, scheme: str, average: bool,
+            opts: SyncOptions, prescale: float, postscale: float, problems: List[str],
+            with_layout: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """This rank's record (:mod:`zen_ds.core.handshake`, CPU) and its rows' permuted positions
+    (None when no sketch is needed or the rank has no rows)."""
+    n = comm.world_size
+    if problems:
+        return encode_record({"error": 1}, world_size=n), None
+    sketch = owner_counts = positions = None
+    needs_layout = n > 1 and local.num_rows > 0 and local.row_numel > 0 and (
+        scheme == "auto" or get_scheme(scheme).needs_sketch)
+    if needs_layout and local.nnz:
+        layout = ShardLayout(local.num_rows, n, opts.seed)
+        positions = layout.positions(local.rows.cpu())
+        if with_layout:
+            sketch = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
+            owner_counts = torch.bincount(layout.owner_of_positions(positions), minlength=n)
+    record_ = encode_record({
+        "num_rows": local.num_rows, "row_numel": local.row_numel,
+        "row_ndim": len(local.row_shape), "row_dims": row_dims_slots(local.row_shape),
+        "dtype": DTYPE_CODES[local.dtype], "nnz": local.nnz,
+        "scheme": 0 if scheme == "auto" else 1 + scheme_names().index(scheme),
+        "index_encoding": INDEX_ENCODINGS.index(opts.index_encoding), "seed": opts.seed,
+        "average": int(bool(average)), "prescale": prescale, "postscale": postscale,
+        "density_threshold": opts.density_threshold,
+        "ranks_per_node": effective_ranks_per_node(opts),
+        "cost_alpha": opts.cost_model.alpha, "cost_bandwidth": opts.cost_model.bandwidth,
+        "cost_model": opts.cost_model.digest(),
+    }, sketch, owner_counts, n)
+    return record_, positions
+
+
 def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool,
                opts: SyncOptions, prescale: float, postscale: float, problems: List[str],
                device: torch.device) -> HandshakeTable:
     """All-gather every rank's record (:mod:`zen_ds.core.handshake`)."""
     n = comm.world_size
-    if problems:
-        record_ = encode_record({"error": 1}, world_size=n)
-    else:
-        sketch = owner_counts = None
-        needs_layout = n > 1 and local.num_rows > 0 and local.row_numel > 0 and (
-            scheme == "auto" or get_scheme(scheme).needs_sketch)
-        if needs_layout and local.nnz:
-            layout = ShardLayout(local.num_rows, n, opts.seed)
-            positions = layout.positions(local.rows.cpu())
-            sketch = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
-            owner_counts = torch.bincount(layout.owner_of_positions(positions), minlength=n)
-        record_ = encode_record({
-            "num_rows": local.num_rows, "row_numel": local.row_numel,
-            "row_ndim": len(local.row_shape), "row_dims": row_dims_slots(local.row_shape),
-            "dtype": DTYPE_CODES[local.dtype], "nnz": local.nnz,
-            "scheme": 0 if scheme == "auto" else 1 + scheme_names().index(scheme),
-            "index_encoding": INDEX_ENCODINGS.index(opts.index_encoding), "seed": opts.seed,
-            "average": int(bool(average)), "prescale": prescale, "postscale": postscale,
-            "density_threshold": opts.density_threshold,
-            "ranks_per_node": effective_ranks_per_node(opts),
-            "cost_alpha": opts.cost_model.alpha, "cost_bandwidth": opts.cost_model.bandwidth,
-            "cost_model": opts.cost_model.digest(),
-        }, sketch, owner_counts, n)
+    record_ = _record(comm, local, scheme, average, opts, prescale, postscale, problems)[0]
     record_ = record_.to(device)
     gathered = torch.empty(n * record_.numel(), dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(gathered, record_, "handshake")
@@ -122,13 +142,28 @@ def _raise_on_errors(table: HandshakeTable, comm: Communicator, problems: List[s
                         f"({per_rank}); every rank must sync the same tensor with the same options")
 
 
-def agree(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
-          prescale: object, postscale: object, log_prefix: str, local_error: Optional[str] = None
-          ) -> Tuple[Communicator, LocalInput, HandshakeTable]:
-    """Check this rank's input and options, then the one handshake: every rank learns every
-    rank's sizes (and, for schemes that need them, its rows per owner); a bad input or a mismatch
-    on any rank, or a ``local_error`` the caller brings, raises the same :class:`ZenInputError`
-    on every rank, and the group stays aligned."""
+@dataclass
+class Agreement:
+    """What the agreement gave a sync: the gathered ``table``, or (reduced handshake, no
+    problem found) only the ``summary``; :meth:`gather` fetches the table when the plan needs
+    per-rank counts (every rank calls it, or none: the decision comes from the summary)."""
+
+    comm: Communicator
+    local: LocalInput
+    table: Optional[HandshakeTable]
+    summary: Optional[HandshakeSummary] = None
+    _gather: Optional[Callable[[], HandshakeTable]] = field(default=None, repr=False)
+
+    def gather(self) -> HandshakeTable:
+        if self.table is None:
+            self.table = self._gather()
+        return self.table
+
+
+def _prepare(x: object, out: object, group: object, scheme: object, opts: object,
+             prescale: object, postscale: object, log_prefix: str, local_error: Optional[str]
+             ) -> Tuple[Communicator, LocalInput, List[str], torch.device]:
+    """The local checks: the communicator, this rank's input, its problems, the device."""
     group, problems = _usable_group(group)
     comm = Communicator.for_group(group, log_prefix)
     comm.scheme = scheme if isinstance(scheme, str) else "auto"
@@ -140,6 +175,48 @@ def agree(x: object, out: object, group: object, scheme: object, average: bool, 
     elif local.error:
         problems.append(local.error)
     device = local.device if not local.error else _fallback_device(device_types)
+    return comm, local, problems, device
+
+
+def agree(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
+          prescale: object, postscale: object, log_prefix: str, local_error: Optional[str] = None
+          ) -> Tuple[Communicator, LocalInput, HandshakeTable]:
+    """Check this rank's input and options, then the one handshake: every rank learns every
+    rank's sizes (and, for schemes that need them, its rows per owner); a bad input or a mismatch
+    on any rank, or a ``local_error`` the caller brings, raises the same :class:`ZenInputError`
+    on every rank, and the group stays aligned."""
+    comm, local, problems, device = _prepare(x, out, group, scheme, opts, prescale, postscale,
+                                             log_prefix, local_error)
     table = _handshake(comm, local, scheme, average, opts, prescale, postscale, problems, device)
     _raise_on_errors(table, comm, problems)
     return comm, local, table
+
+
+def agree_reduced(x: object, out: object, group: object, scheme: object, average: bool,
+                  opts: object, prescale: object, postscale: object, log_prefix: str,
+                  local_error: Optional[str] = None) -> Agreement:
+    """:func:`agree` with ``SyncOptions(handshake="reduce")``: one fixed-size MAX all-reduce of
+    every rank's summary (:func:`zen_ds.core.handshake.encode_summary`). Where it shows an error
+    flag or a disagreement, every rank runs the full handshake, which raises the same
+    :class:`ZenInputError` as :func:`agree` on every rank; else the summary is returned and the
+    records are gathered later only if the plan needs them (:meth:`Agreement.gather`)."""
+    comm, local, problems, device = _prepare(x, out, group, scheme, opts, prescale, postscale,
+                                             log_prefix, local_error)
+
+    def full() -> HandshakeTable:
+        table = _handshake(comm, local, scheme, average, opts, prescale, postscale, problems,
+                           device)
+        _raise_on_errors(table, comm, problems)
+        return table
+
+    if comm.world_size == 1:
+        return Agreement(comm, local, full())
+    record_, positions = _record(comm, local, scheme, average, opts, prescale, postscale,
+                                 problems, with_layout=False)
+    minima = bucket_minima(positions, local.num_rows) if positions is not None else None
+    summary_ = encode_summary(record_, minima).to(device)
+    comm.all_reduce(summary_, "handshake.reduce", op="max")
+    summary = HandshakeSummary(summary_, comm.world_size)
+    if summary.problem:
+        return Agreement(comm, local, full())  # raises, the same error on every rank
+    return Agreement(comm, local, None, summary, full)

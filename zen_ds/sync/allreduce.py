@@ -4,8 +4,11 @@
    *handshake* (:mod:`zen_ds.core.handshake`), in which every rank publishes its tensor's shape,
    dtype and options, its nnz, a KMV sketch of its support and how many of its rows each rank
    owns; a bad input or a mismatch on any rank raises the same error on every rank.
+   With ``SyncOptions(handshake="reduce")``, :func:`zen_ds.sync.agreement.agree_reduced` runs
+   one fixed-size all-reduce first and gathers the records only when the plan needs them.
 2. :func:`plan_sync`: every rank computes the same plan from the handshake (the density-threshold
-   switch to dense included) and knows the balanced scheme's push splits without another round.
+   switch to dense included) and knows the balanced scheme's push splits without another round;
+   :func:`plan_from_summary` plans ``dense`` from the reduced handshake alone where it can.
 3. The chosen scheme's :meth:`~zen_ds.schemes.base.Scheme.sync` moves the data; the result is
    scattered into the caller's tensor or returned, and the call's :class:`SyncStats` recorded.
 """
@@ -20,19 +23,20 @@ import torch.distributed as dist
 
 from zen_ds import ops
 from zen_ds.core.comm import Communicator
-from zen_ds.core.handshake import HandshakeTable, handshake_bytes
+from zen_ds.core.handshake import HandshakeSummary, HandshakeTable, handshake_bytes, summary_width
 from zen_ds.core.inputs import LocalInput
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
 from zen_ds.model.shape import SyncShape
 from zen_ds.model.support import estimate_support
-from zen_ds.planner import plan_and_price, plan_choice
+from zen_ds.planner import plan_and_price, plan_choice, price
 from zen_ds.schemes import auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncContext
-from zen_ds.sync.agreement import agree
+from zen_ds.sync.agreement import Agreement, agree, agree_reduced
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options
 
-__all__ = ["sparse_allreduce", "auto_candidates_for", "local_rows", "plan_sync"]
+__all__ = ["sparse_allreduce", "auto_candidates_for", "local_rows", "plan_sync",
+           "plan_from_summary", "summary_prefers_dense"]
 
 
 # ----------------------------------------------------------------------------- execution
@@ -132,6 +136,71 @@ def plan_sync(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncO
                            seconds)
 
 
+def _reduced_seconds(opts: SyncOptions, n: int, ranks_per_node: int) -> float:
+    """The reduced handshake's time: one fixed-size all-reduce, as the backend runs it."""
+    return opts.cost_model.all_reduce_seconds(8 * summary_width(), n, max(ranks_per_node, 1))[0]
+
+
+def summary_prefers_dense(shape: SyncShape, candidates: Tuple[str, ...], opts: SyncOptions
+                          ) -> bool:
+    """``auto`` after a reduced handshake: any plan but ``dense`` must still gather the records
+    (``n - 1`` latency steps), so ``dense`` wins unless the best other scheme beats it by more
+    than that all-gather."""
+    chosen = plan_choice(shape, candidates, opts.cost_model, opts.plan_memo)
+    if chosen == "dense":
+        return True
+    if "dense" not in candidates:
+        return False
+    n = shape.world_size
+    gather = opts.cost_model.link_seconds((n - 1) * handshake_bytes(n), 0.0, n - 1)
+    seconds = price(shape, (chosen, "dense"), opts.cost_model)[0]
+    return seconds["dense"] <= seconds[chosen] + gather
+
+
+def plan_from_summary(summary: HandshakeSummary, local: LocalInput, scheme: str,
+                      opts: SyncOptions, comm: Communicator
+                      ) -> Optional[Tuple[str, SyncShape, Tuple[float, float, float]]]:
+    """The plan when it can be made from the reduced handshake alone: ``dense`` (pinned, over
+    the density threshold, or ``auto``'s choice on a shape of the largest and smallest counts
+    and the merged sketch's union), else None: the records are needed. The same on every rank
+    (the summary is)."""
+    n, num_rows = comm.world_size, local.num_rows
+    per_node = summary.value("ranks_per_node")
+    nnz = [summary.nnz_max] + [summary.nnz_min] * (n - 1)
+    union = summary.union_estimate(num_rows) if scheme == "auto" else min(sum(nnz), num_rows)
+    shape = SyncShape(n, nnz, union, num_rows, local.row_numel, local.element_size, comm.rank,
+                      opts.cost_model.latency_bytes, 0, per_node)
+    dense = scheme == "dense" or summary.nnz_max > opts.density_threshold * num_rows or (
+        scheme == "auto" and summary_prefers_dense(shape, auto_candidates_for(comm, shape),
+                                                   opts))
+    if not dense:
+        return None
+    _, slowest, estimates = plan_and_price(shape, ("dense",), opts.cost_model)
+    seconds = slowest["dense"] + _reduced_seconds(opts, n, per_node)
+    handshake = 2 * (n - 1) * 8 * summary_width() / n  # as Communicator.all_reduce counts it
+    return "dense", shape, (estimates["dense"].bytes_sent + handshake,
+                            estimates["dense"].bytes_received + handshake, seconds)
+
+
+def _plan(agreement: Agreement, scheme: str, opts: SyncOptions
+          ) -> Tuple[str, SyncShape, Tuple[float, float, float]]:
+    """:func:`plan_from_summary` where a reduced handshake allows it, else :func:`plan_sync` on
+    the gathered records (the reduced handshake's time added to the prediction)."""
+    comm, local, summary = agreement.comm, agreement.local, agreement.summary
+    if summary is not None:
+        planned = plan_from_summary(summary, local, scheme, opts, comm)
+        if planned is not None:
+            return planned
+    chosen, shape, predicted = plan_sync(agreement.gather(), local, scheme, opts, comm)
+    if summary is not None:
+        n = comm.world_size
+        extra = _reduced_seconds(opts, n, shape.ranks_per_node)
+        summary_bytes = 2 * (n - 1) * 8 * summary_width() / n
+        predicted = (predicted[0] + summary_bytes, predicted[1] + summary_bytes,
+                     predicted[2] + extra)
+    return chosen, shape, predicted
+
+
 def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
                      scheme: str = "auto", average: bool = False, *,
                      out: Optional[torch.Tensor] = None, prescale: float = 1.0,
@@ -164,8 +233,13 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         opts = replace(opts, seed=opts.seed if seed is None else seed,
                        index_encoding=opts.index_encoding if index_encoding is None
                        else index_encoding)
-    comm, local, table = agree(x, out, group, scheme, average, opts, prescale, postscale, log_prefix,
-                               local_error)
+    if isinstance(opts, SyncOptions) and opts.handshake == "reduce":
+        agreement = agree_reduced(x, out, group, scheme, average, opts, prescale, postscale,
+                                  log_prefix, local_error)
+    else:
+        agreement = Agreement(*agree(x, out, group, scheme, average, opts, prescale, postscale,
+                                     log_prefix, local_error))
+    comm, local = agreement.comm, agreement.local
 
     n, prescale = comm.world_size, float(prescale)
     factor = float(postscale) / (n if average else 1)
@@ -173,12 +247,14 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
     nothing_to_move = n == 1 or local.num_rows == 0 or local.row_numel == 0
     if nothing_to_move:  # "local": a sync that moves nothing (a group of one, an empty tensor)
         chosen = "local" if scheme == "auto" else scheme
-        nnz_per_rank, union = table.column("nnz"), local.nnz
-        predicted = (0.0, 0.0, 0.0)
+        nnz_per_rank = (agreement.table.column("nnz") if agreement.table is not None
+                        else [agreement.summary.nnz_max] * n)
+        union, predicted = local.nnz, (0.0, 0.0, 0.0)
     else:
-        chosen, shape, predicted = plan_sync(table, local, scheme, opts, comm)
+        chosen, shape, predicted = _plan(agreement, scheme, opts)
         nnz_per_rank, union = shape.nnz_per_rank, shape.union_nnz
     comm.scheme = chosen
+    table = agreement.table  # None: planned from the reduced handshake alone (dense)
 
     in_place = out is not None and local.aliases(out)
     dense_result = out is not None or local.kind == "dense"
@@ -197,7 +273,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         else:
             ctx = SyncContext(comm, opts.seed, scale, opts.index_encoding, list(nnz_per_rank),
                               table.owner_counts  # host: read as splits, no device sync
-                              if _sketched(scheme) else None,
+                              if table is not None and _sketched(scheme) else None,
                               sorted_output=not dense_result,
                               dense_out=None if target is None else
                               target.view((local.num_rows,) + local.row_shape),

@@ -29,7 +29,13 @@ from zen_ds import ops
 from zen_ds.core.comm import _all_gather_single
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
-from zen_ds.model.cost import COMPUTE_OPS, DEFAULT_COMPUTE_RATES, CostModel
+from zen_ds.model.cost import (
+    ALL_REDUCE_NCCL,
+    ALL_REDUCE_RING,
+    COMPUTE_OPS,
+    DEFAULT_COMPUTE_RATES,
+    CostModel,
+)
 from zen_ds.model.shape import RING, SPREAD, SyncShape, link_split
 from zen_ds.sync.allreduce import sparse_allreduce
 from zen_ds.sync.options import SyncOptions, default_options, set_default_options
@@ -37,7 +43,7 @@ from zen_ds.sync.options import SyncOptions, default_options, set_default_option
 logger = logging.getLogger(__name__)
 
 __all__ = ["measure_compute_rates", "agree_compute_rates", "measure_links", "measure_duplex",
-           "measure_all_to_all_duplex", "cost_model_for", "network_options",
+           "measure_all_to_all_duplex", "cost_model_for", "all_reduce_mode", "network_options",
            "apply_network"]
 
 
@@ -262,9 +268,11 @@ def cost_model_for(alpha: float, bandwidth: float, intra_bandwidth: float,
                    all_to_all_duplex: float = 1.0) -> CostModel:
     """The cost model of a ``network`` config: ``compute`` is ``"measure"`` (this process's ops,
     the group's slowest rank: collective), ``"default"`` (:data:`DEFAULT_COMPUTE_RATES`) or
-    seconds per element by op."""
+    seconds per element by op. The library all-reduce is priced as the group's backend runs it
+    (:func:`all_reduce_mode`)."""
     model = CostModel(alpha=alpha, bandwidth=bandwidth, intra_bandwidth=intra_bandwidth,
-                      duplex=duplex, all_to_all_duplex=all_to_all_duplex)
+                      duplex=duplex, all_to_all_duplex=all_to_all_duplex,
+                      all_reduce=all_reduce_mode(group))
     if compute == "default":
         return model
     if compute == "measure":
@@ -276,6 +284,15 @@ def cost_model_for(alpha: float, bandwidth: float, intra_bandwidth: float,
         return model.with_compute({**dict(DEFAULT_COMPUTE_RATES), **compute})
     raise ValueError(f"network.compute must be 'measure', 'default' or a mapping of "
                      f"{list(COMPUTE_OPS)} to seconds per element, got {compute!r}")
+
+
+def all_reduce_mode(group: Optional[dist.ProcessGroup] = None) -> str:
+    """``"ring"`` where the group's backend is gloo (its all-reduce is a ring at every size),
+    else ``"nccl"`` (ring or tree, whichever NCCL's tuner predicts faster). Every rank of a
+    group has the same backend, so every rank builds the same model."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "gloo":
+        return ALL_REDUCE_RING
+    return ALL_REDUCE_NCCL
 
 
 def network_options(network: object, group: Optional[dist.ProcessGroup] = None,

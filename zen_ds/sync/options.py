@@ -13,11 +13,12 @@ from zen_ds.model.cost import CostModel
 from zen_ds.planner import PlanMemo
 from zen_ds.schemes import scheme_names
 
-__all__ = ["SyncOptions", "INDEX_ENCODINGS", "ZenInputError", "default_options", "set_default_options",
+__all__ = ["SyncOptions", "INDEX_ENCODINGS", "HANDSHAKES", "ZenInputError", "default_options", "set_default_options",
            "set_cost_model", "option_problems", "TensorLike"]
 
 
 INDEX_ENCODINGS = ("auto", "coo", "bitmap")
+HANDSHAKES = ("allgather", "reduce")
 TensorLike = Union[RowSparse, torch.Tensor]
 
 
@@ -41,7 +42,11 @@ class SyncOptions:
     sync dense when any rank holds more than this fraction of rows (1.0 never). ``ranks_per_node``:
     ranks sharing a host, for topology-aware schemes (0 unknown). ``plan_memo``: where ``auto``
     keeps the choices it priced (:class:`~zen_ds.planner.PlanMemo`; None: the process default);
-    the caller's state, not an option the ranks compare.
+    the caller's state, not an option the ranks compare. ``handshake``: ``"allgather"`` (every
+    rank's record to every rank: ``n - 1`` latency steps) or ``"reduce"`` (one fixed-size MAX
+    all-reduce first, ``log n`` latency under NCCL's tree; the records are gathered only when
+    the plan is not ``dense`` or a rank reports a problem). It decides the first collective, so
+    it is the one option the handshake cannot compare: set it alike on every rank.
     """
 
     cost_model: CostModel = CostModel()
@@ -50,6 +55,7 @@ class SyncOptions:
     density_threshold: float = 1.0
     ranks_per_node: int = 0
     plan_memo: Optional[PlanMemo] = field(default=None, compare=False, hash=False, repr=False)
+    handshake: str = "allgather"
 
 
 # The options of calls that pass none: this process's documented default (set_default_options).
@@ -86,6 +92,8 @@ def option_problems(scheme: object, opts: object, prescale: object, postscale: o
     if opts.index_encoding not in INDEX_ENCODINGS:
         problems.append(f"index_encoding must be one of {INDEX_ENCODINGS}, got "
                         f"{opts.index_encoding!r}")
+    if opts.handshake not in HANDSHAKES:
+        problems.append(f"handshake must be one of {HANDSHAKES}, got {opts.handshake!r}")
     if not isinstance(opts.cost_model, CostModel):
         problems.append(f"cost_model must be a zen_ds.CostModel, got "
                         f"{type(opts.cost_model).__name__}")

@@ -252,7 +252,7 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
     # data-parallel groups, so every rank must plan with the same model.
     options = network_options(zcfg.network,
                               base=SyncOptions(seed=zcfg.seed, index_encoding=zcfg.index_encoding,
-                                               plan_memo=PlanMemo()))
+                                               plan_memo=PlanMemo(), handshake=zcfg.handshake))
     owned = None
     if route.owned:
         owned = OwnedParams(zen_params, _plan, facts.dp_group(engine), zcfg.optimizer_state,

@@ -64,6 +64,7 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
                                  "intra_bandwidth": model.intra_bandwidth,
                                  "duplex": model.duplex,
                                  "all_to_all_duplex": model.all_to_all_duplex,
+                                 "all_reduce": model.all_reduce,
                                  "compute": dict(model.compute),
                                  "ranks_per_node": network.ranks_per_node}
             print(report.format_table(rows, ctx), flush=True)
@@ -131,6 +132,10 @@ def _calibrate_worker(rank: int, world_size: int, args: argparse.Namespace,
                   f"{links['collective_alpha'] * 1e3:.3g} ms for a bare all-gather")
             print(f"# two ways at once: a pair takes {links['duplex']:.2f}x its one-way time, an "
                   f"all-to-all {links['all_to_all_duplex']:.2f}x a ring's (1 = full duplex)")
+            mode = calibrate.all_reduce_mode()
+            print(f"# all-reduce priced as {dist.get_backend()} runs it: "
+                  + ("a ring at every size" if mode == "ring" else
+                     "the cheaper of ring and tree (tree bandwidth not measured: NCCL's 0.92)"))
             print(json.dumps(block, indent=2), flush=True)
         dist.barrier()
     finally:

@@ -8,6 +8,10 @@ Examples::
     python -m zen_ds sim -w lstm -w deepfm -w nmt --ranks 16 64 128 512 --step-compute 0.3
     python -m zen_ds sim -w tokens:sp32k,tokens=16384,hidden=4096,dtype=bf16 --ranks 16 128 1024
     python -m zen_ds sim fit tokens:sp32k,tokens=16384,hidden=4096 --ranks 4 16 128
+    python -m zen_ds sim step --layers 100 --embedding 200000x64:2048 --ranks 16 1024 4096
+
+``step`` prices a whole training step (many compressed layers and embedding tables, one
+handshake each) and reports the handshake's share (:mod:`zen_ds.tools.sim.step`).
 
 ``tokens:FILE,...`` takes real token ids (``python -m zen_ds data prepare`` writes them), rank r
 the r-th contiguous chunk of ``tokens`` ids; ``fit`` calibrates the synthetic ``lm:`` workload to
@@ -33,6 +37,7 @@ from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
 from zen_ds.tools.sim.fit import main as fit_main
 from zen_ds.tools.sim.report import format_table, plot_speedups, write_json
 from zen_ds.tools.sim.simulate import simulate
+from zen_ds.tools.sim.step import main as step_main
 from zen_ds.tools.sim.supports import generate_supports
 from zen_ds.tools.sim.throughput import format_throughput, throughput_rows
 
@@ -64,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the default) to 2 (gloo's TCP pairs on the emulated cluster)")
     p.add_argument("--all-to-all-duplex", type=float, default=1.0,
                    help="an all-to-all's over a one-way ring's time with the same bytes (default 1)")
+    p.add_argument("--all-reduce", default="nccl", choices=("nccl", "ring"),
+                   help="how the library all-reduce runs: 'nccl' (the cheaper of ring and tree, as "
+                        "NCCL's tuner picks; the default) or 'ring' (gloo)")
+    p.add_argument("--handshake", default="allgather", choices=("allgather", "reduce"),
+                   help="SyncOptions.handshake: 'allgather' (the default) or 'reduce' (a "
+                        "fixed-size all-reduce first, records gathered for non-dense plans)")
     p.add_argument("--compute", default="measure",
                    help="local op rates: 'measure' (a short micro-benchmark of zen's ops here, the "
                         "default), 'none', FILE.json, or op=seconds_per_element,...")
@@ -101,7 +112,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         topologies = [Topology(k, _bytes_per_second(args.bandwidth),
                                _bytes_per_second(args.intra_bandwidth), _seconds(args.latency),
-                               args.duplex, args.all_to_all_duplex)
+                               args.duplex, args.all_to_all_duplex, args.all_reduce)
                       for k in args.ranks_per_node]
         if min(args.ranks) < 2:
             raise ValueError("--ranks must all be >= 2")
@@ -115,7 +126,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"# topology: {' / '.join(str(t.ranks_per_node) for t in topologies)} ranks/node, inter "
           f"{topology.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
           f"{topology.intra_bandwidth * 8 / 1e9:g} Gbit/s per rank, latency "
-          f"{topology.latency * 1e6:g} us/step, duplex {topology.duplex:g} (all-to-all {topology.all_to_all_duplex:g}); compute: {rates.source}")
+          f"{topology.latency * 1e6:g} us/step, duplex {topology.duplex:g} (all-to-all {topology.all_to_all_duplex:g}), all-reduce {topology.all_reduce}, handshake {args.handshake}; compute: {rates.source}")
     results = []
     for workload in workloads:
         for n in args.ranks:
@@ -123,7 +134,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             supports = generate_supports(workload, n, args.seed, args.sync_seed)
             for topo in topologies:
                 result = simulate(supports, SimCost(topo, rates), args.schemes or (),
-                                  args.index_encoding, sparse=workload.sparse)
+                                  args.index_encoding, sparse=workload.sparse,
+                                  handshake=args.handshake)
                 results.append(result)
                 print(format_table(result, f"[{time.perf_counter() - started:.1f}s]"), flush=True)
                 print()
@@ -151,6 +163,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["fit"]:  # python -m zen_ds sim fit tokens:FILE,...: zen_ds.tools.sim.fit
 
         return fit_main(argv[1:])
+    if argv[:1] == ["step"]:  # python -m zen_ds sim step ...: zen_ds.tools.sim.step
+        return step_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     return run(args, ["python -m zen_ds sim", *argv])

@@ -9,7 +9,9 @@ What the simulator adds is the exact load of each link class:
   its ranks' traffic to other nodes; a rank's traffic to ranks of its own node goes over the
   intra-node links (``intra_bandwidth`` per rank);
 * ring collectives (all-gather, all-reduce) are ordered node by node, so each node's NIC carries
-  one rank's share (on one node, the intra-node links carry it);
+  one rank's share (on one node, the intra-node links carry it); a library all-reduce is priced
+  as the model's backend runs it (NCCL: the cheaper of ring and tree,
+  :meth:`~zen_ds.model.cost.CostModel.all_reduce_seconds`);
 * an all-to-all loads each NIC with the sum of its ranks' off-node bytes, and each rank's intra
   links with its on-node bytes: the busiest of each. Where a pair moves bytes both ways at once
   (pairwise rounds and two-rank rings: ``duplex``; all-to-alls: ``all_to_all_duplex``), the model
@@ -29,7 +31,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from zen_ds import ops
-from zen_ds.model.cost import COMPUTE_OPS, CostModel
+from zen_ds.model.cost import ALL_REDUCE_NCCL, COMPUTE_OPS, CostModel
 from zen_ds.sync import calibrate
 from zen_ds.tools.sim.traffic import OP_ALL_TO_ALL, Phase, Traffic
 
@@ -48,6 +50,7 @@ class Topology:
     latency: float = CostModel.alpha  # seconds per latency step
     duplex: float = 1.0  # a pair's two-way over one-way time between nodes (CostModel.duplex)
     all_to_all_duplex: float = 1.0  # CostModel.all_to_all_duplex
+    all_reduce: str = ALL_REDUCE_NCCL  # CostModel.all_reduce: "nccl" (ring or tree) or "ring"
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
@@ -63,7 +66,7 @@ class Topology:
         """The planner's model for this network (no compute term: :class:`SimCost` adds it)."""
         return CostModel(alpha=self.latency, bandwidth=self.inter_bandwidth,
                          intra_bandwidth=self.intra_bandwidth, compute=(), duplex=self.duplex,
-                         all_to_all_duplex=self.all_to_all_duplex)
+                         all_to_all_duplex=self.all_to_all_duplex, all_reduce=self.all_reduce)
 
 
 @dataclass(frozen=True)
@@ -166,11 +169,22 @@ class SimCost:
         return float(nic[busiest]), intra_max, float(two_way[busiest])
 
     def phase_seconds(self, phase: Phase) -> float:
+        if phase.tensor_bytes is not None:  # a library all-reduce: ring or tree
+            return self.model.all_reduce_seconds(phase.tensor_bytes, phase.sent.numel(),
+                                                 self.topology.ranks_per_node)[0]
         pairwise = is_pairwise(phase)
         nic, intra, two_way = self._loads(phase, pairwise)
         if pairwise:
             return self.model.link_seconds(nic, intra, phase.latency_steps, two_way)
         return self.model.link_seconds(nic, intra, phase.latency_steps, 0.0, two_way)
+
+    def algorithm(self, phase: Phase) -> str:
+        """The algorithm the phase is priced with: ``tree`` or ``ring`` for a library
+        all-reduce, else its pattern (``ring`` or ``all_to_all``)."""
+        if phase.tensor_bytes is not None:
+            return self.model.all_reduce_seconds(phase.tensor_bytes, phase.sent.numel(),
+                                                 self.topology.ranks_per_node)[1]
+        return "all_to_all" if phase.op == OP_ALL_TO_ALL else "ring"
 
     def comm_seconds(self, traffic: Traffic) -> float:
         """Collectives run one after another; each ends with its slowest link."""

@@ -15,7 +15,36 @@ from zen_ds.tools.optional import optional_import
 from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, SimResult
 from zen_ds.tools.sim.supports import LosslessBound
 
-__all__ = ["format_table", "result_rows", "write_json", "plot_speedups", "bound_line"]
+__all__ = ["format_table", "result_rows", "write_json", "plot_speedups", "bound_line",
+           "deepspeed_best", "deepspeed_best_line"]
+
+
+def deepspeed_best(result: SimResult) -> Optional[Dict[str, object]]:
+    """DeepSpeed's best path for this sync: the faster of its dense all-reduce (``dense``
+    without zen's handshake, priced as NCCL runs it) and its sparse all-gather (``deepspeed``),
+    and ``auto``'s time over it. None when a row is missing."""
+    names = {r.scheme for r in result.rows}
+    if not {"dense", DEEPSPEED, AUTO} <= names:
+        return None
+    dense = result.row("dense")
+    handshake = sum(float(p["seconds"]) for p in dense.phases if p["name"] == "handshake")
+    algorithm = next((p.get("algorithm", "ring") for p in dense.phases if p["op"] == "all_reduce"),
+                     "ring")
+    paths = {f"dense all-reduce ({algorithm})": dense.seconds - handshake,
+             "sparse all-gather": result.row(DEEPSPEED).seconds}
+    best = min(paths, key=paths.__getitem__)
+    auto = result.row(AUTO).seconds
+    return {"path": best, "seconds": paths[best], "paths": paths, "auto_seconds": auto,
+            "auto_over_best": auto / paths[best] if paths[best] > 0 else math.inf}
+
+
+def deepspeed_best_line(result: SimResult) -> str:
+    best = deepspeed_best(result)
+    if best is None:
+        return ""
+    paths = ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in best["paths"].items())
+    return (f"# DeepSpeed's best path: {best['path']} ({paths}); auto {best['auto_seconds'] * 1e3:.3f}"
+            f" ms = {best['auto_over_best']:.2f}x of it")
 
 
 def bound_line(result: SimResult) -> str:
@@ -65,6 +94,8 @@ def format_table(result: SimResult, header: str = "") -> str:
             f"{busbw:>10.2f} {row.get('speedup_vs_dense', math.nan):>7.2f}x "
             f"{row.get('speedup_vs_agsparse', math.nan):>7.2f}x  {row.get('chosen', '')}")
     lines.append(bound_line(result))
+    if deepspeed_best(result) is not None:
+        lines.append(deepspeed_best_line(result))
     return "\n".join(lines)
 
 
@@ -73,6 +104,9 @@ def write_json(path: str, results: Sequence[SimResult], context: Dict[str, objec
     data = {"rows": [row for r in results for row in result_rows(r)],
             "bounds": [{"workload": r.workload, "ranks": r.world_size, **r.bound.as_dict()}
                        for r in results],
+            "deepspeed_best": [{"workload": r.workload, "ranks": r.world_size,
+                                "ranks_per_node": r.ranks_per_node, **(deepspeed_best(r) or {})}
+                               for r in results],
             "context": context}
     if extra:
         data.update(extra)

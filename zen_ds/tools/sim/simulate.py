@@ -21,7 +21,9 @@ from zen_ds.model.cost import CostModel
 from zen_ds.model.shape import SyncShape
 from zen_ds.model.support import planning_ranks
 from zen_ds.planner import plan_choice
-from zen_ds.schemes import get_scheme, scheme_names
+from zen_ds.schemes import auto_candidates, get_scheme, scheme_names
+from zen_ds.sync.allreduce import summary_prefers_dense
+from zen_ds.sync.options import SyncOptions
 from zen_ds.tools.sim import peers  # noqa: F401  (registers the peer schemes' traffic functions)
 from zen_ds.tools.sim.cost import SimCost
 from zen_ds.tools.sim.supports import LosslessBound, Supports, handshake_shape, lossless_bound
@@ -31,6 +33,7 @@ from zen_ds.tools.sim.traffic import (
     agsparse_traffic,
     dense_traffic,
     handshake_phase,
+    reduced_handshake_phase,
     traffic_function,
 )
 
@@ -99,7 +102,8 @@ class SimResult:
 def _result(name: str, method: str, traffic: Traffic, cost: SimCost, row_numel: int,
             steps: Optional[int] = None) -> SchemeResult:
     phases = [{"name": p.name, "op": p.op, "bytes_sent": int(p.sent.max()),
-               "bytes_received": int(p.received.max()), "seconds": cost.phase_seconds(p)}
+               "bytes_received": int(p.received.max()), "seconds": cost.phase_seconds(p),
+               "algorithm": cost.algorithm(p)}
               for p in traffic.phases]
     return SchemeResult(name, method, cost.comm_seconds(traffic),
                         cost.compute_seconds(traffic, row_numel), int(traffic.bytes_sent.max()),
@@ -108,18 +112,33 @@ def _result(name: str, method: str, traffic: Traffic, cost: SimCost, row_numel: 
                         phases, traffic=traffic)
 
 
-def scheme_traffic(supports: Supports, name: str, shape: SyncShape, index_encoding: str = "auto"
-                   ) -> Optional[Traffic]:
+HANDSHAKES = ("allgather", "reduce")
+
+
+def handshake_phases(n: int, handshake: str, gather: bool) -> List[Phase]:
+    """The handshake's collectives: the record all-gather (``allgather``), or the summary
+    all-reduce then, where the plan needs the records (``gather``), the all-gather too."""
+    if handshake == "allgather":
+        return [handshake_phase(n)]
+    if handshake == "reduce":
+        return [reduced_handshake_phase(n)] + ([handshake_phase(n)] if gather else [])
+    raise ValueError(f"handshake must be one of {HANDSHAKES}, got {handshake!r}")
+
+
+def scheme_traffic(supports: Supports, name: str, shape: SyncShape, index_encoding: str = "auto",
+                   handshake: str = "allgather") -> Optional[Traffic]:
     """The exact traffic of ``sparse_allreduce(scheme=name)`` (handshake first), or None when
     the scheme has no traffic function."""
     fn = traffic_function(name)
     if fn is None:
         return None
     body = fn(supports, shape, index_encoding)
-    return Traffic([handshake_phase(supports.world_size)] + body.phases, body.compute)
+    head = handshake_phases(supports.world_size, handshake, name != "dense")
+    return Traffic(head + body.phases, body.compute)
 
 
-def _model_traffic(supports: Supports, name: str, shape: SyncShape) -> Traffic:
+def _model_traffic(supports: Supports, name: str, shape: SyncShape,
+                   handshake: str = "allgather") -> Traffic:
     """A scheme without a traffic function: its ``predict`` at the ranks the planner checks,
     as one flat phase per rank (the largest estimate for ranks it did not check)."""
     n = supports.world_size
@@ -136,7 +155,16 @@ def _model_traffic(supports: Supports, name: str, shape: SyncShape) -> Traffic:
         sent[r], received[r] = int(e.bytes_sent), int(e.bytes_received)
     steps = max(e.latency_steps for e in estimates.values())
     phase = Phase(name, "model", sent, received, steps=steps)
-    return Traffic([handshake_phase(n), phase])
+    return Traffic(handshake_phases(n, handshake, name != "dense") + [phase])
+
+
+def summary_shape(shape: SyncShape) -> SyncShape:
+    """What the reduced handshake tells the planner: the largest count on one rank and the
+    smallest on the others, the union (here the records' KMV estimate; the summary's own
+    sketch estimates it about as well), no single-holder estimate."""
+    nnz = list(shape.nnz_per_rank)
+    ordered = [max(nnz)] + [min(nnz)] * (len(nnz) - 1)
+    return replace(shape, nnz_per_rank=ordered, singletons=0, rank=0)
 
 
 def _deepspeed_traffic(supports: Supports, sparse: bool) -> Traffic:
@@ -152,12 +180,15 @@ def _deepspeed_traffic(supports: Supports, sparse: bool) -> Traffic:
 
 def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
              index_encoding: str = "auto", sparse: bool = True,
-             planning: Optional[CostModel] = None) -> SimResult:
+             planning: Optional[CostModel] = None, handshake: str = "allgather") -> SimResult:
     """Every scheme (default: all registered), ``auto`` and ``deepspeed`` on ``supports``.
 
     ``planning``: the cost model the ranks plan with (their SyncOptions'), when it is not the
     network's: the schemes' data-independent choices and ``auto`` follow it, the time follows
-    ``cost`` (replaying a run whose ranks used the default model on a slower link)."""
+    ``cost`` (replaying a run whose ranks used the default model on a slower link).
+    ``handshake``: ``SyncOptions.handshake``; with ``reduce`` every sync starts with the
+    summary all-reduce, non-dense plans gather the records too, and ``auto`` decides dense from
+    the summary as :func:`zen_ds.sync.allreduce.summary_prefers_dense` does."""
     n = supports.world_size
     if n < 2:
         raise ValueError("simulate needs at least 2 ranks: a group of one moves nothing")
@@ -170,17 +201,20 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
         shape = replace(handshake_shape(supports, latency_bytes,
                                         with_layout=get_scheme(name).needs_sketch),
                         ranks_per_node=per_node)
-        traffic = scheme_traffic(supports, name, shape, index_encoding)
+        traffic = scheme_traffic(supports, name, shape, index_encoding, handshake)
         if traffic is None:
-            traffic = _model_traffic(supports, name, auto_shape)
+            traffic = _model_traffic(supports, name, auto_shape, handshake)
             rows.append(_result(name, "model", traffic, cost, supports.row_numel))
         else:
             rows.append(_result(name, "exact", traffic, cost, supports.row_numel))
     chosen = plan_choice(auto_shape, cost=planning)  # the runtime's (memoised) choice
-    traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding)
+    if handshake == "reduce" and summary_prefers_dense(
+            summary_shape(auto_shape), auto_candidates(), SyncOptions(cost_model=planning)):
+        chosen = "dense"
+    traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding, handshake)
     method = "exact"
     if traffic is None:
-        traffic, method = _model_traffic(supports, chosen, auto_shape), "model"
+        traffic, method = _model_traffic(supports, chosen, auto_shape, handshake), "model"
     auto = _result(AUTO, method, traffic, cost, supports.row_numel)
     auto.chosen = chosen
     rows.append(auto)

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from zen_ds.core.handshake import handshake_bytes
+from zen_ds.core.handshake import handshake_bytes, summary_width
 from zen_ds.core.sparse import accum_dtype
 from zen_ds.model.shape import SyncShape
 from zen_ds.schemes.balanced import (
@@ -37,7 +37,7 @@ from zen_ds.schemes.balanced import (
 from zen_ds.tools.sim.supports import Supports
 
 __all__ = ["Phase", "Traffic", "TrafficFn", "register_traffic", "traffic_function",
-           "handshake_phase", "OPS_RING", "OP_ALL_TO_ALL"]
+           "handshake_phase", "reduced_handshake_phase", "OPS_RING", "OP_ALL_TO_ALL"]
 
 OPS_RING = ("all_gather", "all_reduce")
 OP_ALL_TO_ALL = "all_to_all"
@@ -58,6 +58,9 @@ class Phase:
     matrix: Optional[torch.Tensor] = None  # all_to_all: int64 [src, dst] bytes, zero diagonal
     members: Optional[torch.Tensor] = None  # bool [n]; None: every rank records this collective
     steps: Optional[int] = None  # latency steps; None: one collective over all n ranks
+    # all_reduce: the tensor's bytes, so the cost model can price it as NCCL runs it (ring or
+    # tree, :func:`zen_ds.model.cost.all_reduce_estimate`); None: a ring at the bytes above.
+    tensor_bytes: Optional[int] = None
 
     @classmethod
     def ring(cls, name: str, op: str, per_rank: torch.Tensor,
@@ -73,8 +76,11 @@ class Phase:
 
     @property
     def latency_steps(self) -> int:
-        """Latency steps of one collective, as the schemes' ``predict`` count them."""
-        return self.sent.numel() - 1 if self.steps is None else self.steps
+        """Latency steps of one collective (the ring's for an all-reduce), as the schemes'
+        ``predict`` count them."""
+        if self.steps is not None:
+            return self.steps
+        return (2 if self.op == "all_reduce" else 1) * (self.sent.numel() - 1)
 
     def records(self, rank: int) -> bool:
         """Whether ``rank`` calls this collective (and so has a byte record of it)."""
@@ -126,6 +132,15 @@ def handshake_phase(n: int) -> Phase:
                       torch.full((n,), (n - 1) * handshake_bytes(n), dtype=torch.int64))
 
 
+def reduced_handshake_phase(n: int) -> Phase:
+    """``SyncOptions(handshake="reduce")``'s first collective: one fixed-size all-reduce of
+    every rank's summary, priced as the backend runs it (tree or ring)."""
+    nbytes = 8 * summary_width()
+    phase = Phase.ring("handshake.reduce", "all_reduce", _full(n, 2 * (n - 1) * nbytes // n))
+    phase.tensor_bytes = nbytes
+    return phase
+
+
 def _full(n: int, value: int) -> torch.Tensor:
     return torch.full((n,), int(value), dtype=torch.int64)
 
@@ -137,7 +152,9 @@ def dense_traffic(s: Supports, shape: SyncShape, index_encoding: str) -> Traffic
     nbytes = s.num_rows * s.row_numel * accum_bytes
     ring = 2 * (n - 1) * nbytes // n  # as Communicator.all_reduce counts it
     rows = _full(n, s.num_rows)
-    return Traffic([Phase.ring("dense", "all_reduce", _full(n, ring))],
+    phase = Phase.ring("dense", "all_reduce", _full(n, ring))
+    phase.tensor_bytes = nbytes
+    return Traffic([phase],
                    {"scan": 2 * rows, "aggregate": _full(n, 2 * (n - 1) * s.num_rows // n)})
 
 

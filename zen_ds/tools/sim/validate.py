@@ -39,7 +39,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from zen_ds.model.cost import CostModel
+from zen_ds.model.cost import ALL_REDUCE_RING, CostModel
 from zen_ds.schemes.topology import RANKS_PER_NODE_ENV
 from zen_ds.tools.bench.runner import DEEPSPEED, deepspeed_equivalent
 from zen_ds.tools.bench.sync_args import add_sync_arguments
@@ -140,13 +140,14 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
     if recorded:  # the model the ranks planned with, compute rates included
         planning = CostModel(recorded["alpha"], recorded["bandwidth"], recorded["intra_bandwidth"],
                              duplex=recorded.get("duplex", 1.0),
-                             all_to_all_duplex=recorded.get("all_to_all_duplex", 1.0)
+                             all_to_all_duplex=recorded.get("all_to_all_duplex", 1.0),
+                             all_reduce=recorded.get("all_reduce", ALL_REDUCE_RING)
                              ).with_compute(recorded["compute"])
     else:  # a file from before the bench recorded it
         default = CostModel()
         planning = CostModel(alpha=default.alpha if args.alpha is None else args.alpha,
                              bandwidth=default.bandwidth if args.bandwidth is None
-                             else args.bandwidth)
+                             else args.bandwidth, all_reduce=ALL_REDUCE_RING)
     if bandwidth is None:
         bandwidth = planning.bandwidth if recorded else (context.get("rate_bps") or 0) / 8
     if not bandwidth:
@@ -166,8 +167,9 @@ def validate_file(path: str, ranks_per_node: int, bandwidth: Optional[float],
     specs = list(args.workload or ([] if args.grad_file else DEFAULT_WORKLOADS))
     # Keyed by description: two specs of one generator (say two `synthetic:` mixes) share a name.
     workloads = {w.description: w for w in (parse_workload(s, args.scale) for s in specs)}
+    # The emulated cluster runs gloo, whose all-reduce is a ring at every size.
     cost = SimCost(Topology(ranks_per_node, bandwidth, intra_bandwidth, latency, duplex,
-                            all_to_all_duplex), rates)
+                            all_to_all_duplex, planning.all_reduce), rates)
     out: List[Dict[str, object]] = []
     for description in dict.fromkeys(r["description"] for r in measured):
         workload = workloads.get(description)
