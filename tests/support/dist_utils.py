@@ -20,7 +20,8 @@ zen_ds once for the whole session (``multiprocessing``'s ``forkserver`` with tho
 preloaded): a spawned rank pays 5-15 s of imports on a 2-core machine, a forked one nothing. A
 forked rank is still a new process with nothing run in it (only imports) and gets the parent's
 *current* environment, ``sys.path`` and working directory, as a spawned one would. A job that must
-see first-import behaviour passes ``new_interpreter=True`` to get spawned ranks.
+see first-import behaviour passes ``new_interpreter=True`` to get spawned ranks (``ZEN_DS_TEST_SPAWN=1``
+spawns every rank of a run, to compare).
 """
 from __future__ import annotations
 
