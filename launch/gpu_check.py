@@ -142,10 +142,12 @@ def step_build() -> Dict[str, Any]:
     import zen_ds.ops as ops
 
     major, minor = torch.cuda.get_device_capability(0)
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+    image_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"  # this device only: a shorter build
     os.environ["ZEN_DS_OPS"] = "compiled"
     info = ops.ensure_built()
     impl = ops.backend()
+    info = {**info, "image_TORCH_CUDA_ARCH_LIST": image_arch_list}
     if not getattr(impl, "with_cuda", False):
         return {"status": "failed", "error": "the CUDA kernels were not compiled in", **info}
     return dict(info)
@@ -370,9 +372,13 @@ def _train(config: str, zen: bool, steps: int, out: Path, gpus: int, timeout: fl
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = out / f"train_{Path(config).stem}_{'zen' if zen else 'stock'}.json"
+    # Stock DeepSpeed cannot reduce sparse=True (COO) gradients under ZeRO-1/2: compare those
+    # stages on dense embedding gradients (zero rows), as the quick start does.
+    grad = "sparse" if json.loads((REPO / "configs" / config).read_text()).get(
+        "zero_optimization", {}).get("stage", 0) == 0 else "dense"
     script = [str(REPO / "examples" / "train_embedding.py"), "--deepspeed", "--deepspeed_config",
               str(REPO / "configs" / config), "--steps", str(steps), "--vocab", "100000",
-              "--out", str(result)] + ([] if zen else ["--no-zen"])
+              "--embedding-grad", grad, "--out", str(result)] + ([] if zen else ["--no-zen"])
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env.pop("ZEN_DS_OPS", None)
     if gpus >= 2:

@@ -51,16 +51,27 @@ cd "$REPO"
 
 if ! "$PY" -c "import deepspeed, zen_ds" >/dev/null 2>&1; then
     [[ -d "$WHEELS" ]] || { echo "[gpu_check] $WHEELS is missing: run launch/gpu_check.sh --prepare first" >&2; exit 3; }
-    VENV="${ZEN_GPU_CHECK_VENV:-/tmp/zen_gpu_check_venv}"
-    if "$PY" -m venv --system-site-packages "$VENV" 2>/dev/null; then
-        PY="$VENV/bin/python"
-        "$PY" -m pip install --isolated --no-index --find-links "$WHEELS" -q deepspeed zen_ds pytest
-    else  # no venv module: install next to the checkout
-        TARGET="$REPO/.gpu_check_site"
-        "$PY" -m pip install --isolated --no-index --find-links "$WHEELS" -q --target "$TARGET" \
-            deepspeed zen_ds pytest
-        export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
-    fi
+    # The machine's torch may live in a venv of its own (a new venv, even with
+    # --system-site-packages, would not see it), so install next to it with --target: DeepSpeed,
+    # zen_ds and whichever of their requirements this Python lacks, without dependency
+    # resolution (it would look for a torch wheel).
+    TARGET="${ZEN_GPU_CHECK_SITE:-/tmp/zen_gpu_check_site}"
+    MISSING=$("$PY" - "$WHEELS" <<'PYEOF'
+import importlib.metadata as md, pathlib, sys
+for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    name = wheel.name.split("-")[0]
+    try:
+        md.version(name)
+        if name not in ("deepspeed", "zen_ds"):
+            continue
+    except md.PackageNotFoundError:
+        pass
+    print(wheel)
+PYEOF
+)
+    # shellcheck disable=SC2086
+    "$PY" -m pip install --isolated --no-index --no-deps --no-compile -q --target "$TARGET" $MISSING
+    export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$REPO/.torch_extensions}"
 exec "$PY" "$HERE/gpu_check.py" "$@"

@@ -26,13 +26,14 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import sysconfig
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import torch
 
@@ -85,13 +86,32 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+_ARCH_TOKEN = re.compile(r"^(\d+)\.(\d+)[af]?(\+PTX)?$")
+
+
+def portable_arch_list(arch_list: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` with architecture-specific (``9.0a``) and family (``10.0f``)
+    targets built as the plain architecture (``9.0``): zen's kernels use no such features (a test
+    keeps them free of ``__CUDA_ARCH__`` branches), and DeepSpeed 0.19.8's builder parses each
+    minor version with ``int()``, so ``9.0a`` (as CUDA images for Hopper set it) fails the build.
+    Tokens it does not recognise (``Hopper``, ``native``) are kept as they are."""
+    tokens = [t for t in arch_list.replace(" ", ";").split(";") if t.strip()]
+    out: List[str] = []
+    for token in tokens:
+        match = _ARCH_TOKEN.match(token.strip())
+        plain = f"{match[1]}.{match[2]}{match[3] or ''}" if match else token.strip()
+        if plain not in out:
+            out.append(plain)
+    return ";".join(out)
+
+
 def cache_key(kind: str, source_files: Iterable[Path], source_root: Path,
               extra: Iterable[str] = ()) -> str:
     """Short hash of what the built module depends on; ``kind`` names the builder."""
     digest = hashlib.sha256()
     for part in (kind, torch.__version__, str(torch.version.cuda),
                  str(sysconfig.get_config_var("SOABI")), sys.version, _cpu_flags(),
-                 os.environ.get("TORCH_CUDA_ARCH_LIST", ""), *extra):
+                 portable_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST", "")), *extra):
         digest.update(part.encode() + b"\0")
     for path in sorted(Path(p) for p in source_files):
         digest.update(str(path.relative_to(source_root)).encode() + b"\0")

@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import List, Optional
 
 from zen_ds.ops import build_cache
+from zen_ds.ops.build_cache import portable_arch_list
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,18 @@ if CPUOpBuilder is not None:
                 self.warning(f"{self.NAME}: sources not found under {CSRC}")
                 return False
             return super().is_compatible(verbose)
+
+        def compute_capability_args(self, cross_compile_archs: Optional[str] = None) -> List[str]:
+            # DeepSpeed reads the arch list from the environment (or what jit_load kept of it).
+            listed = os.environ.get("TORCH_CUDA_ARCH_LIST")
+            if listed:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = portable_arch_list(listed)
+            kept = getattr(self, "_jit_arch_list", None)
+            if kept:
+                self._jit_arch_list = portable_arch_list(kept)
+            if cross_compile_archs:
+                cross_compile_archs = portable_arch_list(cross_compile_archs)
+            return super().compute_capability_args(cross_compile_archs)
 
         def load(self, verbose: bool = False) -> ModuleType:
             return _load_prebuilt_or_jit(self, verbose)

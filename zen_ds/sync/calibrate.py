@@ -47,35 +47,60 @@ __all__ = ["measure_compute_rates", "agree_compute_rates", "measure_links", "mea
            "apply_network"]
 
 
-def _best_of(fn: Callable[[], object], repeats: int = 3) -> float:
+def _best_of(fn: Callable[[], object], repeats: int = 3,
+             device: Optional[torch.device] = None) -> float:
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     best = math.inf
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
         fn()
+        sync()  # CUDA ops return before they finish
         best = min(best, time.perf_counter() - started)
     return best
 
 
-_MEASURED: Dict[Tuple[int, int, int, str], Dict[str, float]] = {}
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where tensors handed to ``group``'s collectives must live: this process's current CUDA
+    device for an NCCL group (NCCL moves no CPU tensors), else the CPU (gloo, or no process
+    group)."""
+    if dist.is_available() and dist.is_initialized():
+        if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduced_over_group(values: List[float], group: Optional[dist.ProcessGroup] = None,
+                    op: "dist.ReduceOp.RedOpType" = dist.ReduceOp.MAX) -> List[float]:
+    """Each value reduced with ``op`` over ``group``, on the device its backend moves."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor.tolist()
+
+
+_MEASURED: Dict[Tuple[int, int, int, str, str], Dict[str, float]] = {}
 
 
 def measure_compute_rates(rows: int = 32_768, width: int = 64, world_size: int = 8,
-                          cached: bool = True) -> Dict[str, float]:
+                          cached: bool = True, device: "str | torch.device" = "cpu"
+                          ) -> Dict[str, float]:
     """Seconds per element of zen's ops here, fp32: partition of sorted ids over ``world_size``
     owners, aggregate of rows repeated ~4x, scatter into a dense tensor, and one copy (the dense
     scheme's passes). Best of three each, after one warm-up; once per process and ops backend
-    (``cached``: every engine a process builds plans with the same rates)."""
+    (``cached``: every engine a process builds plans with the same rates), on ``device`` (where
+    the gradients live: a GPU's rates are not the CPU's)."""
 
-    key = (rows, width, world_size, str(ops.backend_info().get("implementation", "?")))
+    device = torch.device(device)
+    key = (rows, width, world_size, str(ops.backend_info().get("implementation", "?")), str(device))
     if cached and key in _MEASURED:
         return dict(_MEASURED[key])
 
     gen = torch.Generator().manual_seed(0)
     num_rows = rows * 4
-    ids = torch.randperm(num_rows, generator=gen)[:rows].sort().values
-    values = torch.randn(rows, width, generator=gen)
-    offsets = torch.randint(0, rows // 4, (rows,), generator=gen)
-    out = torch.zeros(num_rows, width)
+    ids = torch.randperm(num_rows, generator=gen)[:rows].sort().values.to(device)
+    values = torch.randn(rows, width, generator=gen).to(device)
+    offsets = torch.randint(0, rows // 4, (rows,), generator=gen).to(device)
+    out = torch.zeros(num_rows, width, device=device)
     runs = {
         "partition": lambda: ops.partition(ids, values, num_rows, world_size, 0, torch.int32),
         "aggregate": lambda: ops.aggregate(offsets, values, torch.float32),
@@ -86,7 +111,7 @@ def measure_compute_rates(rows: int = 32_768, width: int = 64, world_size: int =
     rates = {}
     for op in COMPUTE_OPS:
         runs[op]()  # warm-up: first-call dispatch, page faults
-        rates[op] = _best_of(runs[op]) / elements
+        rates[op] = _best_of(runs[op], device=device) / elements
     _MEASURED[key] = dict(rates)
     return rates
 
@@ -97,9 +122,8 @@ def agree_compute_rates(rates: Mapping[str, float], group: Optional[dist.Process
     process group)."""
     if not dist.is_available() or not dist.is_initialized():
         return dict(rates)
-    values = torch.tensor([float(rates.get(op, 0.0)) for op in COMPUTE_OPS], dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(COMPUTE_OPS, values.tolist()))
+    values = _reduced_over_group([float(rates.get(op, 0.0)) for op in COMPUTE_OPS], group)
+    return dict(zip(COMPUTE_OPS, values))
 
 
 def quantized(rates: Mapping[str, float]) -> Dict[str, float]:
@@ -112,16 +136,14 @@ def quantized(rates: Mapping[str, float]) -> Dict[str, float]:
 def _timed_all_gather(nbytes: int, group: Optional[dist.ProcessGroup], size: int, repeats: int
                       ) -> float:
     """Median seconds of an all-gather of ``nbytes`` per rank, the slowest rank's each time."""
-    send = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
-    recv = torch.empty(size * send.numel(), dtype=torch.uint8)
+    send = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=collective_device(group))
+    recv = torch.empty(size * send.numel(), dtype=torch.uint8, device=send.device)
     times: List[float] = []
     for _ in range(repeats + 1):
         dist.barrier(group=group)
         started = time.perf_counter()
         _all_gather_single(recv, send, group=group)
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        times.append(float(elapsed))
+        times.append(_reduced_over_group([time.perf_counter() - started], group)[0])
     return statistics.median(times[1:])  # the first includes connection set-up
 
 
@@ -137,7 +159,9 @@ def _sync_alpha(repeats: int) -> float:
         {op: 0.0 for op in COMPUTE_OPS})
     options = SyncOptions(cost_model=steps_model)
     rank = dist.get_rank()
-    x = RowSparse(torch.tensor([rank], dtype=torch.int64), torch.ones(1, 4), dist.get_world_size())
+    device = collective_device()
+    x = RowSparse(torch.tensor([rank], dtype=torch.int64, device=device),
+                  torch.ones(1, 4, device=device), dist.get_world_size())
     times: List[float] = []
     steps = 0.0
     for _ in range(repeats + 1):
@@ -145,9 +169,7 @@ def _sync_alpha(repeats: int) -> float:
         dist.barrier()
         started = time.perf_counter()
         sparse_allreduce(x, scheme="agsparse", options=options, stats=stats)
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
+        times.append(_reduced_over_group([time.perf_counter() - started])[0])
         steps = stats.predicted_seconds
     return statistics.median(times[1:]) / max(steps, 1.0)
 
@@ -172,9 +194,7 @@ def timed_collective(fn: Callable[[], None], repeats: int) -> float:
         dist.barrier()
         started = time.perf_counter()
         fn()
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
+        times.append(_reduced_over_group([time.perf_counter() - started])[0])
     return statistics.median(times[1:])
 
 
@@ -185,7 +205,7 @@ def measure_duplex(peer: int, nbytes: int = 4 << 20, repeats: int = 5) -> float:
     connection per pair measured 2 on the emulated cluster. Clamped to [1, 2]. Collective over
     the default group; the other ranks wait."""
     rank = dist.get_rank()
-    send = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+    send = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=collective_device())
     recv = torch.empty_like(send)
 
     def one_way() -> None:
@@ -218,7 +238,7 @@ def measure_all_to_all_duplex(ranks_per_node: int = 1, nbytes: int = 4 << 20, re
     shape = SyncShape(n, [0] * n, 0, 1, 1, 1, ranks_per_node=ranks_per_node)
     expected = link_split(1.0, shape, SPREAD)[0] / max(link_split(1.0, shape, RING)[0], 1e-12)
     chunk = max(nbytes // (n - 1), 1)
-    send = torch.zeros(chunk * n, dtype=torch.uint8)
+    send = torch.zeros(chunk * n, dtype=torch.uint8, device=collective_device())
     recv = torch.empty_like(send)
     ring = _timed_all_gather(chunk, None, n, repeats)
     spread = timed_collective(lambda: dist.all_to_all_single(recv, send), repeats)
@@ -254,9 +274,7 @@ def measure_links(ranks_per_node: int = 1, nbytes: int = 4 << 20, repeats: int =
         groups = [dist.new_group(members) for members in nodes]  # every rank creates every group
         mine = groups[dist.get_rank() // k]
         local = _link(mine, len(nodes[dist.get_rank() // k]), nbytes, repeats)
-        slowest = torch.tensor([local["bandwidth"]], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
-        result["intra_bandwidth"] = float(slowest)
+        result["intra_bandwidth"] = _reduced_over_group([local["bandwidth"]], None, dist.ReduceOp.MIN)[0]
     elif k == n:  # one node: every link is an intra-node link
         result["intra_bandwidth"] = whole["bandwidth"]
     return result
@@ -276,7 +294,8 @@ def cost_model_for(alpha: float, bandwidth: float, intra_bandwidth: float,
     if compute == "default":
         return model
     if compute == "measure":
-        rates = quantized(agree_compute_rates(measure_compute_rates(), group))
+        device = collective_device(group)
+        rates = quantized(agree_compute_rates(measure_compute_rates(device=device), group))
         logger.info("zen: measured compute rates (s/element, slowest rank): %s",
                     {op: f"{rate:.2e}" for op, rate in rates.items()})
         return model.with_compute(rates)

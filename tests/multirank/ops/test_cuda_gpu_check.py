@@ -25,7 +25,7 @@ def _gpu_check():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_the_check_says_so_and_exits_non_zero(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable,
-               ZEN_GPU_WHEELS=str(tmp_path / "no_wheels"), ZEN_GPU_CHECK_VENV=str(tmp_path / "venv"))
+               ZEN_GPU_WHEELS=str(tmp_path / "no_wheels"), ZEN_GPU_CHECK_SITE=str(tmp_path / "site"))
     # the timeout only guards against a hang; the check itself returns in seconds
     proc = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path / "out")], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
