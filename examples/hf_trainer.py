@@ -115,7 +115,9 @@ def ds_config(zero: int, zen: bool, stats_interval: int, compress: float = 0.0,
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": {"stage": zero},
+        # ZeRO-3: save_model() writes the gathered 16-bit weights (else only a ZeRO checkpoint)
+        "zero_optimization": ({"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+                              if zero == 3 else {"stage": zero}),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10 ** 6,
     }
@@ -210,6 +212,9 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
                    help="weights with fewer elements are not compressed")
     p.add_argument("--stats-interval", type=int, default=0, help="zen's own per-param log lines")
     p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
+    p.add_argument("--save-model", default=None, metavar="DIR",
+                   help="after training, Trainer.save_model(DIR) (under ZeRO-3 it gathers the "
+                        "16-bit weights: stage3_gather_16bit_weights_on_model_save is set)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
     args = p.parse_args(argv)
     resolve_vocab(args)
@@ -256,6 +261,8 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
     zen_bytes = ZenBytes()
     trainer.add_callback(record_zen_bytes(trainer, zen_bytes))
     result = trainer.train()
+    if args.save_model:
+        trainer.save_model(args.save_model)  # collective under ZeRO-3: every rank calls it
     shutil.rmtree(workdir, ignore_errors=True)
 
     engine = trainer.model_wrapped

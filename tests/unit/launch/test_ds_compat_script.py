@@ -141,12 +141,49 @@ def test_compare_and_markdown_flag_zen_only_failures():
                                      "unit/c.py::test_x": "same"}
     assert report["diff"]["zen-topk"]["unit/a.py::T::test"] == "zen-only failure"
     text = ds_compat.markdown(report)
-    assert "| zen | 1 | 2 | 0 | 0 | 0 | 1 | 0 | 0 | ? |" in text
-    assert "| zen-topk | 1 | 2 | 0 | 0 | 0 | 0 | 1 | 0 | ? |" in text
+    assert "| zen | 1 | 2 | 0 | 0 | 0 | 1 | 0 | 0 | 0 | ? |" in text
+    assert "| zen-topk | 1 | 2 | 0 | 0 | 0 | 0 | 0 | 1 | 0 | ? |" in text
     assert "| `unit/a.py::T::test` | passed | passed | **failed** ⚠ |" in text
     assert "| `unit/b.py::T::test[1]` | passed | refused | passed |" in text
     assert "[zen-topk, zen-only failure]: `ValueError: optimizer got an empty parameter list`" in text
     assert "- `unit/c.py::test_x`: `E: stock`" in text  # failing stock: listed apart
+
+
+def test_compression_loss_counts_only_where_plain_zen_passes_and_a_value_assertion_fails():
+    a, b, c, d = "unit/a.py::t", "unit/b.py::t", "unit/c.py::t", "unit/d.py::t"
+    results = {
+        "stock": {"seconds": 60, "tests": {t: rec("passed") for t in (a, b, c, d)}},
+        "zen": {"seconds": 60, "tests": {a: rec("passed"), b: rec("passed"), c: rec("passed"),
+                                         d: rec("failed", "AssertionError: zen")}},
+        "zen-topk": {"seconds": 60, "tests": {
+            a: rec("failed", "AssertionError: step 1 != expected"),      # compression's loss
+            b: rec("failed", "RuntimeError: crashed"),                   # not a value check
+            c: rec("timeout", "no result within 300 s"),                 # a hang
+            d: rec("failed", "AssertionError: step 1 != expected")}},    # fails uncompressed too
+    }
+    diff = ds_compat.compare(results)
+    assert diff["zen-topk"] == {a: "lossy by design", b: "zen-only failure", c: "zen-only failure",
+                                d: "zen-only failure"}
+    # without the plain zen mode nothing can be called compression's loss
+    assert ds_compat.compare({m: results[m] for m in ("stock", "zen-topk")})["zen-topk"][a] == \
+        "zen-only failure"
+    report = {"deepspeed_commit": "abc", "deepspeed_checkout_version": "0.19.6",
+              "deepspeed_version": "0.19.8", "zen_ds_commit": "def", "tests": [a, b, c, d],
+              "results": results, "diff": diff}
+    assert "| `unit/a.py::t` | passed | passed | failed (lossy by design) |" in ds_compat.markdown(report)
+
+
+def test_baseline_reuses_every_mode_not_run_again(tmp_path):
+    earlier = {"deepspeed_commit": "abc", "results": {
+        "stock": {"tests": {}}, "zen": {"tests": {}}, "zen-topk": {"tests": {}}}}
+    path = tmp_path / "ds_compat.json"
+    path.write_text(json.dumps(earlier))
+    checkout = ds_compat.Checkout(root=tmp_path, tests=tmp_path, commit="abc", version="0.19.6")
+    kept = ds_compat.load_baseline(str(path), checkout, ["zen-topk"])
+    assert list(kept) == ["stock", "zen"] and kept["zen"]["baseline"] == str(path)
+    with pytest.raises(ds_compat.UsageError, match="ran DeepSpeed's tests at abc"):
+        ds_compat.load_baseline(str(path), ds_compat.Checkout(root=tmp_path, tests=tmp_path, commit="xyz",
+                                                              version="0.19.6"), ["zen"])
 
 
 def test_attached_counts_tests_where_zen_synced_a_param():

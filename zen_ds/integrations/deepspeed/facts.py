@@ -129,7 +129,11 @@ class Bf16HpGrads(GradStorage):
         where = {id(p): (i, j) for i, group in enumerate(opt.bf16_groups) for j, p in enumerate(group)}
         missing = [p.name for p in self.params if id(p.param) not in where]
         if missing:
-            refuse(f"params {missing} are not in DeepSpeed's BF16 optimizer")
+            shown = missing[:6] + ([f"... {len(missing) - 6} more"] if len(missing) > 6 else [])
+            refuse(f"params {shown} are not in DeepSpeed's BF16 optimizer (built without an "
+                   "optimizer, or without them): zen syncs into that optimizer's fp32 gradients. "
+                   "Pass an optimizer (or an \"optimizer\" block) that holds them, or leave them "
+                   "out of \"zen.params\" / \"zen.compression\"")
         self.slots: List[Tuple[int, int]] = [where[id(p.param)] for p in self.params]
 
     def read(self) -> List[Optional[torch.Tensor]]:

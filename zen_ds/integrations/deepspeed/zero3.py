@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zen_ds.core.stats import SyncStats
+from zen_ds.integrations.params import is_vocab_parallel_embedding
 from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
 from zen_ds.sync.options import SyncOptions, ZenInputError
 from zen_ds.sync.reduce_scatter import sparse_reduce_scatter_flat
@@ -134,15 +135,23 @@ class IdCheck:
 
 def install_id_checks(model: nn.Module, params: Sequence[ZenParam], group: Optional[dist.ProcessGroup]
                       ) -> List[Any]:
-    """:class:`IdCheck` on every ``nn.Embedding`` whose weight is a zen param; runs before
-    DeepSpeed's own pre-forward hooks (they gather the table)."""
+    """:class:`IdCheck` on every ``nn.Embedding`` and megatron-core ``VocabParallelEmbedding``
+    whose weight is a zen param; runs before DeepSpeed's own pre-forward hooks (they gather the
+    table). A ``VocabParallelEmbedding`` takes global ids (its shard masks the others: an id past
+    the vocabulary would silently embed as zeros with tensor parallelism), so its range is the
+    whole vocabulary, ``num_embeddings``."""
     wanted = {id(p.param): p.name for p in params}
     handles = []
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Embedding) and id(weight) in wanted:
+        if id(weight) not in wanted:
+            continue
+        if is_vocab_parallel_embedding(module):
+            rows = int(module.num_embeddings)
+        elif isinstance(module, nn.Embedding):
             rows = int(getattr(weight, "ds_shape", weight.shape)[0])
-            handles.append(module.register_forward_pre_hook(IdCheck(wanted[id(weight)], rows, group),
-                                                            prepend=True))
+        else:
+            continue
+        handles.append(module.register_forward_pre_hook(IdCheck(wanted[id(weight)], rows, group),
+                                                        prepend=True))
     return handles
-

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 from dist_utils import run_ranks  # noqa: E402
 import ds_cases as dc  # noqa: E402
 
+REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", ".."))
 # The suite runs 2 ranks and a tiny vocabulary; BENCHMARKS' acceptance run sets 4 and 32000.
 WORLD = int(os.environ.get("ZEN_DS_ZERO3_WORLD", "2"))
 VOCAB = int(os.environ.get("ZEN_DS_ZERO3_VOCAB", "320"))  # the Hugging Face models' vocabulary
@@ -41,6 +42,8 @@ def _config(zen: bool, gas: int = 1, clip: float = 0.0, dtype: str = "fp32", ada
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # dynamic loss scale from 2^8: overflows are real, not provoked by the scale
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
     if adamw:
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}
     if zen:
@@ -54,8 +57,11 @@ def _gathered(engine) -> Dict[str, Any]:
         return dc.params_of(engine.module)
 
 
-def _net_run(rank: int, zen: bool, gas: int = 2, clip: float = 0.5, dtype: str = "fp32", steps: int = 3):
-    """The suite's Net (two dense-grad embeddings + MLP), SGD, built outside zero.Init."""
+def _net_run(rank: int, zen: bool, gas: int = 2, clip: float = 0.5, dtype: str = "fp32", steps: int = 3,
+             inf_at: Any = None):
+    """The suite's Net (two dense-grad embeddings + MLP), SGD, built outside zero.Init;
+    ``inf_at=(step, rank)``: that rank's first micro-batch of that step has an inf target (an
+    fp16 overflow: DeepSpeed skips the step on every rank)."""
     import deepspeed
     model = dc.make_model(False)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=dc.make_optimizer(model.parameters()),
@@ -63,6 +69,9 @@ def _net_run(rank: int, zen: bool, gas: int = 2, clip: float = 0.5, dtype: str =
     for step in range(steps):
         for micro in range(gas):
             a, b, y = dc.batch(step, micro, rank)
+            if inf_at == (step, rank) and micro == 0:
+                y = y.clone()
+                y[0] = float("inf")
             engine.backward(dc.loss_fn(engine(a, b), y))
             engine.step()
     return engine
@@ -113,6 +122,7 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
         for zen in (False, True):
             engine = _net_run(rank, zen, **kw)
             out[f"{name}_{'zen' if zen else 'stock'}"] = _gathered(engine)
+            out[f"{name}_{'zen' if zen else 'stock'}_skipped"] = int(engine.skipped_steps)
             if zen:
                 state = zen_ds.state_of(engine)
                 out[f"{name}_route"] = (state.route, [p.name for p in state.reducer.params])
@@ -155,6 +165,31 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
         out["consolidated"] = (at_save, {k: v.detach().float().numpy() for k, v in sixteen.items()},
                                {k: v.detach().float().numpy() for k, v in fp32.items()})
 
+    def trainer_save() -> None:
+        # The Trainer under ZeRO-3 (model built in zero.Init), then save_model(): the saved
+        # embedding must be the trained one, zen's equal to stock's.
+        import importlib.util
+        import sys
+        from safetensors.torch import load_file
+        if "hf_trainer" not in sys.modules:
+            spec = importlib.util.spec_from_file_location(
+                "hf_trainer", os.path.join(REPO, "examples", "hf_trainer.py"))
+            sys.modules["hf_trainer"] = module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        example = sys.modules["hf_trainer"]
+        for zen in (False, True):
+            tag = "zen" if zen else "stock"
+            target = os.path.join(save_dir, f"trainer_{tag}")
+            argv = ["--model", "llama", "--zero", "3", "--vocab", str(VOCAB), "--hidden", "16",
+                    "--layers", "1", "--seq-len", "12", "--batch", "2", "--grad-accum", "2",
+                    "--steps", "2", "--clip", "0.5", "--save-model", target] + ([] if zen else ["--no-zen"])
+            trainer, summary = example.train(example.parse_args(argv))
+            trained = _gathered(trainer.model_wrapped)
+            dist.barrier()
+            saved = load_file(os.path.join(target, "model.safetensors"))
+            out[f"trainer_{tag}"] = (summary["zen"], trained["model.embed_tokens.weight"],
+                                     saved["model.embed_tokens.weight"].float().numpy())
+
     def bad_id() -> None:
         engine = _net_run(rank, True, gas=1, clip=0.0, steps=1)
         a, b, y = dc.batch(5, 0, rank)
@@ -196,8 +231,13 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
         except Exception as exc:
             out["refusal"] = (type(exc).__name__, str(exc))
 
+    def fp16_case() -> None:
+        dc.accept_fp16_on_cpu()  # DeepSpeed's CPU accelerator allows fp16 only with oneDNN's kernels
+        net_case("net_fp16", dtype="fp16", inf_at=(1, 1))
+
     jobs = {"net_fp32": lambda: net_case("net_fp32"),
             "net_bf16": lambda: net_case("net_bf16", dtype="bf16"),
+            "net_fp16": fp16_case, "trainer_save": trainer_save,
             "llama": lambda: hf_case(False), "gpt2": lambda: hf_case(True),
             "checkpoints": checkpoints, "bad_id": bad_id, "bytes": bytes_case, "refusal": refusal}
     errors = dc.run_jobs({k: v for k, v in jobs.items()})
@@ -222,12 +262,29 @@ def _close(got: Dict[str, Any], want: Dict[str, Any], rtol: float) -> None:
     assert max(errors.values()) <= rtol, errors
 
 
-@pytest.mark.parametrize("case, rtol", [("net_fp32", 2e-4), ("net_bf16", 2e-2)])
+@pytest.mark.parametrize("case, rtol", [("net_fp32", 2e-4), ("net_bf16", 2e-2), ("net_fp16", 2e-3)])
 def test_zero3_matches_stock(results, case: str, rtol: float) -> None:
     _no_job_failed(results, case)
     for res in results:
         _close(res[f"{case}_zen"], res[f"{case}_stock"], rtol)
         assert res[f"{case}_route"] == ("zero3", ["emb_s.weight", "emb_d.weight"])
+        assert res[f"{case}_zen_skipped"] == res[f"{case}_stock_skipped"]
+
+
+def test_fp16_overflow_skips_the_same_steps(results) -> None:
+    for res in results:  # the inf on rank 1 at step 1 skips that step on every rank, zen or not
+        assert res["net_fp16_zen_skipped"] >= 1 and res["net_fp16_stock_skipped"] >= 1
+
+
+def test_trainer_save_model_holds_the_trained_embedding(results) -> None:
+    _no_job_failed(results, "trainer_save")
+    for res in results:
+        zen_attached, zen_trained, zen_saved = res["trainer_zen"]
+        stock_attached, stock_trained, stock_saved = res["trainer_stock"]
+        assert zen_attached and not stock_attached
+        np.testing.assert_array_equal(zen_saved, zen_trained)
+        np.testing.assert_array_equal(stock_saved, stock_trained)
+        _close({"emb": zen_saved}, {"emb": stock_saved}, 2e-4)
 
 
 def test_hf_llama_built_under_zero_init(results) -> None:
