@@ -292,8 +292,8 @@ class ZenReducer:
             wire = s.bytes_sent + s.bytes_received
             ring = 2 * 2 * (self.world_size - 1) * s.dense_bytes // max(self.world_size, 1)
             baseline = "dense all-reduce"
-            if s.scheme == "reduce_scatter_flat":  # ZeRO-3: against its dense reduce-scatter
-                ring, baseline = ring // 2, "dense reduce-scatter"
+            if s.scheme in ("reduce_scatter_flat", "dense_reduce_scatter"):  # ZeRO-3: against
+                ring, baseline = ring // 2, "dense reduce-scatter"         # its reduce-scatter
             extra = " (compressed)" if s.compressed else ""
             if s.gather:  # sharded optimizer state: reduce-scatter, step the shard, all-gather rows
                 gathered = s.gather_bytes_sent + s.gather_bytes_received

@@ -109,7 +109,8 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
 
     ``dense_fallback``: return None, on every rank alike (decided from the handshake's counts),
     when the rows would move more bytes than a ring reduce-scatter of the dense tensor; the
-    caller then runs that one.
+    caller then runs that one (``stats.scheme`` is ``"dense_reduce_scatter"``, its bytes those of
+    the handshake plus that ring's, ``nnz_result`` the summed row counts: an upper bound).
     """
     opts = options if options is not None else default_options()
     comm, local, table = agree(x, None, group, "agsparse", False, opts, prescale, postscale, log_prefix)
@@ -126,10 +127,15 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
         # against the (n-1)/n of the padded tensor a ring reduce-scatter sends from every rank.
         row_bytes = 8 + width * local.dtype.itemsize
         sparse = max(table.column("nnz")) * row_bytes * (n - 1) / n
-        if sparse >= (n - 1) * part * local.dtype.itemsize:
-            if stats is not None:
-                stats.scheme, stats.collectives = "dense", list(comm.records)
-                stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
+        ring = (n - 1) * part * local.dtype.itemsize
+        if sparse >= ring:
+            if stats is not None:  # the handshake, then the caller's ring reduce-scatter
+                stats.scheme, stats.collectives = "dense_reduce_scatter", list(comm.records)
+                stats.bytes_sent, stats.bytes_received = comm.bytes_sent + ring, comm.bytes_received + ring
+                stats.nnz_local = int(table.column("nnz")[rank])
+                stats.nnz_result = min(local.num_rows, int(sum(table.column("nnz"))))
+                stats.num_rows, stats.row_numel, stats.world_size = local.num_rows, width, n
+                stats.dense_bytes = numel * local.dtype.itemsize
             return None
     rs = local_rows(local, float(prescale))
     acc = accum_dtype(rs.dtype)

@@ -62,6 +62,15 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         out["bad"] = str(exc)
     again = sparse_reduce_scatter_flat(bad + 1.0, out_dtype=torch.float32)  # the group still works
     out["after_bad"] = float(again.sum())
+    # A dense gradient: every rank hands it back (None) for the caller's dense reduce-scatter,
+    # and the stats say what that step moved; a sparse one is reduced here.
+    dense = torch.randn(12, 4, generator=torch.Generator().manual_seed(rank))
+    st = SyncStats()
+    out["fallback"] = (sparse_reduce_scatter_flat(dense, stats=st, dense_fallback=True) is None,
+                       st.scheme, st.nnz_local, st.num_rows, st.dense_bytes, st.bytes_sent)
+    st = SyncStats()
+    kept = sparse_reduce_scatter_flat(_input("plain", rank), stats=st, dense_fallback=True)
+    out["no_fallback"] = (kept is not None, st.scheme)
     return out
 
 
@@ -83,6 +92,16 @@ def test_only_nonzero_rows_travel(results) -> None:
     got, _, _, sent = results[1]["empty_rank"]
     _, _, _, sent_full = results[0]["empty_rank"]
     assert sent < sent_full  # rank 1 has no rows: it sends only the handshake and the counts
+
+
+def test_dense_gradient_falls_back_alike_with_its_bytes_in_the_stats(results) -> None:
+    ring = (WORLD - 1) * -(-48 // WORLD) * 4  # a ring reduce-scatter of 12 x 4 fp32
+    for rank, res in enumerate(results):
+        handed_back, scheme, nnz, rows, dense_bytes, sent = res["fallback"]
+        assert handed_back and scheme == "dense_reduce_scatter", res["fallback"]
+        assert (nnz, rows, dense_bytes) == (12, 12, 48 * 4)
+        assert sent > ring  # the handshake plus the ring the caller runs
+        assert res["no_fallback"] == (True, "reduce_scatter_flat")
 
 
 def test_bad_id_raises_everywhere_and_group_survives(results) -> None:
