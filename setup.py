@@ -60,7 +60,7 @@ setup(
     extras_require={
         # sentencepiece and tiktoken: small wheels, for tests/test_data.py's tokenizers
         "deepspeed": ["deepspeed>=0.19,<0.20"],  # the plug-in (zen_ds.initialize / enable)
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "sentencepiece>=0.2",
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "hypothesis>=6", "sentencepiece>=0.2",
                  "tiktoken>=0.7", "deepspeed>=0.19,<0.20"],
         "megatron": ["megatron-core>=0.16,<0.17"],
         "bench": ["matplotlib", "tqdm"],

@@ -189,6 +189,7 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
             saved = load_file(os.path.join(target, "model.safetensors"))
             out[f"trainer_{tag}"] = (summary["zen"], trained["model.embed_tokens.weight"],
                                      saved["model.embed_tokens.weight"].float().numpy())
+            out[f"trainer_{tag}_params"] = trained
 
     def bad_id() -> None:
         engine = _net_run(rank, True, gas=1, clip=0.0, steps=1)
@@ -276,7 +277,7 @@ def test_fp16_overflow_skips_the_same_steps(results) -> None:
         assert res["net_fp16_zen_skipped"] >= 1 and res["net_fp16_stock_skipped"] >= 1
 
 
-def test_trainer_save_model_holds_the_trained_embedding(results) -> None:
+def test_trainer_matches_stock_and_save_model_holds_the_trained_embedding(results) -> None:
     _no_job_failed(results, "trainer_save")
     for res in results:
         zen_attached, zen_trained, zen_saved = res["trainer_zen"]
@@ -285,6 +286,7 @@ def test_trainer_save_model_holds_the_trained_embedding(results) -> None:
         np.testing.assert_array_equal(zen_saved, zen_trained)
         np.testing.assert_array_equal(stock_saved, stock_trained)
         _close({"emb": zen_saved}, {"emb": stock_saved}, 2e-4)
+        _close(res["trainer_zen_params"], res["trainer_stock_params"], 2e-4)  # every param
 
 
 def test_hf_llama_built_under_zero_init(results) -> None:
