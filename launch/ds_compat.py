@@ -576,9 +576,10 @@ def load_baseline(path: str, checkout: Checkout, modes: List[str]) -> Dict[str, 
     try:
         earlier = json.loads(Path(path).read_text())
         kept = {m: dict(r, baseline=str(path)) for m, r in earlier["results"].items() if m not in modes}
-        kept["stock"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise UsageError(f"--baseline {path}: no stock results in it ({exc})") from None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise UsageError(f"--baseline {path}: not a results file of this tool ({exc})") from None
+    if "stock" not in kept:
+        raise UsageError(f"--baseline {path}: no stock results in it (run it with the stock mode)")
     if earlier.get("deepspeed_commit") != checkout.commit:
         raise UsageError(f"--baseline {path} ran DeepSpeed's tests at {earlier.get('deepspeed_commit')}, "
                          f"this checkout is {checkout.commit}")

@@ -62,11 +62,15 @@ fi
 overall=0
 ran=0
 summary=""
+# The machine's busy CPU time (all processes, from /proc/stat) over a part: how much of the
+# cores the part kept busy, i.e. whether it is bound by CPU or by waiting.
+cpu_busy_ticks() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8}' /proc/stat 2>/dev/null || echo 0; }
 for part in "${parts[@]}"; do
     name="${part%%:*}"
     read -r -a paths <<< "${part#*:}"
     echo "== $name tests"
     start=$SECONDS
+    busy_start=$(cpu_busy_ticks)
     set +e
     part_args=()
     if [[ "$name" == "unit" ]]; then
@@ -76,7 +80,9 @@ for part in "${parts[@]}"; do
     status=$?
     set -e
     elapsed=$((SECONDS - start))
-    summary+="$(printf '%s tests: %dm%02ds (pytest exit %d)' "$name" $((elapsed / 60)) $((elapsed % 60)) "$status")"$'\n'
+    busy=$(( ($(cpu_busy_ticks) - busy_start) / $(getconf CLK_TCK) ))
+    summary+="$(printf '%s tests: %dm%02ds (pytest exit %d; CPU busy %dm%02ds on %d cores)' "$name" \
+        $((elapsed / 60)) $((elapsed % 60)) "$status" $((busy / 60)) $((busy % 60)) "$(nproc)")"$'\n'
     if [ "$status" -eq 5 ]; then
         continue  # this part selected nothing
     fi

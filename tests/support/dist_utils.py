@@ -56,6 +56,12 @@ def _context(new_interpreter: bool = False):
     return ctx
 
 
+def rank_context(new_interpreter: bool = False):
+    """The multiprocessing context ranks start from (forked from the preloaded fork server unless
+    ``new_interpreter``), for a test that drives its own processes."""
+    return _context(new_interpreter)
+
+
 def _adopt(environ: Dict[str, str]) -> None:
     """Take the parent's environment of the moment the rank was started (a fork server's children
     would otherwise inherit the server's, from when it started)."""

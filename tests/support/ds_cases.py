@@ -7,12 +7,27 @@ Workers run *many cases per spawn* (spawning 4 ranks costs seconds on 2 cores) a
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import traceback
+from types import ModuleType
 from typing import Any, Dict, List
 
 import torch
 from torch import nn
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+def load_hf_trainer_example() -> ModuleType:
+    """examples/hf_trainer.py as a module (once per process): its model builders and ``main``."""
+    if "hf_trainer" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("hf_trainer", os.path.join(REPO, "examples", "hf_trainer.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["hf_trainer"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["hf_trainer"]
 
 VOCAB_S, VOCAB_D, HIDDEN, MICRO = 64, 48, 8, 3
 

@@ -20,9 +20,7 @@ Every case runs in one spawn (a torch + transformers import per process is the e
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
-import sys
 import warnings
 from typing import Any, Dict, List
 
@@ -34,9 +32,8 @@ pytest.importorskip("transformers", reason="the hf extra is not installed: pip i
 pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install zen_ds[hf]")
 
 from dist_utils import run_ranks  # noqa: E402
-from ds_cases import max_rel_err, params_of, run_jobs, set_env  # noqa: E402
+from ds_cases import load_hf_trainer_example, max_rel_err, params_of, run_jobs, set_env  # noqa: E402
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 WORLD = 4
 TINY = ["--vocab", "4000", "--hidden", "32", "--layers", "2", "--seq-len", "16", "--batch", "2",
         "--grad-accum", "2", "--steps", "3", "--clip", "0.5"]
@@ -46,16 +43,6 @@ MODELS, STAGES = ("llama", "gpt2"), (0, 1, 2)
 # Direct deepspeed.initialize runs: a Llama-style model with a 32000-token vocabulary.
 DIRECT_VOCAB, DIRECT_SEQ, DIRECT_MICRO = 32000, 16, 2
 DIRECT_STEPS, DIRECT_GAS, DIRECT_CLIP, DIRECT_LR = 4, 2, 0.5, 0.1
-
-
-def _load_example() -> Any:
-    if "hf_trainer" in sys.modules:
-        return sys.modules["hf_trainer"]
-    spec = importlib.util.spec_from_file_location("hf_trainer", os.path.join(REPO, "examples", "hf_trainer.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hf_trainer"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class RecordingCollator:
@@ -118,11 +105,11 @@ def _accelerate_after_disable(example: Any) -> Dict[str, Any]:
 
 
 def _direct_batch(step: int, micro: int, rank: int) -> torch.Tensor:
-    return _load_example().zipf_ids(DIRECT_MICRO, DIRECT_SEQ, DIRECT_VOCAB, seed=10_000 * step + 100 * micro + rank)
+    return load_hf_trainer_example().zipf_ids(DIRECT_MICRO, DIRECT_SEQ, DIRECT_VOCAB, seed=10_000 * step + 100 * micro + rank)
 
 
 def _direct_model() -> Any:
-    return _load_example().build_model("llama", DIRECT_VOCAB, 32, 2, DIRECT_SEQ, seed=0)
+    return load_hf_trainer_example().build_model("llama", DIRECT_VOCAB, 32, 2, DIRECT_SEQ, seed=0)
 
 
 def _direct_run(rank: int, zen: bool) -> Dict[str, Any]:
@@ -150,7 +137,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
     set_env(rank, world)
     os.environ.setdefault("ZEN_DS_OPS", "auto")
-    example = _load_example()
+    example = load_hf_trainer_example()
     jobs: Dict[str, Any] = {}
     for model in MODELS:
         for zero in STAGES:
@@ -230,7 +217,7 @@ def test_trainer_zen_equals_trainer_without_zen(results: List[Dict[str, Any]], m
     for rank in range(WORLD):
         _assert_close(zen[rank]["params"], plain[rank]["params"], 2e-4, f"rank {rank}, {model} ZeRO-{zero}")
         _assert_close(zen[rank]["params"], zen[0]["params"], 0.0, f"rank {rank} vs rank 0, {model} ZeRO-{zero}")
-    initial = params_of(_load_example().build_model(model, 4000, 32, 2, 16, seed=0))
+    initial = params_of(load_hf_trainer_example().build_model(model, 4000, 32, 2, 16, seed=0))
     moved = max_rel_err(zen[0]["params"], initial)
     assert min(moved.values()) > 0.0, "some parameter never changed: the run did not train"
 
@@ -309,7 +296,7 @@ def test_trainer_sgd_with_accumulation_and_clipping_equals_global_batch_referenc
         results: List[Dict[str, Any]]) -> None:
     """The Trainer's loss (tokens counted over every rank's micro-batches) and DeepSpeed's mean over
     ranks give the mean over the global batch; zen and stock DeepSpeed both match it."""
-    example = _load_example()
+    example = load_hf_trainer_example()
     args = example.parse_args(TINY + SGD)
     zen, plain = _ok(results, "sgd_zen"), _ok(results, "sgd_plain")
     for runs in (zen, plain):

@@ -66,7 +66,9 @@ def test_kernels_have_no_architecture_specific_branches():
 def test_nvcc_compiles(source: Path, tmp_path: Path):
     cmd = [
         NVCC, "-c", str(source), "-o", str(tmp_path / (source.stem + ".o")),
-        "-std=c++20", "-O3", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+        # -O0 is the host compiler's level (the device code is optimised by ptxas either way): the
+        # host pass over torch's headers at -O3 took a third of the compile and checks nothing more.
+        "-std=c++20", "-O0", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
         "-DZEN_WITH_CUDA", "-DBF16_AVAILABLE",
         # torch's extension flags, then DeepSpeed's undefines: the sources must build under both
         "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",

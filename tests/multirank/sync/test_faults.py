@@ -14,9 +14,8 @@ from datetime import timedelta
 from typing import Dict, List
 
 import pytest
-import torch.multiprocessing as mp
 
-from dist_utils import free_port
+from dist_utils import free_port, rank_context
 
 WORLD = 3
 FAULTY = 2
@@ -65,7 +64,7 @@ def _rank_main(rank: int, port: int, mode: str, phase: str, scheme: str, queue) 
 
 
 def _run_fault(mode: str, phase: str, scheme: str) -> Dict[int, dict]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # new processes (one is killed), forked: no fresh imports
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, mode, phase, scheme, queue),

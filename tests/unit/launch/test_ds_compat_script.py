@@ -184,6 +184,13 @@ def test_baseline_reuses_every_mode_not_run_again(tmp_path):
     with pytest.raises(ds_compat.UsageError, match="ran DeepSpeed's tests at abc"):
         ds_compat.load_baseline(str(path), ds_compat.Checkout(root=tmp_path, tests=tmp_path, commit="xyz",
                                                               version="0.19.6"), ["zen"])
+    # a results file without the stock baseline, or not a results file at all: a usage error
+    path.write_text(json.dumps({"deepspeed_commit": "abc", "results": {"zen": {"tests": {}}}}))
+    with pytest.raises(ds_compat.UsageError, match="no stock results"):
+        ds_compat.load_baseline(str(path), checkout, ["zen-topk"])
+    path.write_text("[1, 2]")
+    with pytest.raises(ds_compat.UsageError, match="not a results file"):
+        ds_compat.load_baseline(str(path), checkout, ["zen-topk"])
 
 
 def test_attached_counts_tests_where_zen_synced_a_param():

@@ -24,7 +24,6 @@ pytest.importorskip("transformers")
 from dist_utils import run_ranks  # noqa: E402
 import ds_cases as dc  # noqa: E402
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", ".."))
 # The suite runs 2 ranks and a tiny vocabulary; BENCHMARKS' acceptance run sets 4 and 32000.
 WORLD = int(os.environ.get("ZEN_DS_ZERO3_WORLD", "2"))
 VOCAB = int(os.environ.get("ZEN_DS_ZERO3_VOCAB", "320"))  # the Hugging Face models' vocabulary
@@ -168,15 +167,8 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
     def trainer_save() -> None:
         # The Trainer under ZeRO-3 (model built in zero.Init), then save_model(): the saved
         # embedding must be the trained one, zen's equal to stock's.
-        import importlib.util
-        import sys
         from safetensors.torch import load_file
-        if "hf_trainer" not in sys.modules:
-            spec = importlib.util.spec_from_file_location(
-                "hf_trainer", os.path.join(REPO, "examples", "hf_trainer.py"))
-            sys.modules["hf_trainer"] = module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        example = sys.modules["hf_trainer"]
+        example = dc.load_hf_trainer_example()
         for zen in (False, True):
             tag = "zen" if zen else "stock"
             target = os.path.join(save_dir, f"trainer_{tag}")
