@@ -31,11 +31,20 @@ def test_handshake_variants_label_every_scheme() -> None:
     assert _parse().handshake == ["allgather"]
     args = _parse("--handshake", "allgather", "reduce", "-s", "balanced", "auto")
     cfg = SyncConfig(schemes=args.schemes, handshakes=args.handshake)
-    assert cfg.entries() == {"balanced@allgather": ("balanced", "allgather"),
-                             "balanced@reduce": ("balanced", "reduce"),
-                             "auto@allgather": ("auto", "allgather"),
-                             "auto@reduce": ("auto", "reduce")}
-    assert SyncConfig(schemes=["dense"]).entries() == {"dense": ("dense", "allgather")}
+    assert cfg.entries() == {"balanced@allgather": ("balanced", "allgather", ""),
+                             "balanced@reduce": ("balanced", "reduce", ""),
+                             "auto@allgather": ("auto", "allgather", ""),
+                             "auto@reduce": ("auto", "reduce", "")}
+    assert SyncConfig(schemes=["dense"]).entries() == {"dense": ("dense", "allgather", "")}
+
+
+def test_both_dense_input_modes_label_every_scheme() -> None:
+    assert _parse("--dense-input", "both").dense_input == "both"
+    cfg = SyncConfig(schemes=["dense", "balanced"], dense_input="both")
+    assert cfg.entries() == {"dense/inplace": ("dense", "allgather", "inplace"),
+                             "dense/alloc": ("dense", "allgather", "alloc"),
+                             "balanced/inplace": ("balanced", "allgather", "inplace"),
+                             "balanced/alloc": ("balanced", "allgather", "alloc")}
 
 
 def test_config_refuses_unknown_modes() -> None:

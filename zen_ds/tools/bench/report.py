@@ -33,7 +33,7 @@ def _ratio(x: Optional[float]) -> str:
 
 
 COLUMNS = (
-    ("workload", 10), ("scheme", 22), ("n", 2), ("size", 8), ("nnz/rank", 8), ("density", 7),
+    ("workload", 10), ("scheme", 26), ("n", 2), ("size", 8), ("nnz/rank", 8), ("density", 7),
     ("overlap", 7), ("sent", 8), ("pred_sent", 9), ("recv", 8), ("time_ms", 9), ("hs_ms", 6),
     ("pred_ms", 8),
     ("algbw", 9), ("busbw", 9),

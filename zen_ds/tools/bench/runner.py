@@ -71,7 +71,8 @@ class SyncConfig:
     # Hand sparse workloads over as dense tensors: "inplace" synced in place (``out=`` the input),
     # as the plug-in does for a dense-gradient embedding; "alloc" without ``out=`` (a new result).
     # The timed call then includes finding the non-zero rows and writing the result; DeepSpeed's
-    # path for them is the dense all-reduce. "": as the workload is.
+    # path for them is the dense all-reduce. "both": each scheme both ways, interleaved (rows
+    # "scheme/inplace", "scheme/alloc"). "": as the workload is.
     dense_input: str = ""
     # Every scheme once per timed round (rotating order) rather than one scheme's rounds after
     # another's: for small, latency-bound tensors whose times drift more between runs than the
@@ -82,19 +83,20 @@ class SyncConfig:
     handshakes: List[str] = dataclasses.field(default_factory=lambda: ["allgather"])
 
     def __post_init__(self) -> None:
-        if self.dense_input not in ("", "inplace", "alloc"):
-            raise ValueError(f"dense_input must be '', 'inplace' or 'alloc', got "
+        if self.dense_input not in ("", "inplace", "alloc", "both"):
+            raise ValueError(f"dense_input must be '', 'inplace', 'alloc' or 'both', got "
                              f"{self.dense_input!r}")
         unknown = [h for h in self.handshakes if h not in HANDSHAKES]
         if unknown or not self.handshakes:
             raise ValueError(f"handshakes must be a non-empty list of {HANDSHAKES}, got "
                              f"{self.handshakes}")
 
-    def entries(self) -> Dict[str, Tuple[str, str]]:
-        """label -> (scheme, handshake), in schedule order."""
+    def entries(self) -> Dict[str, Tuple[str, str, str]]:
+        """label -> (scheme, handshake, dense-input mode), in schedule order."""
+        modes = ("inplace", "alloc") if self.dense_input == "both" else (self.dense_input,)
         several = len(self.handshakes) > 1
-        return {f"{s}@{h}" if several else s: (s, h) for s in self.schemes
-                for h in self.handshakes}
+        return {(f"{s}@{h}" if several else s) + (f"/{m}" if len(modes) > 1 else ""): (s, h, m)
+                for s in self.schemes for h in self.handshakes for m in modes}
 
 
 class _Progress:
@@ -176,6 +178,9 @@ def schedule(schemes: Sequence[str], rounds: int, interleave: bool
             yield scheme, it
 
 
+_RESULTS = {"inplace": "in place", "alloc": "new tensor", "": "as input"}
+
+
 def handshake_seconds(stats: Any) -> float:
     """The handshake's measured share of one call: its collectives' wall time on this rank."""
     return sum(c.seconds for c in stats.collectives
@@ -232,7 +237,7 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
             g = w.generate(rank, n, cfg.seed)
             x = g.to_dense() if cfg.dense_input else _to_input(g)
             # In-place syncs overwrite their input: each call gets a fresh copy (untimed).
-            work = torch.empty_like(x) if cfg.dense_input == "inplace" else None
+            work = torch.empty_like(x) if cfg.dense_input in ("inplace", "both") else None
             nnz_list, union = _gather_support(g, group)
             logger.info("workload %s generated in %.2fs: nnz/rank %s, union %d", w.name,
                         time.perf_counter() - t_gen, nnz_list, union)
@@ -240,15 +245,16 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
             if cfg.check:
                 reference = g.to_dense().clone()
                 dist.all_reduce(reference, group=group)
-            calls = {label: _Calls(hs) for label, (_, hs) in entries.items()}
+            calls = {label: _Calls(hs) for label, (_, hs, _) in entries.items()}
             for label, it in schedule(list(entries), cfg.warmup + cfg.iters, cfg.interleave):
                 scheme = entries[label][0]
                 real = deepspeed_equivalent(w, cfg.dense_input) if scheme == DEEPSPEED else scheme
-                calls[label].run(x, work, real, group, cfg.index_encoding,
+                calls[label].run(x, work if entries[label][2] == "inplace" else None, real, group,
+                                 cfg.index_encoding,
                                  timed=it >= cfg.warmup, reference=reference if it == 0 else None)
                 progress.update(f"{w.name}/{label}")
             wl_rows: List[Dict[str, Any]] = []
-            for label, (scheme, hs) in entries.items():
+            for label, (scheme, hs, mode) in entries.items():
                 done = calls[label]
                 assert done.stats is not None
                 # Per-iteration time of the slowest rank; bytes: max and total over ranks.
@@ -263,13 +269,14 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
                 dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
                 row = _row(w, label, done.stats, n, nnz_list, union, t[0].tolist(), bmax.tolist(),
                            bsum.tolist(), float(err), cfg, reference)
-                row.update(scheme_name=scheme, handshake=hs,
+                row.update(scheme_name=scheme, handshake=hs, result=_RESULTS[mode],
                            handshake_s=statistics.median(t[1].tolist()),
                            handshake_times_s=t[1].tolist())
                 wl_rows.append(row)
-            for hs in cfg.handshakes:
-                _add_ratios([r for r in wl_rows if r["handshake"] == hs],
+            for group_key in sorted({(r["handshake"], r["result"]) for r in wl_rows}):
+                _add_ratios([r for r in wl_rows if (r["handshake"], r["result"]) == group_key],
                             deepspeed_equivalent(w, cfg.dense_input))
+            _add_alloc_ratios(wl_rows)
             rows.extend(wl_rows)
             del x, g, reference, work
     finally:
@@ -300,8 +307,6 @@ def _row(w: Workload, scheme: str, stats: Any, n: int, nnz: List[int], union: in
         "max_abs_err": None if err < 0 else err,
         "correct": None if reference is None or err < 0 else bool(err <= _tolerance(reference, n)),
         "rate_bps": cfg.rate_bps, "input": "dense" if cfg.dense_input or not w.sparse else "sparse",
-        "result": "new tensor" if cfg.dense_input == "alloc" else
-                  "in place" if cfg.dense_input == "inplace" else "as input",
     }
     if cfg.rate_bps:
         # Full-duplex link: the busier direction bounds the time.
@@ -326,6 +331,15 @@ def _add_ratios(rows: List[Dict[str, Any]], ds_equivalent: str) -> None:
     for r in rows:
         r["speedup_vs_dense"] = dense["time_s"] / r["time_s"] if dense else None
         r["speedup_vs_deepspeed"] = ds["time_s"] / r["time_s"] if ds else None
+
+
+def _add_alloc_ratios(rows: List[Dict[str, Any]]) -> None:
+    """``--dense-input both``: each new-tensor row's time over the same scheme's in-place time."""
+    in_place = {(r["scheme_name"], r["handshake"]): r for r in rows if r["result"] == "in place"}
+    for r in rows:
+        twin = in_place.get((r["scheme_name"], r["handshake"]))
+        if r["result"] == "new tensor" and twin is not None:
+            r["time_over_in_place"] = r["time_s"] / twin["time_s"]
 
 
 # -- process-group setup ---------------------------------------------------------------------------

@@ -53,10 +53,12 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local", type=int, default=None, metavar="N",
                    help="spawn N gloo ranks on loopback (no network: CPU-bound timings)")
     p.add_argument("--dense-input", nargs="?", const="inplace", default="",
-                   choices=("inplace", "alloc"),
+                   choices=("inplace", "alloc", "both"),
                    help="hand each rank's gradient over as a dense tensor: 'inplace' (the default "
                         "of the bare flag) synced in place (out=), as the plug-in does for a "
-                        "dense-gradient embedding; 'alloc' without out= (a new result tensor). "
+                        "dense-gradient embedding; 'alloc' without out= (a new result tensor); "
+                        "'both' each scheme both ways, interleaved (rows scheme/inplace, "
+                        "scheme/alloc). "
                         "DeepSpeed's path is then the dense all-reduce")
     p.add_argument("--handshake", nargs="+", default=["allgather"],
                    choices=("allgather", "reduce"),
