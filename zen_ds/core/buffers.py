@@ -29,7 +29,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["result_buffer", "release_result_buffers", "cached_result_bytes", "MIN_BYTES",
+__all__ = ["result_buffer", "zeroed_in_background", "release_result_buffers",
+           "cached_result_bytes", "MIN_BYTES",
            "PER_SHAPE", "DEFAULT_CACHE_MB", "CACHE_ENV"]
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,36 @@ def result_buffer(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.devi
         entries.append((buffer, _use_count(buffer)))
         _evict(limit)
         return buffer.view(shape)
+
+
+def zeroed_in_background(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device
+                         ) -> Tuple[torch.Tensor, Optional[Callable[[], None]]]:
+    """:func:`result_buffer` whose zero pass runs on a helper thread (torch releases the GIL), so
+    it overlaps the sync's collectives instead of adding a pass of its own. Returns the tensor
+    and a function that waits for the zeros (idempotent; it re-raises a failure of the pass);
+    None when the tensor came back zeroed already (not a large CPU tensor)."""
+    device = torch.device(device)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < MIN_BYTES:
+        return result_buffer(shape, dtype, device), None
+    tensor = result_buffer(shape, dtype, device, zero=False)
+    failure: List[BaseException] = []
+
+    def zero() -> None:
+        try:
+            tensor.zero_()
+        except BaseException as exc:  # handed to the waiting caller, not lost on this thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=zero, name="zen_ds-zero-result", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    return tensor, wait
 
 
 def _evict(limit: int) -> None:

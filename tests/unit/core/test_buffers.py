@@ -72,3 +72,16 @@ def test_small_tensors_and_uninitialised_requests() -> None:
     assert not small.any() and cached_result_bytes() == 0
     raw = result_buffer(SHAPE, torch.float32, cpu, zero=False)
     assert raw.shape == SHAPE and cached_result_bytes() == NBYTES
+
+
+def test_zeroed_in_background_is_zero_once_waited_for() -> None:
+    cpu = torch.device("cpu")
+    first = result_buffer(SHAPE, torch.float32, cpu).fill_(5.0)
+    del first  # the cache hands this dirty buffer out next
+    tensor, wait = buffers.zeroed_in_background(SHAPE, torch.float32, cpu)
+    assert wait is not None
+    wait()
+    wait()  # idempotent
+    assert tensor.shape == SHAPE and not tensor.any()
+    small, no_wait = buffers.zeroed_in_background((8, 8), torch.float64, cpu)
+    assert no_wait is None and not small.any() and small.dtype == torch.float64
