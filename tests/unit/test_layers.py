@@ -58,6 +58,9 @@ PROCESS_STATE = {
     ("zen_ds.ops", "_backend"): "the op implementation this process loaded (compiled or torch)",
     ("zen_ds.ops", "_backend_reason"): "why, for the report",
     ("zen_ds.ops", "_warned"): "the torch-fallback warning is printed once per process",
+    ("zen_ds.core.buffers", "_CACHE"): "new dense results reuse buffers their callers dropped "
+                                       "(bounded by shape count and bytes; "
+                                       "release_result_buffers() empties it)",
     ("zen_ds.core.comm", "_logged_all_gather"): "the all-gather function torch offers, resolved once",
     ("zen_ds.core.handshake", "_OFFSETS"): "the record layout, computed at import from FIELDS",
     ("zen_ds.core.handshake", "_AGREED_MASK"): "the record layout, computed at import from FIELDS",

@@ -39,6 +39,7 @@ in the schemes cannot be deferred, only batched.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -73,6 +74,7 @@ class CommRecord:
     log_name: str
     bytes_sent: int
     bytes_received: int
+    seconds: float = 0.0  # wall time of the call on this rank (waiting for peers included)
 
 
 def resolve_group(group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
@@ -150,14 +152,19 @@ class Communicator:
         self.records.append(CommRecord(op, log_name, int(sent), int(received)))
         return log_name
 
-    def _run(self, name: str, collective: Callable[[], object]) -> None:
-        """Run one collective; a backend failure becomes a :class:`ZenSyncError` naming it."""
+    def _run(self, name: str, collective: Callable[[], object], timed: bool = True) -> None:
+        """Run one collective; a backend failure becomes a :class:`ZenSyncError` naming it.
+        ``timed``: its wall time goes to the record just made (the handshake's share of a sync
+        is measured from these)."""
+        started = time.perf_counter()
         try:
             collective()
         except ZenSyncError:
             raise
         except RuntimeError as exc:  # gloo/NCCL errors, DistBackendError, timeouts
             raise ZenSyncError(name, self.scheme, self.rank, self.world_size, exc) from exc
+        if timed:
+            self.records[-1].seconds = time.perf_counter() - started
 
     # ------------------------------------------------------------------ collectives
     def all_gather_object(self, obj: object, name: str) -> List[object]:
@@ -165,7 +172,8 @@ class Communicator:
         gathered: List[object] = [None] * self.world_size
         if self.world_size == 1:
             return [obj]
-        self._run(name, lambda: dist.all_gather_object(gathered, obj, group=self.group))
+        self._run(name, lambda: dist.all_gather_object(gathered, obj, group=self.group),
+                  timed=False)  # not a counted collective: no record of its own
         return gathered
 
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

@@ -442,7 +442,7 @@ class BalancedScheme(Scheme):
     @staticmethod
     def _scatter_dense(ctx: SyncContext, layout: ShardLayout, x: RowSparse, shards) -> None:
         """Write every shard into ``ctx.dense_out`` (zeroed ``[num_rows, *row_shape]``)."""
-        out = ctx.dense_out
+        out = ctx.dense_out_ready()
         if tuple(out.shape) != (x.num_rows,) + tuple(x.row_shape):
             raise ValueError(f"balanced: dense_out has shape {tuple(out.shape)}, expected "
                              f"{(x.num_rows,) + tuple(x.row_shape)}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, List, Optional
+from typing import Callable, ClassVar, List, Optional
 
 import torch
 
@@ -38,11 +38,21 @@ class SyncContext:
     # set ``dense_nnz`` and return None.
     dense_out: Optional[torch.Tensor] = None
     dense_nnz: Optional[int] = None  # rows written into dense_out (set by the scheme)
+    # Set when dense_out is a new result still being zeroed while the collectives run: waits
+    # for it. A scheme reads dense_out through dense_out_ready() before writing it.
+    dense_out_zeroing: Optional[Callable[[], None]] = None
     # What the planner knew (from the handshake, the same on every rank); None outside
     # sparse_allreduce. Schemes take data-independent decisions from it.
     shape: Optional[SyncShape] = None
     # The gathered handshake (None outside sparse_allreduce), read by field name.
     handshake: Optional[HandshakeTable] = None
+
+    def dense_out_ready(self) -> Optional[torch.Tensor]:
+        """``dense_out`` once it may be written (its zeroing finished)."""
+        if self.dense_out_zeroing is not None:
+            self.dense_out_zeroing()
+            self.dense_out_zeroing = None
+        return self.dense_out
 
     @property
     def world_size(self) -> int:

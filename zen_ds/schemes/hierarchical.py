@@ -143,7 +143,7 @@ class HierarchicalScheme(Scheme):
     @staticmethod
     def _scatter_dense(ctx: SyncContext, layout: ShardLayout, x: RowSparse,
                        final: Sequence[Tuple[int, Part]]) -> None:
-        out = ctx.dense_out
+        out = ctx.dense_out_ready()
         if tuple(out.shape) != (x.num_rows,) + tuple(x.row_shape):
             raise ValueError(f"hierarchical: dense_out has shape {tuple(out.shape)}, expected "
                              f"{(x.num_rows,) + tuple(x.row_shape)}")

@@ -11,6 +11,9 @@
    :func:`plan_from_summary` plans ``dense`` from the reduced handshake alone where it can.
 3. The chosen scheme's :meth:`~zen_ds.schemes.base.Scheme.sync` moves the data; the result is
    scattered into the caller's tensor or returned, and the call's :class:`SyncStats` recorded.
+   A new dense result (a dense input without ``out=``) is zeros plus the scatter, in a buffer
+   from :mod:`zen_ds.core.buffers` (one a caller dropped, when there is one): no fresh pages of
+   the table's size per call, and the zero pass runs on a helper thread during the collectives.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds import ops
+from zen_ds.core.buffers import result_buffer, zeroed_in_background
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import HandshakeSummary, HandshakeTable, handshake_bytes, summary_width
 from zen_ds.core.inputs import LocalInput
@@ -50,6 +54,8 @@ def _dense_sum(local: LocalInput, out: Optional[torch.Tensor], prescale: float,
         work = out
         if not local.aliases(out):
             work.copy_(x)
+    elif out is None and accum == x.dtype:  # a new result: the copy's memory is reused
+        work = result_buffer(local.shape, x.dtype, x.device, zero=False).copy_(x)
     else:
         work = x.to(accum, memory_format=torch.contiguous_format, copy=True)
     if prescale != 1.0:
@@ -263,22 +269,26 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         nnz_result = local.nnz if nothing_to_move else -1
     else:
         rs = local_rows(local, prescale)
-        target = out if out is not None else (
-            torch.zeros(local.shape, dtype=local.dtype, device=local.device)
-            if dense_result else None)
-        if target is not None and not in_place and out is not None:
+        target, zeroing = out, None
+        if out is None and dense_result:  # a new dense result: zeros (during the sync) + scatter
+            target, zeroing = zeroed_in_background(local.shape, local.dtype, local.device)
+        elif target is not None and not in_place:
             target.zero_()
-        if nothing_to_move:
-            summed, ctx = _scaled_copy(rs, scale), None
-        else:
-            ctx = SyncContext(comm, opts.seed, scale, opts.index_encoding, list(nnz_per_rank),
-                              table.owner_counts  # host: read as splits, no device sync
-                              if table is not None and _sketched(scheme) else None,
-                              sorted_output=not dense_result,
-                              dense_out=None if target is None else
-                              target.view((local.num_rows,) + local.row_shape),
-                              shape=shape, handshake=table)
-            summed = get_scheme(chosen).sync(rs, ctx)
+        try:
+            if nothing_to_move:
+                summed, ctx = _scaled_copy(rs, scale), None
+            else:
+                ctx = SyncContext(comm, opts.seed, scale, opts.index_encoding, list(nnz_per_rank),
+                                  table.owner_counts  # host: read as splits, no device sync
+                                  if table is not None and _sketched(scheme) else None,
+                                  sorted_output=not dense_result,
+                                  dense_out=None if target is None else
+                                  target.view((local.num_rows,) + local.row_shape),
+                                  shape=shape, handshake=table, dense_out_zeroing=zeroing)
+                summed = get_scheme(chosen).sync(rs, ctx)
+        finally:
+            if zeroing is not None:
+                zeroing()
         if summed is None:  # the scheme wrote the sum into ctx.dense_out
             result, nnz_result = target, ctx.dense_nnz
         elif target is not None:

@@ -73,6 +73,29 @@ def test_sync_dense_input_is_synced_in_place_and_compared_with_dense_allreduce(t
     assert rows["balanced"]["bytes_sent_max"] < rows["deepspeed"]["bytes_sent_max"]
 
 
+def test_sync_dense_input_both_ways_and_both_handshakes(tmp_path):
+    """``--dense-input both`` syncs each scheme in place and without ``out=`` (a new result per
+    call, still exact after every round), and ``--handshake allgather reduce`` with both
+    handshakes, all interleaved, reporting the handshake's measured time."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "zen_ds", "bench", "sync", "--local", "2", "--no-progress",
+                        "-w", "synthetic:rows=3001,width=4,density=0.03,overlap=0.3",
+                        "-s", "balanced", "dense", "--dense-input", "both", "--interleave",
+                        "--handshake", "allgather", "reduce", "--iters", "2", "--warmup", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {f"{s}@{h}/{m}" for s in ("balanced", "dense")
+                         for h in ("allgather", "reduce") for m in ("inplace", "alloc")}
+    assert all(r["correct"] and r["handshake_s"] > 0 for r in rows.values())
+    assert {r["result"] for r in rows.values()} == {"in place", "new tensor"}
+    alloc, in_place = rows["balanced@reduce/alloc"], rows["balanced@reduce/inplace"]
+    assert alloc["speedup_vs_dense"] == pytest.approx(
+        rows["dense@reduce/alloc"]["time_s"] / alloc["time_s"])
+    assert alloc["time_over_in_place"] == pytest.approx(alloc["time_s"] / in_place["time_s"])
+    assert "hs_ms" in p.stdout
+
+
 def test_calibrate_prints_a_network_block_with_the_sync_latency():
     """``zen-bench calibrate`` on 2 loopback ranks prints a ``network`` block the config accepts;
     its latency per step is the one zen's own syncs show, never below a bare all-gather's."""

@@ -56,7 +56,8 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
                                 warmup=args.warmup, seed=args.seed, check=not args.no_check,
                                 rate_bps=_rate(args.rate), progress=not args.no_progress,
                                 index_encoding=args.index_encoding,
-                                dense_input=args.dense_input, interleave=args.interleave)
+                                dense_input=args.dense_input, interleave=args.interleave,
+                                handshakes=list(dict.fromkeys(args.handshake)))
         rows = runner.run_sync(workloads, cfg)
         if dist.get_rank() == 0:
             ctx = report.context_info(dist.get_world_size(), cfg.rate_bps, cfg.iters, argv)

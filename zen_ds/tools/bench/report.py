@@ -33,8 +33,9 @@ def _ratio(x: Optional[float]) -> str:
 
 
 COLUMNS = (
-    ("workload", 10), ("scheme", 13), ("n", 2), ("size", 8), ("nnz/rank", 8), ("density", 7),
-    ("overlap", 7), ("sent", 8), ("pred_sent", 9), ("recv", 8), ("time_ms", 9), ("pred_ms", 8),
+    ("workload", 10), ("scheme", 26), ("n", 2), ("size", 8), ("nnz/rank", 8), ("density", 7),
+    ("overlap", 7), ("sent", 8), ("pred_sent", 9), ("recv", 8), ("time_ms", 9), ("hs_ms", 6),
+    ("pred_ms", 8),
     ("algbw", 9), ("busbw", 9),
     ("vs_dense", 8), ("vs_ds", 7), ("bound_ms", 8), ("/bound", 6), ("ok", 3),
 )
@@ -50,7 +51,8 @@ def format_table(rows: Sequence[Dict[str, Any]], context: Optional[Dict[str, Any
     out.append("# size = dense bytes; sent/recv = max over ranks of wire bytes per call (handshake "
                "included); algbw = size/time; busbw = algbw*2(n-1)/n;")
     out.append("# pred_sent / pred_ms = the chosen scheme's byte model and the planner's time for "
-               "it (its cost model, slowest rank; median over calls)")
+               "it (its cost model, slowest rank; median over calls); hs_ms = the handshake's measured "
+               "time per call")
     out.append("# vs_dense / vs_ds = time of dense all-reduce / DeepSpeed's path over this time (same "
                "run); bound = max(sent,recv)/link rate; /bound = time/bound; overlap 0=disjoint 1=identical")
     out.append("  ".join(f"{name:>{w}}" for name, w in COLUMNS))
@@ -62,6 +64,7 @@ def format_table(rows: Sequence[Dict[str, Any]], context: Optional[Dict[str, Any
             _si(r["nnz_mean"]), f"{r['density']:.4f}", f"{r['overlap']:.2f}",
             _si(r["bytes_sent_max"], "B"), _predicted(r.get("predicted_bytes_sent"), "B"),
             _si(r["bytes_received_max"], "B"), f"{r['time_s'] * 1e3:.2f}",
+            "-" if r.get("handshake_s") is None else f"{r['handshake_s'] * 1e3:.2f}",
             _predicted(None if r.get("predicted_seconds") is None
                        else r["predicted_seconds"] * 1e3, ""), _si(r["algbw_Bps"], "B/s"), _si(r["busbw_Bps"], "B/s"),
             _ratio(r.get("speedup_vs_dense")), _ratio(r.get("speedup_vs_deepspeed")),

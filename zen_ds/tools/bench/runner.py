@@ -29,6 +29,7 @@ from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import last_sync_stats
 from zen_ds.schemes import scheme_names
 from zen_ds.sync.allreduce import sparse_allreduce
+from zen_ds.sync.options import HANDSHAKES, default_options
 from zen_ds.tools.bench.workloads import RankGrad, Workload, measure_overlap
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def resolve_schemes(requested: Sequence[str]) -> List[str]:
     return names
 
 
-def deepspeed_equivalent(workload: Workload, dense_input: bool = False) -> str:
+def deepspeed_equivalent(workload: Workload, dense_input: str = "") -> str:
     return "agsparse" if workload.sparse and not dense_input else "dense"
 
 
@@ -67,14 +68,35 @@ class SyncConfig:
     rate_bps: Optional[float] = None  # link rate for the bytes/rate bound; None: not reported
     progress: bool = True
     index_encoding: str = "auto"  # balanced's pull encoding: auto | coo | bitmap
-    # Hand sparse workloads over as dense tensors synced in place (``out=`` the input), as the
-    # plug-in does for a dense-gradient embedding: the timed call then includes finding the
-    # non-zero rows and writing the result back; DeepSpeed's path for them is the dense all-reduce.
-    dense_input: bool = False
+    # Hand sparse workloads over as dense tensors: "inplace" synced in place (``out=`` the input),
+    # as the plug-in does for a dense-gradient embedding; "alloc" without ``out=`` (a new result).
+    # The timed call then includes finding the non-zero rows and writing the result; DeepSpeed's
+    # path for them is the dense all-reduce. "both": each scheme both ways, interleaved (rows
+    # "scheme/inplace", "scheme/alloc"). "": as the workload is.
+    dense_input: str = ""
     # Every scheme once per timed round (rotating order) rather than one scheme's rounds after
     # another's: for small, latency-bound tensors whose times drift more between runs than the
     # schemes differ.
     interleave: bool = False
+    # SyncOptions.handshake values; with several, every scheme runs with each (labels
+    # "scheme@handshake") in the same schedule.
+    handshakes: List[str] = dataclasses.field(default_factory=lambda: ["allgather"])
+
+    def __post_init__(self) -> None:
+        if self.dense_input not in ("", "inplace", "alloc", "both"):
+            raise ValueError(f"dense_input must be '', 'inplace', 'alloc' or 'both', got "
+                             f"{self.dense_input!r}")
+        unknown = [h for h in self.handshakes if h not in HANDSHAKES]
+        if unknown or not self.handshakes:
+            raise ValueError(f"handshakes must be a non-empty list of {HANDSHAKES}, got "
+                             f"{self.handshakes}")
+
+    def entries(self) -> Dict[str, Tuple[str, str, str]]:
+        """label -> (scheme, handshake, dense-input mode), in schedule order."""
+        modes = ("inplace", "alloc") if self.dense_input == "both" else (self.dense_input,)
+        several = len(self.handshakes) > 1
+        return {(f"{s}@{h}" if several else s) + (f"/{m}" if len(modes) > 1 else ""): (s, h, m)
+                for s in self.schemes for h in self.handshakes for m in modes}
 
 
 class _Progress:
@@ -156,28 +178,40 @@ def schedule(schemes: Sequence[str], rounds: int, interleave: bool
             yield scheme, it
 
 
+_RESULTS = {"inplace": "in place", "alloc": "new tensor", "": "as input"}
+
+
+def handshake_seconds(stats: Any) -> float:
+    """The handshake's measured share of one call: its collectives' wall time on this rank."""
+    return sum(c.seconds for c in stats.collectives
+               if c.log_name.split(".", 1)[-1].startswith("handshake"))
+
+
 class _Calls:
     """One scheme's calls on one workload: the timed seconds, the last stats, the checked error."""
 
-    def __init__(self) -> None:
+    def __init__(self, handshake: str = "allgather") -> None:
         self.times: List[float] = []
+        self.handshake_times: List[float] = []
         self.stats: Any = None
         self.max_err = float("nan")
+        self.handshake = handshake
 
     def run(self, x: Any, work: Optional[torch.Tensor], scheme: str,
             group: Optional[dist.ProcessGroup], index_encoding: str, timed: bool,
             reference: Optional[torch.Tensor]) -> None:
+        options = dataclasses.replace(default_options(), handshake=self.handshake)
 
         if work is not None:  # in-place syncs overwrite their input: a fresh copy (untimed)
             work.copy_(x)
         dist.barrier(group)
         t0 = time.perf_counter()
         if work is not None:
-            out = sparse_allreduce(work, group=group, scheme=scheme, out=work,
-                                          index_encoding=index_encoding)
+            out = sparse_allreduce(work, group=group, scheme=scheme, out=work, options=options,
+                                   index_encoding=index_encoding)
         else:
-            out = sparse_allreduce(x, group=group, scheme=scheme,
-                                          index_encoding=index_encoding)
+            out = sparse_allreduce(x, group=group, scheme=scheme, options=options,
+                                   index_encoding=index_encoding)
         elapsed = time.perf_counter() - t0
         self.stats = last_sync_stats()
         if reference is not None:
@@ -186,13 +220,15 @@ class _Calls:
                 if reference.numel() else 0.0
         if timed:
             self.times.append(elapsed)
+            self.handshake_times.append(handshake_seconds(self.stats))
 
 
 def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
              group: Optional[dist.ProcessGroup] = None) -> List[Dict[str, Any]]:
     """Benchmark ``cfg.schemes`` on each workload; every rank returns the same list of rows."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    total = len(workloads) * len(cfg.schemes) * (cfg.warmup + cfg.iters)
+    entries = cfg.entries()
+    total = len(workloads) * len(entries) * (cfg.warmup + cfg.iters)
     progress = _Progress(total, cfg.progress and rank == 0)
     rows: List[Dict[str, Any]] = []
     try:
@@ -201,7 +237,7 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
             g = w.generate(rank, n, cfg.seed)
             x = g.to_dense() if cfg.dense_input else _to_input(g)
             # In-place syncs overwrite their input: each call gets a fresh copy (untimed).
-            work = torch.empty_like(x) if cfg.dense_input else None
+            work = torch.empty_like(x) if cfg.dense_input in ("inplace", "both") else None
             nnz_list, union = _gather_support(g, group)
             logger.info("workload %s generated in %.2fs: nnz/rank %s, union %d", w.name,
                         time.perf_counter() - t_gen, nnz_list, union)
@@ -209,18 +245,20 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
             if cfg.check:
                 reference = g.to_dense().clone()
                 dist.all_reduce(reference, group=group)
-            calls = {scheme: _Calls() for scheme in cfg.schemes}
-            for scheme, it in schedule(cfg.schemes, cfg.warmup + cfg.iters, cfg.interleave):
+            calls = {label: _Calls(hs) for label, (_, hs, _) in entries.items()}
+            for label, it in schedule(list(entries), cfg.warmup + cfg.iters, cfg.interleave):
+                scheme = entries[label][0]
                 real = deepspeed_equivalent(w, cfg.dense_input) if scheme == DEEPSPEED else scheme
-                calls[scheme].run(x, work, real, group, cfg.index_encoding,
-                                  timed=it >= cfg.warmup, reference=reference if it == 0 else None)
-                progress.update(f"{w.name}/{scheme}")
+                calls[label].run(x, work if entries[label][2] == "inplace" else None, real, group,
+                                 cfg.index_encoding,
+                                 timed=it >= cfg.warmup, reference=reference if it == 0 else None)
+                progress.update(f"{w.name}/{label}")
             wl_rows: List[Dict[str, Any]] = []
-            for scheme in cfg.schemes:
-                done = calls[scheme]
+            for label, (scheme, hs, mode) in entries.items():
+                done = calls[label]
                 assert done.stats is not None
                 # Per-iteration time of the slowest rank; bytes: max and total over ranks.
-                t = torch.tensor(done.times, dtype=torch.float64)
+                t = torch.tensor([done.times, done.handshake_times], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
                 b = torch.tensor([done.stats.bytes_sent, done.stats.bytes_received],
                                  dtype=torch.int64)
@@ -229,9 +267,16 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
                 dist.all_reduce(bsum, group=group)
                 err = torch.tensor([done.max_err if not math.isnan(done.max_err) else -1.0])
                 dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
-                wl_rows.append(_row(w, scheme, done.stats, n, nnz_list, union, t.tolist(),
-                                    bmax.tolist(), bsum.tolist(), float(err), cfg, reference))
-            _add_ratios(wl_rows, deepspeed_equivalent(w, cfg.dense_input))
+                row = _row(w, label, done.stats, n, nnz_list, union, t[0].tolist(), bmax.tolist(),
+                           bsum.tolist(), float(err), cfg, reference)
+                row.update(scheme_name=scheme, handshake=hs, result=_RESULTS[mode],
+                           handshake_s=statistics.median(t[1].tolist()),
+                           handshake_times_s=t[1].tolist())
+                wl_rows.append(row)
+            for group_key in sorted({(r["handshake"], r["result"]) for r in wl_rows}):
+                _add_ratios([r for r in wl_rows if (r["handshake"], r["result"]) == group_key],
+                            deepspeed_equivalent(w, cfg.dense_input))
+            _add_alloc_ratios(wl_rows)
             rows.extend(wl_rows)
             del x, g, reference, work
     finally:
@@ -280,12 +325,21 @@ def _tolerance(reference: torch.Tensor, n: int) -> float:
 
 def _add_ratios(rows: List[Dict[str, Any]], ds_equivalent: str) -> None:
     """Speed-ups vs dense all-reduce and vs DeepSpeed's path measured in the same run."""
-    by = {r["scheme"]: r for r in rows}
+    by = {r.get("scheme_name", r["scheme"]): r for r in rows}
     dense = by.get("dense")
     ds = by.get(DEEPSPEED) or by.get(ds_equivalent)
     for r in rows:
         r["speedup_vs_dense"] = dense["time_s"] / r["time_s"] if dense else None
         r["speedup_vs_deepspeed"] = ds["time_s"] / r["time_s"] if ds else None
+
+
+def _add_alloc_ratios(rows: List[Dict[str, Any]]) -> None:
+    """``--dense-input both``: each new-tensor row's time over the same scheme's in-place time."""
+    in_place = {(r["scheme_name"], r["handshake"]): r for r in rows if r["result"] == "in place"}
+    for r in rows:
+        twin = in_place.get((r["scheme_name"], r["handshake"]))
+        if r["result"] == "new tensor" and twin is not None:
+            r["time_over_in_place"] = r["time_s"] / twin["time_s"]
 
 
 # -- process-group setup ---------------------------------------------------------------------------

@@ -52,10 +52,19 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
                         "default, as the plug-in does) or the built-in defaults")
     p.add_argument("--local", type=int, default=None, metavar="N",
                    help="spawn N gloo ranks on loopback (no network: CPU-bound timings)")
-    p.add_argument("--dense-input", action="store_true",
-                   help="hand each rank's gradient over as a dense tensor synced in place (out=), as "
-                        "the plug-in does for a dense-gradient embedding; DeepSpeed's path is then "
-                        "the dense all-reduce")
+    p.add_argument("--dense-input", nargs="?", const="inplace", default="",
+                   choices=("inplace", "alloc", "both"),
+                   help="hand each rank's gradient over as a dense tensor: 'inplace' (the default "
+                        "of the bare flag) synced in place (out=), as the plug-in does for a "
+                        "dense-gradient embedding; 'alloc' without out= (a new result tensor); "
+                        "'both' each scheme both ways, interleaved (rows scheme/inplace, "
+                        "scheme/alloc). "
+                        "DeepSpeed's path is then the dense all-reduce")
+    p.add_argument("--handshake", nargs="+", default=["allgather"],
+                   choices=("allgather", "reduce"),
+                   help="SyncOptions.handshake; several values run every scheme with each (rows "
+                        "named scheme@handshake, interleaved like schemes); the hs_ms column is "
+                        "the handshake's measured time per call")
     p.add_argument("--interleave", action="store_true",
                    help="run every scheme once per round (rotating order) instead of one scheme's "
                         "rounds after another's: compares small, latency-bound tensors whose "
