@@ -19,6 +19,7 @@ are drawn in docs/architecture.md.
 """
 from __future__ import annotations
 
+from zen_ds.core.buffers import release_result_buffers
 from zen_ds.core.comm import ZenSyncError
 from zen_ds.core.partition import ShardLayout, owner
 from zen_ds.core.sparse import RowSparse
@@ -47,4 +48,4 @@ __all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncS
            "SyncOptions", "default_options", "set_default_options", "ZenSyncError", "ZenInputError",
            "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "sparse_reduce_scatter_flat", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
            "initialize", "attach", "state_of", "enable", "disable", "ZenReductionError",
-           "ZenConfig", "ZenConfigError"]
+           "ZenConfig", "ZenConfigError", "release_result_buffers"]

@@ -329,6 +329,6 @@ def test_the_public_api_is_unchanged() -> None:
                  "ZenInputError", "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter",
                  "sparse_reduce_scatter_flat", "CostModel", "set_cost_model", "INDEX_ENCODINGS",
                  "initialize", "attach", "state_of", "enable", "disable", "ZenReductionError",
-                 "ZenConfig", "ZenConfigError", "__version__"):
+                 "ZenConfig", "ZenConfigError", "release_result_buffers", "__version__"):
         assert name in exported, name
     assert _names(exported) == _names(set(exported)), "duplicates in __all__"
