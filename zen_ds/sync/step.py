@@ -76,6 +76,7 @@ class StepCall:
     log_prefix: str = "zen"
     local_error: Optional[str] = None
     key: Optional[str] = None
+    options: Optional[SyncOptions] = None  # this call's, when not the step's (same handshake)
 
     @property
     def name(self) -> str:
@@ -144,39 +145,55 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
                                  postscale=c.postscale, options=opts, stats=s,
                                  log_prefix=c.log_prefix, local_error=c.local_error)
                 for c, s in zip(calls, stats)]
-    prepared = [prepare(c.x, c.out, group, c.scheme, c.average, opts, c.prescale, c.postscale,
-                        c.log_prefix, c.local_error) for c in calls]
+    each = [c.options if c.options is not None else opts for c in calls]
+    prepared = [prepare(c.x, c.out, group, c.scheme, c.average, o, c.prescale, c.postscale,
+                        c.log_prefix, c.local_error) for c, o in zip(calls, each)]
     step_comm = Communicator.for_group(prepared[0].comm.group, "zen.step")
     keep = opts.handshake in ("reduce", "auto")
     if not keep:
         plans.stable.clear()
     stable = [keep and c.name in plans.stable for c in calls]
-    agreements = _agree(calls, prepared, [i for i, s in enumerate(stable) if not s], opts,
-                        plans, step_comm)
+    shares: List[List[int]] = []  # per step collective: the calls that took part
+    agreements = _agree(calls, prepared, [i for i, s in enumerate(stable) if not s], each,
+                        opts, plans, step_comm, shares)
     results: List[TensorLike] = []
     for index, (call, prep, s) in enumerate(zip(calls, prepared, stats)):
         result = None
         if stable[index]:
             result = _stable_dense(call, prep, plans, s)
             if result is None:  # a problem or a mismatch on some rank: the full handshake
+                shares.append([index])
                 agreements[index] = _full_handshake(prep, step_comm)
         if result is None:
             result = sparse_allreduce(call.x, group, call.scheme, call.average, out=call.out,
                                       prescale=call.prescale, postscale=call.postscale,
-                                      options=opts, stats=s, log_prefix=call.log_prefix,
-                                      agreement=agreements[index])
-            _remember(call, prep, s, plans, opts)
+                                      options=each[index], stats=s,
+                                      log_prefix=call.log_prefix, agreement=agreements[index])
+            _remember(call, prep, s, plans, each[index])
         results.append(result)
-    first = stats[0]
-    first.bytes_sent += step_comm.bytes_sent
-    first.bytes_received += step_comm.bytes_received
-    first.collectives = list(step_comm.records) + list(first.collectives)
+    _share(step_comm, shares, stats)
     return results
 
 
+def _share(comm: Communicator, shares: List[List[int]], stats: Sequence[SyncStats]) -> None:
+    """Count each step collective's bytes in the stats of the calls that took part, evenly (a
+    call's record or summary is the same size as any other's), and list the collective in its
+    first participant's."""
+    for rec, members in zip(comm.records, shares):
+        if not members:
+            continue
+        k = len(members)
+        for position, i in enumerate(members):
+            stats[i].bytes_sent += rec.bytes_sent // k + (rec.bytes_sent % k if position == 0 else 0)
+            stats[i].bytes_received += rec.bytes_received // k + (
+                rec.bytes_received % k if position == 0 else 0)
+        first = stats[members[0]]
+        first.collectives = [rec] + list(first.collectives)
+
+
 def _agree(calls: Sequence[StepCall], prepared: List[Prepared], todo: List[int],
-           opts: SyncOptions, plans: StepPlans, comm: Communicator
-           ) -> List[Optional[Agreement]]:
+           each: List[object], opts: SyncOptions, plans: StepPlans, comm: Communicator,
+           shares: List[List[int]]) -> List[Optional[Agreement]]:
     """Step 2 of the module: one metadata collective (two with ``reduce`` where records are
     needed) for the calls in ``todo``; raises the first call's agreed error."""
     agreements: List[Optional[Agreement]] = [None] * len(calls)
@@ -193,6 +210,7 @@ def _agree(calls: Sequence[StepCall], prepared: List[Prepared], todo: List[int],
     if mode == "reduce":
         vector = torch.cat([prepared[i].summary for i in todo]).to(prepared[todo[0]].device)
         comm.all_reduce(vector, "handshake.reduce", op="max")
+        shares.append(list(todo))
         width = prepared[todo[0]].summary.numel()
         reduced = vector.cpu().view(len(todo), width)
         need = []
@@ -202,12 +220,15 @@ def _agree(calls: Sequence[StepCall], prepared: List[Prepared], todo: List[int],
             if summary.problem:
                 need.append(i)
             elif local.num_rows > 0 and local.row_numel > 0:
-                plan = plan_from_summary(summary, local, calls[i].scheme, opts, prepared[i].comm)
+                plan = plan_from_summary(summary, local, calls[i].scheme, each[i],
+                                         prepared[i].comm)
                 if plan is None:
                     need.append(i)
                 else:
                     planned[i] = plan
     tables = _gather(prepared, need, comm) if need else {}
+    if need:
+        shares.append(list(need))
     plans.gathered = {calls[i].name for i in need}
     for i in todo:
         table = tables.get(i)
