@@ -59,6 +59,12 @@ class ScaleRule:
         return 1.0 / f, f / world_size
 
 
+def _reduce_scattered(p: "ZenParam") -> bool:
+    """A param whose sum each rank gets only its rows of (sharded optimizer state); a
+    compressed one is synced whole even then (its gradient is element-sparse, shards are rows)."""
+    return p.shard is not None and not p.compressed
+
+
 def _same(result: Any) -> torch.Tensor:
     return result
 
@@ -212,15 +218,15 @@ class ZenReducer:
         ``grads[i]`` belongs to ``self.params[i]``: a dense tensor, a sparse COO tensor or None.
         Returns one tensor per param in the gradient's layout (sparse COO for natively sparse
         params), dtype of the given gradient (param dtype for None). A dense gradient in the
-        communication dtype is synced in place and returned itself. The params (but those
-        with sharded optimizer state, reduce-scattered one by one after them) are agreed on in
+        communication dtype is synced in place and returned itself. The params (but uncompressed
+        ones with sharded optimizer state, reduce-scattered one by one after them) are agreed on in
         one metadata collective for the step (:func:`zen_ds.sync.step.sync_step`), which also
         carries the density-threshold decision; with ``handshake`` ``reduce`` or ``auto`` a param
         whose agreed plan is ``dense`` runs without one. ``local_error``: this rank's gradients
         could not be read (the reason); the step's handshake makes every rank raise the same
         :class:`zen_ds.ZenInputError` naming it.
         """
-        batched = [i for i, p in enumerate(self.params) if p.shard is None]
+        batched = [i for i, p in enumerate(self.params) if not _reduce_scattered(p)]
         if local_error is not None:
             if not self.params:
                 raise ValueError(local_error)
@@ -232,7 +238,7 @@ class ZenReducer:
             raise ValueError(f"zen: {len(grads)} gradients for {len(self.params)} params")
         done = self._sync_many(batched, grads, self.group)
         for index, p in enumerate(self.params):
-            if p.shard is not None:
+            if _reduce_scattered(p):
                 done[index] = self.sync_param(index, grads[index])
         stats = {self.params[i].name: done[i][1] for i in range(len(self.params))}
         self.end_step(stats)
@@ -249,11 +255,11 @@ class ZenReducer:
         param's handshake with it, and every rank raises :class:`zen_ds.ZenInputError` there."""
         p = self.params[index]
         group = self.group if group is None else group
-        if local_error is not None and p.shard is not None:  # pairs with any first call
+        if local_error is not None and _reduce_scattered(p):  # pairs with any first call
             sparse_allreduce(None, group, self.config.scheme, options=self._options(),
                              log_prefix=p.log_prefix, local_error=local_error)
             raise RuntimeError("zen: a handshake with a local error returned")  # it always raises
-        if p.shard is None:
+        if not _reduce_scattered(p):
             grads: List[Optional[torch.Tensor]] = [None] * len(self.params)
             grads[index] = grad
             return self._sync_many([index], grads, group, local_error)[index]
