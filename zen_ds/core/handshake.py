@@ -20,7 +20,7 @@ import torch
 __all__ = ["FIELDS", "AGREED_FIELDS", "MAX_ROW_DIMS", "SKETCH_SIZE", "DTYPE_CODES",
            "HandshakeTable", "encode_record", "record_width", "handshake_bytes",
            "float_bits", "bits_float", "BUCKETS", "bucket_minima", "encode_summary",
-           "summary_width", "HandshakeSummary"]
+           "summary_width", "HandshakeSummary", "same_agreed_fields"]
 
 SKETCH_SIZE = 64
 # Row shapes travel dim by dim up to this rank; deeper rows fold their tail into the last slot.
@@ -273,3 +273,9 @@ class HandshakeSummary:
             width = num_rows / BUCKETS
             estimate = BUCKETS * (width - offset) / (offset + 1.0)
         return int(min(max(round(estimate), low), high))
+
+
+def same_agreed_fields(record: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two records (:func:`encode_record`) carry the same agreed fields: a sync whose
+    plan was kept from an earlier step checks its record against the one that was agreed."""
+    return bool(((record[:FIXED_WIDTH] == other[:FIXED_WIDTH]) | ~_AGREED_MASK).all())

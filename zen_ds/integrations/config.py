@@ -148,11 +148,15 @@ class ZenConfig(BaseModel):
     index_encoding: Literal["auto", "coo", "bitmap"] = "auto"
     """Row-id encoding of the pull phase: ``auto`` (by size), ``coo`` (ids) or ``bitmap``."""
 
-    handshake: Literal["allgather", "reduce"] = "allgather"
-    """How each sync starts (``zen_ds.SyncOptions.handshake``): ``allgather`` (every rank's record
-    to every rank: latency grows with the data-parallel size) or ``reduce`` (one fixed-size
-    all-reduce, ``log n`` latency under NCCL's tree; the records are gathered only when the plan
-    is not ``dense``). ``reduce`` pays off from a few hundred ranks."""
+    handshake: Literal["allgather", "reduce", "auto"] = "allgather"
+    """How each step's syncs are agreed on (``zen_ds.SyncOptions.handshake``; one metadata
+    collective per step for all of zen's params, not one per param): ``allgather`` (every rank's
+    records to every rank: latency grows with the data-parallel size), ``reduce`` (one
+    fixed-size all-reduce of every param's summary, ``log n`` latency under NCCL's tree; the
+    records are gathered only for params whose plan is not ``dense``) or ``auto`` (the cheaper
+    of the two under the ``"network"`` cost model). With ``reduce`` and ``auto`` a param whose
+    agreed plan is ``dense`` keeps it without a handshake until a rank's row count or the
+    summed rows change class; its checks ride in the dense all-reduce."""
 
     stats_interval: int = Field(0, ge=0)
     """Every this many optimizer steps, rank 0 logs one line per zen param (density, aggregated

@@ -28,6 +28,7 @@ from zen_ds.integrations.config import ZenConfig
 from zen_ds.sync.allreduce import sparse_allreduce
 from zen_ds.sync.options import SyncOptions, ZenInputError, default_options
 from zen_ds.sync.reduce_scatter import sparse_reduce_scatter
+from zen_ds.sync.step import StepCall, StepPlans, sync_step
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,24 @@ class ScaleRule:
             return 1.0 / world_size, 1.0
         f = float(self.predivide_factor)
         return 1.0 / f, f / world_size
+
+
+def _reduce_scattered(p: "ZenParam") -> bool:
+    """A param whose sum each rank gets only its rows of (sharded optimizer state); a
+    compressed one is synced whole even then (its gradient is element-sparse, shards are rows)."""
+    return p.shard is not None and not p.compressed
+
+
+def _same(result: Any) -> torch.Tensor:
+    return result
+
+
+def _as_coo_if_rows(result: Any) -> torch.Tensor:
+    return result.to_coo() if isinstance(result, RowSparse) else result
+
+
+def _dense_to_coo(result: Any) -> torch.Tensor:
+    return RowSparse.from_dense(result).to_coo()
 
 
 # ----------------------------------------------------------------------------- state object
@@ -111,6 +130,7 @@ class ZenReducer:
         self.loss_scale = loss_scale
         # --- bookkeeping: optimizer steps synced so far, and the last step's per-param cost
         self.step = 0
+        self.plans = StepPlans()  # the step agreement's stable plans and scratch, step to step
         self.last_stats: Dict[str, ParamStats] = {}
         self.history: List[Dict[str, ParamStats]] = []
         self.keep_history = False
@@ -137,42 +157,40 @@ class ZenReducer:
             return (dense.float() * before).to(comm_dtype)
         return dense.to(comm_dtype)
 
-    def _sync_compressed(self, p: ZenParam, grad: Optional[torch.Tensor], rs: Optional[RowSparse],
-                         before: float, after: float, stats: SyncStats,
-                         group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    def _compressed_call(self, p: ZenParam, grad: Optional[torch.Tensor],
+                         rs: Optional[RowSparse], before: float, after: float) -> StepCall:
         """A compressed param: its top-k rows (or, in warmup, the whole dense gradient)."""
         if rs is None:  # warmup: every rank sends the dense gradient
             # Not in place: the compressor may keep what it was handed.
-            return sparse_allreduce(self._wire(p, grad, before), group, "dense", postscale=after,
-                                    options=self._options(), stats=stats, log_prefix=p.log_prefix)
+            return StepCall(self._wire(p, grad, before), scheme="dense", postscale=after,
+                            options=self._options(), log_prefix=p.log_prefix, key=p.name)
         dense = torch.empty(rs.shape, dtype=rs.dtype, device=rs.device)
-        return sparse_allreduce(rs, group, self.config.scheme, out=dense, postscale=after,
-                                options=self._options(), stats=stats, log_prefix=p.log_prefix)
+        return StepCall(rs, out=dense, scheme=self.config.scheme, postscale=after,
+                        options=self._options(), log_prefix=p.log_prefix, key=p.name)
 
-    def _sync_plain(self, p: ZenParam, grad: Optional[torch.Tensor], before: float, after: float,
-                    stats: SyncStats, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    def _plain_call(self, p: ZenParam, grad: Optional[torch.Tensor], before: float, after: float
+                    ) -> Tuple[StepCall, Callable[[Any], torch.Tensor]]:
         """A param zen syncs as it is: a dense gradient in place (no sparse round trip), a COO
-        gradient as COO, a missing one as no rows. Returns the synced gradient in the
-        communication dtype (``grad`` itself when it already is)."""
+        gradient as COO, a missing one as no rows; and how its result becomes the synced
+        gradient in the communication dtype (``grad`` itself when it already is)."""
         comm_dtype = self._wire_dtype(p, grad)
-        kwargs = dict(prescale=before, postscale=after, stats=stats, log_prefix=p.log_prefix,
-                      options=self._options(self.config.density_threshold))
+        kwargs: Dict[str, Any] = dict(scheme=self.config.scheme, prescale=before, postscale=after,
+                                      log_prefix=p.log_prefix, key=p.name,
+                                      options=self._options(self.config.density_threshold))
         if grad is None:
             shape = tuple(p.param.shape)
             empty = RowSparse.empty(shape[0], shape[1:], dtype=comm_dtype, device=p.param.device)
             out = None if p.native_sparse else torch.empty(shape, dtype=comm_dtype,
                                                            device=p.param.device)
-            summed = sparse_allreduce(empty, group, self.config.scheme, out=out, **kwargs)
-            return summed.to_coo() if isinstance(summed, RowSparse) else summed
+            return StepCall(empty, out=out, **kwargs), _as_coo_if_rows
         if grad.is_sparse:
-            return sparse_allreduce(grad.to(comm_dtype), group, self.config.scheme, **kwargs)
+            return StepCall(grad.to(comm_dtype), **kwargs), _same
         if grad.dtype == comm_dtype and grad.is_contiguous():
             wire = grad
         else:  # the wire dtype differs: scale once, in fp32, while casting
             wire = self._wire(p, grad, before).contiguous()
             kwargs["prescale"] = 1.0
-        summed = sparse_allreduce(wire, group, self.config.scheme, out=wire, **kwargs)
-        return RowSparse.from_dense(summed).to_coo() if p.native_sparse else summed
+        return StepCall(wire, out=wire, **kwargs), (_dense_to_coo if p.native_sparse else _same)
 
     def _sync_shard(self, p: ZenParam, grad: Optional[torch.Tensor], before: float, after: float,
                     stats: SyncStats, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -200,69 +218,117 @@ class ZenReducer:
         ``grads[i]`` belongs to ``self.params[i]``: a dense tensor, a sparse COO tensor or None.
         Returns one tensor per param in the gradient's layout (sparse COO for natively sparse
         params), dtype of the given gradient (param dtype for None). A dense gradient in the
-        communication dtype is synced in place and returned itself. Each param costs one
-        metadata collective (the handshake also carries the density-threshold decision).
-        ``local_error``: this rank's gradients could not be read (the reason); the first param's
-        handshake makes every rank raise the same :class:`zen_ds.ZenInputError` naming it.
+        communication dtype is synced in place and returned itself. The params (but uncompressed
+        ones with sharded optimizer state, reduce-scattered one by one after them) are agreed on in
+        one metadata collective for the step (:func:`zen_ds.sync.step.sync_step`), which also
+        carries the density-threshold decision; with ``handshake`` ``reduce`` or ``auto`` a param
+        whose agreed plan is ``dense`` runs without one. ``local_error``: this rank's gradients
+        could not be read (the reason); the step's handshake makes every rank raise the same
+        :class:`zen_ds.ZenInputError` naming it.
         """
+        batched = [i for i, p in enumerate(self.params) if not _reduce_scattered(p)]
         if local_error is not None:
             if not self.params:
                 raise ValueError(local_error)
-            self.sync_param(0, None, local_error=local_error)
+            if not batched:
+                self.sync_param(0, None, local_error=local_error)
+            self._sync_many(batched, [None] * len(self.params), self.group, local_error)
+            raise RuntimeError("zen: a handshake with a local error returned")  # it always raises
         if len(grads) != len(self.params):
             raise ValueError(f"zen: {len(grads)} gradients for {len(self.params)} params")
-        results: List[torch.Tensor] = []
-        stats: Dict[str, ParamStats] = {}
-        for index, grad in enumerate(grads):
-            result, stats[self.params[index].name] = self.sync_param(index, grad)
-            results.append(result)
+        done = self._sync_many(batched, grads, self.group)
+        for index, p in enumerate(self.params):
+            if _reduce_scattered(p):
+                done[index] = self.sync_param(index, grads[index])
+        stats = {self.params[i].name: done[i][1] for i in range(len(self.params))}
         self.end_step(stats)
-        return results
+        return [done[i][0] for i in range(len(self.params))]
 
     @torch.no_grad()
     def sync_param(self, index: int, grad: Optional[torch.Tensor],
                    group: Optional[dist.ProcessGroup] = None, local_error: Optional[str] = None
                    ) -> Tuple[torch.Tensor, ParamStats]:
         """One param's part of :meth:`sync` (result and cost), over ``group`` (default: the
-        reducer's). Every rank must sync the same params in the same order on a group; the
-        overlapped sync calls this from its comm thread on a group of the same ranks.
-        ``local_error``: this rank cannot sync the param (the reason); it joins the param's
-        handshake with it, and every rank raises :class:`zen_ds.ZenInputError` there."""
+        reducer's), with its own agreement. Every rank must sync the same params in the same
+        order on a group; the overlapped sync calls this from its comm thread on a group of the
+        same ranks. ``local_error``: this rank cannot sync the param (the reason); it joins the
+        param's handshake with it, and every rank raises :class:`zen_ds.ZenInputError` there."""
         p = self.params[index]
         group = self.group if group is None else group
-        if local_error is not None:  # any first call of a param pairs with this handshake
+        if local_error is not None and _reduce_scattered(p):  # pairs with any first call
             sparse_allreduce(None, group, self.config.scheme, options=self._options(),
                              log_prefix=p.log_prefix, local_error=local_error)
             raise RuntimeError("zen: a handshake with a local error returned")  # it always raises
+        if not _reduce_scattered(p):
+            grads: List[Optional[torch.Tensor]] = [None] * len(self.params)
+            grads[index] = grad
+            return self._sync_many([index], grads, group, local_error)[index]
         started = time.perf_counter()
         before, after = self.scale.factors(self.world_size)
-        # The compressor gets the gradient exactly as it goes on the wire (scaled, in the
-        # communication dtype), so the rounding of the sent values stays in its residual.
-        saved = self.compressor.param_state(p.name) if p.compressed else None
-        rs_c = (self.compressor.compress(p.name, self._wire(p, grad, before), self.step,
-                                         scale=self.loss_scale() if self.loss_scale is not None else 1.0)
-                if p.compressed else None)
-        out_dtype = grad.dtype if grad is not None else p.param.dtype
         st = SyncStats()
-        if p.compressed:
-            try:
-                result = self._sync_compressed(p, grad, rs_c, before, after, st, group)
-            except ZenInputError:  # agreed at the handshake: nothing was sent, nothing is lost
-                self.compressor.restore_param(p.name, saved)
-                raise
-        elif p.shard is not None:
-            result = self._sync_shard(p, grad, before, after, st, group)
-        else:
-            result = self._sync_plain(p, grad, before, after, st, group)
+        result = self._sync_shard(p, grad, before, after, st, group)
+        out_dtype = grad.dtype if grad is not None else p.param.dtype
         if result.dtype != out_dtype:
             result = result.to(out_dtype)
-        if not result.is_sparse and (p.shard is None or p.compressed):  # a shard stays shard-shaped
-            result = result.view_as(p.param)
-        summary = ParamStats(compressed=p.compressed and rs_c is not None)
+        summary = ParamStats()
         for f in fields(SyncStats):
             setattr(summary, f.name, getattr(st, f.name))
         summary.seconds = time.perf_counter() - started
         return result, summary
+
+    def _sync_many(self, indices: Sequence[int], grads: Sequence[Optional[torch.Tensor]],
+                   group: Optional[dist.ProcessGroup], local_error: Optional[str] = None
+                   ) -> Dict[int, Tuple[torch.Tensor, ParamStats]]:
+        """The params ``indices`` (none sharded) in one step agreement: each param's result and
+        cost by index. A compressed param's residual is restored when the agreement fails."""
+        started = time.perf_counter()
+        before, after = self.scale.factors(self.world_size)
+        calls: List[StepCall] = []
+        finishes: List[Callable[[Any], torch.Tensor]] = []
+        saved: Dict[str, Any] = {}
+        sent: List[bool] = []
+        for index in indices:
+            p, grad = self.params[index], grads[index]
+            if p.compressed and local_error is None:
+                # The compressor gets the gradient exactly as it goes on the wire (scaled, in
+                # the communication dtype), so the rounding of the sent values stays in its
+                # residual.
+                saved[p.name] = self.compressor.param_state(p.name)
+                scale = self.loss_scale() if self.loss_scale is not None else 1.0
+                rs_c = self.compressor.compress(p.name, self._wire(p, grad, before), self.step,
+                                                scale=scale)
+                calls.append(self._compressed_call(p, grad, rs_c, before, after))
+                finishes.append(_same)
+                sent.append(rs_c is not None)
+            else:
+                call, finish = self._plain_call(p, grad, before, after)
+                call.local_error = local_error
+                calls.append(call)
+                finishes.append(finish)
+                sent.append(False)
+        stats = [SyncStats() for _ in calls]
+        try:
+            results = sync_step(calls, group, self.options, self.plans, stats)
+        except ZenInputError:  # agreed before this step's data moved: nothing is lost
+            for name, state in saved.items():
+                self.compressor.restore_param(name, state)
+            raise
+        share = (time.perf_counter() - started) / max(len(calls), 1)
+        done: Dict[int, Tuple[torch.Tensor, ParamStats]] = {}
+        for index, result, finish, st, compressed in zip(indices, results, finishes, stats, sent):
+            p, grad = self.params[index], grads[index]
+            result = finish(result)
+            out_dtype = grad.dtype if grad is not None else p.param.dtype
+            if result.dtype != out_dtype:
+                result = result.to(out_dtype)
+            if not result.is_sparse:
+                result = result.view_as(p.param)
+            summary = ParamStats(compressed=compressed)
+            for f in fields(SyncStats):
+                setattr(summary, f.name, getattr(st, f.name))
+            summary.seconds = share  # the step's agreement and syncs, shared out evenly
+            done[index] = (result, summary)
+        return done
 
     def end_step(self, stats: Dict[str, ParamStats]) -> None:
         """Record one optimizer step's per-param cost (``stats`` in the params' order)."""

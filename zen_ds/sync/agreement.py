@@ -22,7 +22,9 @@ from zen_ds.core.handshake import (
     bucket_minima,
     encode_record,
     encode_summary,
+    handshake_bytes,
     row_dims_slots,
+    summary_width,
 )
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.partition import ShardLayout
@@ -60,6 +62,53 @@ def _fallback_device(types: Optional[Tuple[str, ...]]) -> torch.device:
     if types == ("cuda",) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# ------------------------------------------------------------------- which handshake
+def handshake_seconds(opts: SyncOptions, world_size: int, mode: str, syncs: int = 1,
+                      gathered: float = 1.0) -> float:
+    """The model time of agreeing on ``syncs`` syncs in one step: ``allgather``, one all-gather
+    of every sync's record (``n - 1`` latency steps); ``reduce``, one all-reduce of every
+    sync's summary (``log n`` under NCCL's tree) plus one all-gather of the records of the
+    ``gathered`` syncs whose plan is not ``dense``."""
+    n, cost = world_size, opts.cost_model
+    if n <= 1 or syncs <= 0:
+        return 0.0
+
+    def gather(count: float) -> float:
+        return cost.link_seconds((n - 1) * count * handshake_bytes(n), 0.0, n - 1) if count else 0.0
+
+    if mode == "allgather":
+        return gather(syncs)
+    per_node = max(opts.ranks_per_node, 1)
+    return cost.all_reduce_seconds(8 * summary_width() * syncs, n, per_node)[0] + gather(gathered)
+
+
+def choose_handshake(opts: SyncOptions, world_size: int, syncs: int = 1,
+                     gathered: float = 0.5) -> str:
+    """``allgather`` or ``reduce`` for ``SyncOptions(handshake="auto")``: the cheaper under the
+    options' cost model (``gathered``: how many of the ``syncs`` are expected to need their
+    records after the summary; 0.5 for a lone call, whose plan is not known beforehand). Only
+    agreed inputs (group size, options, the step's agreed plans) decide, so every rank picks
+    the same collective."""
+    if opts.handshake != "auto":
+        return opts.handshake
+    reduce = handshake_seconds(opts, world_size, "reduce", syncs, gathered)
+    return "reduce" if reduce < handshake_seconds(opts, world_size, "allgather", syncs) else "allgather"
+
+
+def reduced_handshake(opts: object, group: object) -> bool:
+    """Whether a lone :func:`zen_ds.sparse_allreduce` starts with the summary all-reduce
+    (``handshake="reduce"``, or ``"auto"`` where the model says so)."""
+    if not isinstance(opts, SyncOptions) or opts.handshake not in ("reduce", "auto"):
+        return False
+    if opts.handshake == "reduce":
+        return True
+    try:
+        n = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    except Exception:  # an unusable group: the all-gather handshake reports it
+        return False
+    return choose_handshake(opts, n) == "reduce"
 
 
 # ----------------------------------------------------------------------------- handshake
@@ -153,6 +202,9 @@ class Agreement:
     table: Optional[HandshakeTable]
     summary: Optional[HandshakeSummary] = None
     _gather: Optional[Callable[[], HandshakeTable]] = field(default=None, repr=False)
+    # (scheme, SyncShape, predicted bytes sent / received / seconds) when a step's agreement
+    # (:mod:`zen_ds.sync.step`) already planned this sync the same way on every rank
+    plan: Optional[Tuple[str, object, Tuple[float, float, float]]] = None
 
     def gather(self) -> HandshakeTable:
         if self.table is None:
@@ -176,6 +228,37 @@ def _prepare(x: object, out: object, group: object, scheme: object, opts: object
         problems.append(local.error)
     device = local.device if not local.error else _fallback_device(device_types)
     return comm, local, problems, device
+
+
+@dataclass
+class Prepared:
+    """One sync's local part of a step's agreement (:mod:`zen_ds.sync.step`): the local checks'
+    outcome, this rank's record (with sketch and owner counts) and its summary vector."""
+
+    comm: Communicator
+    local: LocalInput
+    problems: List[str]
+    device: torch.device
+    record: torch.Tensor
+    summary: torch.Tensor
+
+    def raise_on_errors(self, table: HandshakeTable) -> None:
+        """The same :class:`ZenInputError` on every rank when the gathered ``table`` shows a
+        problem or a mismatch (:func:`agree`'s rule)."""
+        _raise_on_errors(table, self.comm, self.problems)
+
+
+def prepare(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
+            prescale: object, postscale: object, log_prefix: str,
+            local_error: Optional[str] = None) -> Prepared:
+    """The local half of :func:`agree`, for a step that agrees on many syncs in one
+    collective: checks, record and summary; nothing is communicated."""
+    comm, local, problems, device = _prepare(x, out, group, scheme, opts, prescale, postscale,
+                                             log_prefix, local_error)
+    record_, positions = _record(comm, local, scheme, average, opts, prescale, postscale,
+                                 problems)
+    minima = bucket_minima(positions, local.num_rows) if positions is not None else None
+    return Prepared(comm, local, problems, device, record_, encode_summary(record_, minima))
 
 
 def agree(x: object, out: object, group: object, scheme: object, average: bool, opts: object,

@@ -36,7 +36,7 @@ from zen_ds.model.support import estimate_support
 from zen_ds.planner import plan_and_price, plan_choice, price
 from zen_ds.schemes import auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncContext
-from zen_ds.sync.agreement import Agreement, agree, agree_reduced
+from zen_ds.sync.agreement import Agreement, agree, agree_reduced, reduced_handshake
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options
 
 __all__ = ["sparse_allreduce", "auto_candidates_for", "local_rows", "plan_sync",
@@ -193,6 +193,8 @@ def _plan(agreement: Agreement, scheme: str, opts: SyncOptions
     """:func:`plan_from_summary` where a reduced handshake allows it, else :func:`plan_sync` on
     the gathered records (the reduced handshake's time added to the prediction)."""
     comm, local, summary = agreement.comm, agreement.local, agreement.summary
+    if agreement.plan is not None:  # planned by the step's agreement (zen_ds.sync.step)
+        return agreement.plan
     if summary is not None:
         planned = plan_from_summary(summary, local, scheme, opts, comm)
         if planned is not None:
@@ -213,7 +215,8 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
                      postscale: float = 1.0, options: Optional[SyncOptions] = None,
                      stats: Optional[SyncStats] = None, seed: Optional[int] = None,
                      index_encoding: Optional[str] = None, log_prefix: str = "zen",
-                     local_error: Optional[str] = None) -> TensorLike:
+                     local_error: Optional[str] = None,
+                     agreement: Optional[Agreement] = None) -> TensorLike:
     """Sum ``x`` over ``group``, returned as the same kind of tensor (or written into ``out``).
 
     ``x`` is a :class:`RowSparse`, a dense tensor (rows with any non-zero element are synced) or a
@@ -232,6 +235,8 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
     ValueError) on every rank. ``local_error``: this rank could not prepare its input (the
     reason); it still joins the handshake, with any ``x``, and every rank raises that
     :class:`ZenInputError` naming it: a failure agreed at no extra collective.
+    ``agreement``: this call's agreement, already made with the other syncs of a step
+    (:func:`zen_ds.sync.step.sync_step`); no handshake then runs here.
     """
     started = time.perf_counter()
     opts = options if options is not None else default_options()
@@ -239,7 +244,9 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         opts = replace(opts, seed=opts.seed if seed is None else seed,
                        index_encoding=opts.index_encoding if index_encoding is None
                        else index_encoding)
-    if isinstance(opts, SyncOptions) and opts.handshake == "reduce":
+    if agreement is not None:
+        pass
+    elif reduced_handshake(opts, group):
         agreement = agree_reduced(x, out, group, scheme, average, opts, prescale, postscale,
                                   log_prefix, local_error)
     else:

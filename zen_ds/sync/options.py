@@ -18,7 +18,7 @@ __all__ = ["SyncOptions", "INDEX_ENCODINGS", "HANDSHAKES", "ZenInputError", "def
 
 
 INDEX_ENCODINGS = ("auto", "coo", "bitmap")
-HANDSHAKES = ("allgather", "reduce")
+HANDSHAKES = ("allgather", "reduce", "auto")
 TensorLike = Union[RowSparse, torch.Tensor]
 
 
@@ -45,8 +45,11 @@ class SyncOptions:
     the caller's state, not an option the ranks compare. ``handshake``: ``"allgather"`` (every
     rank's record to every rank: ``n - 1`` latency steps) or ``"reduce"`` (one fixed-size MAX
     all-reduce first, ``log n`` latency under NCCL's tree; the records are gathered only when
-    the plan is not ``dense`` or a rank reports a problem). It decides the first collective, so
-    it is the one option the handshake cannot compare: set it alike on every rank.
+    the plan is not ``dense`` or a rank reports a problem) or ``"auto"`` (the cheaper of the two
+    under ``cost_model``; in a training step, :mod:`zen_ds.sync.step`, a param whose agreed plan
+    is ``dense`` then runs without a handshake, its checks riding in the dense all-reduce). It
+    decides the first collective, so it is the one option the handshake cannot compare: set it
+    alike on every rank.
     """
 
     cost_model: CostModel = CostModel()

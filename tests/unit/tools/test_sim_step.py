@@ -60,7 +60,7 @@ def test_handshake_is_an_all_gather_per_tensor() -> None:
     assert handshake_seconds(n, NET) == pytest.approx(
         (n - 1) * NET.alpha + (n - 1) * handshake_bytes(n) / NET.bandwidth)
     tensors = [topk_tensor(f"l{i}", 1 << 20, 0.01, n) for i in range(3)]
-    result = simulate_step(tensors, n, 8, NET)
+    result = simulate_step(tensors, n, 8, NET, per_tensor=True)  # the old protocol
     assert result.handshake_seconds == pytest.approx(3 * handshake_seconds(n, NET))
     assert result.zen_seconds == pytest.approx(sum(t.auto_seconds for t in result.tensors)
                                                + result.handshake_seconds)
@@ -72,7 +72,7 @@ def test_step_totals_and_deepspeed_best() -> None:
         tensors = [topk_tensor(f"l{i}", size, 0.01, n)
                    for i, size in enumerate(layer_sizes(4, 1 << 20, 1 << 24))]
         tensors.append(zipf_tensor("emb", 200_000, 64, 2048, n))
-        result = simulate_step(tensors, n, 1, NET)
+        result = simulate_step(tensors, n, 1, NET, per_tensor=True)
         for t in result.tensors:
             assert t.deepspeed_best == min(t.dense_seconds, t.allgather_seconds)
             assert t.dense_algorithm in ("ring", "tree")
@@ -107,8 +107,8 @@ def test_reduce_handshake() -> None:
         tensors = [topk_tensor(f"l{i}", size, 0.01, n)
                    for i, size in enumerate(layer_sizes(4, 1 << 20, 1 << 24))]
         tensors.append(zipf_tensor("emb", 200_000, 64, 2048, n))
-        today = simulate_step(tensors, n, 8, NET)
-        reduced = simulate_step(tensors, n, 8, NET, handshake_mode="reduce")
+        today = simulate_step(tensors, n, 8, NET, per_tensor=True)
+        reduced = simulate_step(tensors, n, 8, NET, handshake_mode="reduce", per_tensor=True)
         for a, b in zip(today.tensors, reduced.tensors):
             both = handshake_seconds(n, NET, "reduce", 8) + handshake_seconds(n, NET)
             if b.chosen == "dense":
@@ -117,3 +117,33 @@ def test_reduce_handshake() -> None:
                 assert b.handshake_seconds == pytest.approx(both)
                 assert b.chosen == a.chosen
     assert reduced.handshake_share < today.handshake_share / 10  # 1024 ranks: dense plans
+
+
+def test_one_agreement_per_step() -> None:
+    """The plug-in's protocol: one metadata collective for the step's tensors; with reduce and
+    auto, stable dense plans skip it (steady state), paying three more all-reduced elements."""
+    from zen_ds.sync.agreement import handshake_seconds as agreement_seconds
+    from zen_ds.sync.options import SyncOptions
+
+    for n in (16, 128, 1024):
+        tensors = [topk_tensor(f"l{i}", size, 0.01, n)
+                   for i, size in enumerate(layer_sizes(6, 1 << 20, 1 << 24))]
+        tensors.append(zipf_tensor("emb", 200_000, 64, 2048, n))
+        opts = SyncOptions(cost_model=NET, ranks_per_node=8)
+        gathered = simulate_step(tensors, n, 8, NET)
+        assert gathered.mode == gathered.first_mode == "allgather"
+        assert gathered.step_handshake == pytest.approx(
+            agreement_seconds(opts, n, "allgather", len(tensors)))
+        old = simulate_step(tensors, n, 8, NET, per_tensor=True)
+        assert gathered.handshake_seconds < old.handshake_seconds
+        auto = simulate_step(tensors, n, 8, NET, handshake_mode="auto")
+        assert auto.handshake_seconds <= gathered.handshake_seconds
+        # The first step counts new tensors as dense: at worst a summary all-reduce too much.
+        assert auto.first_handshake <= agreement_seconds(opts, n, "reduce", len(tensors),
+                                                         len(tensors))
+        for t in auto.tensors:
+            if t.chosen == "dense":  # stable: the dense all-reduce plus three elements
+                assert t.dense_seconds <= t.auto_seconds <= t.dense_seconds * 1.0001
+    # 1024 ranks: every tensor dense, so the steady step has no handshake at all.
+    assert auto.step_handshake == 0.0 and auto.mode == "" and auto.first_mode == "reduce"
+    assert auto.zen_seconds <= auto.deepspeed_best * 1.0001

@@ -72,9 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-reduce", default="nccl", choices=("nccl", "ring"),
                    help="how the library all-reduce runs: 'nccl' (the cheaper of ring and tree, as "
                         "NCCL's tuner picks; the default) or 'ring' (gloo)")
-    p.add_argument("--handshake", default="allgather", choices=("allgather", "reduce"),
-                   help="SyncOptions.handshake: 'allgather' (the default) or 'reduce' (a "
-                        "fixed-size all-reduce first, records gathered for non-dense plans)")
+    p.add_argument("--handshake", default="allgather", choices=("allgather", "reduce", "auto"),
+                   help="SyncOptions.handshake: 'allgather' (the default), 'reduce' (a "
+                        "fixed-size all-reduce first, records gathered for non-dense plans) or "
+                        "'auto' (the cheaper of the two under the cost model)")
+    p.add_argument("--per-step", action="store_true",
+                   help="price the plug-in's steady state (the tensor synced once per training "
+                        "step): with 'reduce' or 'auto' a dense plan is kept without a handshake, "
+                        "its checks inside the dense all-reduce")
     p.add_argument("--compute", default="measure",
                    help="local op rates: 'measure' (a short micro-benchmark of zen's ops here, the "
                         "default), 'none', FILE.json, or op=seconds_per_element,...")
@@ -126,7 +131,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"# topology: {' / '.join(str(t.ranks_per_node) for t in topologies)} ranks/node, inter "
           f"{topology.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
           f"{topology.intra_bandwidth * 8 / 1e9:g} Gbit/s per rank, latency "
-          f"{topology.latency * 1e6:g} us/step, duplex {topology.duplex:g} (all-to-all {topology.all_to_all_duplex:g}), all-reduce {topology.all_reduce}, handshake {args.handshake}; compute: {rates.source}")
+          f"{topology.latency * 1e6:g} us/step, duplex {topology.duplex:g} (all-to-all {topology.all_to_all_duplex:g}), all-reduce {topology.all_reduce}, handshake {args.handshake}{' (per step, steady state)' if args.per_step else ''}; compute: {rates.source}")
     results = []
     for workload in workloads:
         for n in args.ranks:
@@ -135,7 +140,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             for topo in topologies:
                 result = simulate(supports, SimCost(topo, rates), args.schemes or (),
                                   args.index_encoding, sparse=workload.sparse,
-                                  handshake=args.handshake)
+                                  handshake=args.handshake, per_step=args.per_step)
                 results.append(result)
                 print(format_table(result, f"[{time.perf_counter() - started:.1f}s]"), flush=True)
                 print()

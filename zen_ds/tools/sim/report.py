@@ -30,7 +30,9 @@ def deepspeed_best(result: SimResult) -> Optional[Dict[str, object]]:
     handshake = sum(float(p["seconds"]) for p in dense.phases if p["name"] == "handshake")
     algorithm = next((p.get("algorithm", "ring") for p in dense.phases if p["op"] == "all_reduce"),
                      "ring")
-    paths = {f"dense all-reduce ({algorithm})": dense.seconds - handshake,
+    library = (result.library_dense_seconds if result.library_dense_seconds is not None
+               else dense.seconds - handshake)
+    paths = {f"dense all-reduce ({algorithm})": library,
              "sparse all-gather": result.row(DEEPSPEED).seconds}
     best = min(paths, key=paths.__getitem__)
     auto = result.row(AUTO).seconds

@@ -22,8 +22,10 @@ from zen_ds.model.shape import SyncShape
 from zen_ds.model.support import planning_ranks
 from zen_ds.planner import plan_choice
 from zen_ds.schemes import auto_candidates, get_scheme, scheme_names
+from zen_ds.sync.agreement import choose_handshake
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
+from zen_ds.sync.step import CHECK_SLOTS
 from zen_ds.tools.sim import peers  # noqa: F401  (registers the peer schemes' traffic functions)
 from zen_ds.tools.sim.cost import SimCost
 from zen_ds.tools.sim.supports import LosslessBound, Supports, handshake_shape, lossless_bound
@@ -87,6 +89,8 @@ class SimResult:
     bound: LosslessBound
     rows: List[SchemeResult]
     ranks_per_node: int = 1
+    # DeepSpeed's dense all-reduce alone (no zen handshake, no checks)
+    library_dense_seconds: Optional[float] = None
 
     def row(self, scheme: str) -> SchemeResult:
         for r in self.rows:
@@ -112,7 +116,31 @@ def _result(name: str, method: str, traffic: Traffic, cost: SimCost, row_numel: 
                         phases, traffic=traffic)
 
 
-HANDSHAKES = ("allgather", "reduce")
+HANDSHAKES = ("allgather", "reduce", "auto")
+
+
+def resolve_handshake(handshake: str, planning: CostModel, ranks_per_node: int, n: int,
+                      gathered: float = 0.5) -> str:
+    """``allgather`` or ``reduce``: ``auto`` resolved as :func:`~zen_ds.sync.agreement.
+    choose_handshake` does (``gathered``: the records expected after the summary)."""
+    if handshake != "auto":
+        return handshake
+    opts = SyncOptions(cost_model=planning, ranks_per_node=ranks_per_node, handshake="auto")
+    return choose_handshake(opts, n, 1, gathered)
+
+
+def checked_dense_traffic(supports: Supports, shape: SyncShape, index_encoding: str = "auto"
+                          ) -> Traffic:
+    """A stable ``dense`` plan in the plug-in (:mod:`zen_ds.sync.step`): no handshake, the
+    dense all-reduce carrying :data:`~zen_ds.sync.step.CHECK_SLOTS` more elements."""
+    traffic = dense_traffic(supports, shape, index_encoding)
+    phase = traffic.phases[0]
+    n = supports.world_size
+    extra = CHECK_SLOTS * phase.tensor_bytes // max(supports.num_rows * supports.row_numel, 1)
+    phase.tensor_bytes += extra
+    phase.sent = phase.sent + 2 * (n - 1) * extra // n
+    phase.received = phase.received + 2 * (n - 1) * extra // n
+    return traffic
 
 
 def handshake_phases(n: int, handshake: str, gather: bool) -> List[Phase]:
@@ -180,7 +208,8 @@ def _deepspeed_traffic(supports: Supports, sparse: bool) -> Traffic:
 
 def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
              index_encoding: str = "auto", sparse: bool = True,
-             planning: Optional[CostModel] = None, handshake: str = "allgather") -> SimResult:
+             planning: Optional[CostModel] = None, handshake: str = "allgather",
+             per_step: bool = False) -> SimResult:
     """Every scheme (default: all registered), ``auto`` and ``deepspeed`` on ``supports``.
 
     ``planning``: the cost model the ranks plan with (their SyncOptions'), when it is not the
@@ -196,31 +225,45 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     latency_bytes = planning.latency_bytes
     per_node = cost.topology.ranks_per_node  # what SyncOptions.ranks_per_node would say
     auto_shape = replace(handshake_shape(supports, latency_bytes), ranks_per_node=per_node)
+    stable = per_step and handshake != "allgather"
+    steady = resolve_handshake(handshake, planning, per_node, n, 1.0 if per_step else 0.5)
     rows: List[SchemeResult] = []
     for name in (tuple(schemes) or scheme_names()):
         shape = replace(handshake_shape(supports, latency_bytes,
                                         with_layout=get_scheme(name).needs_sketch),
                         ranks_per_node=per_node)
-        traffic = scheme_traffic(supports, name, shape, index_encoding, handshake)
+        if stable and name == "dense":
+            rows.append(_result(name, "exact", checked_dense_traffic(supports, shape), cost,
+                                supports.row_numel))
+            continue
+        traffic = scheme_traffic(supports, name, shape, index_encoding, steady)
         if traffic is None:
-            traffic = _model_traffic(supports, name, auto_shape, handshake)
+            traffic = _model_traffic(supports, name, auto_shape, steady)
             rows.append(_result(name, "model", traffic, cost, supports.row_numel))
         else:
             rows.append(_result(name, "exact", traffic, cost, supports.row_numel))
     chosen = plan_choice(auto_shape, cost=planning)  # the runtime's (memoised) choice
-    if handshake == "reduce" and summary_prefers_dense(
+    # A first step (or a lone call) decides dense from the summary where it can.
+    first = resolve_handshake(handshake, planning, per_node, n, 0.0 if per_step else 0.5)
+    if first == "reduce" and summary_prefers_dense(
             summary_shape(auto_shape), auto_candidates(), SyncOptions(cost_model=planning)):
         chosen = "dense"
-    traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding, handshake)
     method = "exact"
+    if stable and chosen == "dense":
+        traffic = checked_dense_traffic(supports, auto_shape)
+    else:
+        traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding,
+                                 steady if per_step else first)
     if traffic is None:
-        traffic, method = _model_traffic(supports, chosen, auto_shape, handshake), "model"
+        traffic, method = _model_traffic(supports, chosen, auto_shape, steady), "model"
     auto = _result(AUTO, method, traffic, cost, supports.row_numel)
     auto.chosen = chosen
     rows.append(auto)
     rows.append(_result(DEEPSPEED, "exact", _deepspeed_traffic(supports, sparse), cost,
                         supports.row_numel))
     nnz = supports.nnz.double()
+    plain = dense_traffic(supports, auto_shape, "auto")
+    library = cost.comm_seconds(plain) + cost.compute_seconds(plain, supports.row_numel)
     return SimResult(supports.name, n, supports.num_rows, supports.row_numel,
                      supports.value_bytes, float(nnz.mean()), lossless_bound(supports), rows,
-                     cost.topology.ranks_per_node)
+                     cost.topology.ranks_per_node, library)

@@ -1,12 +1,17 @@
 """``python -m zen_ds sim step``: one training step's zen syncs at scale, and the handshake's share.
 
 A step syncs many tensors: an LLM's compressed layers (top-k of each layer's gradient) and one
-or several embedding tables. Each goes through its own ``sparse_allreduce``, so each pays today's
-handshake (an all-gather of every rank's fixed-size record: ``n - 1`` latency steps) before its
-scheme runs. This module prices a whole step with the planner's cost model at 16-4096 ranks:
-per tensor ``auto``'s choice and time, the handshake's time, and DeepSpeed's best path (the
-faster of its dense all-reduce, priced as NCCL runs it, and its sparse all-gather after a size
-all-gather), then the step's totals and the handshake's share of zen's sync time.
+or several embedding tables. The plug-in agrees on all of them in one step agreement
+(:func:`zen_ds.sync.step.sync_step`): one metadata collective for the step (``allgather``: the
+records of every tensor; ``reduce``: every tensor's summary in one all-reduce, then the records
+of the tensors whose plan is not ``dense``; ``auto``: the cheaper), and with ``reduce`` or
+``auto`` a tensor whose plan is ``dense`` keeps it from step to step without a handshake (its
+checks ride in its all-reduce: three more elements). This module prices that at 16-4096 ranks:
+the first step (every tensor agreed) and the steady state (stable plans skipping), per tensor
+``auto``'s choice and time, and DeepSpeed's best path (the faster of its dense all-reduce,
+priced as NCCL runs it, and its sparse all-gather after a size all-gather), then the step's
+totals and the handshake's share of zen's sync time. ``--per-tensor`` prices the old protocol,
+one handshake per tensor per step.
 
 Supports are expected values, not generated ids (4096 ranks x 160k ids per layer would not fit):
 top-k supports are ``overlap`` shared by every rank plus independent uniform ids (the union and
@@ -36,8 +41,11 @@ from zen_ds.model.cost import CostModel
 from zen_ds.model.shape import SyncShape
 from zen_ds.planner import PlanMemo, plan_choice, price
 from zen_ds.schemes import auto_candidates
+from zen_ds.sync.agreement import choose_handshake
+from zen_ds.sync.agreement import handshake_seconds as step_handshake_seconds
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
+from zen_ds.sync.step import CHECK_SLOTS
 from zen_ds.tools.bench.workloads import _log_miss
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, Topology
@@ -106,7 +114,7 @@ def layer_sizes(count: int, smallest: int, largest: int) -> List[int]:
     return [int(round(smallest * math.exp(i * step))) for i in range(count)]
 
 
-HANDSHAKES = ("allgather", "reduce")
+HANDSHAKES = ("allgather", "reduce", "auto")
 
 
 def handshake_seconds(world_size: int, cost: CostModel, mode: str = "allgather",
@@ -119,6 +127,9 @@ def handshake_seconds(world_size: int, cost: CostModel, mode: str = "allgather",
     n = world_size
     if mode == "allgather":
         return cost.link_seconds((n - 1) * handshake_bytes(n), 0.0, n - 1)
+    if mode == "auto":
+        opts = SyncOptions(cost_model=cost, ranks_per_node=ranks_per_node, handshake="auto")
+        return handshake_seconds(n, cost, choose_handshake(opts, n), ranks_per_node)
     if mode == "reduce":
         return cost.all_reduce_seconds(8 * summary_width(), n, ranks_per_node)[0]
     raise ValueError(f"handshake must be one of {HANDSHAKES}, got {mode!r}")
@@ -150,14 +161,20 @@ class StepResult:
     world_size: int
     ranks_per_node: int
     tensors: List[TensorCost] = field(default_factory=list)
+    # the step agreement (per-step protocol): its collectives' time in the priced step, the
+    # first step's, and which handshake each ran ("" none, per tensor: the tensors' own)
+    step_handshake: float = 0.0
+    first_handshake: float = 0.0
+    mode: str = ""
+    first_mode: str = ""
 
     @property
     def zen_seconds(self) -> float:
-        return sum(t.zen_seconds for t in self.tensors)
+        return sum(t.zen_seconds for t in self.tensors) + self.step_handshake
 
     @property
     def handshake_seconds(self) -> float:
-        return sum(t.handshake_seconds for t in self.tensors)
+        return sum(t.handshake_seconds for t in self.tensors) + self.step_handshake
 
     @property
     def handshake_share(self) -> float:
@@ -176,28 +193,76 @@ class StepResult:
                 "handshake_seconds": self.handshake_seconds,
                 "handshake_share": self.handshake_share,
                 "zen_without_handshake_seconds": self.zen_seconds - self.handshake_seconds,
-                "deepspeed_best_seconds": self.deepspeed_best, "chosen": chosen}
+                "deepspeed_best_seconds": self.deepspeed_best, "chosen": chosen,
+                "handshake_mode": self.mode, "first_step_handshake_seconds": self.first_handshake,
+                "first_step_handshake_mode": self.first_mode}
 
 
 def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node: int,
                   cost: CostModel, memo: Optional[PlanMemo] = None,
-                  handshake_mode: str = "allgather") -> StepResult:
-    """Every tensor's ``auto`` (the planner's memoised choice, priced on the slowest rank),
-    its handshake (:func:`handshake_seconds`), and DeepSpeed's dense all-reduce and sparse
-    all-gather. With the ``reduce`` handshake, as ``sparse_allreduce`` does: the plan is made
-    from the summary (no single-holder estimate) and, unless it is ``dense``, the records are
-    gathered too and the full plan runs (``auto`` then keeps ``dense`` unless another scheme
-    beats it by more than that all-gather: :func:`~zen_ds.sync.allreduce.summary_prefers_dense`)."""
+                  handshake_mode: str = "allgather", per_tensor: bool = False) -> StepResult:
+    """The step's syncs as the plug-in runs them (:mod:`zen_ds.sync.step`), at steady state:
+    one step agreement (``handshake_mode``) for the tensors without a stable plan, stable
+    ``dense`` plans (``reduce``, ``auto``) without one; the first step's agreement in
+    ``first_handshake``. ``per_tensor``: the old protocol, each tensor its own handshake
+    (:func:`handshake_seconds`; with ``reduce`` the records gathered where the plan is not
+    dense). Every tensor's ``auto`` is the planner's memoised choice on the slowest rank;
+    DeepSpeed's dense all-reduce and sparse all-gather are priced next to it."""
     n = world_size
     memo = PlanMemo() if memo is None else memo
-    gather = handshake_seconds(n, cost, "allgather")
-    first = handshake_seconds(n, cost, handshake_mode, ranks_per_node)
     sizes = cost.link_seconds((n - 1) * SIZE_SIZE_BYTES, 0.0, n - 1)
-    result = StepResult(n, ranks_per_node)
+    if per_tensor:
+        return _per_tensor_step(tensors, n, ranks_per_node, cost, memo, handshake_mode, sizes)
+    opts = SyncOptions(cost_model=cost, ranks_per_node=ranks_per_node, plan_memo=memo,
+                       handshake=handshake_mode)
+    count = len(tensors)
+    # The first step: every tensor is agreed; a new tensor counts as not needing its records.
+    first = choose_handshake(opts, n, count, 0)
+    shapes = [t.shape(n, ranks_per_node, cost) for t in tensors]
+    chosen, gathered = [], 0
+    for shape in shapes:
+        pick = plan_choice(shape, (), cost, memo)
+        if first == "reduce":
+            if summary_prefers_dense(replace(shape, singletons=0), auto_candidates(), opts):
+                pick = "dense"
+            else:
+                gathered += 1
+        chosen.append(pick)
+    result = StepResult(n, ranks_per_node, first_mode=first)
+    result.first_handshake = step_handshake_seconds(opts, n, first, count, gathered)
+    stable = handshake_mode != "allgather"
+    left = sum(1 for c in chosen if not (stable and c == "dense"))
+    if left:
+        result.mode = choose_handshake(opts, n, left, left)
+        result.step_handshake = step_handshake_seconds(opts, n, result.mode, left, left)
+    for t, shape, pick in zip(tensors, shapes, chosen):
+        names = tuple(dict.fromkeys((pick, "dense", "agsparse")))
+        seconds, estimates = price(shape, names, cost)
+        own = seconds[pick]
+        if stable and pick == "dense":  # the checks: CHECK_SLOTS more elements in the all-reduce
+            extra = -(-CHECK_SLOTS // shape.row_numel)
+            own = price(replace(shape, num_rows=shape.num_rows + extra), ("dense",), cost)[0]["dense"]
+        algorithm = cost.choose(estimates["dense"]).algorithm
+        result.tensors.append(TensorCost(t.name, pick, own, 0.0, seconds["dense"], algorithm,
+                                         sizes + seconds["agsparse"]))
+    return result
+
+
+def _per_tensor_step(tensors: Sequence[StepTensor], n: int, ranks_per_node: int,
+                     cost: CostModel, memo: PlanMemo, handshake_mode: str, sizes: float
+                     ) -> StepResult:
+    """The old protocol: each tensor's own ``sparse_allreduce`` and handshake."""
+    gather = handshake_seconds(n, cost, "allgather")
+    mode = handshake_mode
+    if mode == "auto":
+        opts = SyncOptions(cost_model=cost, ranks_per_node=ranks_per_node, handshake="auto")
+        mode = choose_handshake(opts, n)
+    first = handshake_seconds(n, cost, mode, ranks_per_node)
+    result = StepResult(n, ranks_per_node, mode="per tensor", first_mode="per tensor")
     for t in tensors:
         shape = t.shape(n, ranks_per_node, cost)
         handshake, chosen = first, plan_choice(shape, (), cost, memo)
-        if handshake_mode == "reduce":
+        if mode == "reduce":
             summary = replace(shape, singletons=0)
             options = SyncOptions(cost_model=cost, plan_memo=memo)
             if summary_prefers_dense(summary, auto_candidates(), options):
@@ -210,6 +275,7 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
         result.tensors.append(TensorCost(t.name, chosen, seconds[chosen], handshake,
                                          seconds["dense"], algorithm,
                                          sizes + seconds["agsparse"]))
+    result.first_handshake = result.handshake_seconds
     return result
 
 
@@ -252,8 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", default="50us", help="seconds per latency step")
     p.add_argument("--all-reduce", default="nccl", choices=("nccl", "ring"))
     p.add_argument("--handshake", default="allgather", choices=HANDSHAKES,
-                   help="'allgather' (the default) or 'reduce' (SyncOptions(handshake='reduce'): "
-                        "a fixed-size all-reduce, records gathered only for non-dense plans)")
+                   help="'allgather' (the default), 'reduce' (SyncOptions(handshake='reduce'): "
+                        "a fixed-size all-reduce, records gathered only for non-dense plans) or "
+                        "'auto' (the cheaper of the two under the cost model)")
+    p.add_argument("--per-tensor", action="store_true",
+                   help="price the old protocol: one handshake per tensor per step, no stable "
+                        "plans (the default prices the plug-in's one agreement per step)")
     p.add_argument("--compute", default="none",
                    help="local op rates: 'none' (the default), 'measure', FILE.json or op=s,...")
     p.add_argument("--json", default=None, help="write the per-tensor rows and totals here")
@@ -275,7 +345,9 @@ def format_row(r: StepResult) -> str:
     chosen = ", ".join(f"{k} {v}" for k, v in sorted(s["chosen"].items()))
     return (f"{r.world_size:>6} {r.ranks_per_node:>4} {r.zen_seconds * 1e3:>10.1f} "
             f"{r.handshake_seconds * 1e3:>10.1f} {r.handshake_share:>7.1%} "
-            f"{r.deepspeed_best * 1e3:>10.1f} {r.deepspeed_best / r.zen_seconds:>7.2f}x  {chosen}")
+            f"{r.deepspeed_best * 1e3:>10.1f} {r.deepspeed_best / r.zen_seconds:>7.2f}x "
+            f"{r.first_handshake * 1e3:>9.1f}  {chosen}"
+            + (f" [{r.first_mode} -> {r.mode or 'none'}]" if r.mode != "per tensor" else ""))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -296,18 +368,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"# step: {args.layers} layers top-k {args.topk:g} of {args.layer_elements[0]}-"
           f"{args.layer_elements[1]} elements + embedding(s) {args.embedding or ['200000x64:2048']}"
           f"; {args.bandwidth} per node, latency {args.latency}/step, all-reduce {args.all_reduce}; "
-          f"compute: {rates.source}; handshake per tensor: "
-          + ("all-gather of records (default)" if args.handshake == "allgather" else
-             "reduce (fixed-size all-reduce; records gathered for non-dense plans)"))
+          f"compute: {rates.source}; handshake {args.handshake}, "
+          + ("one per tensor (the old protocol)" if args.per_tensor else
+             "one agreement per step, steady state (stable dense plans skip it)"))
     print(f"{'ranks':>6} {'/node':>4} {'zen ms':>10} {'hs ms':>10} {'hs %':>7} {'DS best ms':>10} "
-          f"{'DS/zen':>8}  auto picks")
+          f"{'DS/zen':>8} {'1st hs ms':>9}  auto picks")
     results = []
     memo = PlanMemo()
     for n in args.ranks:
         tensors = _tensors(args, n)
         for topology in topologies:
             cost = topology.cost_model.with_compute(rates.seconds_per_element)
-            r = simulate_step(tensors, n, topology.ranks_per_node, cost, memo, args.handshake)
+            r = simulate_step(tensors, n, topology.ranks_per_node, cost, memo, args.handshake,
+                              args.per_tensor)
             results.append(r)
             print(format_row(r), flush=True)
     if args.json:
