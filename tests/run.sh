@@ -82,7 +82,7 @@ for part in "${parts[@]}"; do
     elapsed=$((SECONDS - start))
     busy=$(( ($(cpu_busy_ticks) - busy_start) / $(getconf CLK_TCK) ))
     summary+="$(printf '%s tests: %dm%02ds (pytest exit %d; CPU busy %dm%02ds on %d cores)' "$name" \
-        $((elapsed / 60)) $((elapsed % 60)) "$status" $((busy / 60)) $((busy % 60)) "$(nproc)")"$'\n'
+        $((elapsed / 60)) $((elapsed % 60)) "$status" $((busy / 60)) $((busy % 60)) "$(getconf _NPROCESSORS_ONLN)")"$'\n'
     if [ "$status" -eq 5 ]; then
         continue  # this part selected nothing
     fi

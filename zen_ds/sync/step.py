@@ -24,8 +24,10 @@ step. :func:`sync_step` agrees on all of them at once and then runs each tensor'
    union, identical on every rank); a change of its class, or of a rank's count, drops the plan,
    and the next step re-plans. All of it follows agreed values, so every rank decides alike.
 
-Results equal the per-tensor :func:`zen_ds.sparse_allreduce` bit for bit: the same plans, the
-same scheme code, and for a stable ``dense`` plan the same fp32 sum, scaled in the same order.
+Results equal the per-tensor :func:`zen_ds.sparse_allreduce`'s: the same plans and the same
+scheme code, bit for bit. A stable ``dense`` plan's sum is the library all-reduce of the tensor
+and three more elements: on more than two ranks the library may chunk it, and so add, in another
+order than the tensor's own all-reduce (last-bit differences; every rank still gets the same bits).
 """
 from __future__ import annotations
 
