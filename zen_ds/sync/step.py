@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds import ops
+from zen_ds.core.buffers import result_buffer
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import HandshakeSummary, HandshakeTable, same_agreed_fields
 from zen_ds.core.sparse import RowSparse, accum_dtype
@@ -348,7 +349,7 @@ def _write_back(call: StepCall, local, data: torch.Tensor) -> TensorLike:
     if call.out is not None:
         call.out.copy_(data)
         return call.out
-    if local.kind == "dense":
-        return data.to(local.dtype, copy=True)
+    if local.kind == "dense":  # a new result: reused memory, as sparse_allreduce's
+        return result_buffer(local.shape, local.dtype, data.device, zero=False).copy_(data)
     summed = RowSparse.from_dense(data.to(local.dtype, copy=True))
     return summed if local.kind == "rowsparse" else summed.to_coo()
