@@ -385,6 +385,8 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
                 "stats_interval": args.stats_interval, "optimizer_state": args.optimizer_state,
                 "overlap": bool(args.overlap)},
     }
+    if args.row_sharded:  # each rank holds 1/n of the word embedding's rows; forwards fetch theirs
+        config["zen"]["row_sharded"] = True
     if args.shuffle:  # DS-Sync: every param synced inside groups of --shuffle ranks, reshuffled each step
         config["zen"]["shuffle"] = {"group_size": args.shuffle, "mode": args.shuffle_mode,
                                     "full_sync_every": args.full_sync_every}
@@ -506,6 +508,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "(e.g. '[[0,1,2],[3]]' keeps a slow host 3 to the cross-domain steps)")
     p.add_argument("--optimizer-state", choices=("auto", "sharded", "replicated"), default="auto",
                    help="zen.optimizer_state: where zen keeps its params' optimizer state at ZeRO-1/2")
+    p.add_argument("--row-sharded", action="store_true",
+                   help="zen.row_sharded (ZeRO-1/2, --tp 1, untied): no rank holds the whole word embedding")
     p.add_argument("--data", default=None, help="text file (default: synthetic Zipf stream)")
     p.add_argument("--tokenizer", choices=("hash", "byte"), default="hash",
                    help="for --data: hashed words into the vocab, or UTF-8 bytes")
@@ -522,6 +526,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tokens and args.data:
         p.error("give --tokens or --data, not both")
+    if args.row_sharded and (args.tied or args.tp > 1 or args.pp > 1 or args.zero not in (1, 2) or not args.zen):
+        p.error("--row-sharded needs --zero 1 or 2, --tp 1, --pp 1, an untied embedding and zen")
     if args.tokens and not vocab_given:
         args.vocab = tokens_vocab(args.tokens)
     elif args.tokens:
@@ -567,6 +573,35 @@ def _zen_summary(engine: Any) -> Dict[str, Any]:
     last = zen_ds.last_sync_stats()
     out["group_size"] = last.world_size if last is not None else None
     return out
+
+
+def _row_shard_record(engine: Any) -> Dict[str, Any]:
+    """This step's traffic of the row-sharded embeddings (``--row-sharded``), per phase."""
+    import zen_ds
+    state = zen_ds.state_of(engine)
+    tables = state.owned.tables if state is not None and state.owned is not None else []
+    return {"row_sharded": {t.name: dict(vars(t.last_stats), held=t.memory_bytes(state.owned.optimizer),
+                                         table_bytes=t.num_rows * t.row_shape[0] * t.shard.element_size())
+                            for t in tables}} if tables else {}
+
+
+def _row_shard_summary(records: List[Dict[str, Any]], dp: int) -> Dict[str, Any]:
+    """Means over the timed steps: the row-sharded embedding's bytes per phase (sent + received
+    per rank) against stock ZeRO-3's two all-gathers and reduce-scatter of the whole table (ring:
+    (n-1)/n of it each way per collective), and its memory on this rank."""
+    rows = [t for r in records for t in (r.get("row_sharded") or {}).values()]
+    if not rows:
+        return {}
+    mean = {k: float(np.mean([t[k] for t in rows])) for k in
+            ("fetched_rows", "remote_rows", "pushed_rows", "fetch_bytes_sent", "fetch_bytes_received",
+             "push_bytes_sent", "push_bytes_received")}
+    table = rows[-1]["table_bytes"]
+    zero3 = 3 * 2 * (dp - 1) * table / dp
+    wire = sum(mean[k] for k in ("fetch_bytes_sent", "fetch_bytes_received", "push_bytes_sent",
+                                 "push_bytes_received"))
+    return {"row_sharded": dict(mean, wire_bytes=wire, zero3_emb_bytes=zero3, vs_zero3=wire / zero3,
+                                table_bytes=table, held_bytes=rows[-1]["held"],
+                                peak_transient_bytes=max(t["peak_transient_bytes"] for t in rows))}
 
 
 def _embedding_summary(records: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -626,7 +661,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     else:
         stream = ZipfStream(args.vocab, args.zipf, args.seed)
     embeddings = [m for m in engine.module.modules() if isinstance(m, WordEmbedding)]
-    probe = GradProbe(embeddings[0].word_embeddings.weight if embeddings else None)
+    # a row-sharded embedding has no weight (no rank holds the table): no probe, zen's stats instead
+    probe = GradProbe(getattr(embeddings[0].word_embeddings, "weight", None) if embeddings else None)
     tokens_per_step = args.micro_batch * args.grad_accum * args.seq * dp
 
     records: List[Dict[str, Any]] = []
@@ -658,6 +694,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                   "tokens_per_s": tokens_per_step / elapsed}
         if args.zen:
             record["zen"] = _zen_summary(engine)
+            record.update(_row_shard_record(engine))
         touched = probe.take()
         if args.stats_interval and (step % args.stats_interval == 0
                                     or step == args.steps):
@@ -687,6 +724,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         summary["wall_s"] = records[-1]["wall_s"] - records[0]["wall_s"]
         summary["mean_wall_step_s"] = summary["wall_s"] / (len(records) - 1)
     summary.update(_embedding_summary(records))
+    summary.update(_row_shard_summary(timed, dp))
     if probe.weight is not None:  # stock's reduction of it: a ring all-reduce, or ZeRO-3's reduce-scatter
         numel = int(getattr(probe.weight, "ds_numel", probe.weight.numel()))
         dense = numel * probe.weight.element_size()

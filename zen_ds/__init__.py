@@ -25,7 +25,7 @@ from zen_ds.core.partition import ShardLayout, owner
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats, last_sync_stats
 from zen_ds.integrations.config import ZenConfig, ZenConfigError
-from zen_ds.integrations.deepspeed.engine import attach, disable, enable, initialize, state_of
+from zen_ds.integrations.deepspeed.engine import attach, disable, enable, full_state_dict, initialize, state_of
 from zen_ds.integrations.deepspeed.faults import ZenReductionError
 from zen_ds.model.cost import CostModel
 from zen_ds.schemes import scheme_names
@@ -47,5 +47,5 @@ SCHEMES = scheme_names()
 __all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats",
            "SyncOptions", "default_options", "set_default_options", "ZenSyncError", "ZenInputError",
            "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "sparse_reduce_scatter_flat", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
-           "initialize", "attach", "state_of", "enable", "disable", "ZenReductionError",
+           "initialize", "attach", "state_of", "enable", "disable", "full_state_dict", "ZenReductionError",
            "ZenConfig", "ZenConfigError", "release_result_buffers"]

@@ -177,6 +177,15 @@ class ZenConfig(BaseModel):
     """``optimizer_state: auto`` shards a param when sharding saves at least this many MiB of masters
     and optimizer state per rank; smaller params stay replicated (one collective less per step)."""
 
+    row_sharded: bool = False
+    """Row-sharded embeddings (docs/zero.md, ZeRO-1/2 only): each untied ``nn.Embedding`` (or
+    megatron-core ``VocabParallelEmbedding`` without tensor parallelism) that zen syncs is held as
+    1/n of its rows per rank, with their masters and optimizer state; a forward fetches only the
+    micro-batch's rows from their owners, the gradient goes back to the owners, and nothing is
+    all-gathered after the step, so no rank ever holds the whole table. Needs
+    ``zen_ds.initialize`` (or ``zen_ds.enable()``) and ZeRO stage 1 or 2; ``optimizer_state``
+    must not be ``replicated``. Tied embeddings and other zen params stay on the usual route."""
+
     overlap: bool = False
     """Sync each zen param as soon as its gradient is final in the last backward of an optimizer
     step (a post-accumulate-grad hook hands it to one comm thread on a process group of the same
@@ -219,6 +228,9 @@ class ZenConfig(BaseModel):
     @model_validator(mode="after")
     def _cross_checks(self) -> "ZenConfig":
         assert self.index_encoding in INDEX_ENCODINGS
+        if self.row_sharded and self.optimizer_state == "replicated":
+            raise ValueError('row_sharded keeps each rank\'s rows only, so their optimizer state is sharded; '
+                             'remove optimizer_state: "replicated" or set row_sharded to false')
         if self.scheme == "dense" and self.index_encoding != "auto":
             raise ValueError(f'index_encoding={self.index_encoding!r} has no effect with scheme="dense"; '
                              'remove it or pick a sparse scheme')

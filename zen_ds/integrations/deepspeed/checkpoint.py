@@ -1,11 +1,18 @@
 """zen's share of a DeepSpeed checkpoint: one file per rank next to DeepSpeed's own files.
 
 It holds the reducer's step counter and compression residuals, on the owned route zen's
-optimizer state and fp32 master copies, and on the shuffle route the schedule position with this
-rank's own model and optimizer state. Resuming checks that the same params are synced.
+optimizer state and fp32 master copies (with ``"row_sharded"``: this rank's rows of each
+row-sharded table, which DeepSpeed's module state does not have), and on the shuffle route the
+schedule position with this rank's own model and optimizer state. Resuming checks that the same
+params are synced.
+
+Whole weights of row-sharded tables: :func:`full_state_dict` (collective, in a running job) and
+:func:`fp32_state_dict` (offline, from a checkpoint folder: DeepSpeed's ``zero_to_fp32`` result
+plus the tables assembled from every rank's file).
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Dict, Optional
@@ -13,14 +20,17 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from zen_ds.core.partition import ShardLayout
+from zen_ds.integrations.deepspeed.rowshard import full_weights
 from zen_ds.integrations.deepspeed.shuffling import load_shuffle_state_dict, shuffle_state_dict
+from zen_ds.sync.reduce_scatter import shard_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from zen_ds.integrations.deepspeed.engine import ZenEngineState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["state_dict", "load_state_dict", "save", "load"]
+__all__ = ["state_dict", "load_state_dict", "save", "load", "full_state_dict", "fp32_state_dict"]
 
 STATE_FILE = "zen_ds_rank{rank:05d}.pt"
 
@@ -59,7 +69,7 @@ def load_state_dict(state: "ZenEngineState", sd: Dict[str, Any], strict: bool = 
         _fresh_from_module(state)
         return
     if module_only or not optimizer_states:
-        _fresh_from_module(state)
+        _fresh_from_module(state, sd)
         return
     state.reducer.load_state_dict(sd["reducer"])
     if state.owned is not None:
@@ -75,11 +85,20 @@ def load_state_dict(state: "ZenEngineState", sd: Dict[str, Any], strict: bool = 
         load_shuffle_state_dict(state.shuffle, state.engine.module, state.engine.optimizer, sd["shuffle"])
 
 
-def _fresh_from_module(state: "ZenEngineState") -> None:
+def _fresh_from_module(state: "ZenEngineState", sd: Optional[Dict[str, Any]] = None) -> None:
     """zen's masters follow the weights DeepSpeed loaded (DeepSpeed does the same for its own
-    fp32 masters when it loads no optimizer state)."""
-    if state.owned is not None:
-        state.owned.masters_from_params()
+    fp32 masters when it loads no optimizer state). Row-sharded tables are not in DeepSpeed's
+    module state: they take their rows from zen's file when it has them for this layout."""
+    if state.owned is None:
+        return
+    state.owned.masters_from_params()
+    saved = {t["layout"]["name"]: t for t in ((sd or {}).get("owned") or {}).get("tables", [])}
+    for table in state.owned.tables:
+        if table.name in saved and saved[table.name]["layout"] == table.layout_key():
+            table.load_state_dict(saved[table.name], masters=False)
+        else:
+            _warn_once(f"zen: the checkpoint has no rows of the row-sharded {table.name} for this layout; "
+                       "it keeps its current values")
 
 
 _WARNED: set = set()
@@ -120,3 +139,53 @@ def load(state: "ZenEngineState", load_dir: str, tag: Optional[Any], rank: int, 
                                 "or pass load_optimizer_states=False to load the weights only")
     load_state_dict(state, torch.load(path, map_location="cpu", weights_only=False), strict=strict,
                     optimizer_states=optimizer_states, module_only=module_only)
+
+
+def full_state_dict(state: "ZenEngineState") -> Dict[str, Any]:
+    """The engine's module state dict with every row-sharded table whole, in the model's dtype
+    (collective over the data-parallel group: every rank must call it; each gets the result)."""
+    sd = state.engine.module.state_dict()
+    if state.owned is not None and state.owned.tables:
+        sd.update(full_weights(state.owned.tables))
+    return sd
+
+
+def fp32_state_dict(checkpoint_dir: str, tag: Optional[Any] = None) -> Dict[str, torch.Tensor]:
+    """Offline, one process: the fp32 weights of a checkpoint saved with zen, as DeepSpeed's
+    ``zero_to_fp32`` (``get_fp32_state_dict_from_zero_checkpoint``) gives them, plus each
+    row-sharded table assembled from every rank's zen file (its fp32 master rows; in fp32 training
+    the shard is the master). ``tag=None`` follows the ``latest`` file."""
+    if tag is None:
+        with open(os.path.join(checkpoint_dir, "latest")) as fh:
+            tag = fh.read().strip()
+    out: Dict[str, torch.Tensor] = {}
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        out.update(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=str(tag)))
+    except Exception as exc:  # noqa: BLE001 - a zen-only checkpoint still yields its tables
+        logger.warning("zen: DeepSpeed's zero_to_fp32 could not read %s (%s); returning zen's tables only",
+                       checkpoint_dir, exc)
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, str(tag), STATE_FILE.replace("{rank:05d}", "*"))))
+    if not files:
+        raise FileNotFoundError(f"zen: no {STATE_FILE.format(rank=0)} (or other ranks') under "
+                                f"{os.path.join(checkpoint_dir, str(tag))}: not a checkpoint saved with zen")
+    tables: Dict[str, torch.Tensor] = {}
+    seen: Dict[str, set] = {}
+    for path in files:
+        sd = torch.load(path, map_location="cpu", weights_only=False)
+        for saved in (sd.get("owned") or {}).get("tables", []):
+            key = saved["layout"]
+            layout = ShardLayout(key["num_rows"], key["world_size"], key["seed"])
+            rows = shard_rows(layout, key["rank"])
+            values = (saved["master"] if saved.get("master") is not None else saved["shard"]).float()
+            if key["name"] not in tables:
+                tables[key["name"]] = torch.zeros((key["num_rows"],) + tuple(values.shape[1:]))
+            tables[key["name"]][rows] = values
+            seen.setdefault(key["name"], set()).add(key["rank"])
+            if len(seen[key["name"]]) == key["world_size"]:
+                out[key["name"]] = tables[key["name"]]
+    missing = sorted(set(tables) - set(out))
+    if missing:
+        raise FileNotFoundError(f"zen: the checkpoint {checkpoint_dir}/{tag} lacks some ranks' files for the "
+                                f"row-sharded tables {missing}; copy every zen_ds_rank*.pt file")
+    return out

@@ -28,6 +28,7 @@ from zen_ds.integrations.deepspeed.norms import local_sum_of_squares, model_para
 from zen_ds.integrations.deepspeed.overlap import OverlappedSync, grad_reader, mirror_group
 from zen_ds.integrations.deepspeed.owned import OwnedParams, OwnedPlan, clip_coefficient, plan_owned
 from zen_ds.integrations.deepspeed.params import reducer_params
+from zen_ds.integrations.deepspeed.rowshard import shard_embeddings
 from zen_ds.integrations.deepspeed.routes import (
     DeepSpeedSetup,
     Route,
@@ -45,7 +46,7 @@ from zen_ds.sync.options import SyncOptions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["initialize", "attach", "state_of", "enable", "disable", "ZenEngineState"]
+__all__ = ["initialize", "attach", "state_of", "enable", "disable", "ZenEngineState", "full_state_dict"]
 
 _REGISTRY: "weakref.WeakKeyDictionary[Any, ZenEngineState]" = weakref.WeakKeyDictionary()
 
@@ -160,6 +161,11 @@ class ZenEngineState:
                 grads, failure = [], describe(exc)
             synced = during_sync(lambda: self.reducer.sync(grads, failure), step, self.reducer.group)
         self.storage.write(synced)
+        if self.owned is not None and self.owned.tables:  # row-sharded embeddings: push to the owners
+            before, after = self.reducer.scale.factors(self.reducer.world_size)
+            for table in self.owned.tables:
+                during_sync(lambda: table.push(before, after, self.reducer.scale.comm_dtype, self.options),
+                            step, self.reducer.group)
         self.reduced_this_step = True
 
     def zen_norm(self, local: bool = False) -> torch.Tensor:
@@ -167,9 +173,11 @@ class ZenEngineState:
         this rank's share only, for optimizers that add the model-parallel ranks themselves."""
         pairs = list(zip(self.reducer.params, self.owned.synced))
         sum_sq = local_sum_of_squares(((p.param, g) for p, g in pairs if p.shard is None), self.engine.mpu)
-        if any(p.shard is not None for p, _ in pairs):  # each rank holds its rows' share: add them up
+        if any(p.shard is not None for p, _ in pairs) or self.owned.tables:  # each rank holds its rows' share
             shards = local_sum_of_squares(((p.param, g) for p, g in pairs if p.shard is not None),
                                           self.engine.mpu)
+            for table in self.owned.tables:  # row-sharded embeddings are never TP-split (refused)
+                shards = shards + table.sum_of_squares()
             if dist.is_initialized() and self.reducer.world_size > 1:
                 dist.all_reduce(shards, group=self.reducer.group)
             sum_sq = sum_sq + shards
@@ -191,11 +199,22 @@ class ZenEngineState:
             self.zero3.log_left(rank)
         if self.shuffle is None:
             self.reducer.log_stats(rank)
+            self._end_tables(rank)
             return
         stats = during_sync(self.shuffle.after_optimizer_step, self.shuffle.step)
         interval = self.config.stats_interval
         if interval and rank == 0 and self.shuffle.step % interval == 0:
             logger.info("zen %s, schemes %s", stats.line(), stats.schemes)
+
+    def _end_tables(self, rank: int) -> None:
+        """Row-sharded embeddings: close the step's stats and log their line with the reducer's."""
+        if self.owned is None or not self.owned.tables:
+            return
+        interval = self.config.stats_interval
+        for table in self.owned.tables:
+            table.end_step()
+            if interval and rank == 0 and self.reducer.step % interval == 0:
+                logger.info(table.line(self.reducer.step))
 
     def state_dict(self) -> Dict[str, Any]:
         return checkpoint.state_dict(self)
@@ -207,6 +226,13 @@ class ZenEngineState:
 def state_of(engine: Any) -> Optional[ZenEngineState]:
     """zen's state for ``engine`` (None when zen is not attached)."""
     return _REGISTRY.get(engine)
+
+
+def full_state_dict(engine: Any) -> Dict[str, Any]:
+    """``engine.module.state_dict()`` with every row-sharded embedding (``"row_sharded"``) whole,
+    in the model's dtype. Collective over the data-parallel group: call it on every rank."""
+    state = state_of(engine)
+    return checkpoint.full_state_dict(state) if state is not None else engine.module.state_dict()
 
 
 def _zen_config(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]]) -> Optional[ZenConfig]:
@@ -330,15 +356,39 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     # Build (or load) the C++ ops now, not inside the first step's sync: one process per build
     # directory compiles while the others wait, bounded by ZEN_DS_BUILD_TIMEOUT.
     ops.ensure_built()
-    plan = None
+    plan, tables = None, []
+    if zcfg.row_sharded:
+        tables = _shard_embeddings(model, route, zcfg, mpu, args, dist_init_required)
     if route.owned:
-        plan, kwargs["model_parameters"] = plan_owned(route, model, optimizer, model_parameters, ds_dict)
+        plan, kwargs["model_parameters"] = plan_owned(route, model, optimizer, model_parameters, ds_dict, tables)
     out = ds_initialize(**kwargs)
     engine = out[0]
     if plan is not None:
         plan.fix_lr_ratio(getattr(engine.optimizer, "param_groups", None))
     attach(engine, zcfg, _route=route, _plan=plan)
     return out
+
+
+def _shard_embeddings(model: nn.Module, route: Route, zcfg: ZenConfig, mpu: Any, args: Any,
+                      dist_init_required: Optional[bool]) -> List[Any]:
+    """``"row_sharded"``: replace the row-shardable embeddings before DeepSpeed sees the model
+    (collective over the data-parallel group, which must exist now: DeepSpeed's own
+    ``init_distributed`` is called first when it would be called anyway)."""
+    if not dist.is_initialized():
+        import deepspeed
+        if dist_init_required is False:
+            refuse("\"zen.row_sharded\" needs torch.distributed initialized before zen_ds.initialize "
+                   "(dist_init_required=False was passed); call deepspeed.init_distributed() first")
+        deepspeed.init_distributed(dist_backend=getattr(args, "dist_backend", None) or None)
+    group = None
+    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+        from zen_ds.integrations.params import data_parallel_group
+        group = data_parallel_group(mpu)
+    tables, left = shard_embeddings(model, route, zcfg.seed, group)
+    if dist.get_rank() == 0:
+        logger.info("zen: row-sharded embeddings %s%s", [t.name for _, t in tables],
+                    f"; left on the usual route: {left}" if left else "")
+    return tables
 
 
 # ----------------------------------------------------------------------------- enable / disable

@@ -18,7 +18,8 @@ release means re-checking this file and :mod:`.facts` only:
 * ``_INSTRUCTION_MAP`` (PipelineEngine, a class attribute read through the instance): tied weights
   that are zen params are summed across stages by zen.
 * BF16_Optimizer keeps fp32 grads in ``fp32_groups_gradients`` and ``param._hp_grad``.
-* ``save_checkpoint`` / ``load_checkpoint``: zen's file next to DeepSpeed's.
+* ``save_checkpoint`` / ``load_checkpoint``: zen's file next to DeepSpeed's; ``save_16bit_model``
+  (row-sharded embeddings, through ``module_state_dict`` during that call): the whole tables.
 * ``deepspeed.initialize`` itself, while :func:`zen_ds.enable` is on.
 * ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): ``reduce_independent_p_g_buckets_and_remove_grads``
   (the gradient hook's entry to the reduce-scatter bucket) for zen's params, ``partition_grads``,
@@ -173,6 +174,33 @@ def _wrap_checkpointing(engine: Any, state: "ZenEngineState") -> None:
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+    if state.owned is not None and state.owned.tables:
+        _wrap_save_16bit_model(engine, state)
+
+
+def _wrap_save_16bit_model(engine: Any, state: "ZenEngineState") -> None:
+    """Row-sharded embeddings are not in the module: ``save_16bit_model`` gathers them (so every
+    rank must call it, as under ZeRO-3) and DeepSpeed saves them with the module's weights."""
+    from zen_ds.integrations.deepspeed.rowshard import full_weights
+
+    orig_save = engine.save_16bit_model
+
+    def save_16bit_model(*args: Any, **kwargs: Any) -> Any:
+        whole = full_weights(state.owned.tables)
+        orig_state_dict = engine.module_state_dict
+
+        def module_state_dict(*a: Any, **k: Any) -> Dict[str, Any]:
+            sd = orig_state_dict(*a, **k)
+            sd.update(whole)
+            return sd
+
+        engine.module_state_dict = module_state_dict
+        try:
+            return orig_save(*args, **kwargs)
+        finally:
+            del engine.module_state_dict  # back to the class's method
+
+    engine.save_16bit_model = save_16bit_model
 
 
 def _install_zero3(engine: Any, state: "ZenEngineState") -> None:

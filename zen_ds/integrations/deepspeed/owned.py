@@ -10,8 +10,8 @@ DeepSpeed's clip coefficient, loss scale and learning-rate schedule.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from zen_ds.core.sparse import RowSparse
 from zen_ds.integrations.deepspeed.routes import Route, refuse
 from zen_ds.integrations.deepspeed.sharded import ShardedRows, should_shard, state_bytes_per_element
 from zen_ds.integrations.reducer import ZenParam
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zen_ds.integrations.deepspeed.rowshard import RowShardTable
 
 __all__ = ["OwnedPlan", "OwnedParams", "plan_owned", "clip_coefficient"]
 
@@ -42,6 +45,8 @@ class OwnedPlan:
     optimizer: torch.optim.Optimizer
     lr_ratio: List[float]  # zen group lr / DeepSpeed group-0 lr at build time
     lr_from_engine: bool = False  # optimizer came from a callable: ratios are fixed after the build
+    # row-sharded embeddings ("row_sharded"): their masters are in ``optimizer`` too
+    tables: List["RowShardTable"] = field(default_factory=list)
 
     def fix_lr_ratio(self, ds_param_groups: Optional[Sequence[Mapping[str, Any]]]) -> None:
         """Learning rates of a callable-built optimizer are known only once DeepSpeed built its own."""
@@ -94,29 +99,36 @@ def _optimizer_from_ds_block(block: Mapping[str, Any], params: List[Any]) -> tor
 
 
 def plan_owned(route: Route, model: nn.Module, optimizer: Any, model_parameters: Any,
-               ds_config: Mapping[str, Any]) -> "tuple[OwnedPlan, List[Any]]":
+               ds_config: Mapping[str, Any], tables: Sequence[Tuple[nn.Parameter, "RowShardTable"]] = ()
+               ) -> "tuple[OwnedPlan, List[Any]]":
     """zen's optimizer for its params, and what is left for DeepSpeed's ``model_parameters``.
 
     ``model_parameters`` may be params or param-group dicts (weight-decay groups, as the Hugging
     Face Trainer builds them): zen's params leave their groups, and zen's optimizer gets the same
-    groups' hyper-parameters for them."""
+    groups' hyper-parameters for them. ``tables``: row-sharded embeddings, ``(the weight the
+    model had, its table)``; the weight's place in the optimizer goes to the table's master."""
     half = route.setup.half
     owned = route.synced  # selected params, then compressed ones
     zen_ids = {id(p): p for _, p, _ in owned}
     masters = {id(p): (nn.Parameter(p.detach().clone().float()) if half else p) for _, p, _ in owned}
     ordered_masters = [masters[id(p)] for _, p, _ in owned]
+    for weight, table in tables:
+        zen_ids[id(weight)] = weight
+        masters[id(weight)] = table.make_master(half)
+    table_masters = [table.master for _, table in tables]
     base = list(model_parameters) if model_parameters is not None else list(model.parameters())
     grouped = bool(base) and isinstance(base[0], Mapping)
     if grouped:
         zen_groups, left = _split_groups(base, zen_ids, masters)
     else:
-        zen_groups = [{"params": list(ordered_masters)}] if ordered_masters else []
+        every = ordered_masters + table_masters
+        zen_groups = [{"params": every}] if every else []
         left = [p for p in base if id(p) not in zen_ids]
     # a pipeline stage without zen params still owns an (empty) optimizer, as every stage does
     to_build: List[Any] = zen_groups or [{"params": []}]
     remaining = [p for g in left for p in g["params"]] if grouped else left
-    if owned and not any(getattr(p, "requires_grad", False) for p in remaining):
-        _refuse_nothing_left([name for name, _, _ in owned])
+    if (owned or tables) and not any(getattr(p, "requires_grad", False) for p in remaining):
+        _refuse_nothing_left([name for name, _, _ in owned] + [table.name for _, table in tables])
     from_engine = False
     if isinstance(optimizer, torch.optim.Optimizer):
         zen_opt = _split_optimizer(optimizer, zen_ids, masters)
@@ -130,7 +142,8 @@ def plan_owned(route: Route, model: nn.Module, optimizer: Any, model_parameters:
         refuse("zen-owned params (ZeRO stage 1/2, or half precision with sparse=True embeddings) need "
                "an optimizer: pass optimizer= or an \"optimizer\" block in the ds_config")
     ratios = [(g["lr"] / ds_lr) if ds_lr else 1.0 for g in zen_opt.param_groups]
-    plan = OwnedPlan([name for name, _, _ in owned], ordered_masters, zen_opt, ratios, from_engine)
+    plan = OwnedPlan([name for name, _, _ in owned], ordered_masters, zen_opt, ratios, from_engine,
+                     [table for _, table in tables])
     return plan, left
 
 
@@ -190,6 +203,7 @@ class OwnedParams:
         self.masters = list(plan.masters)
         self.optimizer = plan.optimizer
         self.lr_ratio = plan.lr_ratio
+        self.tables = list(plan.tables)  # row-sharded embeddings, stepped by the same optimizer
         self.sharded: List[Optional[ShardedRows]] = [None] * len(self.params)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         per_element = state_bytes_per_element(self.optimizer, half)
@@ -234,6 +248,10 @@ class OwnedParams:
             where = f"sharded 1/{s.world_size}" if s is not None else "replicated"
             what = f"{held / 2**20:.2f} MiB" if held else f"~{estimate / 2**20:.2f} MiB (estimate)"
             out.append(f"{p.name}: optimizer state {where}, {what} on this rank")
+        for t in self.tables:
+            held = t.memory_bytes(self.optimizer)
+            out.append(f"{t.name}: row-sharded 1/{t.world_size} ({t.shard_size} of {t.num_rows} rows here), "
+                       f"{sum(held.values()) / 2**20:.2f} MiB on this rank ({held})")
         return out
 
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
@@ -280,6 +298,8 @@ class OwnedParams:
         self.accum = [None] * len(self.params)
 
     def clear(self) -> None:
+        for t in self.tables:
+            t.clear()
         self._carried = None
         self.accum = [None] * len(self.params)
         self.synced = [None] * len(self.params)
@@ -302,10 +322,16 @@ class OwnedParams:
             if shard is not None and sparse_only:  # SparseAdam takes COO grads only
                 g = RowSparse.from_dense(g).to_coo()
             master.grad = g
+        for t in self.tables:
+            g = t.grad_for_step(factor)
+            t.master.grad = RowSparse.from_dense(g).to_coo() if g is not None and sparse_only else g
         if base_lr is not None:
             for group, ratio in zip(self.optimizer.param_groups, self.lr_ratio):
                 group["lr"] = base_lr * ratio
         self.optimizer.step()
+        for t in self.tables:
+            t.master.grad = None
+            t.after_step()
         for p, master, shard in zip(self.params, self.masters, self.sharded):
             master.grad = None
             if shard is not None:
@@ -334,7 +360,8 @@ class OwnedParams:
         return {"optimizer": self.optimizer.state_dict(),
                 "masters": [p.param.detach()[s.rows].float().clone() if s is not None and not self.half
                             else m.detach().clone() for p, m, s in zip(self.params, self.masters, self.sharded)],
-                "shards": [s.layout_key() if s is not None else None for s in self.sharded]}
+                "shards": [s.layout_key() if s is not None else None for s in self.sharded],
+                "tables": [t.state_dict() for t in self.tables]}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         mine = [s.layout_key() if s is not None else None for s in self.sharded]
@@ -343,7 +370,14 @@ class OwnedParams:
             raise ValueError(f"zen checkpoint's optimizer-state layout {saved} does not match this run's "
                              f"{mine}; resume with the same number of data-parallel ranks, \"zen.seed\" "
                              "and \"zen.optimizer_state\"")
+        saved_tables = sd.get("tables", [])
+        if [t.get("layout") for t in saved_tables] != [t.layout_key() for t in self.tables]:
+            raise ValueError(f"zen checkpoint's row-sharded tables {[t.get('layout') for t in saved_tables]} do "
+                             f"not match this run's {[t.layout_key() for t in self.tables]}; resume with the same "
+                             "number of data-parallel ranks, \"zen.seed\" and \"zen.row_sharded\"")
         self.optimizer.load_state_dict(sd["optimizer"])
+        for t, saved in zip(self.tables, saved_tables):
+            t.load_state_dict(saved)
         with torch.no_grad():
             for p, m, saved_m, shard in zip(self.params, self.masters, sd["masters"], self.sharded):
                 if shard is not None and not self.half:

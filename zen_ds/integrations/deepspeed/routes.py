@@ -191,6 +191,8 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     if zen_config.shuffle is not None:
         _refuse_for_shuffle(setup, compression)
         return Route("shuffle", selected, setup)
+    if zen_config.row_sharded:
+        _refuse_for_row_sharded(setup)
 
     if setup.zero_stage >= 3:
         return _zero3_route(setup, model, zen_config, selected)
@@ -316,6 +318,23 @@ def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[Selected
     """The gradient compressor; it picks the dense params it compresses (never zen's selected ones)."""
     return GradientCompressor(zen_config.compression, list(model.named_parameters()),
                               {name for name, _, _ in selected}, undo=undo)
+
+
+def _refuse_for_row_sharded(setup: DeepSpeedSetup) -> None:
+    """Row-sharded embeddings are built on the owned route (ZeRO-1/2): zen steps the shards."""
+    if setup.zero_stage >= 3:
+        refuse("\"zen.row_sharded\" is not supported under ZeRO stage 3 yet: DeepSpeed would partition and "
+               "gather the table itself. Use ZeRO stage 1 or 2 (the table is then held 1/n per rank, with its "
+               "optimizer state), or set \"row_sharded\": false to keep zen's ZeRO-3 gradient path")
+    if setup.zero_stage == 0:
+        refuse("\"zen.row_sharded\" needs ZeRO stage 1 or 2 (zen steps each rank's rows itself there); "
+               "set zero_optimization.stage to 1 or 2, or remove \"row_sharded\"")
+    if setup.pipeline:
+        refuse("\"zen.row_sharded\" with a DeepSpeed PipelineModule is not supported; remove \"row_sharded\"")
+    for flag, what in ((setup.moe, "MoE layers"), (setup.sequence_parallel, "sequence parallelism"),
+                       (setup.zenflow, "DeepSpeed's ZenFlow")):
+        if flag:
+            refuse(f"\"zen.row_sharded\" with {what} is not supported; remove \"row_sharded\"")
 
 
 def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,8 @@ from zen_ds.sync.reduce_scatter import shard_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShardedRows", "GatherStats", "state_bytes_per_element", "should_shard"]
+__all__ = ["ShardedRows", "GatherStats", "state_bytes_per_element", "should_shard", "gather_full",
+           "rows_in_shard_order"]
 
 MIB = 1 << 20
 
@@ -89,13 +90,9 @@ class ShardedRows:
         sizes = [self.layout.shard_size(r) for r in range(self.world_size)]
         self.max_rows = max(sizes)
         # Every row in shard order (rank 0's shard first): where the dense gather's rows go.
-        self.all_rows = ops.unpermute(torch.arange(self.layout.num_rows, dtype=torch.int64, device=param.device),
-                                      self.layout.num_rows, seed)
+        self.all_rows = rows_in_shard_order(self.layout, param.device)
         # Positions of real rows in the padded dense gather (None when no shard is padded).
-        self.valid = None
-        if any(s != self.max_rows for s in sizes):
-            self.valid = torch.cat([torch.arange(r * self.max_rows, r * self.max_rows + s, dtype=torch.int64)
-                                    for r, s in enumerate(sizes)]).to(param.device)
+        self.valid = _real_rows(sizes, param.device)
 
     @property
     def shard_size(self) -> int:
@@ -159,12 +156,42 @@ class ShardedRows:
 
     def _gather_dense(self, comm: Communicator, param: nn.Parameter, new: torch.Tensor) -> None:
         """All-gather every shard (padded to the largest), as ZeRO's parameter all-gather."""
-        row_shape = tuple(param.shape[1:])
-        send = torch.zeros((self.max_rows,) + row_shape, dtype=param.dtype, device=param.device)
-        send[:self.shard_size] = new
-        gathered = torch.empty((self.world_size * self.max_rows,) + row_shape, dtype=param.dtype,
-                               device=param.device)
-        comm.all_gather_into_tensor(gathered, send, "dense")
-        if self.valid is not None:
-            gathered = gathered[self.valid]
+        gathered = _all_gather_shards(comm, new.to(param.dtype), self.max_rows, self.valid)
         param.data.index_copy_(0, self.all_rows, gathered)
+
+
+def rows_in_shard_order(layout: ShardLayout, device: Any = "cpu") -> torch.Tensor:
+    """Every row id in shard order (rank 0's shard first): row ``[p]`` is at gathered position ``p``."""
+    return ops.unpermute(torch.arange(layout.num_rows, dtype=torch.int64, device=device), layout.num_rows,
+                         layout.seed)
+
+
+def _real_rows(sizes: List[int], device: Any) -> Optional[torch.Tensor]:
+    """Positions of real rows in an all-gather of shards padded to the largest (None: none padded)."""
+    most = max(sizes)
+    if all(s == most for s in sizes):
+        return None
+    return torch.cat([torch.arange(r * most, r * most + s, dtype=torch.int64)
+                      for r, s in enumerate(sizes)]).to(device)
+
+
+def _all_gather_shards(comm: Communicator, shard: torch.Tensor, max_rows: int,
+                       valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """Every rank's shard, concatenated in rank order (padding dropped): one all-gather."""
+    row_shape = tuple(shard.shape[1:])
+    send = torch.zeros((max_rows,) + row_shape, dtype=shard.dtype, device=shard.device)
+    send[:shard.shape[0]] = shard
+    gathered = torch.empty((comm.world_size * max_rows,) + row_shape, dtype=shard.dtype, device=shard.device)
+    comm.all_gather_into_tensor(gathered, send, "dense")
+    return gathered[valid] if valid is not None else gathered
+
+
+def gather_full(shard: torch.Tensor, layout: ShardLayout, group: Optional[dist.ProcessGroup],
+                log_prefix: str = "zen.gather") -> torch.Tensor:
+    """The whole ``[num_rows, *row_shape]`` table from every rank's shard of ``layout`` (collective;
+    allocates the table: for consolidation, never per step)."""
+    comm = Communicator.for_group(group, log_prefix)
+    sizes = [layout.shard_size(r) for r in range(layout.world_size)]
+    gathered = _all_gather_shards(comm, shard, max(sizes), _real_rows(sizes, shard.device))
+    out = torch.empty((layout.num_rows,) + tuple(shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+    return out.index_copy_(0, rows_in_shard_order(layout, shard.device), gathered)

@@ -1,0 +1,287 @@
+"""Row-sharded embeddings (``"zen": {"row_sharded": true}``) under ZeRO-1/2, 4 gloo ranks.
+
+One spawn runs every case: parameters equal stock DeepSpeed's ZeRO-1/2 run (fp32 AdamW, SGD with
+accumulation 2 + clipping, bf16) and zen's replicated-table sharded route; each rank holds 1/n of
+each table and never a whole one; an id outside the table on one rank raises the same
+ZenInputError on every rank and the group trains on; a checkpoint resumes bit-identically, its
+offline consolidation, ``full_state_dict`` and ``save_16bit_model`` give the same whole tables.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict
+
+import numpy as np
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from dist_utils import run_ranks  # noqa: E402
+import ds_cases as dc  # noqa: E402
+
+WORLD = 4
+CLIP = 0.05
+ROWS = {"row_sharded": True}
+SHARDED = {"optimizer_state": "sharded"}
+
+CASES = [
+    dict(name="adamw_rows", zero=2, sparse=False, opt="adamw", zen_extra=ROWS),
+    dict(name="adamw_stock", zero=2, sparse=False, opt="adamw", plain=True, zen=None),
+    dict(name="sgd_rows", zero=1, gas=2, clip=CLIP, sparse=False, opt="sgd", zen_extra=ROWS),
+    dict(name="sgd_stock", zero=1, gas=2, clip=CLIP, sparse=False, opt="sgd", plain=True, zen=None),
+    dict(name="sgd_sharded", zero=1, gas=2, clip=CLIP, sparse=False, opt="sgd", zen_extra=SHARDED),
+    dict(name="adamw_clip_rows", zero=2, gas=2, clip=CLIP, sparse=False, opt="adamw", zen_extra=ROWS),
+    dict(name="adamw_clip_stock", zero=2, gas=2, clip=CLIP, sparse=False, opt="adamw", plain=True, zen=None),
+    dict(name="bf16_rows", zero=2, gas=2, clip=CLIP, sparse=False, dtype="bf16", opt="adamw", zen_extra=ROWS),
+    dict(name="bf16_sharded", zero=2, gas=2, clip=CLIP, sparse=False, dtype="bf16", opt="adamw",
+         zen_extra=SHARDED),
+    dict(name="bf16_stock", zero=2, gas=2, clip=CLIP, sparse=False, dtype="bf16", opt="adamw", plain=True,
+         zen=None),
+    # sparse=True embeddings: the module is replaced alike (the local table's gradient is dense)
+    dict(name="sparse_rows", zero=1, gas=2, clip=CLIP, sparse=True, opt="sgd", zen_extra=ROWS),
+]
+VS_STOCK = {"adamw_rows": "adamw_stock", "sgd_rows": "sgd_stock", "adamw_clip_rows": "adamw_clip_stock"}
+
+
+def _optimizer(kind: str, params):
+    import torch
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _engine(case: Dict[str, Any], world: int):
+    import deepspeed
+    import zen_ds
+    model = dc.make_model(case.get("sparse", True))
+    init = deepspeed.initialize if case.get("plain") else zen_ds.initialize
+    engine, *_ = init(model=model, optimizer=_optimizer(case["opt"], model.parameters()),
+                      config=dc.ds_config(case, world))
+    return engine
+
+
+def _train(rank: int, engine, case: Dict[str, Any], steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        for micro in range(case.get("gas", 1)):
+            a, b, y = dc.batch(step, micro, rank)
+            engine.backward(dc.loss_fn(engine(a, b), y))
+            engine.step()
+
+
+def _weights(engine) -> Dict[str, Any]:
+    import zen_ds
+    return {k: v.detach().float().numpy().copy() for k, v in zen_ds.full_state_dict(engine).items()}
+
+
+def _summary(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]:
+    import torch
+    import zen_ds
+    engine = _engine(case, world)
+    _train(rank, engine, case, case.get("steps", 4))
+    out: Dict[str, Any] = {"params": _weights(engine)}
+    state = zen_ds.state_of(engine)
+    if state is not None and state.owned is not None and state.owned.tables:
+        tables = state.owned.tables
+        out["module_params"] = [name for name, _ in engine.module.named_parameters()]
+        out["held"] = {t.name: t.memory_bytes(state.owned.optimizer) for t in tables}
+        out["shard_rows"] = {t.name: t.shard_size for t in tables}
+        out["stats"] = {t.name: vars(t.last_stats).copy() for t in tables}
+        out["lines"] = [t.line(state.reducer.step) for t in tables]
+        out["describe"] = state.owned.describe()
+        out["full_bytes"] = {t.name: t.num_rows * t.row_shape[0] * t.shard.element_size() for t in tables}
+        # no tensor zen holds for a table between steps is table-sized
+        out["largest_held"] = max(int(v.numel()) for t in tables
+                                  for v in [t.shard, t.master] + [s for s in state.owned.optimizer.state.get(
+                                      t.master, {}).values() if torch.is_tensor(s)])
+        try:
+            engine.module.emb_d.weight
+            out["weight_error"] = ""
+        except AttributeError as exc:
+            out["weight_error"] = str(exc)
+    return out
+
+
+def _bad_ids(rank: int, world: int) -> Dict[str, Any]:
+    """Rank 2 feeds an id past the table: every rank raises the same error; then a clean step."""
+    case = dict(name="bad", zero=2, sparse=False, opt="adamw", zen_extra=ROWS)
+    engine = _engine(case, world)
+    a, b, y = dc.batch(0, 0, rank)
+    if rank == 2:
+        a = a.clone()
+        a[0, 0] = dc.VOCAB_S + 5
+    try:
+        engine(a, b)
+        message, kind = "", ""
+    except Exception as exc:  # noqa: BLE001 - the type is what is checked
+        message, kind = str(exc), type(exc).__name__
+    a, b, y = dc.batch(0, 0, rank)
+    engine.backward(dc.loss_fn(engine(a, b), y))
+    engine.step()
+    return {"message": message, "kind": kind, "after": _weights(engine)}
+
+
+def _checkpoint(rank: int, world: int, root: str) -> Dict[str, Any]:
+    """bf16 AdamW (masters separate from the shard): 3 steps, save, 2 more; a fresh engine loads
+    and does the same 2. Then the offline consolidation and save_16bit_model of the saved state."""
+    import torch
+    import zen_ds
+    from zen_ds.integrations.deepspeed.checkpoint import fp32_state_dict
+    case = dict(name="ckpt", zero=2, gas=2, clip=CLIP, sparse=False, dtype="bf16", opt="adamw", zen_extra=ROWS)
+    eng = _engine(case, world)
+    _train(rank, eng, case, 3)
+    eng.save_checkpoint(root, tag="t3")
+    at_save = _weights(eng)
+    masters_at_save = {t.name: t.master.detach().clone() for t in zen_ds.state_of(eng).owned.tables}
+    eng.save_16bit_model(os.path.join(root, "export"), "model.bin")
+    _train(rank, eng, case, 2, start=3)
+    straight = _weights(eng)
+    straight_sd = zen_ds.state_of(eng).state_dict()
+    eng2 = _engine(case, world)
+    eng2.load_checkpoint(root, tag="t3")
+    _train(rank, eng2, case, 2, start=3)
+    resumed = _weights(eng2)
+    resumed_sd = zen_ds.state_of(eng2).state_dict()
+    same_state = all(torch.equal(a, b)
+                     for k in straight_sd["owned"]["optimizer"]["state"]
+                     for a, b in zip(straight_sd["owned"]["optimizer"]["state"][k].values(),
+                                     resumed_sd["owned"]["optimizer"]["state"][k].values())
+                     if torch.is_tensor(a))
+    same_tables = all(torch.equal(a["shard"], b["shard"]) and torch.equal(a["master"], b["master"])
+                      for a, b in zip(straight_sd["owned"]["tables"], resumed_sd["owned"]["tables"]))
+    out = {"straight": straight, "resumed": resumed, "same_state": same_state, "same_tables": same_tables,
+           "at_save": at_save}
+    if rank == 0:
+        offline = fp32_state_dict(root, "t3")
+        exported = torch.load(os.path.join(root, "export", "model.bin"), map_location="cpu", weights_only=False)
+        out["offline"] = {k: v.float().numpy() for k, v in offline.items() if k in masters_at_save}
+        out["exported"] = {k: v.float().numpy() for k, v in exported.items()}
+    # this rank's fp32 master rows, to compare with the offline consolidation
+    out["masters"] = {k: v.float().numpy() for k, v in masters_at_save.items()}
+    out["rows"] = {t.name: t.rows.numpy() for t in zen_ds.state_of(eng).owned.tables}
+    return out
+
+
+def _worker(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
+    import warnings
+    dc.set_env(rank, world)
+    warnings.filterwarnings("ignore")
+    jobs = {case["name"]: (lambda case=case: _summary(rank, world, case)) for case in CASES}
+    jobs["bad_ids"] = lambda: _bad_ids(rank, world)
+    jobs["ckpt"] = lambda: _checkpoint(rank, world, ckpt_root)
+    return dc.run_jobs(jobs)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every rank's ``{job: result}``; the checkpoint goes to a fresh folder."""
+    root = tmp_path_factory.mktemp("row_sharded")
+    return run_ranks(WORLD, _worker, str(root / "ckpt"), timeout=900, fresh=True)
+
+
+@pytest.mark.parametrize("name", sorted(VS_STOCK))
+def test_fp32_equals_stock_zero(results, name):
+    mine = dc.case_results(results, name)[0]
+    stock = dc.case_results(results, VS_STOCK[name])[0]
+    assert set(mine["params"]) == set(stock["params"])
+    errors = dc.max_rel_err(mine["params"], stock["params"])
+    assert max(errors.values()) < 1e-5, errors
+    # and the embeddings' updates themselves agree (SGD with clipping moves them little)
+    initial = dc.params_of(dc.make_model(False))
+    for key in ("emb_s.weight", "emb_d.weight"):
+        update, stock_update = mine["params"][key] - initial[key], stock["params"][key] - initial[key]
+        assert np.abs(stock_update).max() > 0, key
+        assert np.abs(update - stock_update).max() <= 1e-3 * np.abs(stock_update).max(), key
+
+
+def test_equals_the_replicated_table_route(results):
+    """Same optimizer, same pushes: the sharded route with the all-gathered table, bit for bit in fp32."""
+    mine = dc.case_results(results, "sgd_rows")[0]
+    other = dc.case_results(results, "sgd_sharded")[0]
+    for key, value in other["params"].items():
+        assert np.array_equal(value, mine["params"][key]), key
+
+
+def test_bf16_close_to_stock_and_equal_to_the_sharded_route(results):
+    mine = dc.case_results(results, "bf16_rows")[0]
+    stock = dc.case_results(results, "bf16_stock")[0]
+    sharded = dc.case_results(results, "bf16_sharded")[0]
+    assert max(dc.max_rel_err(mine["params"], stock["params"]).values()) < 3e-2
+    assert max(dc.max_rel_err(mine["params"], sharded["params"]).values()) < 1e-2
+
+
+def test_sparse_true_embeddings_equal_dense_ones(results):
+    sparse = dc.case_results(results, "sparse_rows")[0]
+    dense = dc.case_results(results, "sgd_rows")[0]
+    errors = dc.max_rel_err(sparse["params"], dense["params"])
+    assert max(errors.values()) < 1e-6, errors
+
+
+def test_every_rank_gets_the_same_whole_tables(results):
+    for name in ("adamw_rows", "bf16_rows"):
+        by_rank = dc.case_results(results, name)
+        for other in by_rank[1:]:
+            for key, value in by_rank[0]["params"].items():
+                assert np.array_equal(value, other["params"][key]), (name, key)
+
+
+def test_no_rank_holds_a_whole_table(results):
+    by_rank = dc.case_results(results, "adamw_rows")
+    first = by_rank[0]
+    assert not {"emb_s.weight", "emb_d.weight"} & set(first["module_params"]), first["module_params"]
+    for name, full in first["full_bytes"].items():
+        rows = [r["shard_rows"][name] for r in by_rank]
+        assert sum(rows) == full // (dc.HIDDEN * 4) and max(rows) - min(rows) <= 1, rows
+        for r in by_rank:  # fp32 AdamW: the shard is the master, plus two moments, for 1/n rows
+            held = r["held"][name]
+            assert held["master"] == 0 and held["shard"] == r["shard_rows"][name] * dc.HIDDEN * 4, held
+            assert held["optimizer"] == 2 * held["shard"], held
+            assert r["stats"][name]["peak_transient_bytes"] < full, r["stats"][name]
+    assert first["largest_held"] < dc.VOCAB_D * dc.HIDDEN
+    assert "row-sharded 1/4" in " ".join(first["describe"])
+
+
+def test_weight_access_says_what_to_do(results):
+    mine = dc.case_results(results, "adamw_rows")[0]
+    assert "row-sharded" in mine["weight_error"] and "full_state_dict" in mine["weight_error"]
+
+
+def test_stats_count_rows_and_bytes_per_phase(results):
+    for r in dc.case_results(results, "sgd_rows"):
+        for name, s in r["stats"].items():
+            assert s["lookups"] == 2 and s["fetched_rows"] > 0 and s["pushed_rows"] > 0, s
+            assert s["remote_rows"] <= s["fetched_rows"]
+            # each remote row comes back whole (hidden fp32) with its id sent (int32)
+            assert s["fetch_bytes_received"] >= s["remote_rows"] * dc.HIDDEN * 4, s
+            assert s["push_bytes_sent"] > 0
+            # the step pushes the union of its micro-batches' rows, never more than their sum
+            assert s["pushed_rows"] <= s["fetched_rows"], s
+    line = dc.case_results(results, "sgd_rows")[0]["lines"][0]
+    assert "fetched" in line and "pushed" in line and "ZeRO-3" in line, line
+
+
+def test_bad_id_on_one_rank_raises_everywhere(results):
+    by_rank = dc.case_results(results, "bad_ids")
+    messages = {r["message"] for r in by_rank}
+    assert len(messages) == 1, messages
+    assert by_rank[0]["kind"] == "ZenInputError"
+    assert "rank 2" in by_rank[0]["message"] and f"id {dc.VOCAB_S + 5} outside" in by_rank[0]["message"]
+    for other in by_rank[1:]:  # the group trained on, alike
+        for key, value in by_rank[0]["after"].items():
+            assert np.array_equal(value, other["after"][key]), key
+
+
+def test_checkpoint_resumes_bit_identically(results):
+    for r in dc.case_results(results, "ckpt"):
+        for key, value in r["straight"].items():
+            assert np.array_equal(value, r["resumed"][key]), key
+        assert r["same_state"] and r["same_tables"]
+
+
+def test_consolidated_weights_equal(results):
+    by_rank = dc.case_results(results, "ckpt")
+    first = by_rank[0]
+    for name, whole in first["offline"].items():  # fp32 masters from every rank's file
+        for r in by_rank:
+            assert np.array_equal(whole[r["rows"][name]], r["masters"][name]), name
+    for key, value in first["at_save"].items():  # save_16bit_model: the model's bf16 weights
+        assert np.array_equal(first["exported"][key], value), key

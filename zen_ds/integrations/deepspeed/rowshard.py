@@ -1,0 +1,459 @@
+"""Row-sharded embeddings (``"zen": {"row_sharded": true}``): no rank ever holds the whole table.
+
+Under ZeRO-1/2 with sharded optimizer state (:mod:`.sharded`) each rank already steps only the rows
+it owns, but then all-gathers the updated rows so that every rank can run the forward on the
+replicated table. For an input embedding the rows a forward needs are known before it runs (the
+micro-batch's ids), so that all-gather, and the replicated table itself, are not needed:
+
+* **Ownership.** Rank ``r`` owns the rows balanced's seeded permutation gives it
+  (:class:`~zen_ds.core.partition.ShardLayout`, an equal share of rows and of the frequent low
+  ids) and holds their parameters (:attr:`RowShardTable.shard`, the model's dtype), fp32 masters
+  (half precision only; in fp32 the shard is its own master) and optimizer state. That is all it
+  holds of the table. The embedding module is replaced by :class:`RowShardedEmbedding` inside
+  ``zen_ds.initialize``, before ``deepspeed.initialize``: DeepSpeed never sees the table (no
+  broadcast from rank 0, no flat buffer, not in its checkpoint's module state).
+* **Forward (every micro-batch).** The micro-batch's unique ids go to their owners and just those
+  rows come back (:meth:`RowShardTable.lookup`: one small all-to-all of counts, which also carries
+  every rank's id check so that an id outside the table raises the same
+  :class:`~zen_ds.ZenInputError` on every rank, then one all-to-all of ids and one of rows). The
+  forward indexes the small local ``[unique, hidden]`` table, a leaf that requires grad.
+* **Backward.** The local table's gradient is added, in fp32, to this rank's row-sparse sum for the
+  step (no communication in the backward). Accumulation over micro-steps happens there, at the
+  sender: the union of the micro-batches' rows is pushed once per optimizer step, which never
+  moves more rows than one push per micro-batch (each row once instead of once per micro-batch
+  that touched it) and needs one all-to-all round per step instead of one per micro-batch.
+* **Push (accumulation boundary).** The rows go to their owners by balanced's push
+  (:func:`zen_ds.sync.reduce_scatter.sparse_reduce_scatter`), scaled as DeepSpeed averages; each
+  owner gets the summed gradient of its shard.
+* **Step.** zen's optimizer steps the shard with DeepSpeed's clip coefficient (the shards' squared
+  norms are summed over the ranks once), loss scale and learning-rate schedule, exactly as the
+  sharded route (:class:`~zen_ds.integrations.deepspeed.owned.OwnedParams`) steps its shards.
+  AdamW and friends step every row they own, as stock DeepSpeed does. Nothing is gathered after it.
+
+Tied embeddings (the output layer needs every row), embeddings with ``max_norm`` (it rewrites the
+rows it reads), ``nn.EmbeddingBag``, megatron-core embeddings with tensor parallelism and params
+that are not embeddings stay on the usual route, each with its reason in the log.
+
+The whole table exists only when asked for, collectively: :func:`full_weights` (the consolidated
+state dict, ``save_16bit_model``) and, offline, ``zen_ds.integrations.deepspeed.checkpoint.
+consolidate`` from the per-rank checkpoint files.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zen_ds.core.comm import Communicator
+from zen_ds.core.partition import ShardLayout
+from zen_ds.core.sparse import RowSparse
+from zen_ds.core.stats import SyncStats
+from zen_ds.integrations.params import is_vocab_parallel_embedding
+from zen_ds.integrations.deepspeed.routes import Route, tied_params
+from zen_ds.integrations.deepspeed.sharded import gather_full
+from zen_ds.sync.options import SyncOptions, ZenInputError
+from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RowShardTable", "RowShardedEmbedding", "RowShardStats", "shard_embeddings", "full_weights"]
+
+
+@dataclass
+class RowShardStats:
+    """One table's traffic over one optimizer step, this rank's view."""
+
+    lookups: int = 0  # forward calls
+    fetched_rows: int = 0  # unique ids this rank asked for, summed over the lookups
+    remote_rows: int = 0  # of them, rows another rank owns (the ones on the wire)
+    served_rows: int = 0  # rows this rank sent to others
+    fetch_bytes_sent: int = 0
+    fetch_bytes_received: int = 0
+    pushed_rows: int = 0  # rows of this rank's gradient sum pushed at the step
+    received_rows: int = 0  # distinct rows of its shard that got a gradient
+    push_bytes_sent: int = 0
+    push_bytes_received: int = 0
+    peak_transient_bytes: int = 0  # largest set of step-sized tensors alive at once (see below)
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.fetch_bytes_sent + self.fetch_bytes_received + self.push_bytes_sent + self.push_bytes_received
+
+
+def _nbytes(*tensors: Optional[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class RowShardTable:
+    """This rank's rows of one embedding table, their fetch, their gradient and its push."""
+
+    def __init__(self, name: str, weight: torch.Tensor, group: Optional[dist.ProcessGroup], seed: int) -> None:
+        # --- where the rows live: the layout, this rank's rows (global ids, in shard order)
+        self.name = name
+        self.group = group
+        comm = Communicator.for_group(group)
+        self.world_size, self.rank = comm.world_size, comm.rank
+        self.num_rows = int(weight.shape[0])
+        self.row_shape = tuple(weight.shape[1:])
+        self.layout = ShardLayout(self.num_rows, self.world_size, seed)
+        self.rows = shard_rows(self.layout, self.rank, weight.device)
+        # --- the values: rank 0's table, as DeepSpeed's broadcast at initialize would make it
+        with torch.no_grad():
+            full = weight.detach()
+            if self.world_size > 1:
+                src = dist.get_global_rank(group, 0) if group is not None else 0
+                dist.broadcast(full, src=src, group=group)
+            self.shard = full[self.rows].clone()
+        self.master: Optional[nn.Parameter] = None  # set by use_master (fp32; the shard itself in fp32)
+        self.half = False
+        # --- per optimizer step: the row-sparse fp32 gradient sum, its pushed result, the stats
+        self._ids: Optional[torch.Tensor] = None
+        self._sums: Optional[torch.Tensor] = None
+        self.synced: Optional[torch.Tensor] = None  # [shard rows, *row_shape]: summed over ranks
+        self.stats = RowShardStats()
+        self.last_stats = RowShardStats()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def shard_size(self) -> int:
+        return int(self.rows.numel())
+
+    def make_master(self, half: bool) -> nn.Parameter:
+        """The tensor zen's optimizer steps: an fp32 copy in half precision, else the shard itself."""
+        self.half = half
+        if half:
+            self.master = nn.Parameter(self.shard.detach().float().clone())
+        else:
+            self.shard = nn.Parameter(self.shard.detach(), requires_grad=True)
+            self.master = self.shard
+        return self.master
+
+    def convert(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Follow the module's ``.to()`` / ``.half()`` / ``.bfloat16()`` as a parameter would."""
+        with torch.no_grad():
+            new = fn(self.shard)
+        if new is self.shard:
+            return
+        if isinstance(self.shard, nn.Parameter) and not isinstance(new, nn.Parameter):
+            self.shard.data = new  # the fp32 master is the shard: keep the object the optimizer holds
+        else:
+            self.shard = new
+
+    def layout_key(self) -> Dict[str, Any]:
+        return {"name": self.name, "num_rows": self.num_rows, "world_size": self.world_size, "rank": self.rank,
+                "seed": self.layout.seed}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"layout": self.layout_key(), "shard": self.shard.detach().clone(),
+                "master": self.master.detach().clone() if self.half and self.master is not None else None}
+
+    def load_state_dict(self, sd: Dict[str, Any], masters: bool = True) -> None:
+        if sd.get("layout") != self.layout_key():
+            raise ValueError(f"zen checkpoint's row-sharded table {sd.get('layout')} does not match this run's "
+                             f"{self.layout_key()}; resume with the same number of data-parallel ranks and "
+                             "\"zen.seed\"")
+        with torch.no_grad():
+            self.shard.data.copy_(sd["shard"])
+            if self.half and self.master is not None:
+                if masters and sd.get("master") is not None:
+                    self.master.data.copy_(sd["master"])
+                else:
+                    self.master.data.copy_(self.shard.data.float())
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor) -> None:
+        """Take this rank's rows of a whole table (a consolidated state dict), masters included."""
+        if tuple(weight.shape) != (self.num_rows,) + self.row_shape:
+            raise ValueError(f"zen: {self.name} is {(self.num_rows,) + self.row_shape}, the state dict's "
+                             f"weight {tuple(weight.shape)}; resizing a row-sharded embedding is not supported")
+        self.shard.data.copy_(weight.to(self.rows.device)[self.rows].to(self.shard.dtype))
+        if self.half and self.master is not None:
+            self.master.data.copy_(weight.to(self.rows.device)[self.rows].float())
+
+    def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, int]:
+        """Bytes this rank holds for the table between steps: shard, master, optimizer state."""
+        held = {"shard": _nbytes(self.shard),
+                "master": _nbytes(self.master) if self.half and self.master is not None else 0,
+                "optimizer": 0}
+        if optimizer is not None and self.master is not None:
+            held["optimizer"] = sum(_nbytes(v) for v in optimizer.state.get(self.master, {}).values()
+                                    if torch.is_tensor(v) and v.dim() > 0)
+        return held
+
+    # ------------------------------------------------------------------ forward
+    def _check(self, ids: Any) -> Tuple[int, int]:
+        """(0, 0) when ``ids`` can be looked up; (1, the offending id) for an id outside the table;
+        (2, 0) for an input that is not an integer tensor."""
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            return 2, 0
+        if ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.num_rows:
+                return 1, low if low < 0 else high
+        return 0, 0
+
+    def _raise_bad(self, flags: torch.Tensor) -> None:
+        """The same :class:`ZenInputError` on every rank: ``flags[r] = (kind, id)`` for each rank ``r``."""
+        reasons = {r: (f"{self.name} got id {value} outside the table [0, {self.num_rows})" if kind == 1
+                       else f"the input of {self.name} is not an integer tensor")
+                   for r, (kind, value) in enumerate(flags.tolist()) if kind}
+        raise ZenInputError("zen: " + "; ".join(f"rank {r}: {t}" for r, t in reasons.items())
+                            + " (every id must be in [0, num_embeddings); nothing was fetched, the group stays "
+                            "usable)", reasons)
+
+    def lookup(self, ids: Any, padding_idx: Optional[int] = None, scale_grad_by_freq: bool = False
+               ) -> torch.Tensor:
+        """The embedding of ``ids`` (collective over the group: every rank calls it once per
+        forward of the module). Raises :class:`ZenInputError` on every rank when any rank's ids
+        are outside the table."""
+        comm = Communicator.for_group(self.group, f"zen.{self.name}.fetch")
+        comm.scheme = "row_sharded"
+        n = self.world_size
+        bad, value = self._check(ids)
+        device = self.rows.device
+        if bad:
+            uniq = torch.empty(0, dtype=torch.int64, device=device)
+            inverse = uniq
+        else:
+            uniq, inverse = torch.unique(ids.reshape(-1).to(device=device, dtype=torch.int64), sorted=True,
+                                         return_inverse=True)
+        positions = self.layout.positions(uniq)
+        owners = self.layout.owner_of_positions(positions)
+        order = torch.argsort(owners, stable=True)
+        starts = torch.tensor(self.layout.starts[:-1], dtype=torch.int64, device=device)
+        want = (positions - starts[owners]).index_select(0, order).to(self.layout.id_dtype)
+        counts = torch.bincount(owners, minlength=n) if uniq.numel() else torch.zeros(n, dtype=torch.int64,
+                                                                                       device=device)
+        # counts to each owner plus this rank's id check, to every rank: one all-to-all
+        meta = torch.zeros((n, 3), dtype=torch.int64, device=device)
+        meta[:, 0] = counts
+        meta[:, 1], meta[:, 2] = bad, value
+        peers = torch.empty_like(meta)
+        comm.all_to_all_single(peers, meta, [1] * n, [1] * n, "counts")
+        if bool(peers[:, 1].any()):
+            self._raise_bad(peers[:, 1:].cpu())
+        send_counts, recv_counts = counts.tolist(), peers[:, 0].tolist()
+        asked = torch.empty(sum(recv_counts), dtype=want.dtype, device=device)
+        comm.all_to_all_single(asked, want, recv_counts, send_counts, "ids")
+        served = self.shard.detach().index_select(0, asked.to(torch.int64))
+        got = torch.empty((uniq.numel(),) + self.row_shape, dtype=self.shard.dtype, device=device)
+        comm.all_to_all_single(got, served, send_counts, recv_counts, "rows")
+        local = torch.empty_like(got)
+        local[order] = got
+        st = self.stats
+        st.lookups += 1
+        st.fetched_rows += int(uniq.numel())
+        st.remote_rows += int(uniq.numel()) - send_counts[self.rank]
+        st.served_rows += sum(recv_counts) - recv_counts[self.rank]
+        st.fetch_bytes_sent += comm.bytes_sent
+        st.fetch_bytes_received += comm.bytes_received
+        self._note_transient(_nbytes(uniq, inverse, positions, want, asked, served, got, local))
+        del served, got
+        pad = None
+        if padding_idx is not None:
+            hit = torch.nonzero(uniq == padding_idx).flatten()
+            pad = int(hit[0]) if hit.numel() else None
+        if torch.is_grad_enabled():
+            local.requires_grad_(True)
+            local.register_hook(self._collector(uniq))
+        return F.embedding(inverse.view(ids.shape), local, padding_idx=pad, scale_grad_by_freq=scale_grad_by_freq)
+
+    def _note_transient(self, nbytes: int) -> None:
+        """Step-sized tensors alive now, on top of the step's gradient sum: the peak is reported."""
+        alive = nbytes + _nbytes(self._ids, self._sums, self.synced)
+        self.stats.peak_transient_bytes = max(self.stats.peak_transient_bytes, alive)
+
+    def _collector(self, uniq: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def collect(grad: torch.Tensor) -> None:
+            self.add_grad(uniq, grad)
+        return collect
+
+    # ------------------------------------------------------------------ backward, push
+    @torch.no_grad()
+    def add_grad(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add one lookup's local-table gradient to this step's fp32 row-sparse sum."""
+        values = grad.detach().float()
+        if self._ids is None:
+            self._ids, self._sums = ids, values.clone()
+        else:
+            merged = torch.sparse_coo_tensor(torch.cat([self._ids, ids]).unsqueeze(0),
+                                             torch.cat([self._sums, values]),
+                                             (self.num_rows,) + self.row_shape).coalesce()
+            self._ids, self._sums = merged.indices()[0], merged.values()
+        self._note_transient(_nbytes(grad))
+
+    @torch.no_grad()
+    def push(self, prescale: float, postscale: float, comm_dtype: Optional[torch.dtype],
+             options: SyncOptions) -> None:
+        """The step's gradient rows to their owners (collective): :attr:`synced` is this rank's
+        shard of the scaled sum over the group, in fp32."""
+        wire = comm_dtype or (self.shard.dtype if self._sums is None else torch.float32)
+        if self._ids is None:
+            x = RowSparse(torch.empty(0, dtype=torch.int64, device=self.rows.device),
+                          torch.empty((0,) + self.row_shape, dtype=wire, device=self.rows.device), self.num_rows)
+        elif wire == torch.float32:
+            x = RowSparse(self._ids, self._sums, self.num_rows, coalesced=True)
+        else:  # the wire dtype differs: scale once, in fp32, while casting (as the reducer does)
+            x = RowSparse(self._ids, (self._sums * prescale).to(wire), self.num_rows, coalesced=True)
+            prescale = 1.0
+        st = SyncStats()
+        out = sparse_reduce_scatter(x, self.group, seed=self.layout.seed, prescale=prescale, postscale=postscale,
+                                    options=options, stats=st, log_prefix=f"zen.{self.name}.push")
+        self.synced = out.float()
+        self.stats.pushed_rows += int(x.indices.numel())
+        self.stats.received_rows += st.nnz_result
+        self.stats.push_bytes_sent += st.bytes_sent
+        self.stats.push_bytes_received += st.bytes_received
+        self._note_transient(_nbytes(x.indices, x.values, out))
+        self._ids = self._sums = None
+
+    def grad_for_step(self, factor: float) -> Optional[torch.Tensor]:
+        """The master's gradient for the optimizer step (clip coefficient / loss scale applied)."""
+        if self.synced is None:
+            return None
+        return self.synced * factor if factor != 1.0 else self.synced
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The optimizer stepped the master: the model's dtype copy follows (half precision)."""
+        if self.half and self.master is not None:
+            self.shard.data.copy_(self.master.data.to(self.shard.dtype))
+
+    def end_step(self) -> None:
+        """Close the step's stats (whether or not the optimizer stepped) and drop its gradient."""
+        self.synced = None
+        self._ids = self._sums = None
+        self.last_stats, self.stats = self.stats, RowShardStats()
+
+    def clear(self) -> None:
+        """Drop this step's gradient (``zero_grad`` or a second backward before the step)."""
+        self.synced = None
+        self._ids = self._sums = None
+
+    def sum_of_squares(self) -> torch.Tensor:
+        """fp32 sum of squares of this rank's shard of the synced gradient."""
+        if self.synced is None:
+            return torch.zeros((), dtype=torch.float32)
+        return self.synced.float().pow(2).sum().cpu()
+
+    def line(self, step: int) -> str:
+        """The stats line: rows and bytes per phase, against the stock baselines for the table."""
+        s, n = self.last_stats, self.world_size
+        dense = self.num_rows * math.prod(self.row_shape) * self.shard.element_size()
+        zero12 = 2 * 2 * (n - 1) * dense // max(n, 1)  # reduce-scatter + all-gather, sent+recv
+        zero3 = 3 * 2 * (n - 1) * dense // max(n, 1)  # two all-gathers + reduce-scatter, sent+recv
+        fetch = s.fetch_bytes_sent + s.fetch_bytes_received
+        push = s.push_bytes_sent + s.push_bytes_received
+        return (f"zen step {step} {self.name} (row-sharded 1/{n}, {self.shard_size} rows here): "
+                f"{s.lookups} lookups fetched {s.fetched_rows} rows ({s.remote_rows} remote), served "
+                f"{s.served_rows}; pushed {s.pushed_rows} rows, {s.received_rows} received; bytes fetch "
+                f"{fetch} + push {push} = {s.wire_bytes} B (sent+recv) vs ZeRO-1/2 {zero12} B "
+                f"({100.0 * s.wire_bytes / max(zero12, 1):.2f}%), ZeRO-3 {zero3} B "
+                f"({100.0 * s.wire_bytes / max(zero3, 1):.2f}%)")
+
+
+class RowShardedEmbedding(nn.Module):
+    """Stands in for an ``nn.Embedding`` (or a megatron-core ``VocabParallelEmbedding`` without
+    tensor parallelism) whose table is row-sharded: same forward, no ``weight`` parameter."""
+
+    def __init__(self, table: RowShardTable, embedding_dim: int, padding_idx: Optional[int] = None,
+                 scale_grad_by_freq: bool = False) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings = table.num_rows
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.scale_grad_by_freq = scale_grad_by_freq
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.lookup(ids, self.padding_idx, self.scale_grad_by_freq)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "weight":
+            raise AttributeError(
+                f"zen: {self.table.name} is row-sharded (\"zen.row_sharded\"): no rank holds the whole table, "
+                "so the embedding has no weight. Use zen_ds.full_state_dict(engine) (collective) or "
+                "engine.save_16bit_model() for the whole table; resizing the vocabulary and tying the weight "
+                "to another layer need \"row_sharded\": false")
+        return super().__getattr__(name)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> "RowShardedEmbedding":
+        self.table.convert(fn)
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        weight = state_dict.get(prefix + "weight")
+        if weight is not None:  # a consolidated state dict: take this rank's rows
+            self.table.load_full(weight)
+            state_dict = {k: v for k, v in state_dict.items() if k != prefix + "weight"}
+            del_key = prefix + "weight"
+            unexpected = args[4] if len(args) > 4 else None
+            if isinstance(unexpected, list) and del_key in unexpected:
+                unexpected.remove(del_key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, row-sharded 1/{self.table.world_size} "
+                f"({self.table.shard_size} rows here)")
+
+
+def _why_not(module: nn.Module, param: nn.Parameter, tied: Dict[int, List[str]], name: str) -> Optional[str]:
+    """Why this zen param cannot be row-sharded (None when it can)."""
+    if id(param) in tied:
+        return (f"tied to {', '.join(n for n in tied[id(param)] if n != name)}: the other layer needs every row")
+    if is_vocab_parallel_embedding(module):
+        tp = getattr(module, "tp_group", None)
+        if tp is not None and tp.size() > 1:
+            return "a VocabParallelEmbedding with tensor parallelism (its rows are split over TP ranks already)"
+        if getattr(module, "reduce_scatter_embeddings", False):
+            return "a VocabParallelEmbedding with reduce_scatter_embeddings (sequence parallelism)"
+        return None
+    if type(module) is not nn.Embedding:
+        return f"a {type(module).__name__}, not an nn.Embedding"
+    if module.max_norm is not None:
+        return "max_norm rewrites the rows it reads in place"
+    return None
+
+
+def shard_embeddings(model: nn.Module, route: Route, seed: int, group: Optional[dist.ProcessGroup]
+                     ) -> Tuple[List[Tuple[nn.Parameter, RowShardTable]], Dict[str, str]]:
+    """Replace each row-shardable zen embedding of ``model`` by a :class:`RowShardedEmbedding`
+    (collective: rank 0's tables are broadcast once) and take it out of ``route.selected``.
+
+    Returns ``[(the original weight, its table)]`` (the caller moves the weights out of the client
+    optimizer; nothing else keeps them) and ``{param name: why it stays on the usual route}``."""
+    tied = tied_params(model)
+    owner = {id(getattr(m, "weight", None)): (mod_name, m) for mod_name, m in model.named_modules()
+             if isinstance(getattr(m, "weight", None), nn.Parameter)}
+    tables, left, kept = [], {}, []
+    for name, param, sparse in route.selected:
+        mod_name, module = owner.get(id(param), (None, None))
+        why = "not the weight of a module" if module is None else _why_not(module, param, tied, name)
+        if why is not None:
+            left[name] = why
+            kept.append((name, param, sparse))
+            continue
+        table = RowShardTable(name, param, group, seed)
+        replacement = RowShardedEmbedding(table, int(param.shape[1]), getattr(module, "padding_idx", None),
+                                          bool(getattr(module, "scale_grad_by_freq", False)))
+        replacement.train(module.training)
+        parent_name, _, attr = mod_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
+        tables.append((param, table))
+    if not tables and left:
+        logger.info("zen: \"row_sharded\" found no embedding to shard: %s", left)
+    route.selected[:] = kept
+    return tables, left
+
+
+def full_weights(tables: Sequence[RowShardTable]) -> Dict[str, torch.Tensor]:
+    """Every table whole, on every rank, in the model's dtype (collective): for consolidated state
+    dicts and ``save_16bit_model``."""
+    return {t.name: gather_full(t.shard.detach(), t.layout, t.group, f"zen.{t.name}.consolidate")
+            for t in tables}
