@@ -586,22 +586,22 @@ def _row_shard_record(engine: Any) -> Dict[str, Any]:
 
 
 def _row_shard_summary(records: List[Dict[str, Any]], dp: int) -> Dict[str, Any]:
-    """Means over the timed steps: the row-sharded embedding's bytes per phase (sent + received
-    per rank) against stock ZeRO-3's two all-gathers and reduce-scatter of the whole table (ring:
+    """Per row-sharded table, means over the timed steps: bytes per phase (sent + received on
+    this rank) against stock ZeRO-3's two all-gathers and reduce-scatter of the whole table (ring:
     (n-1)/n of it each way per collective), and its memory on this rank."""
-    rows = [t for r in records for t in (r.get("row_sharded") or {}).values()]
-    if not rows:
-        return {}
-    mean = {k: float(np.mean([t[k] for t in rows])) for k in
-            ("fetched_rows", "remote_rows", "pushed_rows", "fetch_bytes_sent", "fetch_bytes_received",
-             "push_bytes_sent", "push_bytes_received")}
-    table = rows[-1]["table_bytes"]
-    zero3 = 3 * 2 * (dp - 1) * table / dp
-    wire = sum(mean[k] for k in ("fetch_bytes_sent", "fetch_bytes_received", "push_bytes_sent",
-                                 "push_bytes_received"))
-    return {"row_sharded": dict(mean, wire_bytes=wire, zero3_emb_bytes=zero3, vs_zero3=wire / zero3,
-                                table_bytes=table, held_bytes=rows[-1]["held"],
-                                peak_transient_bytes=max(t["peak_transient_bytes"] for t in rows))}
+    out: Dict[str, Any] = {}
+    for name in (records[-1].get("row_sharded") or {}) if records else ():
+        rows = [r["row_sharded"][name] for r in records if name in (r.get("row_sharded") or {})]
+        mean = {k: float(np.mean([t[k] for t in rows])) for k in
+                ("fetched_rows", "remote_rows", "pushed_rows", "fetch_bytes_sent", "fetch_bytes_received",
+                 "push_bytes_sent", "push_bytes_received")}
+        table = rows[-1]["table_bytes"]
+        zero3 = 3 * 2 * (dp - 1) * table / dp
+        wire = sum(mean[k] for k in ("fetch_bytes_sent", "fetch_bytes_received", "push_bytes_sent",
+                                     "push_bytes_received"))
+        out[name] = dict(mean, wire_bytes=wire, zero3_emb_bytes=zero3, vs_zero3=wire / zero3, table_bytes=table,
+                         held_bytes=rows[-1]["held"], peak_transient_bytes=max(t["peak_transient_bytes"] for t in rows))
+    return {"row_sharded": out} if out else {}
 
 
 def _embedding_summary(records: List[Dict[str, Any]]) -> Dict[str, Any]:

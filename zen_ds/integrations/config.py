@@ -184,7 +184,9 @@ class ZenConfig(BaseModel):
     micro-batch's rows from their owners, the gradient goes back to the owners, and nothing is
     all-gathered after the step, so no rank ever holds the whole table. Needs
     ``zen_ds.initialize`` (or ``zen_ds.enable()``) and ZeRO stage 1 or 2; ``optimizer_state``
-    must not be ``replicated``. Tied embeddings and other zen params stay on the usual route."""
+    must not be ``replicated``: with ``auto`` a table is row-sharded when that saves at least
+    ``shard_min_mb`` of parameters per rank, with ``sharded`` every table is. Tied embeddings and
+    other zen params stay on the usual route."""
 
     overlap: bool = False
     """Sync each zen param as soon as its gradient is final in the last backward of an optimizer

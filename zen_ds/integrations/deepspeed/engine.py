@@ -384,7 +384,7 @@ def _shard_embeddings(model: nn.Module, route: Route, zcfg: ZenConfig, mpu: Any,
     if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
         from zen_ds.integrations.params import data_parallel_group
         group = data_parallel_group(mpu)
-    tables, left = shard_embeddings(model, route, zcfg.seed, group)
+    tables, left = shard_embeddings(model, route, zcfg.seed, group, zcfg.optimizer_state, zcfg.shard_min_mb)
     if dist.get_rank() == 0:
         logger.info("zen: row-sharded embeddings %s%s", [t.name for _, t in tables],
                     f"; left on the usual route: {left}" if left else "")

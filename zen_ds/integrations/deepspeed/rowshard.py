@@ -253,7 +253,7 @@ class RowShardTable:
         st.served_rows += sum(recv_counts) - recv_counts[self.rank]
         st.fetch_bytes_sent += comm.bytes_sent
         st.fetch_bytes_received += comm.bytes_received
-        self._note_transient(_nbytes(uniq, inverse, positions, want, asked, served, got, local))
+        self._note_transient(uniq, inverse, positions, want, asked, served, got, local)
         del served, got
         pad = None
         if padding_idx is not None:
@@ -264,9 +264,14 @@ class RowShardTable:
             local.register_hook(self._collector(uniq))
         return F.embedding(inverse.view(ids.shape), local, padding_idx=pad, scale_grad_by_freq=scale_grad_by_freq)
 
-    def _note_transient(self, nbytes: int) -> None:
-        """Step-sized tensors alive now, on top of the step's gradient sum: the peak is reported."""
-        alive = nbytes + _nbytes(self._ids, self._sums, self.synced)
+    def _note_transient(self, *tensors: Optional[torch.Tensor]) -> None:
+        """Tensors zen allocated for this step that are alive now (``tensors`` and the step's
+        gradient sum and pushed result, each storage once): the largest such set is reported."""
+        seen, alive = set(), 0
+        for t in tensors + (self._ids, self._sums, self.synced):
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                alive += _nbytes(t)
         self.stats.peak_transient_bytes = max(self.stats.peak_transient_bytes, alive)
 
     def _collector(self, uniq: torch.Tensor) -> Callable[[torch.Tensor], None]:
@@ -286,7 +291,7 @@ class RowShardTable:
                                              torch.cat([self._sums, values]),
                                              (self.num_rows,) + self.row_shape).coalesce()
             self._ids, self._sums = merged.indices()[0], merged.values()
-        self._note_transient(_nbytes(grad))
+        self._note_transient(grad)
 
     @torch.no_grad()
     def push(self, prescale: float, postscale: float, comm_dtype: Optional[torch.dtype],
@@ -305,19 +310,20 @@ class RowShardTable:
         st = SyncStats()
         out = sparse_reduce_scatter(x, self.group, seed=self.layout.seed, prescale=prescale, postscale=postscale,
                                     options=options, stats=st, log_prefix=f"zen.{self.name}.push")
+        self._note_transient(x.indices, x.values, out)
         self.synced = out.float()
         self.stats.pushed_rows += int(x.indices.numel())
         self.stats.received_rows += st.nnz_result
         self.stats.push_bytes_sent += st.bytes_sent
         self.stats.push_bytes_received += st.bytes_received
-        self._note_transient(_nbytes(x.indices, x.values, out))
         self._ids = self._sums = None
 
     def grad_for_step(self, factor: float) -> Optional[torch.Tensor]:
-        """The master's gradient for the optimizer step (clip coefficient / loss scale applied)."""
-        if self.synced is None:
-            return None
-        return self.synced * factor if factor != 1.0 else self.synced
+        """The master's gradient for the optimizer step: the pushed result itself, times the clip
+        coefficient / loss scale in place (no second shard-sized tensor; the norm was taken)."""
+        if self.synced is not None and factor != 1.0:
+            self.synced.mul_(factor)
+        return self.synced
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -421,20 +427,29 @@ def _why_not(module: nn.Module, param: nn.Parameter, tied: Dict[int, List[str]],
     return None
 
 
-def shard_embeddings(model: nn.Module, route: Route, seed: int, group: Optional[dist.ProcessGroup]
+def shard_embeddings(model: nn.Module, route: Route, seed: int, group: Optional[dist.ProcessGroup],
+                     mode: str = "sharded", min_mb: float = 0.0
                      ) -> Tuple[List[Tuple[nn.Parameter, RowShardTable]], Dict[str, str]]:
     """Replace each row-shardable zen embedding of ``model`` by a :class:`RowShardedEmbedding`
     (collective: rank 0's tables are broadcast once) and take it out of ``route.selected``.
+    ``mode`` is ``"optimizer_state"``: with ``auto`` only tables whose sharding saves at least
+    ``min_mb`` MiB of parameters per rank are row-sharded (a small dense table, e.g. learned
+    positions, would move more bytes fetched and pushed than replicated); ``sharded``: all.
 
     Returns ``[(the original weight, its table)]`` (the caller moves the weights out of the client
     optimizer; nothing else keeps them) and ``{param name: why it stays on the usual route}``."""
     tied = tied_params(model)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     owner = {id(getattr(m, "weight", None)): (mod_name, m) for mod_name, m in model.named_modules()
              if isinstance(getattr(m, "weight", None), nn.Parameter)}
     tables, left, kept = [], {}, []
     for name, param, sparse in route.selected:
         mod_name, module = owner.get(id(param), (None, None))
         why = "not the weight of a module" if module is None else _why_not(module, param, tied, name)
+        saved = param.numel() * param.element_size() * (world - 1) / max(world, 1)
+        if why is None and mode == "auto" and saved < min_mb * (1 << 20):
+            why = (f"sharding saves {saved / (1 << 20):.3f} MiB per rank, under \"shard_min_mb\" {min_mb} "
+                   "(\"optimizer_state\": \"sharded\" row-shards every table)")
         if why is not None:
             left[name] = why
             kept.append((name, param, sparse))

@@ -9,9 +9,11 @@ Examples::
     python -m zen_ds sim -w tokens:sp32k,tokens=16384,hidden=4096,dtype=bf16 --ranks 16 128 1024
     python -m zen_ds sim fit tokens:sp32k,tokens=16384,hidden=4096 --ranks 4 16 128
     python -m zen_ds sim step --layers 100 --embedding 200000x64:2048 --ranks 16 1024 4096
+    python -m zen_ds sim rowshard -w lm:rows=128256,width=4096,tokens=16384,dtype=bf16 --ranks 128
 
 ``step`` prices a whole training step (many compressed layers and embedding tables, one
-handshake each) and reports the handshake's share (:mod:`zen_ds.tools.sim.step`).
+handshake each) and reports the handshake's share (:mod:`zen_ds.tools.sim.step`); ``rowshard``
+prices row-sharded embeddings against stock ZeRO-3's gathers (:mod:`zen_ds.tools.sim.rowshard`).
 
 ``tokens:FILE,...`` takes real token ids (``python -m zen_ds data prepare`` writes them), rank r
 the r-th contiguous chunk of ``tokens`` ids; ``fit`` calibrates the synthetic ``lm:`` workload to
@@ -170,6 +172,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return fit_main(argv[1:])
     if argv[:1] == ["step"]:  # python -m zen_ds sim step ...: zen_ds.tools.sim.step
         return step_main(argv[1:])
+    if argv[:1] == ["rowshard"]:  # python -m zen_ds sim rowshard ...: zen_ds.tools.sim.rowshard
+        from zen_ds.tools.sim.rowshard import main as rowshard_main
+        return rowshard_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     return run(args, ["python -m zen_ds sim", *argv])

@@ -21,7 +21,7 @@ import ds_cases as dc  # noqa: E402
 
 WORLD = 4
 CLIP = 0.05
-ROWS = {"row_sharded": True}
+ROWS = {"row_sharded": True, "optimizer_state": "sharded"}  # "auto" would keep these small tables
 SHARDED = {"optimizer_state": "sharded"}
 
 CASES = [
