@@ -509,7 +509,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--optimizer-state", choices=("auto", "sharded", "replicated"), default="auto",
                    help="zen.optimizer_state: where zen keeps its params' optimizer state at ZeRO-1/2")
     p.add_argument("--row-sharded", action="store_true",
-                   help="zen.row_sharded (ZeRO-1/2, --tp 1, untied): no rank holds the whole word embedding")
+                   help="zen.row_sharded (ZeRO-1/2/3, --tp 1, untied): no rank holds the whole word embedding")
     p.add_argument("--data", default=None, help="text file (default: synthetic Zipf stream)")
     p.add_argument("--tokenizer", choices=("hash", "byte"), default="hash",
                    help="for --data: hashed words into the vocab, or UTF-8 bytes")
@@ -526,8 +526,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tokens and args.data:
         p.error("give --tokens or --data, not both")
-    if args.row_sharded and (args.tied or args.tp > 1 or args.pp > 1 or args.zero not in (1, 2) or not args.zen):
-        p.error("--row-sharded needs --zero 1 or 2, --tp 1, --pp 1, an untied embedding and zen")
+    if args.row_sharded and (args.tied or args.tp > 1 or args.pp > 1 or args.zero == 0 or not args.zen):
+        p.error("--row-sharded needs --zero 1, 2 or 3, --tp 1, --pp 1, an untied embedding and zen")
     if args.tokens and not vocab_given:
         args.vocab = tokens_vocab(args.tokens)
     elif args.tokens:

@@ -85,6 +85,28 @@ def ds_config(case: Dict[str, Any], world: int) -> Dict[str, Any]:
     return cfg
 
 
+def zero3_config(world: int, zen: Any = None, gas: int = 1, clip: float = 0.0, dtype: str = "fp32",
+                 adamw: bool = False, micro: int = MICRO) -> Dict[str, Any]:
+    """A ZeRO-3 ds_config (no persistence threshold, 16-bit weights gathered on save); ``zen``:
+    the "zen" block (None: stock DeepSpeed)."""
+    cfg: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * gas * world, "gradient_clipping": clip, "steps_per_print": 10_000,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_gather_16bit_weights_on_model_save": True},
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # dynamic loss scale from 2^8: overflows are real, not provoked by the scale
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
+    if adamw:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}
+    if zen is not None:
+        cfg["zen"] = dict(zen)
+    return cfg
+
+
 def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 

@@ -178,15 +178,15 @@ class ZenConfig(BaseModel):
     and optimizer state per rank; smaller params stay replicated (one collective less per step)."""
 
     row_sharded: bool = False
-    """Row-sharded embeddings (docs/zero.md, ZeRO-1/2 only): each untied ``nn.Embedding`` (or
+    """Row-sharded embeddings (docs/zero.md, ZeRO stage 1, 2 or 3): each untied ``nn.Embedding`` (or
     megatron-core ``VocabParallelEmbedding`` without tensor parallelism) that zen syncs is held as
     1/n of its rows per rank, with their masters and optimizer state; a forward fetches only the
     micro-batch's rows from their owners, the gradient goes back to the owners, and nothing is
-    all-gathered after the step, so no rank ever holds the whole table. Needs
-    ``zen_ds.initialize`` (or ``zen_ds.enable()``) and ZeRO stage 1 or 2; ``optimizer_state``
-    must not be ``replicated``: with ``auto`` a table is row-sharded when that saves at least
-    ``shard_min_mb`` of parameters per rank, with ``sharded`` every table is. Tied embeddings and
-    other zen params stay on the usual route."""
+    all-gathered after the step, so no rank ever holds the whole table (under ZeRO-3 DeepSpeed
+    never gathers it). Needs ``zen_ds.initialize`` (or ``zen_ds.enable()``) and ZeRO stage 1, 2
+    or 3; ``optimizer_state`` must not be ``replicated``: with ``auto`` a table is row-sharded
+    when that saves at least ``shard_min_mb`` of parameters per rank, with ``sharded`` every table
+    is. Tied embeddings and other zen params stay on the usual route."""
 
     overlap: bool = False
     """Sync each zen param as soon as its gradient is final in the last backward of an optimizer

@@ -98,7 +98,7 @@ class ZenEngineState:
             self.reduce()  # the overlapped sync of the earlier backward: finish and store it
         if self.reduced_this_step:
             self.reduced_this_step = False
-            if self.owned is not None and self.zero_stage in (1, 2):
+            if self.owned is not None and self.zero_stage in (1, 2, 3):
                 self.owned.clear()  # ZeRO-1/2 keep only the last boundary backward's reduction
             elif self.owned is not None:  # zen's fp32 sums restart; the synced ones are kept
                 self.owned.carry_synced()
@@ -161,12 +161,17 @@ class ZenEngineState:
                 grads, failure = [], describe(exc)
             synced = during_sync(lambda: self.reducer.sync(grads, failure), step, self.reducer.group)
         self.storage.write(synced)
-        if self.owned is not None and self.owned.tables:  # row-sharded embeddings: push to the owners
-            before, after = self.reducer.scale.factors(self.reducer.world_size)
-            for table in self.owned.tables:
-                during_sync(lambda: table.push(before, after, self.reducer.scale.comm_dtype, self.options),
-                            step, self.reducer.group)
+        self.push_tables()
         self.reduced_this_step = True
+
+    def push_tables(self) -> None:
+        """Row-sharded embeddings: this step's gradient rows to their owners (collective)."""
+        if self.owned is None or not self.owned.tables:
+            return
+        before, after = self.reducer.scale.factors(self.reducer.world_size)
+        for table in self.owned.tables:
+            during_sync(lambda: table.push(before, after, self.reducer.scale.comm_dtype, self.options),
+                        self.reducer.step, self.reducer.group)
 
     def zen_norm(self, local: bool = False) -> torch.Tensor:
         """Norm of zen's synced grads (owned route), in DeepSpeed's loss-scaled units; ``local``:
@@ -283,6 +288,9 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
     if route.owned:
         owned = OwnedParams(zen_params, _plan, facts.dp_group(engine), zcfg.optimizer_state,
                             zcfg.shard_min_mb, zcfg.seed, route.setup.half)
+    elif _plan is not None and _plan.tables:  # ZeRO-3 with row-sharded embeddings: zen steps those only
+        owned = OwnedParams([], _plan, facts.dp_group(engine), "sharded", zcfg.shard_min_mb, zcfg.seed,
+                            route.setup.half)
     reducer = ZenReducer(zcfg, zen_params, facts.dp_group(engine), facts.scale_rule(engine), compressor,
                          facts.loss_scale_reader(engine) if route.setup.fp16 else None, options=options)
     shuffle = None
@@ -361,6 +369,9 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         tables = _shard_embeddings(model, route, zcfg, mpu, args, dist_init_required)
     if route.owned:
         plan, kwargs["model_parameters"] = plan_owned(route, model, optimizer, model_parameters, ds_dict, tables)
+    elif tables:  # ZeRO-3: DeepSpeed keeps every other param; zen steps only the tables' rows
+        plan, kwargs["model_parameters"] = plan_owned(Route(route.name, [], route.setup), model, optimizer,
+                                                      model_parameters, ds_dict, tables)
     out = ds_initialize(**kwargs)
     engine = out[0]
     if plan is not None:

@@ -180,25 +180,31 @@ def _wrap_checkpointing(engine: Any, state: "ZenEngineState") -> None:
 
 def _wrap_save_16bit_model(engine: Any, state: "ZenEngineState") -> None:
     """Row-sharded embeddings are not in the module: ``save_16bit_model`` gathers them (so every
-    rank must call it, as under ZeRO-3) and DeepSpeed saves them with the module's weights."""
+    rank must call it, as under ZeRO-3) and DeepSpeed saves them with the module's weights (its
+    ``module_state_dict`` under ZeRO-1/2, its consolidated 16-bit state dict under ZeRO-3)."""
     from zen_ds.integrations.deepspeed.rowshard import full_weights
 
     orig_save = engine.save_16bit_model
+    names = ("_zero3_consolidated_16bit_state_dict" if state.zero3 is not None else "module_state_dict",)
 
     def save_16bit_model(*args: Any, **kwargs: Any) -> Any:
         whole = full_weights(state.owned.tables)
-        orig_state_dict = engine.module_state_dict
 
-        def module_state_dict(*a: Any, **k: Any) -> Dict[str, Any]:
-            sd = orig_state_dict(*a, **k)
-            sd.update(whole)
-            return sd
+        def with_tables(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def state_dict(*a: Any, **k: Any) -> Any:
+                sd = orig(*a, **k)
+                if sd is not None:  # ZeRO-3 consolidates on rank 0 only
+                    sd.update(whole)
+                return sd
+            return state_dict
 
-        engine.module_state_dict = module_state_dict
+        for name in names:
+            setattr(engine, name, with_tables(getattr(engine, name)))
         try:
             return orig_save(*args, **kwargs)
         finally:
-            del engine.module_state_dict  # back to the class's method
+            for name in names:
+                delattr(engine, name)  # back to the class's method
 
     engine.save_16bit_model = save_16bit_model
 
@@ -240,10 +246,35 @@ def _install_zero3(engine: Any, state: "ZenEngineState") -> None:
     orig_take_step = engine._take_model_step
 
     def take_model_step(*args: Any, **kwargs: Any) -> Any:
+        if state.owned is None:
+            out = orig_take_step(*args, **kwargs)
+            state.after_step(engine.was_step_applied())
+            return out
+        # row-sharded embeddings: push their rows, let DeepSpeed step (its norm includes theirs),
+        # then step their shards with its clip coefficient, loss scale and learning rate
+        state.push_tables()
+        loss_scale = optimizer_loss_scale(opt)
+        base_lr = opt.param_groups[0]["lr"] if opt.param_groups else None
         out = orig_take_step(*args, **kwargs)
-        state.after_step(engine.was_step_applied())
+        applied = engine.was_step_applied()
+        try:
+            if applied:
+                state.step_owned(loss_scale, float(opt._global_grad_norm), base_lr)
+        finally:
+            state.owned.clear()
+            state.after_step(applied)
         return out
 
+    if state.owned is not None:
+        orig_norms = opt._get_norm_groups
+
+        def _get_norm_groups() -> List[Any]:
+            """The tables' norm (loss-scaled, summed over their shards) joins DeepSpeed's groups:
+            clipping stays global, and a non-finite one skips the step on every rank."""
+            norms = orig_norms()
+            device = norms[0].device if norms and torch.is_tensor(norms[0]) else "cpu"
+            return list(norms) + [state.zen_norm().to(device)]
+        opt._get_norm_groups = _get_norm_groups
     opt.reduce_independent_p_g_buckets_and_remove_grads = reduce_independent_p_g_buckets_and_remove_grads
     engine._take_model_step = take_model_step
     _wrap_checkpointing(engine, state)

@@ -259,9 +259,10 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
                "inside its own buckets and steps them from fp32 partitions, where zen's compressed sync "
                "and its error-feedback residual do not fit yet. Remove \"zen.compression\" or use ZeRO "
                "stage 0-2")
-    if zen_config.optimizer_state == "sharded":
-        refuse("\"zen.optimizer_state\": \"sharded\" is for ZeRO stage 1/2; ZeRO-3 already partitions the "
-               "optimizer state of every param. Remove the key (or set it to \"auto\")")
+    if zen_config.optimizer_state == "sharded" and not zen_config.row_sharded:
+        refuse("\"zen.optimizer_state\": \"sharded\" is for ZeRO stage 1/2 (and, with \"row_sharded\", row-shards "
+               "every table); ZeRO-3 already partitions the optimizer state of every param. Remove the key "
+               "(or set it to \"auto\")")
     if zen_config.scheme not in ("auto", "balanced"):
         refuse(f"\"zen.scheme\": \"{zen_config.scheme}\" does not apply under ZeRO stage 3: the gradient "
                "must land in ZeRO-3's contiguous partitions, so zen pushes the non-zero rows to their "
@@ -321,14 +322,11 @@ def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[Selected
 
 
 def _refuse_for_row_sharded(setup: DeepSpeedSetup) -> None:
-    """Row-sharded embeddings are built on the owned route (ZeRO-1/2): zen steps the shards."""
-    if setup.zero_stage >= 3:
-        refuse("\"zen.row_sharded\" is not supported under ZeRO stage 3 yet: DeepSpeed would partition and "
-               "gather the table itself. Use ZeRO stage 1 or 2 (the table is then held 1/n per rank, with its "
-               "optimizer state), or set \"row_sharded\": false to keep zen's ZeRO-3 gradient path")
+    """Row-sharded embeddings: zen steps the shards itself with DeepSpeed's clip coefficient, loss
+    scale and schedule, which ZeRO-1/2 (the owned route) and ZeRO-3 expose."""
     if setup.zero_stage == 0:
-        refuse("\"zen.row_sharded\" needs ZeRO stage 1 or 2 (zen steps each rank's rows itself there); "
-               "set zero_optimization.stage to 1 or 2, or remove \"row_sharded\"")
+        refuse("\"zen.row_sharded\" needs ZeRO stage 1, 2 or 3 (zen steps each rank's rows itself, with "
+               "DeepSpeed's clipping and loss scale); set zero_optimization.stage, or remove \"row_sharded\"")
     if setup.pipeline:
         refuse("\"zen.row_sharded\" with a DeepSpeed PipelineModule is not supported; remove \"row_sharded\"")
     for flag, what in ((setup.moe, "MoE layers"), (setup.sequence_parallel, "sequence parallelism"),

@@ -2,8 +2,10 @@
 
 Under ZeRO-1/2 with sharded optimizer state (:mod:`.sharded`) each rank already steps only the rows
 it owns, but then all-gathers the updated rows so that every rank can run the forward on the
-replicated table. For an input embedding the rows a forward needs are known before it runs (the
-micro-batch's ids), so that all-gather, and the replicated table itself, are not needed:
+replicated table; stock ZeRO-3 all-gathers the whole table before the forward and again before
+the backward and reduce-scatters its dense gradient. For an input embedding the rows a forward
+needs are known before it runs (the micro-batch's ids), so neither the gathers nor a whole table
+anywhere are needed (ZeRO stage 1, 2 or 3):
 
 * **Ownership.** Rank ``r`` owns the rows balanced's seeded permutation gives it
   (:class:`~zen_ds.core.partition.ShardLayout`, an equal share of rows and of the frequent low
@@ -27,8 +29,9 @@ micro-batch's ids), so that all-gather, and the replicated table itself, are not
   owner gets the summed gradient of its shard.
 * **Step.** zen's optimizer steps the shard with DeepSpeed's clip coefficient (the shards' squared
   norms are summed over the ranks once), loss scale and learning-rate schedule, exactly as the
-  sharded route (:class:`~zen_ds.integrations.deepspeed.owned.OwnedParams`) steps its shards.
-  AdamW and friends step every row they own, as stock DeepSpeed does. Nothing is gathered after it.
+  sharded route (:class:`~zen_ds.integrations.deepspeed.owned.OwnedParams`) steps its shards
+  (under ZeRO-3 the tables' norm joins ZeRO-3's norm groups, :mod:`.install`). AdamW and friends
+  step every row they own, as stock DeepSpeed does. Nothing is gathered after it.
 
 Tied embeddings (the output layer needs every row), embeddings with ``max_norm`` (it rewrites the
 rows it reads), ``nn.EmbeddingBag``, megatron-core embeddings with tensor parallelism and params
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -395,13 +398,9 @@ class RowShardedEmbedding(nn.Module):
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         weight = state_dict.get(prefix + "weight")
-        if weight is not None:  # a consolidated state dict: take this rank's rows
+        if weight is not None:  # a consolidated state dict: take this rank's rows (not unexpected)
             self.table.load_full(weight)
             state_dict = {k: v for k, v in state_dict.items() if k != prefix + "weight"}
-            del_key = prefix + "weight"
-            unexpected = args[4] if len(args) > 4 else None
-            if isinstance(unexpected, list) and del_key in unexpected:
-                unexpected.remove(del_key)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -454,8 +453,13 @@ def shard_embeddings(model: nn.Module, route: Route, seed: int, group: Optional[
             left[name] = why
             kept.append((name, param, sparse))
             continue
-        table = RowShardTable(name, param, group, seed)
-        replacement = RowShardedEmbedding(table, int(param.shape[1]), getattr(module, "padding_idx", None),
+        if hasattr(param, "ds_id"):  # built inside deepspeed.zero.Init: partitioned already
+            import deepspeed
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                table = RowShardTable(name, param, group, seed)
+        else:
+            table = RowShardTable(name, param, group, seed)
+        replacement = RowShardedEmbedding(table, int(table.row_shape[0]), getattr(module, "padding_idx", None),
                                           bool(getattr(module, "scale_grad_by_freq", False)))
         replacement.train(module.training)
         parent_name, _, attr = mod_name.rpartition(".")

@@ -32,22 +32,8 @@ BIG_VOCAB = 20000
 
 def _config(zen: bool, gas: int = 1, clip: float = 0.0, dtype: str = "fp32", adamw: bool = False,
             micro: int = dc.MICRO) -> Dict[str, Any]:
-    cfg: Dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
-        "train_batch_size": micro * gas * WORLD, "gradient_clipping": clip, "steps_per_print": 10_000,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_gather_16bit_weights_on_model_save": True},
-    }
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if dtype == "fp16":  # dynamic loss scale from 2^8: overflows are real, not provoked by the scale
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
-    if adamw:
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}}
-    if zen:
-        cfg["zen"] = {"enabled": True, "stats_interval": 0}
-    return cfg
+    return dc.zero3_config(WORLD, {"enabled": True, "stats_interval": 0} if zen else None, gas, clip, dtype,
+                           adamw, micro)
 
 
 def _gathered(engine) -> Dict[str, Any]:

@@ -28,13 +28,20 @@ def test_replicated_optimizer_state_contradicts_it():
         load_zen_config({"zen": {"row_sharded": True, "optimizer_state": "replicated"}})
 
 
-@pytest.mark.parametrize("stage, words", [(0, "ZeRO stage 1 or 2"), (3, "not supported under ZeRO stage 3")])
-def test_stages_without_zen_owned_rows_refuse_it(stage, words):
-    with pytest.raises(ZenConfigError, match=words):
-        _route(stage)
+def test_zero_0_refuses_it():
+    with pytest.raises(ZenConfigError, match="ZeRO stage 1, 2 or 3"):
+        _route(0)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_1_2_take_the_owned_route(stage):
     route = _route(stage)
     assert route.owned and route.names == ["0.weight"]
+
+
+def test_zero3_accepts_it_and_sharded_state_means_every_table():
+    assert _route(3).name == "zero3"
+    assert _route(3, optimizer_state="sharded").name == "zero3"
+    cfg = {"zero_optimization": {"stage": 3}, "zen": {"optimizer_state": "sharded"}}
+    with pytest.raises(ZenConfigError, match="optimizer_state"):  # without row_sharded: as before
+        resolve_route(cfg, nn.Embedding(4, 2), load_zen_config(cfg))
