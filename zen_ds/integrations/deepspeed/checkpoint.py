@@ -160,8 +160,8 @@ def fp32_state_dict(checkpoint_dir: str, tag: Optional[Any] = None) -> Dict[str,
             tag = fh.read().strip()
     out: Dict[str, torch.Tensor] = {}
     try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        out.update(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=str(tag)))
+        from zen_ds.integrations.deepspeed.install import zero_checkpoint_fp32  # DeepSpeed's internals
+        out.update(zero_checkpoint_fp32(checkpoint_dir, str(tag)))
     except Exception as exc:  # noqa: BLE001 - a zen-only checkpoint still yields its tables
         logger.warning("zen: DeepSpeed's zero_to_fp32 could not read %s (%s); returning zen's tables only",
                        checkpoint_dir, exc)

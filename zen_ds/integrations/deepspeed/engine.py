@@ -374,6 +374,10 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
                                                       model_parameters, ds_dict, tables)
     out = ds_initialize(**kwargs)
     engine = out[0]
+    if tables:  # DeepSpeed moved and cast the module's params: the tables follow
+        dtype = torch.bfloat16 if route.setup.bf16 else torch.float16 if route.setup.fp16 else torch.float32
+        for _, table in tables:
+            table.place(engine.device, dtype)
     if plan is not None:
         plan.fix_lr_ratio(getattr(engine.optimizer, "param_groups", None))
     attach(engine, zcfg, _route=route, _plan=plan)

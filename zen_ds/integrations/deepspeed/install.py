@@ -179,32 +179,41 @@ def _wrap_checkpointing(engine: Any, state: "ZenEngineState") -> None:
 
 
 def _wrap_save_16bit_model(engine: Any, state: "ZenEngineState") -> None:
-    """Row-sharded embeddings are not in the module: ``save_16bit_model`` gathers them (so every
-    rank must call it, as under ZeRO-3) and DeepSpeed saves them with the module's weights (its
-    ``module_state_dict`` under ZeRO-1/2, its consolidated 16-bit state dict under ZeRO-3)."""
+    """Row-sharded embeddings are not in the module, so the whole-model exports gather them.
+    ZeRO-3: DeepSpeed's consolidated 16-bit state dict (collective already; ``save_16bit_model``
+    and Accelerate's ``get_state_dict``, hence the Trainer's ``save_model()``, read it) gets the
+    tables. ZeRO-1/2: ``save_16bit_model`` gathers them, so every rank must call it, and DeepSpeed
+    saves them with ``module_state_dict``'s weights."""
     from zen_ds.integrations.deepspeed.rowshard import full_weights
 
+    if state.zero3 is not None:
+        orig_consolidated = engine._zero3_consolidated_16bit_state_dict
+
+        def consolidated(*args: Any, **kwargs: Any) -> Any:
+            sd = orig_consolidated(*args, **kwargs)
+            whole = full_weights(state.owned.tables)
+            if sd is not None:  # rank 0 only
+                sd.update({name: value.cpu() for name, value in whole.items()})
+            return sd
+        engine._zero3_consolidated_16bit_state_dict = consolidated
+        return
+
     orig_save = engine.save_16bit_model
-    names = ("_zero3_consolidated_16bit_state_dict" if state.zero3 is not None else "module_state_dict",)
 
     def save_16bit_model(*args: Any, **kwargs: Any) -> Any:
         whole = full_weights(state.owned.tables)
+        orig_state_dict = engine.module_state_dict
 
-        def with_tables(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def state_dict(*a: Any, **k: Any) -> Any:
-                sd = orig(*a, **k)
-                if sd is not None:  # ZeRO-3 consolidates on rank 0 only
-                    sd.update(whole)
-                return sd
-            return state_dict
+        def module_state_dict(*a: Any, **k: Any) -> Dict[str, Any]:
+            sd = orig_state_dict(*a, **k)
+            sd.update(whole)
+            return sd
 
-        for name in names:
-            setattr(engine, name, with_tables(getattr(engine, name)))
+        engine.module_state_dict = module_state_dict
         try:
             return orig_save(*args, **kwargs)
         finally:
-            for name in names:
-                delattr(engine, name)  # back to the class's method
+            del engine.module_state_dict  # back to the class's method
 
     engine.save_16bit_model = save_16bit_model
 
@@ -278,6 +287,12 @@ def _install_zero3(engine: Any, state: "ZenEngineState") -> None:
     opt.reduce_independent_p_g_buckets_and_remove_grads = reduce_independent_p_g_buckets_and_remove_grads
     engine._take_model_step = take_model_step
     _wrap_checkpointing(engine, state)
+
+
+def zero_checkpoint_fp32(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
+    """DeepSpeed's ``zero_to_fp32`` consolidation of a checkpoint's params (offline, one process)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    return get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
 
 
 def _load_flags(orig_load: Callable[..., Any], *args: Any, **kwargs: Any) -> Dict[str, bool]:

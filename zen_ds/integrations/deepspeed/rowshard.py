@@ -137,16 +137,17 @@ class RowShardTable:
             self.master = self.shard
         return self.master
 
-    def convert(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Follow the module's ``.to()`` / ``.half()`` / ``.bfloat16()`` as a parameter would."""
-        with torch.no_grad():
-            new = fn(self.shard)
-        if new is self.shard:
-            return
-        if isinstance(self.shard, nn.Parameter) and not isinstance(new, nn.Parameter):
-            self.shard.data = new  # the fp32 master is the shard: keep the object the optimizer holds
+    @torch.no_grad()
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Put the rows where and in what dtype the engine put the model's params (DeepSpeed moves
+        and casts the module while it builds the engine; the table is not a param of it). The
+        fp32 master follows the device; in fp32 it is the shard itself."""
+        if self.half and self.master is not None:
+            self.master.data = self.master.data.to(device)
+            self.shard = self.shard.to(device=device, dtype=dtype)
         else:
-            self.shard = new
+            self.shard.data = self.shard.data.to(device=device, dtype=dtype)
+        self.rows = self.rows.to(device)
 
     def layout_key(self) -> Dict[str, Any]:
         return {"name": self.name, "num_rows": self.num_rows, "world_size": self.world_size, "rank": self.rank,
@@ -379,6 +380,7 @@ class RowShardedEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
         self.scale_grad_by_freq = scale_grad_by_freq
+        self.register_load_state_dict_pre_hook(_take_rows_of_whole_table)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.lookup(ids, self.padding_idx, self.scale_grad_by_freq)
@@ -392,20 +394,18 @@ class RowShardedEmbedding(nn.Module):
                 "to another layer need \"row_sharded\": false")
         return super().__getattr__(name)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> "RowShardedEmbedding":
-        self.table.convert(fn)
-        return super()._apply(fn, *args, **kwargs)
-
-    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        weight = state_dict.get(prefix + "weight")
-        if weight is not None:  # a consolidated state dict: take this rank's rows (not unexpected)
-            self.table.load_full(weight)
-            state_dict = {k: v for k, v in state_dict.items() if k != prefix + "weight"}
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, row-sharded 1/{self.table.world_size} "
                 f"({self.table.shard_size} rows here)")
+
+
+def _take_rows_of_whole_table(module: RowShardedEmbedding, state_dict: Dict[str, Any], prefix: str,
+                              *args: Any) -> None:
+    """``load_state_dict`` with a whole table (a consolidated state dict): this rank takes its
+    rows, and the key is consumed (torch loads from its own copy of the dict)."""
+    weight = state_dict.pop(prefix + "weight", None)
+    if weight is not None:
+        module.table.load_full(weight)
 
 
 def _why_not(module: nn.Module, param: nn.Parameter, tied: Dict[int, List[str]], name: str) -> Optional[str]:
