@@ -148,8 +148,11 @@ def _checkpoint(rank: int, world: int, root: str) -> Dict[str, Any]:
                      if torch.is_tensor(a))
     same_tables = all(torch.equal(a["shard"], b["shard"]) and torch.equal(a["master"], b["master"])
                       for a, b in zip(straight_sd["owned"]["tables"], resumed_sd["owned"]["tables"]))
+    eng3 = _engine(case, world)  # fine-tuning from the checkpoint: the weights only
+    eng3.load_checkpoint(root, tag="t3", load_module_only=True)
     out = {"straight": straight, "resumed": resumed, "same_state": same_state, "same_tables": same_tables,
-           "at_save": at_save}
+           "at_save": at_save, "module_only": _weights(eng3),
+           "fresh_state": not zen_ds.state_of(eng3).owned.optimizer.state}
     if rank == 0:
         offline = fp32_state_dict(root, "t3")
         exported = torch.load(os.path.join(root, "export", "model.bin"), map_location="cpu", weights_only=False)
@@ -275,6 +278,13 @@ def test_checkpoint_resumes_bit_identically(results):
         for key, value in r["straight"].items():
             assert np.array_equal(value, r["resumed"][key]), key
         assert r["same_state"] and r["same_tables"]
+
+
+def test_load_module_only_takes_the_saved_rows_and_fresh_state(results):
+    for r in dc.case_results(results, "ckpt"):
+        for key, value in r["at_save"].items():
+            assert np.array_equal(r["module_only"][key], value), key
+        assert r["fresh_state"]
 
 
 def test_consolidated_weights_equal(results):
