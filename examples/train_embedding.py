@@ -14,6 +14,13 @@ DeepSpeed's ``communication_data_type``: 2 in bf16/fp16 runs, 4 in fp32). Rank 0
 step's supports (rows per rank, union, rows held by one rank alone) for the lossless bound that
 ``launch/quickstart_report.py`` prints. Steps count from 1, like zen's own stats lines. ``--out``
 writes a JSON summary.
+
+``--runs zen-dense,deepspeed-dense,zen-sparse,deepspeed-sparse --out-dir DIR`` trains those runs one
+after the other in one launch (each with a fresh model, optimizer and engine, same seed), writing
+``DIR/<run>.json``: what the quick start does, paying the launcher's and the ranks' start-up once
+instead of four times. A stock run that DeepSpeed cannot do (``sparse=True`` at ZeRO-1/2/3) writes its
+error to its JSON (``"error"``) instead of records; the launch still succeeds when every rank
+failed alike, and fails when a zen run fails.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zen_ds
+from zipf_ids import support_stats, zipf_batch
 
 
 class EmbeddingModel(nn.Module):
@@ -44,17 +52,6 @@ class EmbeddingModel(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.embed(ids).mean(1).to(self.mlp[0].weight.dtype)).squeeze(-1).float()
-
-
-def zipf_batch(step: int, rank: int, batch: int, context: int, vocab: int, device) -> tuple:
-    """Zipf-distributed ids (frequent ids are shared across ranks) and a learnable target."""
-    g = torch.Generator().manual_seed(1_000_003 * step + rank)
-    ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
-    probs = ranks.pow(-1.1)
-    ids = torch.multinomial(probs / probs.sum(), batch * context, replacement=True, generator=g)
-    ids = ids.view(batch, context)
-    target = ((ids % 7).float().mean(1) - 3.0) / 2.0
-    return ids.to(device), target.to(device)
 
 
 def gather_supports(ids: torch.Tensor) -> List[torch.Tensor]:
@@ -72,14 +69,15 @@ def gather_supports(ids: torch.Tensor) -> List[torch.Tensor]:
     return [g[g >= 0].cpu() for g in gathered]
 
 
-def support_stats(supports: List[torch.Tensor]) -> Dict[str, object]:
-    """Rows per rank, rows of the union, and rows each rank holds alone. Any lossless scheme must
-    deliver to rank r at least the union's rows r does not hold alone (``union - alone[r]``); the
-    held-alone ones r already has in final form."""
-    union, holders = torch.unique(torch.cat(supports), return_counts=True)
-    alone = [int((holders[torch.searchsorted(union, s)] == 1).sum()) for s in supports]
-    return {"nnz_per_rank": [int(s.numel()) for s in supports], "union_rows": int(union.numel()),
-            "alone_per_rank": alone}
+RUN_NAMES = ("zen-dense", "deepspeed-dense", "zen-sparse", "deepspeed-sparse")
+
+
+def parse_runs(text: str) -> List[str]:
+    runs = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in RUN_NAMES]
+    if unknown or not runs or len(set(runs)) != len(runs):
+        raise argparse.ArgumentTypeError(f"--runs takes distinct names from {', '.join(RUN_NAMES)}; got {text!r}")
+    return runs
 
 
 def main() -> None:
@@ -94,15 +92,54 @@ def main() -> None:
     parser.add_argument("--embedding-grad", choices=("sparse", "dense"), default="sparse",
                         help="nn.Embedding(sparse=True) COO grads, or dense grads with zero rows")
     parser.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
+    parser.add_argument("--runs", type=parse_runs, default=None,
+                        help=f"train these runs in turn in this launch (from {', '.join(RUN_NAMES)}); "
+                             "overrides --no-zen / --embedding-grad / --out")
+    parser.add_argument("--out-dir", default=None, help="with --runs: write DIR/<run>.json (rank 0)")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
+    if args.runs and not args.out_dir:
+        parser.error("--runs needs --out-dir")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     deepspeed.init_distributed()
+    if not args.runs:
+        train(args, zen=not args.no_zen, embedding_grad=args.embedding_grad, out=args.out)
+        return
+    for name in args.runs:
+        label, kind = name.split("-")
+        out = os.path.join(args.out_dir, f"{name}.json")
+        if dist.get_rank() == 0:
+            print(f"== {name}: {'zen_ds' if label == 'zen' else 'deepspeed'}.initialize, "
+                  f"nn.Embedding(sparse={kind == 'sparse'})", flush=True)
+        if label == "zen":
+            train(args, zen=True, embedding_grad=kind, out=out)
+            continue
+        try:
+            train(args, zen=False, embedding_grad=kind, out=out)
+            failure = None
+        except Exception as exc:  # stock DeepSpeed on a configuration it cannot run
+            failure = f"{type(exc).__name__}: {exc}"
+            if dist.get_rank() == 0:
+                print(f"error: {name}: {failure.splitlines()[0].split('. ')[0]}", flush=True)
+        # A failure is only survivable when every rank failed alike (a local error, no collective
+        # left half done); then the next run starts from aligned ranks.
+        outcomes: List = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, failure is None)
+        if len(set(outcomes)) != 1:
+            raise RuntimeError(f"{name}: the ranks disagree on whether the run failed ({outcomes})")
+        if failure is not None and dist.get_rank() == 0:
+            with open(out, "w") as fh:
+                json.dump({"zen": False, "embedding_grad": kind, "error": failure}, fh, indent=1)
+
+
+def train(args: argparse.Namespace, zen: bool, embedding_grad: str, out) -> None:
+    """One training run: a fresh model, optimizer and engine; rank 0 prints a line per step and
+    writes the JSON summary to ``out``."""
     torch.manual_seed(0)
-    model = EmbeddingModel(args.vocab, args.hidden, sparse=args.embedding_grad == "sparse")
+    model = EmbeddingModel(args.vocab, args.hidden, sparse=embedding_grad == "sparse")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    init = deepspeed.initialize if args.no_zen else zen_ds.initialize
+    init = zen_ds.initialize if zen else deepspeed.initialize
     engine, _, _, _ = init(args=args, model=model, optimizer=optimizer)
     state = zen_ds.state_of(engine)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -144,7 +181,7 @@ def main() -> None:
             st = state.reducer.last_stats["embed.weight"]
             emb_wire, scheme = st.bytes_sent, st.scheme
             density, agg = st.density, st.result_density
-        elif args.embedding_grad == "sparse":
+        elif embedding_grad == "sparse":
             emb_wire = (world - 1) * (8 + n_max * (8 + emb_row_bytes))
             scheme, density, agg = "deepspeed-allgather", n_max / args.vocab, float("nan")
         elif zero3:  # ZeRO-3 reduce-scatters the whole dense table (ring, per rank, each way)
@@ -160,13 +197,14 @@ def main() -> None:
             print(f"step {step:3d}/{args.steps} loss {float(mean_loss) / world:.6f} "
                   f"reduce {1e3 * reduce_seconds[-1]:7.2f} ms embed sent {emb_wire / 1e6:8.3f} MB ({scheme}) "
                   f"mlp sent {dense_wire / 1e6:.3f} MB", flush=True)
-    if rank == 0 and args.out:
-        with open(args.out, "w") as fh:
+    if rank == 0 and out:
+        with open(out, "w") as fh:
             json.dump({"zen": state is not None, "world": world, "vocab": args.vocab, "hidden": args.hidden,
                        "micro_batch": micro, "context": args.context,
-                       "embedding_grad": args.embedding_grad, "wire_element_bytes": wire_element,
+                       "embedding_grad": embedding_grad, "wire_element_bytes": wire_element,
                        "zero_stage": int(engine.zero_optimization_stage()),
                        "embed_dense_bytes": args.vocab * emb_row_bytes, "records": records}, fh, indent=1)
+    engine.destroy()  # the next run of --runs builds its own
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ bytes bound of the run's own supports, the simulator's prediction for the same m
 16, 128 and 1024 ranks, a verdict line a person can quote, and the error line of a failed run.
 
     python launch/quickstart_report.py compare ZEN.json DEEPSPEED.json [--verdict FILE]
-    python launch/quickstart_report.py unsupported ZEN.json DEEPSPEED.log --config CFG [--verdict FILE]
+    python launch/quickstart_report.py unsupported ZEN.json DEEPSPEED.json --config CFG [--verdict FILE]
     python launch/quickstart_report.py error-line RUN.log
 
 Bytes are per rank and step, medians over the steps after the first (it includes one-time op
@@ -84,7 +84,7 @@ def _zipf_bound_ratios(run: Dict, world_sizes: Sequence[int]) -> Dict[int, float
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # ids only: no device, no detection notice
     import torch
-    from train_embedding import support_stats, zipf_batch
+    from zipf_ids import support_stats, zipf_batch
 
     ratios = {}
     for n in world_sizes:
@@ -209,10 +209,11 @@ def _fewer(ratio: float) -> str:
     return f"{ratio:.0f}x fewer" if ratio >= 10 else f"{ratio:.2f}x fewer" if ratio > 1 else f"{1 / ratio:.2f}x more"
 
 
-def unsupported(zen: Dict, ds_log: str, config: str) -> Optional[str]:
-    """The verdict clause when stock DeepSpeed failed: None unless it failed for lack of support."""
-    line = error_line(ds_log)
-    if not _UNSUPPORTED.search(ds_log):
+def unsupported(zen: Dict, ds_error: str, config: str) -> Optional[str]:
+    """The verdict clause when stock DeepSpeed failed (``ds_error``: its error, or a log holding it):
+    None unless it failed for lack of support."""
+    line = error_line(ds_error)
+    if not _UNSUPPORTED.search(ds_error):
         print(f"DeepSpeed's run failed: {line}")
         return None
     with open(config) as fh:
@@ -240,7 +241,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cmp_.add_argument("--verdict")
     uns = sub.add_parser("unsupported")
     uns.add_argument("zen")
-    uns.add_argument("deepspeed_log")
+    uns.add_argument("deepspeed", help="the stock run's JSON, whose \"error\" says why it stopped")
     uns.add_argument("--config", required=True)
     uns.add_argument("--verdict")
     err = sub.add_parser("error-line")
@@ -257,8 +258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.deepspeed) as fh:
             verdict = compare(zen, json.load(fh))
     else:
-        with open(args.deepspeed_log, errors="replace") as fh:
-            verdict = unsupported(zen, fh.read(), args.config)
+        with open(args.deepspeed) as fh:
+            verdict = unsupported(zen, json.load(fh).get("error", "(no error recorded)"), args.config)
         if verdict is None:
             return 1
     if args.verdict:

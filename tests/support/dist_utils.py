@@ -43,8 +43,10 @@ DEFAULT_TIMEOUT = 600
 # skipped by multiprocessing). Nothing here may start a thread or touch a device at import.
 # torch._dynamo and DeepSpeed's Muon module are what every ``deepspeed.initialize`` imports first
 # (its optimizer check; torch's optimizers' compile hooks): ~10 s per rank on a 2-core machine.
+# rank_preload adds transformers and megatron-core when installed (a few test modules' ranks).
 PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "deepspeed",
-             "deepspeed.runtime.zero.muon.muon_optimizer", "zen_ds", "zen_ds.integrations.deepspeed"]
+             "deepspeed.runtime.zero.muon.muon_optimizer", "zen_ds", "zen_ds.integrations.deepspeed",
+             "rank_preload"]
 
 
 def _context(new_interpreter: bool = False):
