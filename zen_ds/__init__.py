@@ -25,7 +25,8 @@ from zen_ds.core.partition import ShardLayout, owner
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats, last_sync_stats
 from zen_ds.integrations.config import ZenConfig, ZenConfigError
-from zen_ds.integrations.deepspeed.engine import attach, disable, enable, full_state_dict, initialize, state_of
+from zen_ds.integrations.deepspeed.engine import attach, full_state_dict, initialize, state_of
+from zen_ds.integrations.deepspeed.switch import disable, enable
 from zen_ds.integrations.deepspeed.faults import ZenReductionError
 from zen_ds.model.cost import CostModel
 from zen_ds.schemes import scheme_names

@@ -48,6 +48,12 @@ LONG_MODULES = {
     "zen_ds.tools.cluster": (600, "the emulated cluster: namespaces, links, tc shaping, teardown "
                              "and the launcher share the host table; a tool"),
     "zen_ds.tools.data": (480, "tokenizer loaders, the indexed-dataset writer and its CLI; a tool"),
+    "zen_ds.integrations.deepspeed.install": (480, "with facts.py the only code on DeepSpeed's engine "
+                                              "internals: porting zen to another DeepSpeed release "
+                                              "means re-checking this one file"),
+    "zen_ds.integrations.deepspeed.owned": (420, "the owned route's one optimizer: its plan before "
+                                            "DeepSpeed builds, accumulation, and the replicated, "
+                                            "sharded and row-sharded steps over its masters"),
 }
 
 

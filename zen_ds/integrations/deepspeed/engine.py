@@ -8,8 +8,6 @@ attributes on the engine.
 """
 from __future__ import annotations
 
-import copy
-import inspect
 import logging
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
@@ -28,12 +26,11 @@ from zen_ds.integrations.deepspeed.norms import local_sum_of_squares, model_para
 from zen_ds.integrations.deepspeed.overlap import OverlappedSync, grad_reader, mirror_group
 from zen_ds.integrations.deepspeed.owned import OwnedParams, OwnedPlan, clip_coefficient, plan_owned
 from zen_ds.integrations.deepspeed.params import reducer_params
-from zen_ds.integrations.deepspeed.rowshard import shard_embeddings
+from zen_ds.integrations.deepspeed.rowshard_model import shard_model_embeddings
 from zen_ds.integrations.deepspeed.routes import (
     DeepSpeedSetup,
     Route,
     ds_config_dict,
-    read_ds_config,
     refuse,
     resolve_route,
 )
@@ -46,7 +43,7 @@ from zen_ds.sync.options import SyncOptions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["initialize", "attach", "state_of", "enable", "disable", "ZenEngineState", "full_state_dict"]
+__all__ = ["initialize", "attach", "state_of", "ZenEngineState", "full_state_dict"]
 
 _REGISTRY: "weakref.WeakKeyDictionary[Any, ZenEngineState]" = weakref.WeakKeyDictionary()
 
@@ -366,7 +363,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     ops.ensure_built()
     plan, tables = None, []
     if zcfg.row_sharded:
-        tables = _shard_embeddings(model, route, zcfg, mpu, args, dist_init_required)
+        tables = shard_model_embeddings(model, route, zcfg, mpu, args, dist_init_required)
     if route.owned:
         plan, kwargs["model_parameters"] = plan_owned(route, model, optimizer, model_parameters, ds_dict, tables)
     elif tables:  # ZeRO-3: DeepSpeed keeps every other param; zen steps only the tables' rows
@@ -382,65 +379,3 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
         plan.fix_lr_ratio(getattr(engine.optimizer, "param_groups", None))
     attach(engine, zcfg, _route=route, _plan=plan)
     return out
-
-
-def _shard_embeddings(model: nn.Module, route: Route, zcfg: ZenConfig, mpu: Any, args: Any,
-                      dist_init_required: Optional[bool]) -> List[Any]:
-    """``"row_sharded"``: replace the row-shardable embeddings before DeepSpeed sees the model
-    (collective over the data-parallel group, which must exist now: DeepSpeed's own
-    ``init_distributed`` is called first when it would be called anyway)."""
-    if not dist.is_initialized():
-        import deepspeed
-        if dist_init_required is False:
-            refuse("\"zen.row_sharded\" needs torch.distributed initialized before zen_ds.initialize "
-                   "(dist_init_required=False was passed); call deepspeed.init_distributed() first")
-        deepspeed.init_distributed(dist_backend=getattr(args, "dist_backend", None) or None)
-    group = None
-    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
-        from zen_ds.integrations.params import data_parallel_group
-        group = data_parallel_group(mpu)
-    tables, left = shard_embeddings(model, route, zcfg.seed, group, zcfg.optimizer_state, zcfg.shard_min_mb)
-    if dist.get_rank() == 0:
-        logger.info("zen: row-sharded embeddings %s%s", [t.name for _, t in tables],
-                    f"; left on the usual route: {left}" if left else "")
-    return tables
-
-
-# ----------------------------------------------------------------------------- enable / disable
-def _initialize_with_zen(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
-    """``deepspeed.initialize`` while zen is enabled: a config with a ``"zen"`` block goes through
-    :func:`initialize` (as a dict, wherever it came from), any other call reaches DeepSpeed untouched."""
-    original = install.original_initialize()
-    bound = inspect.signature(original).bind(*args, **kwargs)
-    call = dict(bound.arguments)
-    given = call.get("config") if call.get("config") is not None else call.get("config_params")
-    from_args = getattr(call.get("args"), "deepspeed_config", None)
-    if (given is None) == (from_args is None):  # no config, or two: DeepSpeed explains either
-        return original(*args, **kwargs)
-    ds_dict = read_ds_config(given if given is not None else from_args)
-    if ds_dict is None or ds_dict.get("zen") is None:
-        return original(*args, **kwargs)
-    call["config"], call["config_params"] = ds_dict, None
-    if from_args is not None:  # DeepSpeed refuses a config in both places: keep the caller's args intact
-        call["args"] = copy.copy(call["args"])
-        call["args"].deepspeed_config = None
-    return initialize(**call)
-
-
-def enable() -> None:
-    """After this, ``deepspeed.initialize`` attaches zen whenever its config has a ``"zen"`` block
-    (a dict, a JSON/HJSON path or a base64 string, as ``config=`` or ``args.deepspeed_config``).
-    Idempotent; :func:`disable` undoes it.
-
-    Code that bound ``from deepspeed import initialize`` before this call keeps the original.
-    Call it before building a model under ``deepspeed.zero.Init`` (ZeRO-3, ``from_pretrained``,
-    the Trainer): it also applies :func:`zen_ds.integrations.deepspeed.install.preload_for_zero_init`.
-    """
-    facts.require_deepspeed()
-    install.preload_for_zero_init()
-    install.patch_initialize(_initialize_with_zen)
-
-
-def disable() -> None:
-    """Give ``deepspeed.initialize`` back to DeepSpeed (idempotent). Engines built meanwhile keep zen."""
-    install.unpatch_initialize()

@@ -45,6 +45,7 @@ from zen_ds.integrations.deepspeed.facts import (
 from zen_ds.integrations.deepspeed.norms import replica_norm
 from zen_ds.integrations.deepspeed.owned import clip_coefficient
 from zen_ds.integrations.deepspeed.routes import refuse
+from zen_ds.integrations.deepspeed.rowshard import full_weights
 from zen_ds.sync.allreduce import sparse_allreduce
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -184,8 +185,6 @@ def _wrap_save_16bit_model(engine: Any, state: "ZenEngineState") -> None:
     and Accelerate's ``get_state_dict``, hence the Trainer's ``save_model()``, read it) gets the
     tables. ZeRO-1/2: ``save_16bit_model`` gathers them, so every rank must call it, and DeepSpeed
     saves them with ``module_state_dict``'s weights."""
-    from zen_ds.integrations.deepspeed.rowshard import full_weights
-
     if state.zero3 is not None:
         orig_consolidated = engine._zero3_consolidated_16bit_state_dict
 

@@ -39,14 +39,14 @@ that are not embeddings stay on the usual route, each with its reason in the log
 
 The whole table exists only when asked for, collectively: :func:`full_weights` (the consolidated
 state dict, ``save_16bit_model``) and, offline, ``zen_ds.integrations.deepspeed.checkpoint.
-consolidate`` from the per-rank checkpoint files.
+fp32_state_dict`` (:mod:`.offline`) from the per-rank checkpoint files.
 """
 from __future__ import annotations
 
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,15 +57,13 @@ from zen_ds.core.comm import Communicator
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
-from zen_ds.integrations.params import is_vocab_parallel_embedding
-from zen_ds.integrations.deepspeed.routes import Route, tied_params
 from zen_ds.integrations.deepspeed.sharded import gather_full
 from zen_ds.sync.options import SyncOptions, ZenInputError
 from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RowShardTable", "RowShardedEmbedding", "RowShardStats", "shard_embeddings", "full_weights"]
+__all__ = ["RowShardTable", "RowShardStats", "full_weights"]
 
 
 @dataclass
@@ -366,109 +364,6 @@ class RowShardTable:
                 f"{fetch} + push {push} = {s.wire_bytes} B (sent+recv) vs ZeRO-1/2 {zero12} B "
                 f"({100.0 * s.wire_bytes / max(zero12, 1):.2f}%), ZeRO-3 {zero3} B "
                 f"({100.0 * s.wire_bytes / max(zero3, 1):.2f}%)")
-
-
-class RowShardedEmbedding(nn.Module):
-    """Stands in for an ``nn.Embedding`` (or a megatron-core ``VocabParallelEmbedding`` without
-    tensor parallelism) whose table is row-sharded: same forward, no ``weight`` parameter."""
-
-    def __init__(self, table: RowShardTable, embedding_dim: int, padding_idx: Optional[int] = None,
-                 scale_grad_by_freq: bool = False) -> None:
-        super().__init__()
-        self.table = table
-        self.num_embeddings = table.num_rows
-        self.embedding_dim = embedding_dim
-        self.padding_idx = padding_idx
-        self.scale_grad_by_freq = scale_grad_by_freq
-        self.register_load_state_dict_pre_hook(_take_rows_of_whole_table)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.lookup(ids, self.padding_idx, self.scale_grad_by_freq)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "weight":
-            raise AttributeError(
-                f"zen: {self.table.name} is row-sharded (\"zen.row_sharded\"): no rank holds the whole table, "
-                "so the embedding has no weight. Use zen_ds.full_state_dict(engine) (collective) or "
-                "engine.save_16bit_model() for the whole table; resizing the vocabulary and tying the weight "
-                "to another layer need \"row_sharded\": false")
-        return super().__getattr__(name)
-
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, row-sharded 1/{self.table.world_size} "
-                f"({self.table.shard_size} rows here)")
-
-
-def _take_rows_of_whole_table(module: RowShardedEmbedding, state_dict: Dict[str, Any], prefix: str,
-                              *args: Any) -> None:
-    """``load_state_dict`` with a whole table (a consolidated state dict): this rank takes its
-    rows, and the key is consumed (torch loads from its own copy of the dict)."""
-    weight = state_dict.pop(prefix + "weight", None)
-    if weight is not None:
-        module.table.load_full(weight)
-
-
-def _why_not(module: nn.Module, param: nn.Parameter, tied: Dict[int, List[str]], name: str) -> Optional[str]:
-    """Why this zen param cannot be row-sharded (None when it can)."""
-    if id(param) in tied:
-        return (f"tied to {', '.join(n for n in tied[id(param)] if n != name)}: the other layer needs every row")
-    if is_vocab_parallel_embedding(module):
-        tp = getattr(module, "tp_group", None)
-        if tp is not None and tp.size() > 1:
-            return "a VocabParallelEmbedding with tensor parallelism (its rows are split over TP ranks already)"
-        if getattr(module, "reduce_scatter_embeddings", False):
-            return "a VocabParallelEmbedding with reduce_scatter_embeddings (sequence parallelism)"
-        return None
-    if type(module) is not nn.Embedding:
-        return f"a {type(module).__name__}, not an nn.Embedding"
-    if module.max_norm is not None:
-        return "max_norm rewrites the rows it reads in place"
-    return None
-
-
-def shard_embeddings(model: nn.Module, route: Route, seed: int, group: Optional[dist.ProcessGroup],
-                     mode: str = "sharded", min_mb: float = 0.0
-                     ) -> Tuple[List[Tuple[nn.Parameter, RowShardTable]], Dict[str, str]]:
-    """Replace each row-shardable zen embedding of ``model`` by a :class:`RowShardedEmbedding`
-    (collective: rank 0's tables are broadcast once) and take it out of ``route.selected``.
-    ``mode`` is ``"optimizer_state"``: with ``auto`` only tables whose sharding saves at least
-    ``min_mb`` MiB of parameters per rank are row-sharded (a small dense table, e.g. learned
-    positions, would move more bytes fetched and pushed than replicated); ``sharded``: all.
-
-    Returns ``[(the original weight, its table)]`` (the caller moves the weights out of the client
-    optimizer; nothing else keeps them) and ``{param name: why it stays on the usual route}``."""
-    tied = tied_params(model)
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    owner = {id(getattr(m, "weight", None)): (mod_name, m) for mod_name, m in model.named_modules()
-             if isinstance(getattr(m, "weight", None), nn.Parameter)}
-    tables, left, kept = [], {}, []
-    for name, param, sparse in route.selected:
-        mod_name, module = owner.get(id(param), (None, None))
-        why = "not the weight of a module" if module is None else _why_not(module, param, tied, name)
-        saved = param.numel() * param.element_size() * (world - 1) / max(world, 1)
-        if why is None and mode == "auto" and saved < min_mb * (1 << 20):
-            why = (f"sharding saves {saved / (1 << 20):.3f} MiB per rank, under \"shard_min_mb\" {min_mb} "
-                   "(\"optimizer_state\": \"sharded\" row-shards every table)")
-        if why is not None:
-            left[name] = why
-            kept.append((name, param, sparse))
-            continue
-        if hasattr(param, "ds_id"):  # built inside deepspeed.zero.Init: partitioned already
-            import deepspeed
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                table = RowShardTable(name, param, group, seed)
-        else:
-            table = RowShardTable(name, param, group, seed)
-        replacement = RowShardedEmbedding(table, int(table.row_shape[0]), getattr(module, "padding_idx", None),
-                                          bool(getattr(module, "scale_grad_by_freq", False)))
-        replacement.train(module.training)
-        parent_name, _, attr = mod_name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
-        tables.append((param, table))
-    if not tables and left:
-        logger.info("zen: \"row_sharded\" found no embedding to shard: %s", left)
-    route.selected[:] = kept
-    return tables, left
 
 
 def full_weights(tables: Sequence[RowShardTable]) -> Dict[str, torch.Tensor]:

@@ -40,6 +40,7 @@ from zen_ds.tools.sim.fit import main as fit_main
 from zen_ds.tools.sim.report import format_table, plot_speedups, write_json
 from zen_ds.tools.sim.simulate import simulate
 from zen_ds.tools.sim.step import main as step_main
+from zen_ds.tools.sim.rowshard import main as rowshard_main
 from zen_ds.tools.sim.supports import generate_supports
 from zen_ds.tools.sim.throughput import format_throughput, throughput_rows
 
@@ -173,7 +174,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["step"]:  # python -m zen_ds sim step ...: zen_ds.tools.sim.step
         return step_main(argv[1:])
     if argv[:1] == ["rowshard"]:  # python -m zen_ds sim rowshard ...: zen_ds.tools.sim.rowshard
-        from zen_ds.tools.sim.rowshard import main as rowshard_main
         return rowshard_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)

@@ -125,7 +125,7 @@ def _checkpoint(rank: int, world: int, root: str) -> Dict[str, Any]:
     and does the same 2. Then the offline consolidation and save_16bit_model of the saved state."""
     import torch
     import zen_ds
-    from zen_ds.integrations.deepspeed.checkpoint import fp32_state_dict
+    from zen_ds.integrations.deepspeed.offline import fp32_state_dict
     case = dict(name="ckpt", zero=2, gas=2, clip=CLIP, sparse=False, dtype="bf16", opt="adamw", zen_extra=ROWS)
     eng = _engine(case, world)
     _train(rank, eng, case, 3)
