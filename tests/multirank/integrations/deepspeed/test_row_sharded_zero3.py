@@ -1,4 +1,4 @@
-"""Row-sharded embeddings under ZeRO-3, against stock ZeRO-3 on 4 gloo ranks (one spawn).
+"""Row-sharded embeddings under ZeRO-3, against stock ZeRO-3 on gloo ranks (2; ZEN_DS_ZERO3_WORLD=4: 4), one spawn.
 
 DeepSpeed never sees the tables (replaced before ``deepspeed.initialize``); zen steps their rows
 with ZeRO-3's clip coefficient (the tables' norm joins its norm groups), loss scale and learning
@@ -20,7 +20,9 @@ pytest.importorskip("transformers")
 from dist_utils import run_ranks  # noqa: E402
 import ds_cases as dc  # noqa: E402
 
-WORLD = 4
+# As test_zero3.py: 2 ranks in the suite, ZEN_DS_ZERO3_WORLD=4 for the 4-rank runs BENCHMARKS
+# reports (a 4-rank ZeRO-3 job costs twice the CPU on a 2-core machine).
+WORLD = int(os.environ.get("ZEN_DS_ZERO3_WORLD", "2"))
 VOCAB = 320
 ROWS = {"row_sharded": True, "optimizer_state": "sharded", "stats_interval": 0}
 
