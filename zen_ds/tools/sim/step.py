@@ -5,8 +5,9 @@ or several embedding tables. The plug-in agrees on all of them in one step agree
 (:func:`zen_ds.sync.step.sync_step`): one metadata collective for the step (``allgather``: the
 records of every tensor; ``reduce``: every tensor's summary in one all-reduce, then the records
 of the tensors whose plan is not ``dense``; ``auto``: the cheaper), and with ``reduce`` or
-``auto`` a tensor whose plan is ``dense`` keeps it from step to step without a handshake (its
-checks ride in its all-reduce: three more elements). This module prices that at 16-4096 ranks:
+``auto`` a tensor whose plan is ``dense``, ``agsparse`` or ``balanced`` keeps it from step to
+step without a handshake (its checks ride in its all-reduce, three more elements, or in the
+sparse scheme's first message, the per-rank counts it exchanges anyway). This module prices that at 16-4096 ranks:
 the first step (every tensor agreed) and the steady state (stable plans skipping), per tensor
 ``auto``'s choice and time, and DeepSpeed's best path (the faster of its dense all-reduce,
 priced as NCCL runs it, and its sparse all-gather after a size all-gather), then the step's
@@ -45,10 +46,11 @@ from zen_ds.sync.agreement import choose_handshake
 from zen_ds.sync.agreement import handshake_seconds as step_handshake_seconds
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
-from zen_ds.sync.step import CHECK_SLOTS
+from zen_ds.sync.step import CHECK_SLOTS, STABLE_SCHEMES
 from zen_ds.tools.bench.workloads import _log_miss
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, Topology
+from zen_ds.tools.sim.simulate import stable_counts_bytes
 
 __all__ = ["StepTensor", "TensorCost", "StepResult", "topk_tensor", "zipf_tensor",
            "layer_sizes", "handshake_seconds", "simulate_step", "HANDSHAKES", "main"]
@@ -203,7 +205,7 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
                   handshake_mode: str = "allgather", per_tensor: bool = False) -> StepResult:
     """The step's syncs as the plug-in runs them (:mod:`zen_ds.sync.step`), at steady state:
     one step agreement (``handshake_mode``) for the tensors without a stable plan, stable
-    ``dense`` plans (``reduce``, ``auto``) without one; the first step's agreement in
+    plans (``reduce``, ``auto``; :data:`~zen_ds.sync.step.STABLE_SCHEMES`) without one; the first step's agreement in
     ``first_handshake``. ``per_tensor``: the old protocol, each tensor its own handshake
     (:func:`handshake_seconds`; with ``reduce`` the records gathered where the plan is not
     dense). Every tensor's ``auto`` is the planner's memoised choice on the slowest rank;
@@ -231,7 +233,7 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
     result = StepResult(n, ranks_per_node, first_mode=first)
     result.first_handshake = step_handshake_seconds(opts, n, first, count, gathered)
     stable = handshake_mode != "allgather"
-    left = sum(1 for c in chosen if not (stable and c == "dense"))
+    left = sum(1 for c in chosen if not (stable and c in STABLE_SCHEMES))
     if left:
         result.mode = choose_handshake(opts, n, left, left)
         result.step_handshake = step_handshake_seconds(opts, n, result.mode, left, left)
@@ -242,6 +244,8 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
         if stable and pick == "dense":  # the checks: CHECK_SLOTS more elements in the all-reduce
             extra = -(-CHECK_SLOTS // shape.row_numel)
             own = price(replace(shape, num_rows=shape.num_rows + extra), ("dense",), cost)[0]["dense"]
+        elif stable and pick in STABLE_SCHEMES:  # the checks ride in the scheme's counts
+            own += cost.link_seconds((n - 1) * stable_counts_bytes(pick, shape), 0.0, n - 1)
         algorithm = cost.choose(estimates["dense"]).algorithm
         result.tensors.append(TensorCost(t.name, pick, own, 0.0, seconds["dense"], algorithm,
                                          sizes + seconds["agsparse"]))
