@@ -25,6 +25,12 @@ left its class, or a change of the union's class, drops the plan after this step
 The result is the scheme's own code on this step's counts, bit for bit what a sync with a
 handshake gives for the same plan; only the planning inputs are an earlier step's.
 
+Each stable sparse plan sends its own count message, while the step's agreement is one
+collective for all of its tensors: where other tensors need the agreement anyway, several
+stable sparse plans may cost more latency alone than their records cost in it.
+:func:`sparse_plans_skip` weighs the two under the cost model each step (agreed inputs only);
+when joining is cheaper they run with the agreement, as plans made afresh.
+
 A stable call neither builds a sketch nor prices the schemes: its record holds the named fields
 only. All decisions follow values every rank sees alike, so every rank decides alike.
 """
@@ -33,7 +39,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -47,17 +53,19 @@ from zen_ds.core.handshake import (
     same_agreed_fields,
 )
 from zen_ds.core.inputs import inspect_input
+from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
 from zen_ds.model.shape import SyncShape
 from zen_ds.planner import plan_and_price
+from zen_ds.schemes.balanced import pads_pull
 from zen_ds.schemes.base import StalePlan
-from zen_ds.sync.agreement import Agreement, Prepared
+from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, handshake_seconds
 from zen_ds.sync.allreduce import local_rows, sparse_allreduce
 from zen_ds.sync.options import SyncOptions, TensorLike
 
 __all__ = ["StepCall", "StepPlans", "StablePlan", "count_class", "CHECK_SLOTS", "STABLE_SCHEMES",
-           "remember", "stable_sync"]
+           "remember", "stable_sync", "checks_message_bytes", "sparse_plans_skip"]
 
 # Elements the checks of a stable dense plan add to its all-reduce: problem, mismatch, changed.
 CHECK_SLOTS = 3
@@ -159,6 +167,40 @@ def _prediction(shape: SyncShape, scheme: str, opts: SyncOptions) -> Tuple[float
     its first collective)."""
     _, slowest, estimates = plan_and_price(shape, (scheme,), opts.cost_model)
     return (estimates[scheme].bytes_sent, estimates[scheme].bytes_received, slowest[scheme])
+
+
+def checks_message_bytes(scheme: str, shape: SyncShape) -> int:
+    """Bytes to each peer of a stable ``agsparse`` or ``balanced`` plan's first message, which
+    carries its checks: one int64 count, or, where balanced's pull pads to the owners' bounds,
+    all of the rank's counts (an all-gather)."""
+    n = shape.world_size
+    if scheme == "balanced" and pads_pull(
+            shape, ShardLayout(shape.num_rows, n, 0).id_dtype.itemsize + shape.row_bytes):
+        return 8 * n
+    return 8
+
+
+def sparse_plans_skip(opts: SyncOptions, n: int, sparse: Sequence[Tuple[str, SyncShape]],
+                      others: int, others_gathered: int) -> bool:
+    """Whether this step's stable sparse plans run without the step's agreement. Each then
+    sends its own count message (``n - 1`` latency steps), while joining the agreement costs
+    only their records' bytes where other tensors need it anyway: the cheaper under the cost
+    model, from agreed inputs only (the same answer on every rank). ``sparse``: each stable
+    sparse plan's (scheme, planned shape); ``others``: the tensors without a stable plan,
+    ``others_gathered`` of them expected to need their records."""
+    if not sparse:
+        return True
+    cost = opts.cost_model
+
+    def agreement(syncs: int, gathered: int) -> float:
+        mode = choose_handshake(opts, n, syncs, gathered) if syncs else "allgather"
+        return handshake_seconds(opts, n, mode, syncs, gathered)
+
+    alone = sum(cost.link_seconds((n - 1) * checks_message_bytes(scheme, shape), 0.0, n - 1)
+                for scheme, shape in sparse)
+    joined = len(sparse)
+    return agreement(others, others_gathered) + alone <= agreement(others + joined,
+                                                                  others_gathered + joined)
 
 
 def _drop(plans: StepPlans, name: str) -> None:

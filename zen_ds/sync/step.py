@@ -46,6 +46,7 @@ from zen_ds.sync.stable import (  # noqa: F401  (StablePlan, CHECK_SLOTS...: thi
     StepPlans,
     count_class,
     remember,
+    sparse_plans_skip,
     stable_sync,
 )
 
@@ -88,6 +89,15 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
     if not keep:
         plans.stable.clear()
     stable = [keep and c.name in plans.stable for c in calls]
+    sparse = [i for i, s in enumerate(stable)
+              if s and plans.stable[calls[i].name].scheme != "dense"]
+    others = [c.name for c, s in zip(calls, stable) if not s]
+    kept = [(plans.stable[calls[i].name].scheme, plans.stable[calls[i].name].planned)
+            for i in sparse]
+    if not sparse_plans_skip(opts, n, kept, len(others),
+                             sum(1 for name in others if name in plans.gathered)):
+        for i in sparse:  # cheaper in the step's agreement than alone (zen_ds.sync.stable)
+            stable[i] = False
     prepared = [_prepare_call(c, o, group, fields_only=s)
                 for c, o, s in zip(calls, each, stable)]
     step_comm = Communicator.for_group(prepared[0].comm.group, "zen.step")

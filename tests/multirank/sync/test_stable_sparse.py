@@ -20,16 +20,16 @@ NUM_ROWS = 8000
 WIDTH = 128
 
 
-def _grad(rank: int, step: int, count: int, shared: bool) -> torch.Tensor:
+def _grad(rank: int, step: int, count: int, shared: bool, width: int = WIDTH) -> torch.Tensor:
     """``count`` rows: the same rows on every rank (``shared``: many duplicates, so balanced
     exchanges its pull sizes) or rows of this rank's own (few duplicates: a padded pull)."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.zeros(NUM_ROWS, WIDTH)
+    x = torch.zeros(NUM_ROWS, width)
     if shared:
         ids = torch.randperm(NUM_ROWS, generator=torch.Generator().manual_seed(step))[:count]
     else:
         ids = rank + WORLD * torch.randperm(NUM_ROWS // WORLD, generator=gen)[:count]
-    x[ids] = torch.randn(count, WIDTH, generator=gen)
+    x[ids] = torch.randn(count, width, generator=gen)
     return x
 
 
@@ -49,17 +49,19 @@ def _dense(y) -> torch.Tensor:
                                                        or y.is_sparse) else y
 
 
-def _steady(rank: int, world: int, scheme: str, kind: str, shared: bool) -> Dict[str, object]:
+def _steady(rank: int, world: int, scheme: str, kind: str, shared: bool, width: int
+            ) -> Dict[str, object]:
     import zen_ds
+    from zen_ds.sync.stable import checks_message_bytes
     from zen_ds.sync.step import StepPlans, sync_step
 
     opts = zen_ds.SyncOptions(handshake="auto")
     reference = zen_ds.SyncOptions()
     plans = StepPlans()
     seen: Dict[str, List[object]] = {"equal": [], "names": [], "schemes": [], "stable": [],
-                                     "sums": []}
+                                     "sums": [], "first_bytes": [], "count_bytes": []}
     for step in range(4):
-        x = _grad(rank, step, 800, shared)
+        x = _grad(rank, step, 800, shared, width)
         stats = zen_ds.SyncStats()
         call = _call(x.clone(), kind, scheme)
         got = _dense(sync_step([call], options=opts, plans=plans, stats=[stats])[0]).clone()
@@ -70,16 +72,23 @@ def _steady(rank: int, world: int, scheme: str, kind: str, shared: bool) -> Dict
         seen["equal"].append(torch.equal(got, want))
         seen["sums"].append(got)
         seen["names"].append([c.log_name for c in stats.collectives])
+        seen["first_bytes"].append(stats.collectives[0].bytes_sent)
         seen["schemes"].append(stats.scheme)
         seen["stable"].append(plans.stable["emb"].scheme if "emb" in plans.stable else None)
+        plan = plans.stable.get("emb")
+        seen["count_bytes"].append(None if plan is None else
+                                   checks_message_bytes(plan.scheme, plan.planned))
     return seen
 
 
-@pytest.mark.parametrize("scheme,shared", [("balanced", True), ("balanced", False),
-                                           ("agsparse", False), ("auto", True)])
+@pytest.mark.parametrize("scheme,shared,width", [
+    ("balanced", True, WIDTH), ("balanced", False, WIDTH),
+    ("balanced", False, 4),  # narrow rows, disjoint: the pull pads, the counts are all-gathered
+    ("agsparse", False, WIDTH), ("auto", True, WIDTH)])
 @pytest.mark.parametrize("kind", ["inplace", "rows", "new"])
-def test_stable_sparse_equals_full_handshake(scheme: str, shared: bool, kind: str) -> None:
-    results = run_ranks(WORLD, _steady, scheme, kind, shared, timeout=TIMEOUT)
+def test_stable_sparse_equals_full_handshake(scheme: str, shared: bool, width: int,
+                                             kind: str) -> None:
+    results = run_ranks(WORLD, _steady, scheme, kind, shared, width, timeout=TIMEOUT)
     first = results[0]
     for r in results:
         assert all(r["equal"]), r["equal"]  # bit for bit, the handshake's plan and code
@@ -92,11 +101,16 @@ def test_stable_sparse_equals_full_handshake(scheme: str, shared: bool, kind: st
     # the first of them the counts carrying the checks.
     assert any("handshake" in n for n in first["names"][0])
     counts = {"balanced": "emb.balanced.counts", "agsparse": "emb.agsparse.sizes"}[chosen]
-    for names in first["names"][1:]:
+    # One int64 to each peer, or (balanced with a padded pull) all of a rank's counts: the
+    # bytes the simulator prices (zen_ds.sync.stable.checks_message_bytes).
+    per_peer = first["count_bytes"][0]
+    assert per_peer == (8 * WORLD if width == 4 else 8)
+    for names, sent in zip(first["names"][1:], first["first_bytes"][1:]):
         assert not any("handshake" in n for n in names), names
         assert names[0].endswith(counts.split(".", 1)[1]), names
+        assert sent == (WORLD - 1) * per_peer
     for step in range(4):
-        want = sum(_grad(q, step, 800, shared) for q in range(WORLD))
+        want = sum(_grad(q, step, 800, shared, width) for q in range(WORLD))
         want = want / WORLD if kind == "inplace" else want * 0.5
         for r in results:
             torch.testing.assert_close(r["sums"][step], want, rtol=1e-5, atol=1e-6)
@@ -205,3 +219,55 @@ def test_stable_sparse_replans_on_a_class_change(scheme: str) -> None:
                    for q in range(WORLD)) / WORLD
         for q in results:
             torch.testing.assert_close(q["sums"][step], want, rtol=1e-5, atol=1e-6)
+
+
+_SEED = {"a": 0, "b": 50}
+
+
+def _several(rank: int, world: int) -> Dict[str, List[object]]:
+    import zen_ds
+    from zen_ds.sync.step import StepCall, StepPlans, sync_step
+
+    opts = zen_ds.SyncOptions(handshake="auto", density_threshold=0.5)  # "full": dense
+    seen: Dict[str, List[object]] = {"names": [], "sums": [], "stable": []}
+    for combo in (("a", "b"), ("a", "full")):
+        plans = StepPlans()
+        for step in range(3):
+            calls = []
+            for name in combo:
+                x = torch.ones(64, 8) * (rank + 1) if name == "full" else _grad(
+                    rank, step + _SEED[name], 800, False)
+                calls.append(StepCall(x, out=x, scheme="auto" if name == "full" else "balanced",
+                                      key=name, log_prefix=f"zen.{name}"))
+            stats = [zen_ds.SyncStats() for _ in calls]
+            sums = sync_step(calls, options=opts, plans=plans, stats=stats)
+            seen["names"].append([c.log_name for s in stats for c in s.collectives])
+            seen["sums"].append([y.clone() for y in sums])
+            seen["stable"].append(sorted(plans.stable))
+    return seen
+
+
+def test_several_stable_sparse_plans_join_the_step_agreement() -> None:
+    """Each stable sparse plan alone sends its own count message (``n - 1`` latency steps); two
+    of them cost more than their records in one step agreement, so they join it (the cost
+    model's choice, alike on every rank); one beside a stable dense plan runs alone."""
+    results = run_ranks(WORLD, _several, timeout=TIMEOUT)
+    for r in results[1:]:
+        assert r["names"] == results[0]["names"] and r["stable"] == results[0]["stable"]
+    names, stable = results[0]["names"], results[0]["stable"]
+    assert stable[1] == ["a", "b"] and stable[4] == ["a", "full"]
+    # Steps 1-2 of ("a", "b"): the step's agreement, no count message of their own.
+    for per in names[1:3]:
+        assert "zen.step.handshake" in per, per
+        assert not any(n.endswith("balanced.counts") for n in per), per
+    # Steps 1-2 of ("a", "full"): no handshake; "a" sends its counts, "full" its checks in-band.
+    for per in names[4:6]:
+        assert not any("handshake" in n for n in per), per
+        assert "zen.a.balanced.counts" in per and "zen.full.dense" in per, per
+    for r in results:
+        for at, combo in ((0, ("a", "b")), (3, ("a", "full"))):
+            for step in range(3):
+                for name, got in zip(combo, r["sums"][at + step]):
+                    want = torch.full((64, 8), float(sum(range(1, WORLD + 1)))) if name == "full" \
+                        else sum(_grad(q, step + _SEED[name], 800, False) for q in range(WORLD))
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -17,7 +17,6 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from zen_ds.core.partition import ShardLayout
 from zen_ds.model.cost import CostModel
 from zen_ds.model.shape import SyncShape
 from zen_ds.model.support import planning_ranks
@@ -26,8 +25,12 @@ from zen_ds.schemes import auto_candidates, get_scheme, scheme_names
 from zen_ds.sync.agreement import choose_handshake
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
-from zen_ds.schemes.balanced import pads_pull
-from zen_ds.sync.step import CHECK_SLOTS, STABLE_SCHEMES
+from zen_ds.sync.stable import (
+    CHECK_SLOTS,
+    STABLE_SCHEMES,
+    checks_message_bytes,
+    sparse_plans_skip,
+)
 from zen_ds.tools.sim import peers  # noqa: F401  (registers the peer schemes' traffic functions)
 from zen_ds.tools.sim.cost import SimCost
 from zen_ds.tools.sim.supports import LosslessBound, Supports, handshake_shape, lossless_bound
@@ -145,24 +148,14 @@ def checked_dense_traffic(supports: Supports, shape: SyncShape, index_encoding: 
     return traffic
 
 
-def stable_counts_bytes(scheme: str, shape: SyncShape) -> int:
-    """Bytes to each peer of a stable ``agsparse`` or ``balanced`` plan's first message, which
-    carries its checks (:mod:`zen_ds.sync.stable`): one int64 count, or, where balanced's pull
-    pads to the owners' bounds, every count of the rank (an all-gather of the counts)."""
-    n = shape.world_size
-    if scheme == "balanced" and pads_pull(
-            shape, ShardLayout(shape.num_rows, n, 0).id_dtype.itemsize + shape.row_bytes):
-        return 8 * n
-    return 8
-
-
 def checked_sparse_traffic(supports: Supports, name: str, shape: SyncShape,
                            index_encoding: str = "auto") -> Traffic:
     """A stable ``agsparse`` or ``balanced`` plan in the plug-in: no handshake, the scheme's
-    first message exchanges the counts with the checks (:func:`stable_counts_bytes`):
+    first message exchanges the counts with the checks (:func:`zen_ds.sync.stable.
+    checks_message_bytes`):
     agsparse's size all-gather (DeepSpeed's), balanced's count all-to-all or all-gather."""
     body = traffic_function(name)(supports, shape, index_encoding)
-    n, per_peer = supports.world_size, stable_counts_bytes(name, shape)
+    n, per_peer = supports.world_size, checks_message_bytes(name, shape)
     if name == "balanced" and per_peer == 8:
         head = Phase.all_to_all("balanced.counts", torch.full((n, n), 8, dtype=torch.int64))
     else:
@@ -257,6 +250,7 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     per_node = cost.topology.ranks_per_node  # what SyncOptions.ranks_per_node would say
     auto_shape = replace(handshake_shape(supports, latency_bytes), ranks_per_node=per_node)
     stable = per_step and handshake != "allgather"
+    options = SyncOptions(cost_model=planning, ranks_per_node=per_node, handshake=handshake)
     steady = resolve_handshake(handshake, planning, per_node, n, 1.0 if per_step else 0.5)
     rows: List[SchemeResult] = []
     for name in (tuple(schemes) or scheme_names()):
@@ -267,7 +261,8 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
             rows.append(_result(name, "exact", checked_dense_traffic(supports, shape), cost,
                                 supports.row_numel))
             continue
-        if stable and name in STABLE_SCHEMES:
+        if stable and name in STABLE_SCHEMES and sparse_plans_skip(options, n, [(name, shape)],
+                                                                   0, 0):
             rows.append(_result(name, "exact", checked_sparse_traffic(supports, name, shape,
                                                                       index_encoding),
                                 cost, supports.row_numel))
@@ -287,7 +282,8 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     method = "exact"
     if stable and chosen == "dense":
         traffic = checked_dense_traffic(supports, auto_shape)
-    elif stable and chosen in STABLE_SCHEMES:
+    elif stable and chosen in STABLE_SCHEMES and sparse_plans_skip(
+            options, n, [(chosen, auto_shape)], 0, 0):
         traffic = checked_sparse_traffic(supports, chosen, auto_shape, index_encoding)
     else:
         traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding,
