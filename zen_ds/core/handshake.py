@@ -20,7 +20,8 @@ import torch
 __all__ = ["FIELDS", "AGREED_FIELDS", "MAX_ROW_DIMS", "SKETCH_SIZE", "DTYPE_CODES",
            "HandshakeTable", "encode_record", "record_width", "handshake_bytes",
            "float_bits", "bits_float", "BUCKETS", "bucket_minima", "encode_summary",
-           "summary_width", "HandshakeSummary", "same_agreed_fields"]
+           "summary_width", "HandshakeSummary", "same_agreed_fields", "CHECK_PROBLEM",
+           "CHECK_MISMATCH", "CHECK_CHANGED", "CHECK_ABORT", "pack_checks", "unpack_checks"]
 
 SKETCH_SIZE = 64
 # Row shapes travel dim by dim up to this rank; deeper rows fold their tail into the last slot.
@@ -279,3 +280,30 @@ def same_agreed_fields(record: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether two records (:func:`encode_record`) carry the same agreed fields: a sync whose
     plan was kept from an earlier step checks its record against the one that was agreed."""
     return bool(((record[:FIXED_WIDTH] == other[:FIXED_WIDTH]) | ~_AGREED_MASK).all())
+
+
+# ------------------------------------------------------------- a stable plan's checks
+# A plan kept from an earlier step (:mod:`zen_ds.sync.step`) runs without a handshake: its
+# checks ride in the scheme's first metadata message, the per-rank counts it exchanges anyway
+# (balanced's push counts, agsparse's sizes), as flag bits above the count. Every rank sees
+# every rank's flags in that one collective, so every rank takes the same branch.
+CHECK_PROBLEM = 1  # this rank's input or options are unusable
+CHECK_MISMATCH = 2  # this rank's record differs from the agreed one (shape, dtype, options)
+CHECK_CHANGED = 4  # this rank's row count left its class: re-plan after this step
+CHECK_ABORT = CHECK_PROBLEM | CHECK_MISMATCH  # no row data may move: the full handshake runs
+_CHECK_SHIFT = 60
+_COUNT_MASK = (1 << _CHECK_SHIFT) - 1
+
+
+def pack_checks(counts: torch.Tensor, flags: int) -> torch.Tensor:
+    """int64 counts (each below 2**60) with this rank's check ``flags`` in their top bits."""
+    return counts.to(torch.int64) | (int(flags) << _CHECK_SHIFT)
+
+
+def unpack_checks(words: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """(the counts, the OR of every word's flags) of :func:`pack_checks` words (CPU)."""
+    words = words.cpu()
+    flags = 0
+    for value in torch.unique(words >> _CHECK_SHIFT).tolist():
+        flags |= int(value)
+    return words & _COUNT_MASK, flags

@@ -9,7 +9,12 @@ values, so ids and values share one all-gather (DeepSpeed runs four collectives 
 size all-gathers and one each for indices and values). At small sizes a collective's latency is
 most of the time, so fewer of them is what keeps the baseline honest rather than slow.
 
-Host synchronisations on CUDA: none in the scheme (every rank's row count is the handshake's);
+A plan kept from an earlier step (:mod:`zen_ds.sync.step`) has no handshake: it all-gathers the
+sizes first, as DeepSpeed does, one int64 per rank carrying the plan's check flags
+(:meth:`~zen_ds.schemes.base.SyncContext.checked_counts`).
+
+Host synchronisations on CUDA: none in the scheme (every rank's row count is the handshake's;
+a stable plan reads the gathered sizes);
 :func:`zen_ds.ops.aggregate` reads the smallest offset and the number of unique rows.
 """
 from __future__ import annotations
@@ -29,6 +34,9 @@ class AllGatherSparseScheme(Scheme):
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         n = ctx.world_size
+        if ctx.checks is not None:  # a stable plan, no handshake: DeepSpeed's size all-gather
+            mine = torch.tensor([x.nnz], dtype=torch.int64, device=x.device)
+            ctx.nnz_per_rank = ctx.exchange_counts(mine, True, "agsparse.sizes").flatten().tolist()
         max_nnz = max(ctx.nnz_per_rank)
         row_bytes = x.row_numel * x.values.element_size()
         # One record per row: its int64 id, then its values as raw bytes of their own dtype (any

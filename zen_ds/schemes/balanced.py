@@ -354,17 +354,22 @@ class Pushed(NamedTuple):
 
 def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balanced") -> Pushed:
     """Send every row to its owner: one all-to-all of (shard offset, values) rows with exact
-    splits (the handshake's owner counts, else one small all-to-all of counts first)."""
+    splits: the handshake's owner counts, else one small count exchange first, which carries a
+    stable plan's checks (``ctx.checks``: :class:`~zen_ds.schemes.base.StalePlan` on every rank),
+    all-gathered where the plan's pull pads to the owners' bounds (they need every rank's)."""
     n, rank = ctx.world_size, ctx.rank
     counts, offsets, values = ops.partition(x.indices, x.values_2d(), x.num_rows, n, ctx.seed,
                                             layout.id_dtype)
     send_splits = counts.tolist()
-    if ctx.owner_counts is not None:
+    if ctx.checks is None and ctx.owner_counts is not None:
         recv_splits = ctx.owner_counts[:, rank].tolist()
-    else:  # called outside sparse_allreduce: exchange the counts here
-        recv = torch.empty_like(counts)
-        ctx.comm.all_to_all_single(recv, counts, [1] * n, [1] * n, f"{name}.counts")
-        recv_splits = recv.tolist()
+    else:
+        gather = ctx.checks is not None and ctx.shape is not None and pads_pull(
+            ctx.shape, layout.id_dtype.itemsize + x.row_numel * x.values.element_size())
+        received = ctx.exchange_counts(counts, gather, f"{name}.counts")
+        if gather:
+            ctx.owner_counts, received = received, received[:, rank]
+        recv_splits = received.tolist()
     send = torch.cat([_as_bytes(offsets), _as_bytes(values)], dim=1)
     received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=x.device)
     ctx.comm.all_to_all_single(received, send, recv_splits, send_splits, f"{name}.push")

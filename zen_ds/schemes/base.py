@@ -12,11 +12,18 @@ from typing import Callable, ClassVar, List, Optional
 import torch
 
 from zen_ds.core.comm import Communicator
-from zen_ds.core.handshake import HandshakeTable
+from zen_ds.core.handshake import CHECK_ABORT, HandshakeTable, pack_checks, unpack_checks
 from zen_ds.core.sparse import RowSparse
 from zen_ds.model.shape import ByteEstimate, SyncShape
 
-__all__ = ["SyncContext", "Scheme"]
+__all__ = ["SyncContext", "Scheme", "StalePlan"]
+
+
+class StalePlan(Exception):
+    """A stable plan's checks (:attr:`SyncContext.checks`) showed a problem or a mismatch on
+    some rank. Raised on every rank from the scheme's first metadata message, before any row
+    data moved; :mod:`zen_ds.sync.step` then runs the full handshake (the agreed error)."""
+
 
 @dataclass
 class SyncContext:
@@ -46,6 +53,36 @@ class SyncContext:
     shape: Optional[SyncShape] = None
     # The gathered handshake (None outside sparse_allreduce), read by field name.
     handshake: Optional[HandshakeTable] = None
+    # A stable plan (zen_ds.sync.step) ran no handshake: this rank's check flags
+    # (zen_ds.core.handshake.CHECK_*), published in the scheme's first metadata message through
+    # :meth:`checked_counts`; ``checks_seen`` is then every rank's flags ORed. None: the
+    # handshake ran (schemes that support no stable plan never see a value).
+    checks: Optional[int] = None
+    checks_seen: int = 0
+
+    def checked_counts(self, words: torch.Tensor) -> torch.Tensor:
+        """The counts of a metadata message whose words carried :func:`pack_checks` flags
+        (every rank's, so every rank reaches the same verdict): raises :class:`StalePlan` when
+        some rank found a problem or a mismatch. Counts on the host."""
+        counts, self.checks_seen = unpack_checks(words)
+        if self.checks_seen & CHECK_ABORT:
+            raise StalePlan(f"a stable plan's checks failed (flags {self.checks_seen})")
+        return counts
+
+    def exchange_counts(self, counts: torch.Tensor, gather: bool, name: str) -> torch.Tensor:
+        """One small message of int64 counts, carrying this rank's check flags when a stable
+        plan runs (:attr:`checks`; then :meth:`checked_counts`). ``gather``: every rank's
+        counts, ``[n, len(counts)]`` (an all-gather); else one count to each rank, and what each
+        rank sent to this one, ``[n]`` (an all-to-all). On the host."""
+        n = self.world_size
+        sent = counts.to(torch.int64) if self.checks is None else pack_checks(counts, self.checks)
+        if gather:
+            words = torch.empty((n, sent.numel()), dtype=torch.int64, device=sent.device)
+            self.comm.all_gather_into_tensor(words.view(-1), sent, name)
+        else:
+            words = torch.empty_like(sent)
+            self.comm.all_to_all_single(words, sent, [1] * n, [1] * n, name)
+        return words.cpu() if self.checks is None else self.checked_counts(words)
 
     def dense_out_ready(self) -> Optional[torch.Tensor]:
         """``dense_out`` once it may be written (its zeroing finished)."""

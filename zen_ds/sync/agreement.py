@@ -124,14 +124,16 @@ def effective_ranks_per_node(opts: SyncOptions) -> int:
 
 def _record(comm: Communicator, local: LocalInput, scheme: str, average: bool,
             opts: SyncOptions, prescale: float, postscale: float, problems: List[str],
-            with_layout: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+            with_layout: bool = True, fields_only: bool = False
+            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """This rank's record (:mod:`zen_ds.core.handshake`, CPU) and its rows' permuted positions
-    (None when no sketch is needed or the rank has no rows)."""
+    (None when no sketch is needed or the rank has no rows). ``fields_only``: the named fields
+    alone, no pass over the rows (a stable plan compares only those)."""
     n = comm.world_size
     if problems:
         return encode_record({"error": 1}, world_size=n), None
     sketch = owner_counts = positions = None
-    needs_layout = n > 1 and local.num_rows > 0 and local.row_numel > 0 and (
+    needs_layout = not fields_only and n > 1 and local.num_rows > 0 and local.row_numel > 0 and (
         scheme == "auto" or get_scheme(scheme).needs_sketch)
     if needs_layout and local.nnz:
         layout = ShardLayout(local.num_rows, n, opts.seed)
@@ -205,6 +207,11 @@ class Agreement:
     # (scheme, SyncShape, predicted bytes sent / received / seconds) when a step's agreement
     # (:mod:`zen_ds.sync.step`) already planned this sync the same way on every rank
     plan: Optional[Tuple[str, object, Tuple[float, float, float]]] = None
+    # A plan kept from an earlier step (zen_ds.sync.step) and no handshake: this rank's check
+    # flags for the scheme's first metadata message (SyncContext.checks); ``checks_seen``: every
+    # rank's, after the sync
+    checks: Optional[int] = None
+    checks_seen: int = 0
 
     def gather(self) -> HandshakeTable:
         if self.table is None:
@@ -250,13 +257,15 @@ class Prepared:
 
 def prepare(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
             prescale: object, postscale: object, log_prefix: str,
-            local_error: Optional[str] = None) -> Prepared:
+            local_error: Optional[str] = None, fields_only: bool = False) -> Prepared:
     """The local half of :func:`agree`, for a step that agrees on many syncs in one
-    collective: checks, record and summary; nothing is communicated."""
+    collective: checks, record and summary; nothing is communicated. ``fields_only``: a record
+    of the named fields alone (no sketch, no owner counts), for a plan kept from an earlier
+    step, which only compares them."""
     comm, local, problems, device = _prepare(x, out, group, scheme, opts, prescale, postscale,
                                              log_prefix, local_error)
     record_, positions = _record(comm, local, scheme, average, opts, prescale, postscale,
-                                 problems)
+                                 problems, fields_only=fields_only)
     minima = bucket_minima(positions, local.num_rows) if positions is not None else None
     return Prepared(comm, local, problems, device, record_, encode_summary(record_, minima))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import fields, replace
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,18 @@ def _dense_sum(local: LocalInput, out: Optional[torch.Tensor], prescale: float,
     if work is not out:
         out.copy_(work)
     return out
+
+
+def _once(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` run on the first call only (a deferred zero pass that several paths may ask for)."""
+    done: List[bool] = []
+
+    def run() -> None:
+        if not done:
+            done.append(True)
+            fn()
+
+    return run
 
 
 def local_rows(local: LocalInput, prescale: float) -> RowSparse:
@@ -264,7 +276,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
                         else [agreement.summary.nnz_max] * n)
         union, predicted = local.nnz, (0.0, 0.0, 0.0)
     else:
-        chosen, shape, predicted = _plan(agreement, scheme, opts)
+        chosen, shape, predicted = agreement.plan = _plan(agreement, scheme, opts)
         nnz_per_rank, union = shape.nnz_per_rank, shape.union_nnz
     comm.scheme = chosen
     table = agreement.table  # None: planned from the reduced handshake alone (dense)
@@ -276,11 +288,13 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         nnz_result = local.nnz if nothing_to_move else -1
     else:
         rs = local_rows(local, prescale)
-        target, zeroing = out, None
+        target, zeroing, moved = out, None, False
         if out is None and dense_result:  # a new dense result: zeros (during the sync) + scatter
             target, zeroing = zeroed_in_background(local.shape, local.dtype, local.device)
         elif target is not None and not in_place:
-            target.zero_()
+            # Zeroed once the scheme writes (or returns): a stable plan whose checks fail has
+            # then written nothing into the caller's tensor.
+            zeroing = _once(target.zero_)
         try:
             if nothing_to_move:
                 summed, ctx = _scaled_copy(rs, scale), None
@@ -291,10 +305,15 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
                                   sorted_output=not dense_result,
                                   dense_out=None if target is None else
                                   target.view((local.num_rows,) + local.row_shape),
-                                  shape=shape, handshake=table, dense_out_zeroing=zeroing)
-                summed = get_scheme(chosen).sync(rs, ctx)
+                                  shape=shape, handshake=table, dense_out_zeroing=zeroing,
+                                  checks=agreement.checks)
+                try:
+                    summed = get_scheme(chosen).sync(rs, ctx)
+                finally:
+                    agreement.checks_seen = ctx.checks_seen
+            moved = True
         finally:
-            if zeroing is not None:
+            if zeroing is not None and (moved or out is None):  # a helper thread: always wait
                 zeroing()
         if summed is None:  # the scheme wrote the sum into ctx.dense_out
             result, nnz_result = target, ctx.dense_nnz

@@ -14,110 +14,46 @@ step. :func:`sync_step` agrees on all of them at once and then runs each tensor'
    from the number of tensors and how many of them needed their records last step. Then, in the
    tensors' order, the first one with a problem or a mismatch raises the same
    :class:`~zen_ds.sync.options.ZenInputError` on every rank, before any data moved.
-3. **Stable plans** (``reduce`` and ``auto``): a tensor whose agreed plan was ``dense`` keeps it
-   without a handshake. Its checks ride in the dense all-reduce itself, as three extra elements
-   summed with the data: a problem on some rank, a record that differs from the agreed one
-   (shape, dtype, options), a change of some rank's row count by half an octave. The data goes
-   through a scratch buffer, so a problem found there has written nothing: every rank then runs
-   the tensor's full handshake, which raises the agreed error (or, if the ranks changed alike,
-   gives the new plan). Every rank also counts the summed tensor's non-zero rows (the exact
-   union, identical on every rank); a change of its class, or of a rank's count, drops the plan,
-   and the next step re-plans. All of it follows agreed values, so every rank decides alike.
+3. **Stable plans** (``reduce`` and ``auto``; :mod:`zen_ds.sync.stable`): a tensor whose agreed
+   plan was ``dense``, ``agsparse`` or ``balanced`` keeps it without a handshake; its checks
+   ride in its dense all-reduce or in the sparse scheme's count message. Where they show a
+   problem or a mismatch nothing was written and every rank runs the tensor's full handshake
+   (the agreed error, or the new plan); a class change re-plans at the next step.
 
 Results equal the per-tensor :func:`zen_ds.sparse_allreduce`'s: the same plans and the same
-scheme code, bit for bit. A stable ``dense`` plan's sum is the library all-reduce of the tensor
-and three more elements: on more than two ranks the library may chunk it, and so add, in another
-order than the tensor's own all-reduce (last-bit differences; every rank still gets the same bits).
+scheme code, bit for bit (except a stable ``dense`` plan's last bit: :mod:`zen_ds.sync.stable`).
 """
 from __future__ import annotations
 
 import logging
-import math
-import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from zen_ds import ops
-from zen_ds.core.buffers import result_buffer
 from zen_ds.core.comm import Communicator
-from zen_ds.core.handshake import HandshakeSummary, HandshakeTable, same_agreed_fields
-from zen_ds.core.sparse import RowSparse, accum_dtype
-from zen_ds.core.stats import SyncStats, record
+from zen_ds.core.handshake import HandshakeSummary, HandshakeTable
+from zen_ds.core.stats import SyncStats
 from zen_ds.model.shape import SyncShape
-from zen_ds.planner import plan_and_price
 from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, prepare
-from zen_ds.sync.allreduce import local_rows, plan_from_summary, sparse_allreduce
+from zen_ds.sync.allreduce import plan_from_summary, sparse_allreduce
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options
+from zen_ds.sync.stable import (  # noqa: F401  (StablePlan, CHECK_SLOTS...: this module's API too)
+    CHECK_SLOTS,
+    STABLE_SCHEMES,
+    StablePlan,
+    StepCall,
+    StepPlans,
+    count_class,
+    remember,
+    sparse_plans_skip,
+    stable_sync,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepCall", "StepPlans", "StablePlan", "sync_step", "count_class", "CHECK_SLOTS"]
-
-# Elements the checks of a stable dense plan add to its all-reduce: problem, mismatch, changed.
-CHECK_SLOTS = 3
-
-
-def count_class(count: int) -> int:
-    """A row count's class: half octaves. A stable plan is kept while every count stays in it."""
-    return int(2 * math.log2(1 + max(int(count), 0)))
-
-
-@dataclass
-class StepCall:
-    """One tensor of a step: :func:`zen_ds.sparse_allreduce`'s arguments. ``key`` names it
-    from step to step (its stable plan); default ``log_prefix``."""
-
-    x: object
-    out: Optional[torch.Tensor] = None
-    scheme: str = "auto"
-    average: bool = False
-    prescale: float = 1.0
-    postscale: float = 1.0
-    log_prefix: str = "zen"
-    local_error: Optional[str] = None
-    key: Optional[str] = None
-    options: Optional[SyncOptions] = None  # this call's, when not the step's (same handshake)
-
-    @property
-    def name(self) -> str:
-        return self.key if self.key is not None else self.log_prefix
-
-
-@dataclass
-class StablePlan:
-    """A ``dense`` plan kept between steps: what was agreed, and the classes that keep it."""
-
-    record: torch.Tensor  # this rank's record when it was agreed (its agreed fields)
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
-    nnz_class: int  # this rank's row count's class then
-    union_class: int  # the summed tensor's non-zero rows' class (the same on every rank)
-    predicted: Tuple[float, float, float]  # the dense all-reduce's model bytes and time
-
-
-@dataclass
-class StepPlans:
-    """What a sequence of steps keeps between them (one per reducer, the caller's state):
-    stable plans by tensor name, the tensors that needed their records last step, the scratch
-    buffers of the stable dense all-reduces, and the last step's handshake."""
-
-    stable: Dict[str, StablePlan] = field(default_factory=dict)
-    gathered: Set[str] = field(default_factory=set)
-    scratch: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
-    last_handshake: str = ""  # "allgather", "reduce", or "" when no tensor needed one
-    replans: int = 0  # stable plans dropped so far (a class changed, a problem, a mismatch)
-
-    def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A reused scratch of at least ``numel`` elements: no allocation per step."""
-        key = (device, dtype)
-        held = self.scratch.get(key)
-        if held is None or held.numel() < numel:
-            held = torch.empty(numel, dtype=dtype, device=device)
-            self.scratch[key] = held
-        return held[:numel]
+__all__ = ["StepCall", "StepPlans", "StablePlan", "sync_step", "count_class", "CHECK_SLOTS",
+           "STABLE_SCHEMES"]
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -149,13 +85,22 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
                                  log_prefix=c.log_prefix, local_error=c.local_error)
                 for c, s in zip(calls, stats)]
     each = [c.options if c.options is not None else opts for c in calls]
-    prepared = [prepare(c.x, c.out, group, c.scheme, c.average, o, c.prescale, c.postscale,
-                        c.log_prefix, c.local_error) for c, o in zip(calls, each)]
-    step_comm = Communicator.for_group(prepared[0].comm.group, "zen.step")
     keep = opts.handshake in ("reduce", "auto")
     if not keep:
         plans.stable.clear()
     stable = [keep and c.name in plans.stable for c in calls]
+    sparse = [i for i, s in enumerate(stable)
+              if s and plans.stable[calls[i].name].scheme != "dense"]
+    others = [c.name for c, s in zip(calls, stable) if not s]
+    kept = [(plans.stable[calls[i].name].scheme, plans.stable[calls[i].name].planned)
+            for i in sparse]
+    if not sparse_plans_skip(opts, n, kept, len(others),
+                             sum(1 for name in others if name in plans.gathered)):
+        for i in sparse:  # cheaper in the step's agreement than alone (zen_ds.sync.stable)
+            stable[i] = False
+    prepared = [_prepare_call(c, o, group, fields_only=s)
+                for c, o, s in zip(calls, each, stable)]
+    step_comm = Communicator.for_group(prepared[0].comm.group, "zen.step")
     shares: List[List[int]] = []  # per step collective: the calls that took part
     agreements = _agree(calls, prepared, [i for i, s in enumerate(stable) if not s], each,
                         opts, plans, step_comm, shares)
@@ -163,19 +108,27 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
     for index, (call, prep, s) in enumerate(zip(calls, prepared, stats)):
         result = None
         if stable[index]:
-            result = _stable_dense(call, prep, plans, s)
+            result = stable_sync(call, prep, plans, s, each[index])
             if result is None:  # a problem or a mismatch on some rank: the full handshake
                 shares.append([index])
+                prep = _prepare_call(call, each[index], group)
                 agreements[index] = _full_handshake(prep, step_comm)
         if result is None:
             result = sparse_allreduce(call.x, group, call.scheme, call.average, out=call.out,
                                       prescale=call.prescale, postscale=call.postscale,
                                       options=each[index], stats=s,
                                       log_prefix=call.log_prefix, agreement=agreements[index])
-            _remember(call, prep, s, plans, each[index])
+            remember(call, prep, s, plans, each[index], agreements[index])
         results.append(result)
     _share(step_comm, shares, stats)
     return results
+
+
+def _prepare_call(call: StepCall, opts: object, group: Optional[dist.ProcessGroup],
+                  fields_only: bool = False) -> Prepared:
+    """One call's local checks and record (:func:`zen_ds.sync.agreement.prepare`)."""
+    return prepare(call.x, call.out, group, call.scheme, call.average, opts, call.prescale,
+                   call.postscale, call.log_prefix, call.local_error, fields_only=fields_only)
 
 
 def _share(comm: Communicator, shares: List[List[int]], stats: Sequence[SyncStats]) -> None:
@@ -263,93 +216,3 @@ def _full_handshake(prep: Prepared, comm: Communicator) -> Agreement:
     table = _gather([prep], [0], comm)[0]
     prep.raise_on_errors(table)
     return Agreement(prep.comm, prep.local, table)
-
-
-def _remember(call: StepCall, prep: Prepared, s: SyncStats, plans: StepPlans,
-              opts: SyncOptions) -> None:
-    """After a planned sync: keep a ``dense`` plan (agreed, so alike on every rank), note the
-    others as needing their records."""
-    plans.stable.pop(call.name, None)
-    local = prep.local
-    keep = opts.handshake in ("reduce", "auto")
-    if not keep or s.scheme != "dense" or local.num_rows == 0 or local.row_numel == 0:
-        return
-    n = s.world_size
-    shape = SyncShape(n, [local.nnz] * n, max(s.nnz_result, local.nnz), local.num_rows,
-                      local.row_numel, local.element_size, prep.comm.rank,
-                      opts.cost_model.latency_bytes, 0, max(opts.ranks_per_node, 1))
-    plans.stable[call.name] = StablePlan(
-        prep.record.clone(), local.shape, local.dtype, count_class(local.nnz),
-        count_class(s.nnz_result), _dense_prediction(shape, opts))
-
-
-def _dense_prediction(shape: SyncShape, opts: SyncOptions) -> Tuple[float, float, float]:
-    """The dense all-reduce's model bytes and time (no handshake: the checks ride in it)."""
-    _, slowest, estimates = plan_and_price(shape, ("dense",), opts.cost_model)
-    return (estimates["dense"].bytes_sent, estimates["dense"].bytes_received, slowest["dense"])
-
-
-def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
-                  ) -> Optional[TensorLike]:
-    """A stable ``dense`` plan: the checks ride in the all-reduce (module, step 3). None when
-    some rank found a problem or a mismatch (nothing was written anywhere)."""
-    started = time.perf_counter()
-    plan = plans.stable[call.name]
-    local, comm = prep.local, prep.comm
-    numel = math.prod(plan.shape)
-    accum = accum_dtype(plan.dtype)
-    buffer = plans.buffer(numel + CHECK_SLOTS, accum, prep.device)
-    data = buffer[:numel].view(plan.shape)
-    problem = bool(prep.problems)
-    mismatch = not problem and not same_agreed_fields(prep.record, plan.record)
-    if problem or mismatch:
-        data.zero_()
-    elif local.kind == "dense":
-        data.copy_(local.dense)
-        if call.prescale != 1.0:
-            data.mul_(float(call.prescale))
-    else:  # as the dense scheme sums rows: prescaled in their dtype, then summed in fp32
-        rows = local_rows(local, float(call.prescale))
-        data.zero_()
-        if rows.nnz:
-            data.index_copy_(0, rows.indices, rows.values.to(accum))
-    changed = count_class(local.nnz) != plan.nnz_class
-    buffer[numel:] = torch.tensor([float(problem), float(mismatch), float(changed)], dtype=accum)
-    comm.scheme = "dense"
-    comm.all_reduce(buffer, "dense")
-    flags = buffer[numel:].tolist()
-    if flags[0] > 0 or flags[1] > 0:
-        plans.stable.pop(call.name)
-        plans.replans += 1
-        return None
-    n = comm.world_size
-    factor = float(call.postscale) / (n if call.average else 1)
-    if factor != 1.0:
-        data.mul_(factor)
-    nnz_result = int(ops.nonzero_rows(data.reshape(plan.shape[0], -1)).numel())
-    if flags[2] > 0 or count_class(nnz_result) != plan.union_class:
-        plans.stable.pop(call.name)  # every rank sees the same flags and the same sum
-        plans.replans += 1
-    result = _write_back(call, local, data)
-    sync_stats = SyncStats(
-        scheme="dense", bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
-        seconds=time.perf_counter() - started, nnz_local=local.nnz, nnz_result=nnz_result,
-        num_rows=local.num_rows, row_numel=local.row_numel, world_size=n,
-        dense_bytes=numel * local.element_size, union_estimate=nnz_result,
-        predicted_bytes_sent=plan.predicted[0], predicted_bytes_received=plan.predicted[1],
-        predicted_seconds=plan.predicted[2], collectives=list(comm.records))
-    record(sync_stats)
-    for name in sync_stats.__dataclass_fields__:
-        setattr(s, name, getattr(sync_stats, name))
-    return result
-
-
-def _write_back(call: StepCall, local, data: torch.Tensor) -> TensorLike:
-    """The summed scratch as the caller's kind: into ``out``, a new dense tensor, or rows."""
-    if call.out is not None:
-        call.out.copy_(data)
-        return call.out
-    if local.kind == "dense":  # a new result: reused memory, as sparse_allreduce's
-        return result_buffer(local.shape, local.dtype, data.device, zero=False).copy_(data)
-    summed = RowSparse.from_dense(data.to(local.dtype, copy=True))
-    return summed if local.kind == "rowsparse" else summed.to_coo()

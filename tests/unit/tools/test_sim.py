@@ -182,3 +182,31 @@ def test_quickstart_prediction_lines() -> None:
     # A failure is one line, never an exception.
     broken = report.scale_prediction(dict(run, wire_element_bytes=3), (16,))
     assert len(broken) == 1 and "unavailable" in broken[0]
+
+
+def test_stable_sparse_plans_price_their_count_message() -> None:
+    """``per_step`` with ``reduce`` or ``auto`` (the plug-in's steady state): a stable agsparse
+    or balanced plan runs no handshake, its checks ride in the scheme's count message; agsparse
+    then moves exactly DeepSpeed's sizes and rows."""
+    from zen_ds.sync.stable import checks_message_bytes
+    from zen_ds.tools.sim.supports import generate_supports
+
+    workload = parse_workload("lm:rows=20000,width=64,tokens=512,zipf=1.1", 1.0)
+    supports = generate_supports(workload, 16)
+    cost = SimCost(Topology(8, 25e9 / 8, 150e9, 50e-6))
+    steady = simulate(supports, cost, ("agsparse", "balanced", "sparcml"), handshake="auto",
+                      per_step=True)
+    lone = simulate(supports, cost, ("agsparse", "balanced", "sparcml"), handshake="auto")
+    names = {r.scheme: [p["name"] for p in r.phases] for r in steady.rows}
+    assert names["agsparse"] == ["agsparse.sizes", "agsparse.rows"]
+    assert names["balanced"][0] == "balanced.counts"
+    assert not any("handshake" in n for n in names["agsparse"] + names["balanced"])
+    assert any("handshake" in n for n in names["sparcml"])  # no stable plan: its handshake
+    ag, ds = steady.row("agsparse"), steady.row(DEEPSPEED)
+    assert (ag.bytes_sent, ag.bytes_received) == (ds.bytes_sent, ds.bytes_received)
+    assert ag.seconds == pytest.approx(ds.seconds)
+    for name in ("agsparse", "balanced"):
+        assert steady.row(name).seconds < lone.row(name).seconds
+        head = steady.row(name).phases[0]
+        shape = handshake_shape(supports, cost.model.latency_bytes)
+        assert head["bytes_sent"] == 15 * checks_message_bytes(name, shape)

@@ -57,7 +57,8 @@ def _sync_worker(rank: int, world_size: int, args: argparse.Namespace, argv: Lis
                                 rate_bps=_rate(args.rate), progress=not args.no_progress,
                                 index_encoding=args.index_encoding,
                                 dense_input=args.dense_input, interleave=args.interleave,
-                                handshakes=list(dict.fromkeys(args.handshake)))
+                                handshakes=list(dict.fromkeys(args.handshake)),
+                                per_step=args.per_step)
         rows = runner.run_sync(workloads, cfg)
         if dist.get_rank() == 0:
             ctx = report.context_info(dist.get_world_size(), cfg.rate_bps, cfg.iters, argv)

@@ -1,10 +1,11 @@
 """Run sync schemes on workloads inside an initialised process group and collect comparable rows.
 
 Every rank generates its own share of each workload, then for each scheme runs warm-up calls and
-``iters`` timed calls of :func:`zen_ds.sparse_allreduce`, each preceded by a barrier so all ranks
-start together. A call's time is the maximum over ranks (the step waits for the slowest rank);
-the reported time is the median over iterations. Wire bytes come from
-:func:`zen_ds.last_sync_stats` (exact counts of what each rank handed to the collectives) and are
+``iters`` timed calls of :func:`zen_ds.sparse_allreduce` (or, ``per_step``, of one step
+agreement), each preceded by a barrier so all ranks start together. A call's time is the maximum
+over ranks (the step waits for the slowest rank); the reported time is the median over
+iterations. Wire bytes come from each call's :class:`SyncStats` (exact counts of what each rank
+handed to the collectives) and are
 reported as the maximum over ranks, sent and received separately.
 
 Schemes measured in one run share the same link and the same CPU load, so their ratios are the
@@ -26,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.core.sparse import RowSparse
-from zen_ds.core.stats import last_sync_stats
+from zen_ds.core.stats import SyncStats
 from zen_ds.schemes import scheme_names
 from zen_ds.sync.allreduce import sparse_allreduce
 from zen_ds.sync.options import HANDSHAKES, default_options
+from zen_ds.sync.step import StepCall, StepPlans, sync_step
 from zen_ds.tools.bench.workloads import RankGrad, Workload, measure_overlap
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,10 @@ class SyncConfig:
     # SyncOptions.handshake values; with several, every scheme runs with each (labels
     # "scheme@handshake") in the same schedule.
     handshakes: List[str] = dataclasses.field(default_factory=lambda: ["allgather"])
+    # Sync as the plug-in does, through one step agreement per call (zen_ds.sync.step) whose
+    # plans are kept from call to call: with handshake "reduce" or "auto" a stable plan then
+    # runs without a handshake. The dense baseline stays a plain sparse_allreduce.
+    per_step: bool = False
 
     def __post_init__(self) -> None:
         if self.dense_input not in ("", "inplace", "alloc", "both"):
@@ -183,37 +189,39 @@ _RESULTS = {"inplace": "in place", "alloc": "new tensor", "": "as input"}
 
 def handshake_seconds(stats: Any) -> float:
     """The handshake's measured share of one call: its collectives' wall time on this rank."""
-    return sum(c.seconds for c in stats.collectives
-               if c.log_name.split(".", 1)[-1].startswith("handshake"))
+    return sum(c.seconds for c in stats.collectives if "handshake" in c.log_name.split("."))
 
 
 class _Calls:
     """One scheme's calls on one workload: the timed seconds, the last stats, the checked error."""
 
-    def __init__(self, handshake: str = "allgather") -> None:
+    def __init__(self, handshake: str = "allgather", per_step: bool = False) -> None:
         self.times: List[float] = []
         self.handshake_times: List[float] = []
         self.stats: Any = None
         self.max_err = float("nan")
         self.handshake = handshake
+        self.plans = StepPlans() if per_step else None  # this label's plans, call to call
 
     def run(self, x: Any, work: Optional[torch.Tensor], scheme: str,
             group: Optional[dist.ProcessGroup], index_encoding: str, timed: bool,
             reference: Optional[torch.Tensor]) -> None:
-        options = dataclasses.replace(default_options(), handshake=self.handshake)
-
+        options = dataclasses.replace(default_options(), handshake=self.handshake,
+                                      index_encoding=index_encoding)
+        step = self.plans is not None and scheme != "dense"
+        stats = SyncStats()
         if work is not None:  # in-place syncs overwrite their input: a fresh copy (untimed)
             work.copy_(x)
         dist.barrier(group)
         t0 = time.perf_counter()
-        if work is not None:
-            out = sparse_allreduce(work, group=group, scheme=scheme, out=work, options=options,
-                                   index_encoding=index_encoding)
+        if step:
+            call = StepCall(x if work is None else work, out=work, scheme=scheme, key="bench")
+            out = sync_step([call], group, options, self.plans, [stats])[0]
         else:
-            out = sparse_allreduce(x, group=group, scheme=scheme, options=options,
-                                   index_encoding=index_encoding)
+            out = sparse_allreduce(x if work is None else work, group=group, scheme=scheme,
+                                   out=work, options=options, stats=stats)
         elapsed = time.perf_counter() - t0
-        self.stats = last_sync_stats()
+        self.stats = stats
         if reference is not None:
             got = _result_dense(out).reshape(reference.shape)
             self.max_err = float((got.float() - reference.float()).abs().max()) \
@@ -245,7 +253,7 @@ def run_sync(workloads: Sequence[Workload], cfg: SyncConfig,
             if cfg.check:
                 reference = g.to_dense().clone()
                 dist.all_reduce(reference, group=group)
-            calls = {label: _Calls(hs) for label, (_, hs, _) in entries.items()}
+            calls = {label: _Calls(hs, cfg.per_step) for label, (_, hs, _) in entries.items()}
             for label, it in schedule(list(entries), cfg.warmup + cfg.iters, cfg.interleave):
                 scheme = entries[label][0]
                 real = deepspeed_equivalent(w, cfg.dense_input) if scheme == DEEPSPEED else scheme

@@ -61,10 +61,16 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
                         "scheme/alloc). "
                         "DeepSpeed's path is then the dense all-reduce")
     p.add_argument("--handshake", nargs="+", default=["allgather"],
-                   choices=("allgather", "reduce"),
+                   choices=("allgather", "reduce", "auto"),
                    help="SyncOptions.handshake; several values run every scheme with each (rows "
                         "named scheme@handshake, interleaved like schemes); the hs_ms column is "
                         "the handshake's measured time per call")
+    p.add_argument("--per-step", action="store_true",
+                   help="sync as the plug-in does: each call one step agreement "
+                        "(zen_ds.sync.step.sync_step) whose plans are kept from call to call, so "
+                        "with --handshake reduce or auto a stable plan runs without a handshake "
+                        "(its checks in the scheme's first message); dense stays a plain "
+                        "sparse_allreduce, the baseline")
     p.add_argument("--interleave", action="store_true",
                    help="run every scheme once per round (rotating order) instead of one scheme's "
                         "rounds after another's: compares small, latency-bound tensors whose "

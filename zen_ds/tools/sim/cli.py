@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'auto' (the cheaper of the two under the cost model)")
     p.add_argument("--per-step", action="store_true",
                    help="price the plug-in's steady state (the tensor synced once per training "
-                        "step): with 'reduce' or 'auto' a dense plan is kept without a handshake, "
-                        "its checks inside the dense all-reduce")
+                        "step): with 'reduce' or 'auto' a dense, agsparse or balanced plan is "
+                        "kept without a handshake, its checks inside the dense all-reduce or the "
+                        "sparse scheme's count message")
     p.add_argument("--compute", default="measure",
                    help="local op rates: 'measure' (a short micro-benchmark of zen's ops here, the "
                         "default), 'none', FILE.json, or op=seconds_per_element,...")

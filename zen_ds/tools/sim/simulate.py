@@ -25,7 +25,12 @@ from zen_ds.schemes import auto_candidates, get_scheme, scheme_names
 from zen_ds.sync.agreement import choose_handshake
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
-from zen_ds.sync.step import CHECK_SLOTS
+from zen_ds.sync.stable import (
+    CHECK_SLOTS,
+    STABLE_SCHEMES,
+    checks_message_bytes,
+    sparse_plans_skip,
+)
 from zen_ds.tools.sim import peers  # noqa: F401  (registers the peer schemes' traffic functions)
 from zen_ds.tools.sim.cost import SimCost
 from zen_ds.tools.sim.supports import LosslessBound, Supports, handshake_shape, lossless_bound
@@ -143,6 +148,22 @@ def checked_dense_traffic(supports: Supports, shape: SyncShape, index_encoding: 
     return traffic
 
 
+def checked_sparse_traffic(supports: Supports, name: str, shape: SyncShape,
+                           index_encoding: str = "auto") -> Traffic:
+    """A stable ``agsparse`` or ``balanced`` plan in the plug-in: no handshake, the scheme's
+    first message exchanges the counts with the checks (:func:`zen_ds.sync.stable.
+    checks_message_bytes`):
+    agsparse's size all-gather (DeepSpeed's), balanced's count all-to-all or all-gather."""
+    body = traffic_function(name)(supports, shape, index_encoding)
+    n, per_peer = supports.world_size, checks_message_bytes(name, shape)
+    if name == "balanced" and per_peer == 8:
+        head = Phase.all_to_all("balanced.counts", torch.full((n, n), 8, dtype=torch.int64))
+    else:
+        head = Phase.ring(f"{name}.counts" if name == "balanced" else "agsparse.sizes",
+                          "all_gather", torch.full((n,), (n - 1) * per_peer, dtype=torch.int64))
+    return Traffic([head] + body.phases, body.compute)
+
+
 def handshake_phases(n: int, handshake: str, gather: bool) -> List[Phase]:
     """The handshake's collectives: the record all-gather (``allgather``), or the summary
     all-reduce then, where the plan needs the records (``gather``), the all-gather too."""
@@ -217,7 +238,10 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     ``cost`` (replaying a run whose ranks used the default model on a slower link).
     ``handshake``: ``SyncOptions.handshake``; with ``reduce`` every sync starts with the
     summary all-reduce, non-dense plans gather the records too, and ``auto`` decides dense from
-    the summary as :func:`zen_ds.sync.allreduce.summary_prefers_dense` does."""
+    the summary as :func:`zen_ds.sync.allreduce.summary_prefers_dense` does. ``per_step``
+    with ``reduce`` or ``auto``: the plug-in's steady state, a stable plan of
+    :data:`~zen_ds.sync.step.STABLE_SCHEMES` runs without a handshake (its checks in the dense
+    all-reduce, or in the sparse scheme's count message)."""
     n = supports.world_size
     if n < 2:
         raise ValueError("simulate needs at least 2 ranks: a group of one moves nothing")
@@ -226,6 +250,7 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     per_node = cost.topology.ranks_per_node  # what SyncOptions.ranks_per_node would say
     auto_shape = replace(handshake_shape(supports, latency_bytes), ranks_per_node=per_node)
     stable = per_step and handshake != "allgather"
+    options = SyncOptions(cost_model=planning, ranks_per_node=per_node, handshake=handshake)
     steady = resolve_handshake(handshake, planning, per_node, n, 1.0 if per_step else 0.5)
     rows: List[SchemeResult] = []
     for name in (tuple(schemes) or scheme_names()):
@@ -235,6 +260,12 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
         if stable and name == "dense":
             rows.append(_result(name, "exact", checked_dense_traffic(supports, shape), cost,
                                 supports.row_numel))
+            continue
+        if stable and name in STABLE_SCHEMES and sparse_plans_skip(options, n, [(name, shape)],
+                                                                   0, 0):
+            rows.append(_result(name, "exact", checked_sparse_traffic(supports, name, shape,
+                                                                      index_encoding),
+                                cost, supports.row_numel))
             continue
         traffic = scheme_traffic(supports, name, shape, index_encoding, steady)
         if traffic is None:
@@ -251,6 +282,9 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     method = "exact"
     if stable and chosen == "dense":
         traffic = checked_dense_traffic(supports, auto_shape)
+    elif stable and chosen in STABLE_SCHEMES and sparse_plans_skip(
+            options, n, [(chosen, auto_shape)], 0, 0):
+        traffic = checked_sparse_traffic(supports, chosen, auto_shape, index_encoding)
     else:
         traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding,
                                  steady if per_step else first)

@@ -5,8 +5,10 @@ or several embedding tables. The plug-in agrees on all of them in one step agree
 (:func:`zen_ds.sync.step.sync_step`): one metadata collective for the step (``allgather``: the
 records of every tensor; ``reduce``: every tensor's summary in one all-reduce, then the records
 of the tensors whose plan is not ``dense``; ``auto``: the cheaper), and with ``reduce`` or
-``auto`` a tensor whose plan is ``dense`` keeps it from step to step without a handshake (its
-checks ride in its all-reduce: three more elements). This module prices that at 16-4096 ranks:
+``auto`` a tensor whose plan is ``dense``, ``agsparse`` or ``balanced`` keeps it from step to
+step without a handshake (its checks ride in its all-reduce, three more elements, or in the
+sparse scheme's first message, the per-rank counts it exchanges anyway; sparse plans only where
+that costs less than their records in the step's agreement). This module prices that at 16-4096 ranks:
 the first step (every tensor agreed) and the steady state (stable plans skipping), per tensor
 ``auto``'s choice and time, and DeepSpeed's best path (the faster of its dense all-reduce,
 priced as NCCL runs it, and its sparse all-gather after a size all-gather), then the step's
@@ -45,7 +47,7 @@ from zen_ds.sync.agreement import choose_handshake
 from zen_ds.sync.agreement import handshake_seconds as step_handshake_seconds
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
-from zen_ds.sync.step import CHECK_SLOTS
+from zen_ds.sync.stable import CHECK_SLOTS, STABLE_SCHEMES, checks_message_bytes, sparse_plans_skip
 from zen_ds.tools.bench.workloads import _log_miss
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, Topology
@@ -203,8 +205,8 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
                   handshake_mode: str = "allgather", per_tensor: bool = False) -> StepResult:
     """The step's syncs as the plug-in runs them (:mod:`zen_ds.sync.step`), at steady state:
     one step agreement (``handshake_mode``) for the tensors without a stable plan, stable
-    ``dense`` plans (``reduce``, ``auto``) without one; the first step's agreement in
-    ``first_handshake``. ``per_tensor``: the old protocol, each tensor its own handshake
+    plans (``reduce``, ``auto``; :mod:`zen_ds.sync.stable`) without one; the first step's
+    agreement in ``first_handshake``. ``per_tensor``: the old protocol, each tensor its own handshake
     (:func:`handshake_seconds`; with ``reduce`` the records gathered where the plan is not
     dense). Every tensor's ``auto`` is the planner's memoised choice on the slowest rank;
     DeepSpeed's dense all-reduce and sparse all-gather are priced next to it."""
@@ -231,7 +233,11 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
     result = StepResult(n, ranks_per_node, first_mode=first)
     result.first_handshake = step_handshake_seconds(opts, n, first, count, gathered)
     stable = handshake_mode != "allgather"
-    left = sum(1 for c in chosen if not (stable and c == "dense"))
+    sparse = [(c, shape) for c, shape in zip(chosen, shapes)
+              if stable and c in STABLE_SCHEMES and c != "dense"]
+    left = sum(1 for c in chosen if not (stable and c in STABLE_SCHEMES))
+    skip = sparse_plans_skip(opts, n, sparse, left, left)  # as zen_ds.sync.step decides
+    left += 0 if skip else len(sparse)
     if left:
         result.mode = choose_handshake(opts, n, left, left)
         result.step_handshake = step_handshake_seconds(opts, n, result.mode, left, left)
@@ -242,6 +248,8 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
         if stable and pick == "dense":  # the checks: CHECK_SLOTS more elements in the all-reduce
             extra = -(-CHECK_SLOTS // shape.row_numel)
             own = price(replace(shape, num_rows=shape.num_rows + extra), ("dense",), cost)[0]["dense"]
+        elif stable and skip and pick in STABLE_SCHEMES:  # the checks ride in its counts
+            own += cost.link_seconds((n - 1) * checks_message_bytes(pick, shape), 0.0, n - 1)
         algorithm = cost.choose(estimates["dense"]).algorithm
         result.tensors.append(TensorCost(t.name, pick, own, 0.0, seconds["dense"], algorithm,
                                          sizes + seconds["agsparse"]))
@@ -370,7 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"; {args.bandwidth} per node, latency {args.latency}/step, all-reduce {args.all_reduce}; "
           f"compute: {rates.source}; handshake {args.handshake}, "
           + ("one per tensor (the old protocol)" if args.per_tensor else
-             "one agreement per step, steady state (stable dense plans skip it)"))
+             "one agreement per step, steady state (stable plans skip it where cheaper)"))
     print(f"{'ranks':>6} {'/node':>4} {'zen ms':>10} {'hs ms':>10} {'hs %':>7} {'DS best ms':>10} "
           f"{'DS/zen':>8} {'1st hs ms':>9}  auto picks")
     results = []
