@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -135,6 +134,8 @@ def shard_model_embeddings(model: nn.Module, route: Route, zcfg: ZenConfig, mpu:
     (collective over the data-parallel group, which must exist now: DeepSpeed's own
     ``init_distributed`` is called first when it would be called anyway)."""
     if not dist.is_initialized():
+        import deepspeed  # zen_ds itself imports without DeepSpeed; initialize needs it anyway
+
         if dist_init_required is False:
             refuse("\"zen.row_sharded\" needs torch.distributed initialized before zen_ds.initialize "
                    "(dist_init_required=False was passed); call deepspeed.init_distributed() first")
