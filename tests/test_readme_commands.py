@@ -193,18 +193,11 @@ def test_quickstart_raises_no_warning_from_zen_ds(quickstart):
 
 def _train_lm_in_process(rank: int, world: int, argv: List[str]) -> Dict[str, object]:
     """examples/train_lm.py's main(argv) on this rank (a job of tests/support/dist_utils.py)."""
-    import importlib.util
-
-    from ds_cases import set_env
+    import zen_ds
+    from ds_cases import load_example, set_env
 
     set_env(rank, world)
-    spec = importlib.util.spec_from_file_location("train_lm", os.path.join(REPO, "examples", "train_lm.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_lm"] = module
-    spec.loader.exec_module(module)
-    import zen_ds
-
-    out = module.main(argv)
+    out = load_example("train_lm").main(argv)
     return {"losses": out["summary"]["losses"], "zen": zen_ds.state_of(out["engine"]) is not None}
 
 

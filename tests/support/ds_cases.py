@@ -20,14 +20,19 @@ from torch import nn
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 
-def load_hf_trainer_example() -> ModuleType:
-    """examples/hf_trainer.py as a module (once per process): its model builders and ``main``."""
-    if "hf_trainer" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("hf_trainer", os.path.join(REPO, "examples", "hf_trainer.py"))
+def load_example(name: str) -> ModuleType:
+    """examples/<name>.py as a module (once per process): its builders and ``main``."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "examples", f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
-        sys.modules["hf_trainer"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-    return sys.modules["hf_trainer"]
+    return sys.modules[name]
+
+
+def load_hf_trainer_example() -> ModuleType:
+    """examples/hf_trainer.py (:func:`load_example`)."""
+    return load_example("hf_trainer")
 
 VOCAB_S, VOCAB_D, HIDDEN, MICRO = 64, 48, 8, 3
 

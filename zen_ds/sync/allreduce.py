@@ -256,12 +256,10 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
         opts = replace(opts, seed=opts.seed if seed is None else seed,
                        index_encoding=opts.index_encoding if index_encoding is None
                        else index_encoding)
-    if agreement is not None:
-        pass
-    elif reduced_handshake(opts, group):
+    if agreement is None and reduced_handshake(opts, group):
         agreement = agree_reduced(x, out, group, scheme, average, opts, prescale, postscale,
                                   log_prefix, local_error)
-    else:
+    elif agreement is None:
         agreement = Agreement(*agree(x, out, group, scheme, average, opts, prescale, postscale,
                                      log_prefix, local_error))
     comm, local = agreement.comm, agreement.local

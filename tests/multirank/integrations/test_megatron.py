@@ -7,7 +7,6 @@ summation order.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
@@ -18,11 +17,11 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from ds_cases import load_example
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install zen_ds[megatron])")
 pytest.importorskip("deepspeed")
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 STEPS = 5
 COMMON = ["--vocab", "6000", "--hidden", "32", "--heads", "4", "--layers", "2", "--seq", "16",
           "--micro-batch", "2", "--steps", str(STEPS), "--stats-interval", "0", "--lr", "1e-2",
@@ -41,15 +40,6 @@ CASES: Dict[str, Tuple[List[str], bool]] = {
     "dp4_sampled_softmax_tied": (["--softmax", "sampled", "--samples", "300", "--tied", "--clip",
                                   "0.5", "--optimizer", "sgd", "--lr", "0.2"], True),
 }
-
-
-def _load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("train_lm", os.path.join(REPO, "examples",
-                                                                           "train_lm.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_lm"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run_case(train_lm: Any, argv: List[str]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
@@ -142,7 +132,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
     torch.manual_seed(0)
-    train_lm = _load_example()
+    train_lm = load_example("train_lm")
     results: Dict[str, Any] = {}
     initial: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, (extra, compare) in CASES.items():
@@ -200,7 +190,7 @@ def test_sampled_softmax_head_is_a_zen_param(case: str) -> None:
 def test_sampled_softmax_head_gradient_is_row_sparse() -> None:
     """The head's gradient touches exactly the labels and the drawn candidates, and its proposal
     is a distribution over the vocabulary."""
-    train_lm = _load_example()
+    train_lm = load_example("train_lm")
     vocab, hidden = 1000, 8
     head = train_lm.SampledSoftmaxHead(vocab, hidden, samples=50, seed=3)
     probe = torch.Generator().manual_seed(3)  # the same stream as the head's generator

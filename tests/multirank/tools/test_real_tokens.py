@@ -4,7 +4,6 @@ then ``examples/train_lm.py --tokens PREFIX`` on 2 gloo ranks at its default mic
 tokens (4096 per rank), with zen and with ``--no-zen``: same parameters, loss going down."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,11 +14,11 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from ds_cases import load_example
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install zen_ds[megatron])")
 pytest.importorskip("tokenizers", reason="tokenizers not installed (pip install zen_ds[data])")
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 STEPS = 4
 TEXT = ("Data-parallel training spends much of its step time synchronising gradients. "
         "Embedding tables touch only the rows of the tokens in the batch, so most rows of "
@@ -29,21 +28,12 @@ TEXT = ("Data-parallel training spends much of its step time synchronising gradi
         "broadcasts it back. Real text repeats its words locally; synthetic ids do not.\n\n")
 
 
-def _load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("train_lm", os.path.join(REPO, "examples",
-                                                                           "train_lm.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_lm"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _worker(rank: int, world: int, prefix: str) -> Dict[str, Any]:
     from megatron.core import parallel_state
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
-    train_lm = _load_example()
+    train_lm = load_example("train_lm")
     common = ["--tokens", prefix, "--hidden", "32", "--heads", "4", "--layers", "1", "--seq", "64",
               "--steps", str(STEPS), "--stats-interval", "0", "--optimizer", "sgd", "--lr", "0.5",
               "--clip", "0", "--scheme", "balanced"]

@@ -18,6 +18,7 @@ from torch import nn
 from zen_ds.integrations.config import ZenConfig
 from zen_ds.integrations.deepspeed.routes import Route, refuse, tied_params
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable
+from zen_ds.integrations.deepspeed.sharded import should_shard
 from zen_ds.integrations.params import data_parallel_group, is_vocab_parallel_embedding
 
 logger = logging.getLogger(__name__)
@@ -102,8 +103,8 @@ def shard_embeddings(model: nn.Module, route: Route, seed: int, group: Optional[
     for name, param, sparse in route.selected:
         mod_name, module = owner.get(id(param), (None, None))
         why = "not the weight of a module" if module is None else _why_not(module, param, tied, name)
-        saved = param.numel() * param.element_size() * (world - 1) / max(world, 1)
-        if why is None and mode == "auto" and saved < min_mb * (1 << 20):
+        if why is None and mode == "auto" and not should_shard(mode, param, world, param.element_size(), min_mb):
+            saved = param.numel() * param.element_size() * (world - 1) / max(world, 1)
             why = (f"sharding saves {saved / (1 << 20):.3f} MiB per rank, under \"shard_min_mb\" {min_mb} "
                    "(\"optimizer_state\": \"sharded\" row-shards every table)")
         if why is not None:
