@@ -1,6 +1,8 @@
 // zen_ds ops: Python binding. Thin on purpose: validates the device and forwards to the CPU or
 // CUDA kernels (csrc/zen/cpu, csrc/zen/cuda); argument preparation lives in zen_ds/ops/compiled.py.
-#include <torch/extension.h>
+// The pybind11 type casters for at::Tensor only: torch/extension.h (all of libtorch's C++ API)
+// took 6x longer to compile and nothing here uses it.
+#include <torch/csrc/utils/pybind.h>
 
 #include "zen_ops.h"
 

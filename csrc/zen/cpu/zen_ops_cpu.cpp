@@ -5,7 +5,11 @@
 #include "zen_partition_simd.h"
 #include "zen_permute.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 

@@ -22,7 +22,7 @@
 // the partition's per-warp prefix; see ZEN_MUTATION_WARP_PREFIX_FIRST) without a second build.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>

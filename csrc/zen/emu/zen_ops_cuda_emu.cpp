@@ -8,7 +8,7 @@
 
 #include "zen_ops_cuda_kernels.cuh"
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace zen {
 namespace emu {

@@ -4,7 +4,9 @@
 // [k, row_numel]. Every size and index is 64-bit. Semantics are those of zen_ds/ops/torch_ops.py.
 #pragma once
 
-#include <ATen/ATen.h>
+// ATen/core/Tensor.h, not ATen/ATen.h: every source includes just the operator headers it calls
+// (ATen/ops/*.h), which keeps the JIT build that users wait for on first use short.
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <tuple>

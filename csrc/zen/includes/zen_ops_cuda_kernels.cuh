@@ -23,6 +23,12 @@
 #include "zen_permute.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cumsum.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cstdint>
