@@ -287,7 +287,8 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
     return trainer, summary
 
 
-def main(argv: Any = None) -> None:
+def main(argv: Any = None) -> Dict[str, Any]:
+    """Train; returns the run's summary (rank 0 also prints it and writes ``--out``)."""
     args = parse_args(argv)
     _, summary = train(args)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -295,6 +296,7 @@ def main(argv: Any = None) -> None:
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(summary, fh, indent=2)
+    return summary
 
 
 def print_summary(summary: Dict[str, Any]) -> None:

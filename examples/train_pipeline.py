@@ -13,6 +13,7 @@ embedding, since stock DeepSpeed cannot sum a sparse and a dense tied gradient).
 from __future__ import annotations
 
 import argparse
+from typing import Dict, List, Optional
 
 import deepspeed
 import torch
@@ -60,7 +61,8 @@ def batches(args: argparse.Namespace, micro: int, dp_rank: int, step: int):
         yield ids, y
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
+    """Train; returns this rank's losses (the last stage's ranks hold them) and whether zen is on."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=10)
@@ -69,7 +71,7 @@ def main() -> None:
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--no-zen", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     deepspeed.init_distributed()  # PipelineModule builds its process groups in __init__
     torch.manual_seed(0)
     model = build(args)
@@ -78,16 +80,20 @@ def main() -> None:
     engine, _, _, _ = init(args=args, model=model, optimizer=opt)
     args.grad_accum = engine.gradient_accumulation_steps()
     dp_rank = engine.grid.get_data_parallel_id()
+    losses: List[float] = []
     for step in range(1, args.steps + 1):  # from 1, like zen's stats lines
         loss = engine.train_batch(data_iter=batches(args, engine.train_micro_batch_size_per_gpu(), dp_rank,
                                                     step - 1))
         state = zen_ds.state_of(engine)
+        if engine.is_last_stage():
+            losses.append(float(loss))
         if engine.global_rank == engine.world_size - 1:  # last stage, DP replica 1: holds the loss
             print(f"step {step}/{args.steps} loss {float(loss):.5f}", flush=True)
         if state is not None and engine.global_rank == 0 and state.reducer.last_stats:
             st = next(iter(state.reducer.last_stats.items()))
             print(f"step {step} zen {st[0]}: density {st[1].density:.4f} scheme {st[1].scheme} "
                   f"sent {st[1].bytes_sent} B", flush=True)
+    return {"losses": losses, "zen": zen_ds.state_of(engine) is not None}
 
 
 if __name__ == "__main__":

@@ -44,17 +44,21 @@ SKIPPED = {
     "SCRIPT=examples/hf_trainer.py launch/single_node.sh 4 --model llama --zero 2":
         "same launcher and script as the --zero 3 line; the Trainer at ZeRO-2 is tests/multirank/integrations/test_hf_trainer.py's",
 }
-# Command prefix -> why its flags run in-process instead: the launcher and script pair of the
-# command already runs as written in an earlier line, so this one adds only the script's flags,
-# which run through the script's own main() with the same arguments on as many real gloo ranks
-# (each launch costs ~40 s of CPU in interpreter start-ups on a 2-core machine).
+# Command prefix -> why its flags run in-process instead: launch/single_node.sh already runs as
+# written in the --tp 2 line (finding the environment, the deepspeed launcher, the example's
+# ``__main__`` wrapper, example_utils.run_example, shared by every example), so this line adds only
+# its script and flags, which run through the script's own main(argv) with the same arguments on
+# as many real gloo ranks (each launch costs ~40 s of CPU in interpreter start-ups on a 2-core
+# machine). single_node.sh's per-script ZEN_NEEDS only matters in an environment that lacks the
+# script's packages, which this test's venv never does, so a launch as written would not check it
+# either.
+_SAME_LAUNCHER = "launch/single_node.sh runs as written in the --tp 2 line"
 IN_PROCESS = {
-    "launch/single_node.sh 4 --vocab 262144 --zero 2 --optimizer-state sharded":
-        "launch/single_node.sh with examples/train_lm.py runs as written in the --tp 2 line",
-    "launch/single_node.sh 4 --zero 3 --vocab 262144":
-        "launch/single_node.sh with examples/train_lm.py runs as written in the --tp 2 line",
-    "launch/single_node.sh 4 --vocab 262144 --zero 2 --row-sharded":
-        "launch/single_node.sh with examples/train_lm.py runs as written in the --tp 2 line",
+    "launch/single_node.sh 4 --vocab 262144 --zero 2 --optimizer-state sharded": _SAME_LAUNCHER,
+    "launch/single_node.sh 4 --zero 3 --vocab 262144": _SAME_LAUNCHER,
+    "launch/single_node.sh 4 --vocab 262144 --zero 2 --row-sharded": _SAME_LAUNCHER,
+    "SCRIPT=examples/hf_trainer.py launch/single_node.sh 4 --model llama --zero 3": _SAME_LAUNCHER,
+    "SCRIPT=examples/train_pipeline.py launch/single_node.sh 4": _SAME_LAUNCHER,
 }
 # Command prefix -> (extra environment, extra arguments): small sizes for a 2-core machine.
 SMALL = {
@@ -191,24 +195,32 @@ def test_quickstart_raises_no_warning_from_zen_ds(quickstart):
     assert not warned, "warnings raised from zen_ds code:\n" + "\n".join(sorted(set(warned)))
 
 
-def _train_lm_in_process(rank: int, world: int, argv: List[str]) -> Dict[str, object]:
-    """examples/train_lm.py's main(argv) on this rank (a job of tests/support/dist_utils.py)."""
+def _example_in_process(rank: int, world: int, script: str, argv: List[str]) -> Dict[str, object]:
+    """examples/<script>.py's main(argv) on this rank (a job of tests/support/dist_utils.py): its
+    losses on this rank and whether zen is attached."""
     import zen_ds
     from ds_cases import load_example, set_env
 
     set_env(rank, world)
-    out = load_example("train_lm").main(argv)
-    return {"losses": out["summary"]["losses"], "zen": zen_ds.state_of(out["engine"]) is not None}
+    out = load_example(script).main(argv)
+    if script == "train_lm":
+        return {"losses": out["summary"]["losses"], "zen": zen_ds.state_of(out["engine"]) is not None}
+    return {"losses": out["losses"], "zen": out["zen"]}  # hf_trainer's summary, train_pipeline's
 
 
 def run_in_process(command: str) -> List[Dict[str, object]]:
-    """A ``launch/single_node.sh N ARGS`` line as ``train_lm.main(ARGS + small sizes)`` on N ranks."""
+    """A ``[SCRIPT=examples/X.py] launch/single_node.sh N ARGS`` line as ``X.main(ARGS + small
+    sizes)`` on N ranks (X = train_lm without SCRIPT=, as the launcher does)."""
     from dist_utils import run_ranks
 
     words = shlex.split(small_ranks(command))
+    script = "train_lm"
+    if words[0].startswith("SCRIPT="):
+        script = os.path.splitext(os.path.basename(words.pop(0)[len("SCRIPT="):]))[0]
     assert words[0] == "launch/single_node.sh" and words[1].isdigit(), command
     _, args = _match(SMALL, command) or ({}, [])
-    return run_ranks(int(words[1]), _train_lm_in_process, words[2:] + list(args), fresh=True, timeout=TIMEOUT_S)
+    return run_ranks(int(words[1]), _example_in_process, script, words[2:] + list(args), fresh=True,
+                     timeout=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c != "bash launch/quickstart.sh"],
@@ -218,9 +230,13 @@ def test_readme_command(command, tmp_path):
     if reason:
         pytest.skip(reason)
     if _match(IN_PROCESS, command):
-        for rank, result in enumerate(run_in_process(command)):
-            assert result["losses"] and all(map(math.isfinite, result["losses"])), (rank, result)
+        results = run_in_process(command)
+        for rank, result in enumerate(results):
+            assert all(map(math.isfinite, result["losses"])), (rank, result)
             assert result["zen"], f"rank {rank}: zen is not attached ({command})"
+        assert any(result["losses"] for result in results), f"no rank trained ({command})"
+        if "pipeline" not in command:  # a pipeline's loss is on its last stage only
+            assert all(result["losses"] for result in results), results
         return
     proc = run_command(command, tmp_path)
     assert proc.returncode == 0, _failure(command, proc)
