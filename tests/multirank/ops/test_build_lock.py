@@ -237,16 +237,19 @@ REAL_LOCK = textwrap.dedent("""
 """)
 
 
-def _real_lock(ext_dir: Path) -> Path:
-    out = subprocess.run([PYTHON, "-c", REAL_LOCK], env=_env(ext_dir), capture_output=True,
-                         text=True, check=True).stdout
-    return Path(out.strip().splitlines()[-1])
+def _real_lock(ext_dir: Path, monkeypatch) -> Path:
+    """The real CPU ops' build lock under ``ext_dir``, as REAL_LOCK prints it in a new process
+    (computed here: this process imports the same checkout, and the key reads no environment)."""
+    from zen_ds.ops import builder
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext_dir))
+    return build_cache.build_directory(builder.jit_name(builder.get_builder("cpu"))) / build_cache.LOCK_NAME
 
 
-def test_first_op_falls_back_once_when_the_build_lock_is_held(tmp_path, lock_holder):
+def test_first_op_falls_back_once_when_the_build_lock_is_held(tmp_path, lock_holder, monkeypatch):
     _needs_builder()
     ext_dir = tmp_path / "cold_cache"
-    lock = _real_lock(ext_dir)
+    lock = _real_lock(ext_dir, monkeypatch)
     lock_holder(lock)
     run = subprocess.run([PYTHON, "-c", FIRST_OP], env=_env(ext_dir, ZEN_DS_BUILD_TIMEOUT="1"),
                          capture_output=True, text=True, timeout=300)
@@ -262,7 +265,7 @@ def test_first_op_falls_back_once_when_the_build_lock_is_held(tmp_path, lock_hol
     assert "RuntimeError" in strict.stderr and str(lock) in strict.stderr
 
 
-def test_a_second_copy_shares_the_build_of_the_same_sources_only(tmp_path):
+def test_a_second_copy_shares_the_build_of_the_same_sources_only(tmp_path, monkeypatch):
     """A copy of the package elsewhere (its sources shipped inside it, as in a wheel) keys its build
     by the sources' bytes, not by where they live: with the same sources it loads this checkout's
     build (no second compile), and one changed byte gives it a build directory of its own, so it
@@ -276,11 +279,14 @@ def test_a_second_copy_shares_the_build_of_the_same_sources_only(tmp_path):
     probe = REAL_LOCK + "print(builder.CSRC)\n"
 
     def lock_and_sources(**env):
-        out = subprocess.run([PYTHON, "-c", probe], env=_env(ext_dir, **env), cwd=copy if env else None,
+        out = subprocess.run([PYTHON, "-c", probe], env=_env(ext_dir, **env), cwd=copy,
                              capture_output=True, text=True, check=True).stdout.split()
         return Path(out[-2]), Path(out[-1])
 
-    mine, theirs = lock_and_sources(), lock_and_sources(PYTHONPATH=str(copy))
+    from zen_ds.ops import builder
+
+    mine = _real_lock(ext_dir, monkeypatch), builder.CSRC  # this checkout, as imported here
+    theirs = lock_and_sources(PYTHONPATH=str(copy))
     assert theirs[1] == copy / "zen_ds" / "_csrc" / "zen"
     assert mine[1] == REPO / "csrc" / "zen"
     assert mine[0] == theirs[0] and mine[0].parent.parent == ext_dir
