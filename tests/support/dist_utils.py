@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import glob
+import importlib.util
 import os
 import queue as queue_module
 import socket
@@ -47,6 +48,22 @@ DEFAULT_TIMEOUT = 600
 PRELOADED = ["torch", "torch.distributed", "torch._dynamo", "deepspeed",
              "deepspeed.runtime.zero.muon.muon_optimizer", "zen_ds", "zen_ds.integrations.deepspeed",
              "rank_preload"]
+
+
+def skip_unless_installed(*modules: str, reason: str = "") -> None:
+    """Skip the calling test module unless every one of ``modules`` is installed: found, not
+    imported (``pytest.importorskip`` imports it into the pytest process, seconds each for
+    megatron-core and transformers, although only the ranks, forked from the fork server that
+    preloads them, use them)."""
+    import pytest
+
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # its parent package is missing
+            found = False
+        if not found:
+            pytest.skip(reason or f"{name} is not installed", allow_module_level=True)
 
 
 def _context(new_interpreter: bool = False):

@@ -27,11 +27,11 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("transformers", reason="the hf extra is not installed: pip install zen_ds[hf]")
-pytest.importorskip("accelerate", reason="the hf extra is not installed: pip install zen_ds[hf]")
+from dist_utils import run_ranks, skip_unless_installed
 
-from dist_utils import run_ranks  # noqa: E402
+pytest.importorskip("deepspeed")
+skip_unless_installed("transformers", "accelerate", reason="the hf extra is not installed: pip install zen_ds[hf]")
+
 from ds_cases import load_hf_trainer_example, max_rel_err, params_of, run_jobs, set_env  # noqa: E402
 
 # Two ranks: what this module checks (enable() from the config, the Trainer's and Accelerate's

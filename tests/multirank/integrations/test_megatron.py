@@ -16,10 +16,10 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import run_ranks, skip_unless_installed
 from ds_cases import load_example
 
-pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install zen_ds[megatron])")
+skip_unless_installed("megatron.core", reason="megatron-core not installed (pip install zen_ds[megatron])")
 pytest.importorskip("deepspeed")
 
 STEPS = 5

@@ -8,9 +8,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import run_ranks, skip_unless_installed
 
-pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install zen_ds[megatron])")
+skip_unless_installed("megatron.core", reason="megatron-core not installed (pip install zen_ds[megatron])")
 
 VOCAB, HIDDEN = 100, 8
 

@@ -13,11 +13,11 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import run_ranks, skip_unless_installed
 from ds_cases import load_example
 
-pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install zen_ds[megatron])")
-pytest.importorskip("tokenizers", reason="tokenizers not installed (pip install zen_ds[data])")
+skip_unless_installed("megatron.core", reason="megatron-core not installed (pip install zen_ds[megatron])")
+skip_unless_installed("tokenizers", reason="tokenizers not installed (pip install zen_ds[data])")
 
 STEPS = 4
 TEXT = ("Data-parallel training spends much of its step time synchronising gradients. "

@@ -14,10 +14,11 @@ from typing import Any, Dict
 import numpy as np
 import pytest
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("transformers")
+from dist_utils import run_ranks, skip_unless_installed
 
-from dist_utils import run_ranks  # noqa: E402
+pytest.importorskip("deepspeed")
+skip_unless_installed("transformers")
+
 import ds_cases as dc  # noqa: E402
 
 # As test_zero3.py: 2 ranks in the suite, ZEN_DS_ZERO3_WORLD=4 for the 4-rank runs BENCHMARKS

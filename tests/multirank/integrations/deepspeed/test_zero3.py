@@ -18,10 +18,11 @@ from typing import Any, Dict
 import numpy as np
 import pytest
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("transformers")
+from dist_utils import run_ranks, skip_unless_installed
 
-from dist_utils import run_ranks  # noqa: E402
+pytest.importorskip("deepspeed")
+skip_unless_installed("transformers")
+
 import ds_cases as dc  # noqa: E402
 
 # The suite runs 2 ranks and a tiny vocabulary; BENCHMARKS' acceptance run sets 4 and 32000.
