@@ -67,15 +67,32 @@ def plan(shape: SyncShape, candidates: Iterable[str] = (), cost: CostModel = Cos
 
 
 def plan_and_price(shape: SyncShape, candidates: Iterable[str] = (),
-                   cost: CostModel = CostModel()
+                   cost: CostModel = CostModel(), memo: Optional[PlanMemo] = None
                    ) -> Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]:
     """:func:`plan`, plus every candidate's model time (what the stats report as predicted): the
-    chosen scheme's exactly, a lower bound for schemes that cannot win (:func:`price`)."""
+    chosen scheme's exactly, a lower bound for schemes that cannot win (:func:`price`).
+
+    ``memo``: where the result for these exact inputs is kept. Pricing is a pure function of
+    them, and a small sync repeated with the same shape (a test grid, a step's unchanged
+    sparsity) otherwise asks every scheme's byte model at every planning rank again, which costs
+    more host time than the sync itself."""
     names = tuple(candidates) or auto_candidates()
     if not 1 < shape.ranks_per_node < shape.world_size:  # one node, or a node per rank
         names = tuple(name for name in names if name != "hierarchical") or names
+    key = None
+    if memo is not None:
+        key = (names, cost, shape.world_size, tuple(shape.nnz_per_rank), shape.union_nnz,
+               shape.num_rows, shape.row_numel, shape.value_bytes, shape.rank,
+               shape.latency_bytes, shape.singletons, shape.ranks_per_node, _model_env(),
+               tuple((scheme, scheme.model_settings()) for scheme in map(get_scheme, names)))
+        kept = memo.prices(key)
+        if kept is not None:
+            return kept[0], dict(kept[1]), dict(kept[2])
     slowest, estimates = price(shape, names, cost, prune=True)
-    return min(names, key=slowest.__getitem__), slowest, estimates
+    chosen = min(names, key=slowest.__getitem__)
+    if memo is not None:
+        memo.put_prices(key, (chosen, dict(slowest), dict(estimates)))
+    return chosen, slowest, estimates
 
 
 # ----------------------------------------------------------------------------- memoised choice
@@ -95,6 +112,10 @@ class PlanMemo:
     def __init__(self, size: int = PLAN_MEMO_SIZE) -> None:
         self.size = size
         self._choices: "OrderedDict[Hashable, str]" = OrderedDict()
+        # :func:`plan_and_price`'s results for exact inputs (no bucketing: the stats' predicted
+        # figures stay what pricing these inputs gives)
+        self._prices: "OrderedDict[Hashable, Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]]" \
+            = OrderedDict()
 
     def get(self, key: Hashable) -> Optional[str]:
         chosen = self._choices.get(key)
@@ -107,14 +128,33 @@ class PlanMemo:
         if len(self._choices) > self.size:
             self._choices.popitem(last=False)
 
+    def prices(self, key: Hashable
+               ) -> Optional[Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]]:
+        kept = self._prices.get(key)
+        if kept is not None:
+            self._prices.move_to_end(key)
+        return kept
+
+    def put_prices(self, key: Hashable,
+                   priced: Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]) -> None:
+        self._prices[key] = priced
+        if len(self._prices) > self.size:
+            self._prices.popitem(last=False)
+
     def clear(self) -> None:
         self._choices.clear()
+        self._prices.clear()
 
     def __len__(self) -> int:
         return len(self._choices)
 
 
 DEFAULT_PLAN_MEMO = PlanMemo()
+
+
+def _model_env() -> Tuple[Optional[str], ...]:
+    """The environment settings the byte models read (part of every memo key)."""
+    return tuple(os.environ.get(v) for v in _MODEL_ENV)
 
 
 def _bucket(count: int) -> int:
@@ -154,7 +194,7 @@ def plan_choice(shape: SyncShape, candidates: Iterable[str] = (), cost: CostMode
     counts rank lower (``tests/plan_memo_table.py`` measures how often and by how much)."""
     names = tuple(candidates) or auto_candidates()
     key = (names, cost, shape.world_size, shape.num_rows, shape.row_numel, shape.value_bytes,
-           shape.latency_bytes, shape.ranks_per_node, tuple(os.environ.get(v) for v in _MODEL_ENV),
+           shape.latency_bytes, shape.ranks_per_node, _model_env(),
            tuple(_bucket(m) for m in shape.nnz_per_rank), _bucket(shape.union_nnz),
            _bucket(shape.singletons))
     memo = DEFAULT_PLAN_MEMO if memo is None else memo

@@ -61,6 +61,9 @@ for _name, _width, _ in FIELDS:
     _OFFSETS[_name] = (_at, _at + _width)
     _at += _width
 FIXED_WIDTH = _at
+# (name, slots, travels as float bits) per field, for encode_record
+_LAYOUT = tuple((name, width, name in FLOAT_FIELDS) for name, width, _ in FIELDS)
+_EMPTY_SKETCH = (-1,) * SKETCH_SIZE
 
 
 def record_width(world_size: int) -> int:
@@ -96,26 +99,24 @@ def row_dims_slots(row_shape: Sequence[int]) -> List[int]:
 def encode_record(values: Dict[str, object], sketch: Optional[torch.Tensor] = None,
                   owner_counts: Optional[torch.Tensor] = None, world_size: int = 1) -> torch.Tensor:
     """One rank's record (int64, CPU) from ``{field name: value}``; absent fields are 0."""
+    # One list, one tensor: the record is built on every sync (a few torch ops per area
+    # cost more than the whole sync's arithmetic on a small tensor).
     fixed: List[int] = []
-    for name, width, _ in FIELDS:
+    for name, width, is_float in _LAYOUT:
         value = values.get(name, 0 if width == 1 else [0] * width)
-        if name in FLOAT_FIELDS:
+        if is_float:
             value = float_bits(float(value))
         if width == 1:
             fixed.append(int(value))
         else:
             fixed.extend(int(v) for v in value)
-    record = torch.empty(record_width(world_size), dtype=torch.int64)
-    record[:FIXED_WIDTH] = torch.tensor(fixed, dtype=torch.int64)
-    sketch_area = record[FIXED_WIDTH: FIXED_WIDTH + SKETCH_SIZE]
-    sketch_area.fill_(-1)
+    fixed.extend(_EMPTY_SKETCH)
+    fixed.extend([0] * world_size)
+    record = torch.tensor(fixed, dtype=torch.int64)
     if sketch is not None:
-        sketch_area[: sketch.numel()] = sketch
-    counts_area = record[FIXED_WIDTH + SKETCH_SIZE:]
+        record[FIXED_WIDTH: FIXED_WIDTH + sketch.numel()] = sketch
     if owner_counts is not None:
-        counts_area.copy_(owner_counts)
-    else:
-        counts_area.zero_()
+        record[FIXED_WIDTH + SKETCH_SIZE:] = owner_counts
     return record
 
 

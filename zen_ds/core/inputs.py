@@ -53,7 +53,7 @@ class LocalInput:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size() if self.dtype else 0
+        return self.dtype.itemsize if self.dtype else 0
 
     def aliases(self, out: Optional[torch.Tensor]) -> bool:
         """Whether ``out`` is this dense input itself (synced in place)."""

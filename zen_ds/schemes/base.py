@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, List, Optional
+from typing import Callable, ClassVar, Hashable, List, Optional
 
 import torch
 
@@ -125,6 +125,12 @@ class Scheme(ABC):
     @abstractmethod
     def predict(self, shape: SyncShape) -> ByteEstimate:
         """Per-rank wire bytes of :meth:`sync` for data of this shape (handshake excluded)."""
+
+    def model_settings(self) -> Hashable:
+        """What :meth:`predict` reads besides the shape and the environment settings of
+        :data:`zen_ds.planner._MODEL_ENV` (a pinned variant, say): part of the planner's memo
+        key, so a change of it is priced afresh."""
+        return ()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

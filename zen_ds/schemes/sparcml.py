@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ClassVar, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -464,6 +464,9 @@ class SparCMLScheme(Scheme):
         return torch.cat(out_rows), torch.cat(out_values)
 
     # ------------------------------------------------------------------ models
+    def model_settings(self) -> Hashable:
+        return self.forced_variant
+
     def predict(self, shape: SyncShape) -> ByteEstimate:
         if self.forced_variant is None and len(shape.nnz_per_rank) == shape.world_size:
             chosen, priced = self._choice(shape)

@@ -139,7 +139,10 @@ def effective_universe(nnz: Sequence[int], union: int) -> float:
             return math.inf
     for _ in range(100):
         mid = 0.5 * (low + high)
-        low, high = (mid, high) if union_at(mid) < union else (low, mid)
+        bounds = (mid, high) if union_at(mid) < union else (low, mid)
+        if bounds == (low, high):  # a fixed point (floats exhausted): the rest repeat it
+            break
+        low, high = bounds
     return high
 
 

@@ -146,7 +146,7 @@ def plan_sync(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncO
         names = (plan_choice(shape, auto_candidates_for(comm, shape), opts.cost_model, opts.plan_memo),)
     else:
         names = (scheme,)
-    chosen, slowest, estimates = plan_and_price(shape, names, opts.cost_model)
+    chosen, slowest, estimates = plan_and_price(shape, names, opts.cost_model, opts.memo())
     estimate = estimates[chosen]
     handshake = (n - 1) * handshake_bytes(n)
     seconds = slowest[chosen] + opts.cost_model.link_seconds(handshake, 0.0, n - 1)
@@ -164,7 +164,7 @@ def summary_prefers_dense(shape: SyncShape, candidates: Tuple[str, ...], opts: S
     """``auto`` after a reduced handshake: any plan but ``dense`` must still gather the records
     (``n - 1`` latency steps), so ``dense`` wins unless the best other scheme beats it by more
     than that all-gather."""
-    chosen = plan_choice(shape, candidates, opts.cost_model, opts.plan_memo)
+    chosen = plan_choice(shape, candidates, opts.cost_model, opts.memo())
     if chosen == "dense":
         return True
     if "dense" not in candidates:
@@ -193,7 +193,7 @@ def plan_from_summary(summary: HandshakeSummary, local: LocalInput, scheme: str,
                                                    opts))
     if not dense:
         return None
-    _, slowest, estimates = plan_and_price(shape, ("dense",), opts.cost_model)
+    _, slowest, estimates = plan_and_price(shape, ("dense",), opts.cost_model, opts.memo())
     seconds = slowest["dense"] + _reduced_seconds(opts, n, per_node)
     handshake = 2 * (n - 1) * 8 * summary_width() / n  # as Communicator.all_reduce counts it
     return "dense", shape, (estimates["dense"].bytes_sent + handshake,

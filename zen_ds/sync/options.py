@@ -10,7 +10,7 @@ import torch
 
 from zen_ds.core.sparse import RowSparse
 from zen_ds.model.cost import CostModel
-from zen_ds.planner import PlanMemo
+from zen_ds.planner import DEFAULT_PLAN_MEMO, PlanMemo
 from zen_ds.schemes import scheme_names
 
 __all__ = ["SyncOptions", "INDEX_ENCODINGS", "HANDSHAKES", "ZenInputError", "default_options", "set_default_options",
@@ -41,8 +41,9 @@ class SyncOptions:
     ``index_encoding``: the pull's index format (``auto`` picks per shard). ``density_threshold``:
     sync dense when any rank holds more than this fraction of rows (1.0 never). ``ranks_per_node``:
     ranks sharing a host, for topology-aware schemes (0 unknown). ``plan_memo``: where ``auto``
-    keeps the choices it priced (:class:`~zen_ds.planner.PlanMemo`; None: the process default);
-    the caller's state, not an option the ranks compare. ``handshake``: ``"allgather"`` (every
+    keeps the choices it priced and every sync the prices of the exact shapes it met
+    (:class:`~zen_ds.planner.PlanMemo`; None: the process default); the caller's state, not an
+    option the ranks compare. ``handshake``: ``"allgather"`` (every
     rank's record to every rank: ``n - 1`` latency steps) or ``"reduce"`` (one fixed-size MAX
     all-reduce first, ``log n`` latency under NCCL's tree; the records are gathered only when
     the plan is not ``dense`` or a rank reports a problem) or ``"auto"`` (the cheaper of the two
@@ -59,6 +60,10 @@ class SyncOptions:
     ranks_per_node: int = 0
     plan_memo: Optional[PlanMemo] = field(default=None, compare=False, hash=False, repr=False)
     handshake: str = "allgather"
+
+    def memo(self) -> PlanMemo:
+        """``plan_memo``, or the process default where it is None."""
+        return DEFAULT_PLAN_MEMO if self.plan_memo is None else self.plan_memo
 
 
 # The options of calls that pass none: this process's documented default (set_default_options).

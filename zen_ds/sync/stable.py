@@ -165,7 +165,7 @@ def remember(call: StepCall, prep: Prepared, s: SyncStats, plans: StepPlans,
 def _prediction(shape: SyncShape, scheme: str, opts: SyncOptions) -> Tuple[float, float, float]:
     """The scheme's model bytes and time without a handshake (a stable plan's checks ride in
     its first collective)."""
-    _, slowest, estimates = plan_and_price(shape, (scheme,), opts.cost_model)
+    _, slowest, estimates = plan_and_price(shape, (scheme,), opts.cost_model, opts.memo())
     return (estimates[scheme].bytes_sent, estimates[scheme].bytes_received, slowest[scheme])
 
 
