@@ -84,7 +84,7 @@ def plan_and_price(shape: SyncShape, candidates: Iterable[str] = (),
         key = (names, cost, shape.world_size, tuple(shape.nnz_per_rank), shape.union_nnz,
                shape.num_rows, shape.row_numel, shape.value_bytes, shape.rank,
                shape.latency_bytes, shape.singletons, shape.ranks_per_node, _model_env(),
-               tuple((scheme, scheme.model_settings()) for scheme in map(get_scheme, names)))
+               _model_settings(names))
         kept = memo.prices(key)
         if kept is not None:
             return kept[0], dict(kept[1]), dict(kept[2])
@@ -152,6 +152,12 @@ class PlanMemo:
 DEFAULT_PLAN_MEMO = PlanMemo()
 
 
+def _model_settings(names: Tuple[str, ...]) -> Tuple[Hashable, ...]:
+    """The candidates' scheme objects and what their byte models read besides the shape (a
+    pinned sparcml variant): part of every memo key, so a change is priced afresh."""
+    return tuple((scheme, scheme.model_settings()) for scheme in map(get_scheme, names))
+
+
 def _model_env() -> Tuple[Optional[str], ...]:
     """The environment settings the byte models read (part of every memo key)."""
     return tuple(os.environ.get(v) for v in _MODEL_ENV)
@@ -194,7 +200,7 @@ def plan_choice(shape: SyncShape, candidates: Iterable[str] = (), cost: CostMode
     counts rank lower (``tests/plan_memo_table.py`` measures how often and by how much)."""
     names = tuple(candidates) or auto_candidates()
     key = (names, cost, shape.world_size, shape.num_rows, shape.row_numel, shape.value_bytes,
-           shape.latency_bytes, shape.ranks_per_node, _model_env(),
+           shape.latency_bytes, shape.ranks_per_node, _model_env(), _model_settings(names),
            tuple(_bucket(m) for m in shape.nnz_per_rank), _bucket(shape.union_nnz),
            _bucket(shape.singletons))
     memo = DEFAULT_PLAN_MEMO if memo is None else memo

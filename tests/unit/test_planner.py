@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from zen_ds.model.support import EVERY_RANK_UP_TO, planning_ranks
 from zen_ds.model.cost import CostModel
-from zen_ds.planner import plan, plan_and_price, plan_choice, price, representative_shape
+from zen_ds.planner import PlanMemo, plan, plan_and_price, plan_choice, price, representative_shape
 from zen_ds.schemes import auto_candidates, get_scheme
 from zen_ds.model.shape import SyncShape
 from zen_ds.schemes.sparcml import SparCMLScheme
@@ -233,6 +233,28 @@ def test_latency_bound_tensor_takes_recursive_doubling() -> None:
     for cost in (CostModel(), CostModel(alpha=1e-3)):
         assert plan(small, cost=cost)[0] == "sparcml"
     assert SparCMLScheme().variant(small) == RECURSIVE_DOUBLING
+
+
+def test_memos_price_a_pinned_sparcml_variant_afresh() -> None:
+    """The pricing and choice memos key on the byte models' settings: pinning sparcml's variant
+    flips this latency-bound tensor from sparcml to dense, and a memo that priced it unpinned
+    must not answer for the pinned model (nor the other way round)."""
+    from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SPLIT_ALLGATHER
+
+    small = SyncShape(8, [20] * 8, 100, 1000, 16, 4, singletons=60)
+    names = ("sparcml", "dense")
+    memo = PlanMemo()
+    seen = set()
+    try:
+        for variant in (None, SPLIT_ALLGATHER, RECURSIVE_DOUBLING, SPLIT_ALLGATHER, None):
+            SparCMLScheme.forced_variant = variant
+            fresh = plan_and_price(small, names)
+            assert plan_and_price(small, names, memo=memo) == fresh
+            assert plan_choice(small, names, memo=memo) == plan_choice(small, names, memo=PlanMemo())
+            seen.add(fresh[0])
+    finally:
+        SparCMLScheme.forced_variant = None
+    assert seen == {"sparcml", "dense"}  # the variant matters here, so a stale memo would show
 
 
 def test_compute_term_prices_local_work() -> None:
