@@ -109,7 +109,7 @@ def build_model(kind: str, vocab: int, hidden: int, layers: int, seq_len: int, s
 
 
 def ds_config(zero: int, zen: bool, stats_interval: int, compress: float = 0.0,
-              compress_min_numel: int = 4096) -> Dict[str, Any]:
+              compress_min_numel: int = 4096, row_sharded: bool = False) -> Dict[str, Any]:
     """The ds_config the Trainer fills in: ``"auto"`` values come from ``TrainingArguments``."""
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": "auto",
@@ -123,6 +123,8 @@ def ds_config(zero: int, zen: bool, stats_interval: int, compress: float = 0.0,
     }
     if zen:
         config["zen"] = {"enabled": True, "stats_interval": stats_interval}
+        if row_sharded:  # every untied table, whatever its size ("optimizer_state": "auto" skips small ones)
+            config["zen"].update(row_sharded=True, optimizer_state="sharded")
         if compress > 0:
             config["zen"]["compression"] = {"type": "topk", "density": compress,
                                             "min_numel": compress_min_numel}
@@ -210,6 +212,9 @@ def parse_args(argv: Any = None) -> argparse.Namespace:
                    help="top-k compression of the dense weights at this density (0: off)")
     p.add_argument("--compress-min-numel", type=int, default=4096,
                    help="weights with fewer elements are not compressed")
+    p.add_argument("--row-sharded", action="store_true",
+                   help="zen's row-sharded embeddings (\"row_sharded\": true): each rank holds its rows "
+                        "of the untied input embedding and fetches a batch's rows, never the table")
     p.add_argument("--stats-interval", type=int, default=0, help="zen's own per-param log lines")
     p.add_argument("--out", default=None, help="write a JSON summary here (rank 0)")
     p.add_argument("--save-model", default=None, metavar="DIR",
@@ -230,7 +235,7 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
     zen_ds.enable()  # the one zen line: deepspeed.initialize now reads the "zen" block
     workdir = tempfile.mkdtemp(prefix="zen_hf_")
     config: Any = ds_config(args.zero, not args.no_zen, args.stats_interval, args.compress,
-                            args.compress_min_numel)
+                            args.compress_min_numel, args.row_sharded)
     if not config_as_dict:
         config_path = os.path.join(workdir, "ds_config.json")
         with open(config_path, "w") as fh:
@@ -272,6 +277,7 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
                                "world": world, "steps": args.steps, "mean_loss": float(result.training_loss),
                                "final_loss": float(losses[-1]) if losses else float("nan"), "losses": losses,
                                "route": state.route if state else None,
+                               "row_sharded": [t.name for t in state.owned.tables] if state and state.owned else [],
                                "compressed": [p.name for p in state.reducer.params if p.compressed] if state else [],
                                "params": {}}
     params = dict(engine.module.named_parameters())

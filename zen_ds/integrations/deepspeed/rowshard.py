@@ -291,7 +291,8 @@ class RowShardTable:
         else:
             merged = torch.sparse_coo_tensor(torch.cat([self._ids, ids]).unsqueeze(0),
                                              torch.cat([self._sums, values]),
-                                             (self.num_rows,) + self.row_shape).coalesce()
+                                             (self.num_rows,) + self.row_shape,
+                                             check_invariants=False).coalesce()  # ids checked at lookup
             self._ids, self._sums = merged.indices()[0], merged.values()
         self._note_transient(grad)
 

@@ -124,7 +124,7 @@ def shard_embeddings(model: nn.Module, route: Route, seed: int, group: Optional[
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
         tables.append((param, table))
     if not tables and left:
-        logger.info("zen: \"row_sharded\" found no embedding to shard: %s", left)
+        logger.warning("zen: \"row_sharded\" is on but found no embedding to shard: %s", left)
     route.selected[:] = kept
     return tables, left
 
