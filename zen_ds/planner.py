@@ -17,7 +17,7 @@ import math
 import os
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Dict, Hashable, Iterable, Optional, Tuple
+from typing import Any, Dict, Hashable, Iterable, Optional, Tuple
 
 from zen_ds.model.cost import CostModel
 from zen_ds.model.shape import ByteEstimate, SyncShape, with_rank
@@ -104,42 +104,56 @@ PLAN_MEMO_SIZE = 4096
 _MODEL_ENV = ("ZEN_DS_OMNIREDUCE_BLOCK", "ZEN_DS_RANKS_PER_NODE", "LOCAL_WORLD_SIZE")
 
 
+class _Recent:
+    """At most ``size`` entries, the least recently used dropped first."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: "OrderedDict[Hashable, Any]" = OrderedDict()
+
+    def get(self, key: Hashable) -> Any:
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        self._items[key] = value
+        if len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+Priced = Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]
+
+
 class PlanMemo:
-    """Choices :func:`plan_choice` already priced, most recent last (at most ``size``). Whoever
-    syncs holds one: each engine's :class:`~zen_ds.sync.options.SyncOptions` carries its own;
-    calls without one share :data:`DEFAULT_PLAN_MEMO`, this process's documented default."""
+    """Choices :func:`plan_choice` already priced, and :func:`plan_and_price`'s results for
+    exact inputs (no bucketing: the stats' predicted figures stay what pricing these inputs
+    gives), most recent last (at most ``size`` of each). Whoever syncs holds one: each engine's
+    :class:`~zen_ds.sync.options.SyncOptions` carries its own; calls without one share
+    :data:`DEFAULT_PLAN_MEMO`, this process's documented default."""
 
     def __init__(self, size: int = PLAN_MEMO_SIZE) -> None:
-        self.size = size
-        self._choices: "OrderedDict[Hashable, str]" = OrderedDict()
-        # :func:`plan_and_price`'s results for exact inputs (no bucketing: the stats' predicted
-        # figures stay what pricing these inputs gives)
-        self._prices: "OrderedDict[Hashable, Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]]" \
-            = OrderedDict()
+        self._choices = _Recent(size)
+        self._prices = _Recent(size)
 
     def get(self, key: Hashable) -> Optional[str]:
-        chosen = self._choices.get(key)
-        if chosen is not None:
-            self._choices.move_to_end(key)
-        return chosen
+        return self._choices.get(key)
 
     def put(self, key: Hashable, chosen: str) -> None:
-        self._choices[key] = chosen
-        if len(self._choices) > self.size:
-            self._choices.popitem(last=False)
+        self._choices.put(key, chosen)
 
-    def prices(self, key: Hashable
-               ) -> Optional[Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]]:
-        kept = self._prices.get(key)
-        if kept is not None:
-            self._prices.move_to_end(key)
-        return kept
+    def prices(self, key: Hashable) -> Optional[Priced]:
+        return self._prices.get(key)
 
-    def put_prices(self, key: Hashable,
-                   priced: Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]) -> None:
-        self._prices[key] = priced
-        if len(self._prices) > self.size:
-            self._prices.popitem(last=False)
+    def put_prices(self, key: Hashable, priced: Priced) -> None:
+        self._prices.put(key, priced)
 
     def clear(self) -> None:
         self._choices.clear()

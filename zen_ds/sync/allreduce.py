@@ -143,7 +143,7 @@ def plan_sync(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncO
     if max(nnz_per_rank) > opts.density_threshold * num_rows:
         names: Tuple[str, ...] = ("dense",)
     elif scheme == "auto":  # memoised on bucketed counts: priced afresh only when they move
-        names = (plan_choice(shape, auto_candidates_for(comm, shape), opts.cost_model, opts.plan_memo),)
+        names = (plan_choice(shape, auto_candidates_for(comm, shape), opts.cost_model, opts.memo()),)
     else:
         names = (scheme,)
     chosen, slowest, estimates = plan_and_price(shape, names, opts.cost_model, opts.memo())
