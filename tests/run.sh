@@ -30,15 +30,6 @@ unset PYTHONDONTWRITEBYTECODE
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$repo/.torch_extensions}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 command_start=$SECONDS
-echo "== building the zen_ds C++ ops and DeepSpeed's shm_comm op (cached after the first run)"
-# DeepSpeed JIT-builds its shared-memory comm op (CPU) in the first process that starts its comm
-# backend (~50 s of CPU cold); built here, beside zen's ops, instead of inside the first engine test.
-python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" > /dev/null 2>&1 &
-shm_build=$!
-python -m zen_ds report --build || echo "(compiled ops unavailable: the torch fallback is tested)"
-wait "$shm_build" || echo "(DeepSpeed's shm_comm op did not build here: its first engine builds it)"
-build_seconds=$((SECONDS - command_start))
-
 # Two parts, each timed: the unit suite (tests/unit: one process, about a minute) first, then the
 # multirank suite (tests/multirank and the README commands: ranks, launchers, builds). Arguments
 # go to both; a part they select nothing from is fine, but nothing selected at all is a failure.
@@ -67,9 +58,10 @@ if [[ "$workers" -gt 1 ]] && python -c "import xdist" 2>/dev/null; then
     xdist_args=(-n "$workers")
 fi
 # The CUDA builds the multirank part checks (the nvcc compile, the emulated CUDA ops: minutes of
-# CPU cold, as in CI) start now in the background at the lowest priority, so they use the cores
-# the tests leave idle (launchers importing, one-process tests); their tests find them done or
-# wait for them (tests/support/cuda_builds.py). Only when the whole multirank part runs.
+# CPU cold, as in CI) start now, before the build step, in the background at the lowest priority,
+# so they use the cores the build step and the tests leave idle (one compiler per op, launchers
+# importing, one-process tests); their tests find them done or wait for them
+# (tests/support/cuda_builds.py). Only when the whole multirank part runs.
 early_build=""
 if [[ " ${parts[*]} " == *" $multirank_part "* ]]; then
     setsid nice -n 19 python tests/support/cuda_builds.py > "${TMPDIR:-/tmp}/zen_ds_cuda_builds.log" 2>&1 &
@@ -84,6 +76,14 @@ if [[ " ${parts[*]} " == *" $multirank_part "* ]]; then
         sleep 0.1
     done
 fi
+echo "== building the zen_ds C++ ops and DeepSpeed's shm_comm op (cached after the first run)"
+# DeepSpeed JIT-builds its shared-memory comm op (CPU) in the first process that starts its comm
+# backend (~50 s of CPU cold); built here, beside zen's ops, instead of inside the first engine test.
+python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" > /dev/null 2>&1 &
+shm_build=$!
+python -m zen_ds report --build || echo "(compiled ops unavailable: the torch fallback is tested)"
+wait "$shm_build" || echo "(DeepSpeed's shm_comm op did not build here: its first engine builds it)"
+build_seconds=$((SECONDS - command_start))
 overall=0
 ran=0
 summary="$(printf 'build step: %dm%02ds' $((build_seconds / 60)) $((build_seconds % 60)))"$'\n'
