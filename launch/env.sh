@@ -21,18 +21,23 @@ _zen_imports() {  # $1 = python; true if it runs zen_ds from this checkout with 
   # One interpreter start checks that the packages are there (found, not imported: DeepSpeed and
   # megatron-core take seconds to import, and the job imports them anyway) and records what the
   # rest of this file needs: "<environment prefix> <cpu|cuda>".
-  local modules="'deepspeed', 'pydantic', 'zen_ds'"
+  local modules="'torch', 'deepspeed', 'pydantic', 'zen_ds'"
   [ -n "${ZEN_NEEDS:-}" ] && modules="$modules, '${ZEN_NEEDS// /\', \'}'"
   local out
-  out="$(PYTHONPATH="$ZEN_REPO" "$1" -c "import importlib.util, os, sys
+  # torch is imported (seconds of CPU) only where a GPU device node exists: without one, CUDA is
+  # not available to any torch build, and every launch line would pay the import for nothing.
+  out="$(PYTHONPATH="$ZEN_REPO" "$1" -c "import glob, importlib.util, os, sys
 def found(name):
     try:
         return importlib.util.find_spec(name) is not None
     except ImportError:  # its parent package is missing
         return False
 sys.exit(1) if not all(found(m) for m in ($modules,)) else None
-import torch
-print(os.path.realpath(sys.prefix), 'cuda' if torch.cuda.is_available() else 'cpu')" 2>/dev/null)" || return 1
+cuda = False
+if glob.glob('/dev/nvidia[0-9]*') or os.path.exists('/dev/dxg'):
+    import torch
+    cuda = torch.cuda.is_available()
+print(os.path.realpath(sys.prefix), 'cuda' if cuda else 'cpu')" 2>/dev/null)" || return 1
   _zen_facts="${out##*$'\n'}"  # the last line: an import may print (DeepSpeed's accelerator notice)
 }
 
