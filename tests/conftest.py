@@ -39,11 +39,30 @@ def pytest_collection_modifyitems(config, items) -> None:
         item.add_marker(pytest.mark.unit if is_unit(path) else pytest.mark.multirank)
 
 
+def pytest_collection_finish(session) -> None:
+    """Let modules start their background commands early (tests/support/early_runs.py): each
+    module defining ``start_early_runs(config, items)`` gets its selected items. Not under
+    pytest-xdist (every worker collects every item) nor with ``--collect-only``."""
+    config = session.config
+    if config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER") \
+            or config.getoption("numprocesses", None):
+        return
+    by_module = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "start_early_runs"):
+            by_module.setdefault(module, []).append(item)
+    for module, items in by_module.items():
+        module.start_early_runs(config, items)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """Stop the shared rank pools (tests/support/dist_utils.py) before the interpreter exits."""
-    dist_utils = sys.modules.get("dist_utils")
-    if dist_utils is not None:
-        dist_utils.close_pools()
+    """Stop the shared rank pools (tests/support/dist_utils.py) and any early command still
+    running before the interpreter exits."""
+    for name, stop in (("dist_utils", "close_pools"), ("early_runs", "close")):
+        module = sys.modules.get(name)
+        if module is not None:
+            getattr(module, stop)()
 
 
 # ----------------------------------------------------------------------------- the unit guard

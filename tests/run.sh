@@ -66,6 +66,8 @@ early_build=""
 if [[ " ${parts[*]} " == *" $multirank_part "* ]]; then
     setsid nice -n 19 python tests/support/cuda_builds.py > "${TMPDIR:-/tmp}/zen_ds_cuda_builds.log" 2>&1 &
     early_build=$!
+    # tests/support/early_runs.py starts the README's launcher lines once these builds are done
+    export ZEN_DS_EARLY_BUILD_PID="$early_build"
     # setsid gives it a session of its own, and with the kernel's autogroup scheduling a session
     # competes with the others as a whole whatever its processes' nice: lower the group's too.
     for _ in $(seq 50); do  # once it runs in its own session (else this would renice ours)

@@ -11,6 +11,10 @@ only by a flag another test covers, are skipped with the reason listed in SKIPPE
 must parse into the config they document, and docs/configuration.md's block must show ZenConfig's
 defaults. The quick start runs with every warning shown and attributed to the code that raised it;
 its logs must hold none raised from zen_ds.
+
+The lines that run as written start when collection ends, one at a time at the lowest CPU
+priority, in the cores the other multirank tests leave idle (tests/support/early_runs.py); each
+test takes its line's outcome when it runs.
 """
 from __future__ import annotations
 
@@ -20,12 +24,15 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Dict, List, Tuple
 
 import pytest
 
+import early_runs
 from zen_ds.integrations.config import ZenConfig, load_zen_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,14 +143,50 @@ def _zen_warnings_shown() -> Dict[str, str]:
     return {"PYTHONWARNINGS": "always::FutureWarning,always::UserWarning", "PYTHONPATH": WARNING_PROBE}
 
 
-def run_command(command: str, tmp_path, extra_env: Dict[str, str] = None) -> subprocess.CompletedProcess:
+def _command_argv(command: str, extra_env: Dict[str, str] = None) -> List[str]:
+    """The README line as a plain login shell runs it, with this test's small sizes."""
     env_extra, args = _match(SMALL, command) or ({}, [])
     env = _plain_environment({**env_extra, **(extra_env or {})})
     line = small_ranks(command) + "".join(" " + shlex.quote(a) for a in args)
     if not line.startswith(("bash launch/", "launch/", "SCRIPT=")):
         line = "source launch/env.sh && " + line  # what the README asks for python / zen-bench
-    return subprocess.run(["env", "-i", *(f"{k}={v}" for k, v in env.items()), "bash", "-c", line],
-                          cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return ["env", "-i", *(f"{k}={v}" for k, v in env.items()), "bash", "-c", line]
+
+
+QUICKSTART = "bash launch/quickstart.sh"
+_QUICKSTART_OUT = os.path.join(tempfile.gettempdir(), f"zen_ds_quickstart_{os.getpid()}")
+
+
+def _extra_env(command: str) -> Dict[str, str]:
+    if command == QUICKSTART:  # its logs, and every warning shown and attributed
+        return {"OUT": _QUICKSTART_OUT, **_zen_warnings_shown()}
+    return {}
+
+
+def runs_as_written(command: str) -> bool:
+    return not _match(SKIPPED, command) and not _match(IN_PROCESS, command)
+
+
+def run_command(command: str) -> subprocess.CompletedProcess:
+    """The line's outcome (run ahead by start_early_runs when the suite started it)."""
+    return early_runs.runs().result(command, _command_argv(command, _extra_env(command)), os.environ,
+                                    REPO, TIMEOUT_S)
+
+
+def start_early_runs(config, items) -> None:
+    """tests/conftest.py's hook: queue the selected lines that run as written, in order."""
+    wanted = set()
+    for item in items:
+        if item.originalname.startswith("test_quickstart_"):
+            wanted.add(QUICKSTART)
+        elif item.originalname == "test_readme_command" and runs_as_written(item.callspec.params["command"]):
+            wanted.add(item.callspec.params["command"])
+    queue = early_runs.runs()
+    for command in COMMANDS:
+        if command in wanted:
+            queue.add(command, _command_argv(command, _extra_env(command)), os.environ, REPO)
+    if wanted:
+        queue.start(after_pid=int(os.environ.get("ZEN_DS_EARLY_BUILD_PID") or 0))
 
 
 def _failure(command: str, proc: subprocess.CompletedProcess) -> str:
@@ -164,10 +207,10 @@ def test_readme_has_the_documented_commands():
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quickstart")
-    proc = run_command("bash launch/quickstart.sh", out, {"OUT": str(out), **_zen_warnings_shown()})
-    return proc, out
+def quickstart():
+    proc = run_command(QUICKSTART)
+    yield proc, _QUICKSTART_OUT
+    shutil.rmtree(_QUICKSTART_OUT, ignore_errors=True)
 
 
 def test_quickstart_from_a_plain_shell(quickstart):
@@ -232,7 +275,7 @@ def run_in_process(command: str) -> List[Dict[str, object]]:
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c != "bash launch/quickstart.sh"],
                          ids=lambda c: re.sub(r"[^\w./ -]", "_", c))
-def test_readme_command(command, tmp_path):
+def test_readme_command(command):
     reason = _match(SKIPPED, command)
     if reason:
         pytest.skip(reason)
@@ -247,7 +290,7 @@ def test_readme_command(command, tmp_path):
         if "--row-sharded" in command:  # the flag took effect: a table is held in rows
             assert all(result["row_sharded"] for result in results), results
         return
-    proc = run_command(command, tmp_path)
+    proc = run_command(command)
     assert proc.returncode == 0, _failure(command, proc)
 
 
