@@ -2,11 +2,12 @@
 
 The sdist is built from a copy of the checkout, the wheel from the sdist (so both must carry the
 C++/CUDA sources), and the wheel is installed into a new virtualenv that sees torch, deepspeed and
-pip through a ``.pth`` line (nothing is downloaded; the virtualenv gets no pip of its own). Two processes there then call
-``zen_ds.ops.ensure_built`` at once, with the suite's ``TORCH_EXTENSIONS_DIR``. The build's cache
-key hashes every source file's bytes and path inside the source tree (not where the tree lives), so
-when the checkout's ops are built (tests/run.sh builds them first) the installed package must load
-that very build: proof that the wheel ships byte-for-byte the sources that built and self-checked.
+pip through a ``.pth`` line (nothing is downloaded; the virtualenv gets no pip of its own). Two
+processes there then call ``zen_ds.ops.ensure_built`` at once, with the suite's
+``TORCH_EXTENSIONS_DIR``. The build's cache key hashes every source file's bytes and path inside
+the source tree (not where the tree lives), so when the checkout's ops are built (tests/run.sh
+builds them first) the installed package must load that very build: proof that the wheel ships
+byte-for-byte the sources that built and self-checked.
 A wheel that lost or changed a source gets another key and builds from the package's own copy (by
 at most one of the two processes), and that build must self-check too.
 """
@@ -56,7 +57,8 @@ def wheel_venv():
     wheel = next((WORK / "dist").glob("zen_ds-*.whl"))
 
     venv = WORK / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], env=env)
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+         env=env)
     python = venv / "bin" / "python"
     site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                 env=env).stdout.strip()

@@ -85,7 +85,7 @@ def start_fork_server() -> None:
     """Start the session's fork server now (preloading :data:`PRELOADED`) unless it is running or
     ranks are spawned: for a test whose code under test starts ``forkserver`` processes itself.
     ``multiprocessing`` keeps one fork server per process, started by its first user with that
-    user's preload list; code that starts it first would leave every later rank without DeepSpeed."""
+    user's preload list: code that starts it first would leave later ranks without DeepSpeed."""
     if _context().get_start_method() == "forkserver":
         from multiprocessing import forkserver
 

@@ -60,10 +60,10 @@ class ForkedPython:
         self.err_path = Path(err_path) if err_path else Path(self._tmp.name) / "stderr"
         for path in (self.out_path, self.err_path):
             path.touch()
+        environ = dict(os.environ if env is None else env)
         self._proc = dist_utils.rank_context().Process(
-            target=_child, args=(code, [str(a) for a in args], dict(os.environ if env is None else env),
-                                 str(cwd or os.getcwd()), str(self.out_path), str(self.err_path)),
-            daemon=True)
+            target=_child, args=(code, [str(a) for a in args], environ, str(cwd or os.getcwd()),
+                                 str(self.out_path), str(self.err_path)), daemon=True)
         self._proc.start()
         self.pid = self._proc.pid
 

@@ -86,7 +86,7 @@ LOAD_TINY = textwrap.dedent("""
 
 def _load_tiny(ext_dir: Path, name: str, src: Path, go_file: str = "", timeout: float = 300
                ) -> ForkedPython:
-    """A process loading the tiny module; its stderr goes to ``<src>/<uuid>.err`` (readable live)."""
+    """A process loading the tiny module; its stderr is ``<src>/<uuid>.err`` (readable live)."""
     src.mkdir(parents=True, exist_ok=True)
     return ForkedPython(LOAD_TINY, [name, str(src), go_file, str(timeout)], env=_env(ext_dir),
                         err_path=src / f"{uuid.uuid4().hex}.err")
@@ -261,8 +261,8 @@ def test_first_op_falls_back_once_when_the_build_lock_is_held(tmp_path, lock_hol
     warnings = [ln for ln in run.stderr.splitlines() if "zen_ds" in ln]
     assert len(warnings) == 1 and str(lock) in warnings[0], run.stderr  # one, naming the lock
 
-    strict = run_forked(FIRST_OP, env=_env(ext_dir, ZEN_DS_BUILD_TIMEOUT="1", ZEN_DS_OPS="compiled"),
-                        timeout=300)
+    strict = run_forked(FIRST_OP, timeout=300,
+                        env=_env(ext_dir, ZEN_DS_BUILD_TIMEOUT="1", ZEN_DS_OPS="compiled"))
     assert strict.returncode != 0
     assert "RuntimeError" in strict.stderr and str(lock) in strict.stderr
 

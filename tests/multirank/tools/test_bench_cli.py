@@ -96,7 +96,8 @@ def test_reduction_compare_checks_every_variant_against_the_dense_allreduce(tmp_
     script = importlib.import_module("reduction_compare")
     dist_utils.start_fork_server()
     before = _process_state()
-    assert script.main(["--ranks", "2", "--rounds", "1", "--port", "29587", "--json", str(out)]) == 0
+    assert script.main(["--ranks", "2", "--rounds", "1", "--port", "29587",
+                        "--json", str(out)]) == 0
     assert _process_state() == before
     stdout = capfd.readouterr().out
     result = json.loads(out.read_text())
@@ -108,7 +109,8 @@ def test_reduction_compare_checks_every_variant_against_the_dense_allreduce(tmp_
     assert "zen / DeepSpeed, sparse=True, same algorithm (agsparse)" in stdout
 
 
-def test_sync_dense_input_is_synced_in_place_and_compared_with_dense_allreduce(tmp_path, bench_main):
+def test_sync_dense_input_is_synced_in_place_and_compared_with_dense_allreduce(tmp_path,
+                                                                              bench_main):
     """``--dense-input``: sparse workloads go in as dense tensors written in place (out=), every
     call from a fresh copy, so repeated calls stay correct also when the schemes take turns
     (``--interleave``); DeepSpeed's path is then dense."""
