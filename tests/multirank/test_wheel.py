@@ -1,12 +1,13 @@
 """A non-editable install from the sdist's wheel, in a fresh virtualenv, runs the compiled ops.
 
 The sdist is built from a copy of the checkout, the wheel from the sdist (so both must carry the
-C++/CUDA sources), and the wheel is installed into a new virtualenv that sees torch and deepspeed
-through a ``.pth`` line (nothing is downloaded). Two processes there then call
-``zen_ds.ops.ensure_built`` at once, with the suite's ``TORCH_EXTENSIONS_DIR``. The build's cache
-key hashes every source file's bytes and path inside the source tree (not where the tree lives), so
-when the checkout's ops are built (tests/run.sh builds them first) the installed package must load
-that very build: proof that the wheel ships byte-for-byte the sources that built and self-checked.
+C++/CUDA sources), and the wheel is installed into a new virtualenv that sees torch, deepspeed and
+pip through a ``.pth`` line (nothing is downloaded; the virtualenv gets no pip of its own). Two
+processes there then call ``zen_ds.ops.ensure_built`` at once, with the suite's
+``TORCH_EXTENSIONS_DIR``. The build's cache key hashes every source file's bytes and path inside
+the source tree (not where the tree lives), so when the checkout's ops are built (tests/run.sh
+builds them first) the installed package must load that very build: proof that the wheel ships
+byte-for-byte the sources that built and self-checked.
 A wheel that lost or changed a source gets another key and builds from the package's own copy (by
 at most one of the two processes), and that build must self-check too.
 """
@@ -56,11 +57,12 @@ def wheel_venv():
     wheel = next((WORK / "dist").glob("zen_ds-*.whl"))
 
     venv = WORK / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], env=env)
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+         env=env)
     python = venv / "bin" / "python"
     site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                 env=env).stdout.strip()
-    # torch, deepspeed and friends come from the suite's environment, after the venv's own
+    # torch, deepspeed, pip and friends come from the suite's environment, after the venv's own
     Path(site, "zen_ds_test_parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
           "--no-index", str(wheel)], cwd=WORK, env=env)
@@ -159,7 +161,8 @@ WITHOUT_DEEPSPEED = textwrap.dedent("""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(rank, args=(port,), nprocs=2)
+        # forked: the ranks inherit the blocked import and this process's torch (no import each)
+        mp.start_processes(rank, args=(port,), nprocs=2, start_method="fork")
         import zen_ds
         assert "deepspeed" not in [m.split(".")[0] for m, v in sys.modules.items() if v is not None]
         try:

@@ -81,6 +81,17 @@ def rank_context(new_interpreter: bool = False):
     return _context(new_interpreter)
 
 
+def start_fork_server() -> None:
+    """Start the session's fork server now (preloading :data:`PRELOADED`) unless it is running or
+    ranks are spawned: for a test whose code under test starts ``forkserver`` processes itself.
+    ``multiprocessing`` keeps one fork server per process, started by its first user with that
+    user's preload list: code that starts it first would leave later ranks without DeepSpeed."""
+    if _context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 def _adopt(environ: Dict[str, str]) -> None:
     """Take the parent's environment of the moment the rank was started (a fork server's children
     would otherwise inherit the server's, from when it started)."""

@@ -4,6 +4,12 @@ The locking and caching tests build a one-function CPython extension through tor
 not the minute the zen_ds ops take) with :func:`zen_ds.ops.build_cache.load_or_build`, the same
 function the real builders go through; the tests on the real ops use the session's cached build or
 a lock held by another process, so none of them compiles the ops.
+
+The processes that load a module are forked from the session's preloaded fork server
+(tests/support/forked_python.py: ``python -c`` without a new interpreter's imports of torch and
+zen_ds): separate processes doing torch's real JIT build and load under their own
+``TORCH_EXTENSIONS_DIR``, nothing run in them before. Two kinds stay new interpreters: the
+process that holds a lock (imports nothing) and the ones importing another copy of the package.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from forked_python import ForkedPython, run as run_forked
 
 from zen_ds.ops import build_cache
 
@@ -78,17 +85,14 @@ LOAD_TINY = textwrap.dedent("""
 
 
 def _load_tiny(ext_dir: Path, name: str, src: Path, go_file: str = "", timeout: float = 300
-               ) -> subprocess.Popen:
-    """A process loading the tiny module; its stderr goes to ``<src>/<pid>.err`` (readable live)."""
+               ) -> ForkedPython:
+    """A process loading the tiny module; its stderr is ``<src>/<uuid>.err`` (readable live)."""
     src.mkdir(parents=True, exist_ok=True)
-    err = open(src / f"{uuid.uuid4().hex}.err", "w+")
-    proc = subprocess.Popen([PYTHON, "-c", LOAD_TINY, name, str(src), go_file, str(timeout)],
-                            env=_env(ext_dir), stdout=subprocess.PIPE, stderr=err, text=True)
-    proc.err_path = Path(err.name)
-    return proc
+    return ForkedPython(LOAD_TINY, [name, str(src), go_file, str(timeout)], env=_env(ext_dir),
+                        err_path=src / f"{uuid.uuid4().hex}.err")
 
 
-def _result(proc: subprocess.Popen):
+def _result(proc: ForkedPython):
     out, _ = proc.communicate(timeout=500)
     err = proc.err_path.read_text()
     assert proc.returncode == 0, err[-3000:]
@@ -251,16 +255,14 @@ def test_first_op_falls_back_once_when_the_build_lock_is_held(tmp_path, lock_hol
     ext_dir = tmp_path / "cold_cache"
     lock = _real_lock(ext_dir, monkeypatch)
     lock_holder(lock)
-    run = subprocess.run([PYTHON, "-c", FIRST_OP], env=_env(ext_dir, ZEN_DS_BUILD_TIMEOUT="1"),
-                         capture_output=True, text=True, timeout=300)
+    run = run_forked(FIRST_OP, env=_env(ext_dir, ZEN_DS_BUILD_TIMEOUT="1"), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "RESULT [1, 3] torch" in run.stdout
     warnings = [ln for ln in run.stderr.splitlines() if "zen_ds" in ln]
     assert len(warnings) == 1 and str(lock) in warnings[0], run.stderr  # one, naming the lock
 
-    strict = subprocess.run([PYTHON, "-c", FIRST_OP],
-                            env=_env(ext_dir, ZEN_DS_BUILD_TIMEOUT="1", ZEN_DS_OPS="compiled"),
-                            capture_output=True, text=True, timeout=300)
+    strict = run_forked(FIRST_OP, timeout=300,
+                        env=_env(ext_dir, ZEN_DS_BUILD_TIMEOUT="1", ZEN_DS_OPS="compiled"))
     assert strict.returncode != 0
     assert "RuntimeError" in strict.stderr and str(lock) in strict.stderr
 
@@ -309,8 +311,7 @@ def test_an_unchanged_tree_loads_the_cached_ops_without_building():
         pytest.fail(f"compiled ops did not load: {info['reason']}")
     build_dir = Path(info["file"]).parent
     before = _mtimes(build_dir)
-    run = subprocess.run([PYTHON, "-c", FIRST_OP], env=_env(ext_dir), capture_output=True,
-                         text=True, timeout=300)
+    run = run_forked(FIRST_OP, env=_env(ext_dir), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "RESULT [1, 3] cpp-cpu" in run.stdout and "building" not in run.stderr
     assert _mtimes(build_dir) == before

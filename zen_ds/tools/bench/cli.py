@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import sys
+from multiprocessing import reduction
 from typing import List, Optional, Sequence
 
 from zen_ds.integrations.config import NetworkConfig
@@ -145,14 +146,55 @@ def _calibrate_worker(rank: int, world_size: int, args: argparse.Namespace,
     exit_finished_rank(0)
 
 
+class _Caller:
+    """What a ``--local`` rank takes from the process that starts it, as it is at that moment: the
+    environment, stdout and stderr (the file descriptors, duplicated into the rank). A rank forked
+    from a fork server would otherwise have the server's, from when the server started; the server
+    is one per process, so a program that started it earlier (or calls :func:`main` twice) would
+    see its ranks write elsewhere and read an old environment."""
+
+    def __init__(self, environ: Optional[dict] = None, stdio: tuple = ()) -> None:
+        self.environ = dict(os.environ) if environ is None else environ
+        self.stdio = stdio  # ((fd number, multiprocessing's DupFd), ...) in a started rank
+
+    def __reduce__(self):  # pickled only while multiprocessing starts a rank: DupFd sends the fd
+        return _Caller, (self.environ, tuple((fd, reduction.DupFd(fd)) for fd in (1, 2)
+                                             if _is_open(fd)))
+
+    def adopt(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for target, dup in self.stdio:
+            fd = dup.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _rank_entry(rank: int, caller: _Caller, worker, *args) -> None:
+    caller.adopt()
+    worker(rank, *args)
+
+
 def _start_local_ranks(worker, nprocs: int, args: tuple) -> None:
     """``worker(rank, *args)`` on ``nprocs`` local processes, forked from a fork server that imports
-    torch and zen_ds once: a spawned rank would import them itself (seconds of CPU each)."""
+    torch and zen_ds once: a spawned rank would import them itself (seconds of CPU each). The ranks
+    run in this process's current environment and write to its current stdout and stderr."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.set_forkserver_preload(["torch", "torch.distributed", "zen_ds"])
-    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    mp.start_processes(_rank_entry, args=(_Caller(), worker, *args), nprocs=nprocs, join=True,
+                       start_method="forkserver")
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
