@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from zen_ds.integrations.deepspeed.rowshard import full_weights
+from zen_ds.integrations.deepspeed.rowshard import full_weights, tables_saved_elsewhere
 from zen_ds.integrations.deepspeed.shuffling import load_shuffle_state_dict, shuffle_state_dict
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -140,7 +140,9 @@ def load(state: "ZenEngineState", load_dir: str, tag: Optional[Any], rank: int, 
 def full_state_dict(state: "ZenEngineState") -> Dict[str, Any]:
     """The engine's module state dict with every row-sharded table whole, in the model's dtype
     (collective over the data-parallel group: every rank must call it; each gets the result)."""
-    sd = state.engine.module.state_dict()
-    if state.owned is not None and state.owned.tables:
-        sd.update(full_weights(state.owned.tables))
+    tables = state.owned.tables if state.owned is not None else []
+    with tables_saved_elsewhere(tables):
+        sd = state.engine.module.state_dict()
+    if tables:
+        sd.update(full_weights(tables))
     return sd

@@ -45,7 +45,7 @@ from zen_ds.integrations.deepspeed.facts import (
 from zen_ds.integrations.deepspeed.norms import replica_norm
 from zen_ds.integrations.deepspeed.owned import clip_coefficient
 from zen_ds.integrations.deepspeed.routes import refuse
-from zen_ds.integrations.deepspeed.rowshard import full_weights
+from zen_ds.integrations.deepspeed.rowshard import full_weights, tables_saved_elsewhere
 from zen_ds.sync.allreduce import sparse_allreduce
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -158,10 +158,13 @@ def install(engine: Any, state: "ZenEngineState") -> None:
 def _wrap_checkpointing(engine: Any, state: "ZenEngineState") -> None:
     """zen's file next to DeepSpeed's checkpoint; loading honours DeepSpeed's flags."""
     orig_save, orig_load = engine.save_checkpoint, engine.load_checkpoint
+    tables = state.owned.tables if state.owned is not None else []
 
     def save_checkpoint(save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
                         *args: Any, **kwargs: Any) -> Any:
-        out = orig_save(save_dir, tag, client_state if client_state is not None else {}, *args, **kwargs)
+        client_state = client_state if client_state is not None else {}
+        with tables_saved_elsewhere(tables):  # the rows go to zen's file
+            out = orig_save(save_dir, tag, client_state, *args, **kwargs)
         checkpoint.save(state, save_dir, tag if tag is not None else f"global_step{engine.global_steps}",
                         engine.global_rank)
         return out
@@ -210,7 +213,8 @@ def _wrap_save_16bit_model(engine: Any, state: "ZenEngineState") -> None:
 
         engine.module_state_dict = module_state_dict
         try:
-            return orig_save(*args, **kwargs)
+            with tables_saved_elsewhere(state.owned.tables):
+                return orig_save(*args, **kwargs)
         finally:
             del engine.module_state_dict  # back to the class's method
 

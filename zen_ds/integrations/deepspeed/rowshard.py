@@ -38,15 +38,17 @@ rows it reads), ``nn.EmbeddingBag``, megatron-core embeddings with tensor parall
 that are not embeddings stay on the usual route, each with its reason in the log.
 
 The whole table exists only when asked for, collectively: :func:`full_weights` (the consolidated
-state dict, ``save_16bit_model``) and, offline, ``zen_ds.integrations.deepspeed.checkpoint.
+state dict, ``save_16bit_model``, Accelerate's ``get_state_dict`` hence the Trainer's
+``save_model()``) and, offline, ``zen_ds.integrations.deepspeed.checkpoint.
 fp32_state_dict`` (:mod:`.offline`) from the per-rank checkpoint files.
 """
 from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,7 @@ from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RowShardTable", "RowShardStats", "full_weights"]
+__all__ = ["RowShardTable", "RowShardStats", "full_weights", "tables_saved_elsewhere"]
 
 
 @dataclass
@@ -119,6 +121,10 @@ class RowShardTable:
         self.synced: Optional[torch.Tensor] = None  # [shard rows, *row_shape]: summed over ranks
         self.stats = RowShardStats()
         self.last_stats = RowShardStats()
+        # --- module state dicts without the table: > 0 inside zen's own saves (they add the whole
+        # table or keep the rows in zen's file); otherwise the first one is logged (once)
+        self.saved_elsewhere = 0
+        self.warned_missing = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -372,3 +378,18 @@ def full_weights(tables: Sequence[RowShardTable]) -> Dict[str, torch.Tensor]:
     dicts and ``save_16bit_model``."""
     return {t.name: gather_full(t.shard.detach(), t.layout, t.group, f"zen.{t.name}.consolidate")
             for t in tables}
+
+
+@contextmanager
+def tables_saved_elsewhere(tables: Sequence[RowShardTable]) -> Iterator[None]:
+    """Module state dicts taken inside this block are zen's own saves, which add the whole
+    tables (``full_state_dict``, ``save_16bit_model``) or keep the rows in zen's file
+    (``save_checkpoint``): :class:`~.rowshard_model.RowShardedEmbedding` does not warn that its
+    table is missing."""
+    for table in tables:
+        table.saved_elsewhere += 1
+    try:
+        yield
+    finally:
+        for table in tables:
+            table.saved_elsewhere -= 1

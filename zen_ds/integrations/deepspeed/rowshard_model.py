@@ -28,7 +28,11 @@ __all__ = ["RowShardedEmbedding", "shard_embeddings", "shard_model_embeddings"]
 
 class RowShardedEmbedding(nn.Module):
     """Stands in for an ``nn.Embedding`` (or a megatron-core ``VocabParallelEmbedding`` without
-    tensor parallelism) whose table is row-sharded: same forward, no ``weight`` parameter."""
+    tensor parallelism) whose table is row-sharded: same forward, no ``weight`` parameter.
+
+    Its ``state_dict()`` has no table (taking it stays local: it is taken on one rank, and on every
+    rank for DeepSpeed's checkpoint files); outside zen's own saves the first one logs a warning
+    naming the table and the collective calls that save it whole."""
 
     def __init__(self, table: RowShardTable, embedding_dim: int, padding_idx: Optional[int] = None,
                  scale_grad_by_freq: bool = False) -> None:
@@ -39,6 +43,7 @@ class RowShardedEmbedding(nn.Module):
         self.padding_idx = padding_idx
         self.scale_grad_by_freq = scale_grad_by_freq
         self.register_load_state_dict_pre_hook(_take_rows_of_whole_table)
+        self.register_state_dict_post_hook(_warn_table_missing)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.lookup(ids, self.padding_idx, self.scale_grad_by_freq)
@@ -64,6 +69,21 @@ def _take_rows_of_whole_table(module: RowShardedEmbedding, state_dict: Dict[str,
     weight = state_dict.pop(prefix + "weight", None)
     if weight is not None:
         module.table.load_full(weight)
+
+
+def _warn_table_missing(module: RowShardedEmbedding, state_dict: Dict[str, Any], prefix: str,
+                        local_metadata: Any) -> None:
+    """A module state dict has no row-sharded table (it is not a collective, so it cannot gather
+    one): say so once, unless zen's own save takes it (``tables_saved_elsewhere``)."""
+    table = module.table
+    if table.saved_elsewhere or table.warned_missing:
+        return
+    table.warned_missing = True
+    logger.warning("zen: this state dict has no %sweight: %s is row-sharded (\"zen.row_sharded\") "
+                   "and no rank holds it whole, so a model saved from it lacks that table. For the "
+                   "whole weights call zen_ds.full_state_dict(engine) on every rank, "
+                   "engine.save_16bit_model() or the Trainer's save_model() (every rank)",
+                   prefix, table.name)
 
 
 def _why_not(module: nn.Module, param: nn.Parameter, tied: Dict[int, List[str]], name: str) -> Optional[str]:
