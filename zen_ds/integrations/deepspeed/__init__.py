@@ -11,7 +11,8 @@ Modules, in the order a step meets them:
   whole fp32 weights (the ``zero_to_fp32.py`` equivalent).
 * :mod:`.overlap`: syncs that start during backward; :mod:`.sharded`: sharded optimizer state;
   :mod:`.shuffling`: DS-Sync's route; :mod:`.zero3`: zen's rows into ZeRO-3's partitions;
-  :mod:`.rowshard` / :mod:`.rowshard_model`: row-sharded embeddings (``"row_sharded"``).
+  :mod:`.rowshard` / :mod:`.rowshard_model`: row-sharded embeddings (``"row_sharded"``);
+  :mod:`.hf_save`: Accelerate's ``get_state_dict`` (the Trainer's ``save_model()``) with them whole.
 * :mod:`.facts` (what zen reads from DeepSpeed, the version check) and :mod:`.install` (the
   wrappers on one engine): the only modules that touch DeepSpeed internals.
 * :mod:`.engine`: ``initialize`` / ``attach`` / ``state_of`` / ``full_state_dict``;

@@ -2,7 +2,9 @@
 
 While enabled, ``deepspeed.initialize`` (the Hugging Face Trainer, Accelerate and scripts call it)
 goes through :func:`zen_ds.initialize` whenever its config has a ``"zen"`` block; any other call
-reaches DeepSpeed untouched. The patch itself lives in :mod:`.install`.
+reaches DeepSpeed untouched. The patch itself lives in :mod:`.install`; an engine with
+row-sharded tables under ZeRO-1/2 also gets Accelerate's ``get_state_dict`` to save them whole
+(:mod:`.hf_save`).
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import copy
 import inspect
 from typing import Any, Tuple
 
-from zen_ds.integrations.deepspeed import facts, install
+from zen_ds.integrations.deepspeed import facts, hf_save, install
 from zen_ds.integrations.deepspeed.engine import initialize
 from zen_ds.integrations.deepspeed.routes import read_ds_config
 
@@ -34,7 +36,9 @@ def _initialize_with_zen(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]
     if from_args is not None:  # DeepSpeed refuses a config in both places: keep the caller's args intact
         call["args"] = copy.copy(call["args"])
         call["args"].deepspeed_config = None
-    return initialize(**call)
+    out = initialize(**call)
+    hf_save.cover_accelerate(out[0])  # row-sharded tables at ZeRO-1/2: Trainer.save_model()
+    return out
 
 
 def enable() -> None:
@@ -52,5 +56,7 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Give ``deepspeed.initialize`` back to DeepSpeed (idempotent). Engines built meanwhile keep zen."""
+    """Give ``deepspeed.initialize`` back to DeepSpeed (idempotent). Engines built meanwhile
+    keep zen (and Accelerate's ``get_state_dict`` keeps saving their whole tables,
+    :mod:`.hf_save`)."""
     install.unpatch_initialize()
