@@ -8,6 +8,7 @@ Workers run *many cases per spawn* (spawning 4 ranks costs seconds on 2 cores) a
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import traceback
@@ -18,6 +19,17 @@ import torch
 from torch import nn
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+
+class LogLines(logging.Handler):
+    """Keeps the messages of the records a logger hands it (``level`` and above)."""
+
+    def __init__(self, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.lines: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def load_example(name: str) -> ModuleType:

@@ -14,16 +14,25 @@ Accelerate, on 2 forked gloo ranks.
 * SGD with accumulation 2 and clipping 0.5, through the Trainer and through ``deepspeed.initialize``:
   zen and stock DeepSpeed both equal a single-process reference on the global batch (mean over ranks
   and micro-batches, clipping by the global norm).
+* Row-sharded embeddings (``--row-sharded``, Llama) under ZeRO-2 and ZeRO-3:
+  ``Trainer.save_model()`` on every rank writes the input embedding whole (equal to
+  ``zen_ds.full_state_dict`` and to every rank's rows) with every other weight as the engine holds
+  it; no "table missing" warning fires during training or the save, and a plain
+  ``module.state_dict()`` afterwards logs it once.
 
 Every case runs in one spawn (a torch + transformers import per process is the expensive part).
 """
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import shutil
+import tempfile
 import warnings
 from typing import Any, Dict, List
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,7 +41,8 @@ from dist_utils import run_ranks, skip_unless_installed
 pytest.importorskip("deepspeed")
 skip_unless_installed("transformers", "accelerate", reason="the hf extra is not installed: pip install zen_ds[hf]")
 
-from ds_cases import load_hf_trainer_example, max_rel_err, params_of, run_jobs, set_env  # noqa: E402
+from ds_cases import (  # noqa: E402
+    LogLines, load_hf_trainer_example, max_rel_err, params_of, run_jobs, set_env)
 
 # Two ranks: what this module checks (enable() from the config, the Trainer's and Accelerate's
 # paths, accumulation, clipping, bytes) does not depend on the rank count, and ZeRO-1/2 partitions
@@ -44,6 +54,8 @@ TINY = ["--vocab", "4000", "--hidden", "32", "--layers", "2", "--seq-len", "16",
 SGD = ["--optim", "sgd", "--lr", "0.1", "--steps", "4"]  # after TINY: later flags win
 COMPRESS = ["--compress", "0.05", "--compress-min-numel", "1024"]  # attention and MLP weights too
 MODELS, STAGES = ("llama", "gpt2"), (0, 1, 2)
+# Row-sharded Trainer runs whose save_model() is checked; the Llama input embedding is the one table
+SAVE_STAGES, EMBED = (2, 3), "model.embed_tokens.weight"
 # Direct deepspeed.initialize runs: a Llama-style model with a 32000-token vocabulary.
 DIRECT_VOCAB, DIRECT_SEQ, DIRECT_MICRO = 32000, 16, 2
 DIRECT_STEPS, DIRECT_GAS, DIRECT_CLIP, DIRECT_LR = 4, 2, 0.5, 0.1
@@ -67,6 +79,48 @@ def _trainer_run(example: Any, argv: List[str], config_as_dict: bool = False) ->
     collator = RecordingCollator()
     trainer, summary = example.train(example.parse_args(argv), collator, config_as_dict)
     return {"params": params_of(trainer.model_wrapped.module), "summary": summary, "batches": collator.batches}
+
+
+def _saved_weights(directory: str) -> Dict[str, torch.Tensor]:
+    """The weights ``save_model()`` wrote (safetensors, or the .bin file without safetensors)."""
+    from safetensors.torch import load_file
+    path = os.path.join(directory, "model.safetensors")
+    if os.path.exists(path):
+        return load_file(path)
+    path = os.path.join(directory, "pytorch_model.bin")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _trainer_save_run(example: Any, argv: List[str]) -> Dict[str, Any]:
+    """A row-sharded Trainer run, ``save_model()`` on every rank (each into its own folder: only
+    rank 0 writes); what rank 0 saved, this rank's rows and the engine's weights."""
+    import deepspeed
+    import torch.distributed as dist
+    import zen_ds
+    records = LogLines(logging.WARNING)
+    zen_logger = logging.getLogger("zen_ds.integrations.deepspeed.rowshard_model")
+    zen_logger.addHandler(records)
+    target = tempfile.mkdtemp(prefix="zen_save_")
+    try:
+        trainer, summary = example.train(example.parse_args(argv + ["--save-model", target]))
+        during_run = list(records.lines)
+        engine = trainer.model_wrapped
+        table = zen_ds.state_of(engine).owned.tables[0]
+        # ZeRO-3's params gathered (a no-op under ZeRO-1/2)
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            module = params_of(engine.module)
+        whole = zen_ds.full_state_dict(engine)[table.name].detach().float().numpy().copy()
+        engine.module.state_dict()  # a plain module state dict, twice: one warning
+        engine.module.state_dict()
+        saved = _saved_weights(target) if dist.get_rank() == 0 else {}
+        return {"summary": summary, "module": module, "whole": whole,
+                "rows": table.rows.cpu().numpy().copy(),
+                "shard": table.shard.detach().float().numpy().copy(),
+                "saved": {k: v.float().numpy().copy() for k, v in saved.items()},
+                "warned_during_run": during_run, "warned_after": records.lines[len(during_run):]}
+    finally:
+        zen_logger.removeHandler(records)
+        shutil.rmtree(target, ignore_errors=True)
 
 
 def _accelerate_run(example: Any, zen: bool, zero: int) -> Dict[str, Any]:
@@ -150,6 +204,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             jobs[f"{model}_zero{zero}_plain"] = functools.partial(_trainer_run, example, argv + ["--no-zen"])
             jobs[f"{model}_zero{zero}_compressed"] = functools.partial(_trainer_run, example, argv + COMPRESS)
     jobs["llama_zero2_zen_dict"] = functools.partial(_trainer_run, example, TINY + ["--zero", "2"], True)
+    for zero in SAVE_STAGES:
+        jobs[f"llama_zero{zero}_row_sharded_save"] = functools.partial(
+            _trainer_save_run, example,
+            TINY + ["--model", "llama", "--zero", str(zero), "--row-sharded"])
     jobs["sgd_zen"] = functools.partial(_trainer_run, example, TINY + SGD)
     jobs["sgd_plain"] = functools.partial(_trainer_run, example, TINY + SGD + ["--no-zen"])
     for zero in (0, 1):
@@ -331,3 +389,34 @@ def test_deepspeed_initialize_sgd_with_accumulation_and_clipping_equals_global_b
     exact = reference(_direct_model(), norm_fn=_exact_norm)
     _assert_close(zen[0]["params"], exact, 1e-4, "zen vs global-batch reference with the exact norm")
     _assert_close(plain[0]["params"], exact, 1e-4, "stock DeepSpeed vs global-batch reference with the exact norm")
+
+
+@pytest.mark.parametrize("zero", SAVE_STAGES)
+def test_trainer_save_model_writes_the_whole_row_sharded_table(results: List[Dict[str, Any]],
+                                                               zero: int) -> None:
+    """No rank holds the row-sharded input embedding, yet ``save_model()`` writes it whole (ZeRO-2:
+    Accelerate's ``get_state_dict`` gathers it; ZeRO-3: DeepSpeed's consolidated state dict), equal
+    to ``zen_ds.full_state_dict`` and to each rank's rows, next to every other weight."""
+    runs = _ok(results, f"llama_zero{zero}_row_sharded_save")
+    sharded = [r["summary"]["row_sharded"] for r in runs]
+    assert sharded == [[EMBED]] * WORLD, sharded
+    saved = runs[0]["saved"]
+    assert EMBED not in runs[0]["module"]  # the module has no such parameter
+    want = set(runs[0]["module"]) | {EMBED}
+    assert set(saved) == want, sorted(set(saved) ^ want)
+    table = saved[EMBED]
+    assert table.shape == (4000, 32)
+    np.testing.assert_array_equal(table, runs[0]["whole"])
+    assert sorted(np.concatenate([r["rows"] for r in runs]).tolist()) == list(range(4000))
+    for rank, run in enumerate(runs):
+        np.testing.assert_array_equal(run["whole"], runs[0]["whole"], err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(table[run["rows"]], run["shard"],
+                                      err_msg=f"rank {rank}'s rows")
+    for name, value in runs[0]["module"].items():
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    initial = params_of(load_hf_trainer_example().build_model("llama", 4000, 32, 2, 16, seed=0))
+    assert not np.array_equal(table, initial[EMBED]), "the saved table is the untrained one"
+    for rank, run in enumerate(runs):  # silent nowhere, noisy only outside zen's saves
+        assert not run["warned_during_run"], (rank, run["warned_during_run"])
+        after = run["warned_after"]
+        assert len(after) == 1 and EMBED in after[0], (rank, after)

@@ -127,20 +127,11 @@ def _ckpt(rank: int, world: int, root: str) -> Dict[str, Any]:
             "step": (zen_ds.state_of(eng).shuffle.step, zen_ds.state_of(eng2).shuffle.step)}
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: List[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _worker(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
     import warnings
     warnings.filterwarnings("ignore")
     dc.set_env(rank, world)
-    lines = _Lines()
+    lines = dc.LogLines()
     engine_logger = logging.getLogger("zen_ds.integrations.deepspeed.engine")
     engine_logger.addHandler(lines)
     engine_logger.setLevel(logging.INFO)
