@@ -37,10 +37,10 @@ def tables_outside_module(state: ZenEngineState) -> bool:
 
 def _with_whole_tables(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def get_state_dict(self: Any, model: Any, unwrap: bool = True) -> Dict[str, Any]:
+    def get_state_dict(self: Any, model: Any, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         state = state_of(model)
         if state is None or not tables_outside_module(state):
-            return original(self, model, unwrap)
+            return original(self, model, *args, **kwargs)
         return {name: value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
                 for name, value in checkpoint.full_state_dict(state).items()}
 
