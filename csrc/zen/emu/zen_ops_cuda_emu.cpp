@@ -89,6 +89,20 @@ __global__ void selftest_indices_kernel(int64_t* out)
     out[b * blockDim.x + t] = ok;
 }
 
+// Recursion far deeper than a fiber's stack: the process dies of SIGSEGV, after a line that names
+// the kernel and the thread (the test runs it in a subprocess).
+__device__ int64_t selftest_deep(int64_t n)
+{
+    volatile char frame[1024];
+    frame[0] = static_cast<char>(n);
+    return n == 0 ? frame[0] : selftest_deep(n - 1) + frame[0];
+}
+
+__global__ void selftest_overflow_kernel(int64_t* out)
+{
+    out[threadIdx.x] = selftest_deep(1 << 20);
+}
+
 __global__ void selftest_noop_kernel() {}
 
 // Runs one self-test; (the kernel's output, the launch's error or "").
@@ -113,6 +127,8 @@ std::tuple<std::vector<int64_t>, std::string> selftest(const std::string& name, 
                 out.data(), name == "race_synced");
         } else if (name == "indices") {
             ZEN_LAUNCH(grid, block, 0, 0, selftest_indices_kernel)(out.data());
+        } else if (name == "overflow") {
+            ZEN_LAUNCH(grid, block, 0, 0, selftest_overflow_kernel)(out.data());
         } else if (name == "too_much_shared") {
             ZEN_LAUNCH(grid, block, zen_emu::kMaxSharedBytes + 1, 0, selftest_noop_kernel)();
         } else if (name == "noop") {

@@ -5,8 +5,9 @@ and launchers nvcc compiles) with a host-side CUDA emulation: a block's threads 
 barriers, warp collectives, shared memory and atomics. Every kernel runs here on the adversarial
 cases of tests/unit/ops/test_ops.py (row 0, last row, empty input, duplicates, unsorted input,
 NaN / -0.0 rows, row widths that are not a multiple of the copy or warp width, large universes)
-and on contention cases (many threads on one histogram bin, one bitmap word, one segment). The emulation caps grids at
-4 blocks of 256 threads, so these small inputs span several blocks and wrap every grid-stride loop.
+and on contention cases (many threads on one histogram bin, one bitmap word, one segment). The
+emulation caps grids at 4 blocks of 256 threads, so these small inputs span several blocks and wrap
+every grid-stride loop.
 
 The fibers take turns on one OS thread: a thread runs until it waits in a barrier or a warp
 collective, or returns. So code between two barriers never interleaves with another thread's;
@@ -26,6 +27,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -538,3 +542,24 @@ def test_thread_order_varies_from_block_to_block(emu):
     assert any(b != neighbours for b in blocks)
     out, got = emu.module.emu_selftest("race_synced", grid, block)
     assert got == "" and out == list(neighbours) * grid
+
+
+_OVERFLOW = """
+import importlib.util, resource, sys, torch
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+spec = importlib.util.spec_from_file_location(sys.argv[2], sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.emu_selftest("overflow", 1, 32)
+"""
+
+
+def test_a_stack_overflow_names_the_kernel(emu):
+    """A thread that overflows its fiber stack faults in the guard below it (instead of writing
+    over another fiber's stack): the process dies of SIGSEGV after a line naming the kernel and the
+    thread. In a subprocess, which loads the built module directly."""
+    command = [sys.executable, "-c", _OVERFLOW, emu.module.__file__, emu.module.__name__]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr[-3000:])
+    assert re.search(r"zen_ds emulation: kernel selftest_overflow_kernel: thread \d+ of block 0 "
+                     r"overflowed its fiber stack of 256 KiB", proc.stderr), proc.stderr[-3000:]
