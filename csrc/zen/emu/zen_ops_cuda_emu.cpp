@@ -10,6 +10,8 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <thread>
+
 namespace zen {
 namespace emu {
 namespace {
@@ -127,6 +129,26 @@ std::tuple<std::vector<int64_t>, std::string> selftest(const std::string& name, 
                 out.data(), name == "race_synced");
         } else if (name == "indices") {
             ZEN_LAUNCH(grid, block, 0, 0, selftest_indices_kernel)(out.data());
+        } else if (name == "concurrent") {
+            // four OS threads launching at once, each on its own fibers: out sums their counts
+            std::vector<std::vector<int64_t>> outs(4, std::vector<int64_t>(out.size(), 0));
+            std::vector<std::string> errors(outs.size());
+            std::vector<std::thread> threads;
+            for (size_t i = 0; i < outs.size(); ++i) {
+                threads.emplace_back([&, i] {
+                    try {
+                        ZEN_LAUNCH(grid, block, 0, 0, selftest_indices_kernel)(outs[i].data());
+                    } catch (const c10::Error& e) {
+                        errors[i] = e.what_without_backtrace();
+                    }
+                });
+            }
+            for (std::thread& thread : threads) thread.join();
+            for (const std::string& error : errors) TORCH_CHECK(error.empty(), error);
+            for (size_t j = 0; j < out.size(); ++j) {
+                out[j] = 0;
+                for (const auto& o : outs) out[j] += o[j];
+            }
         } else if (name == "overflow") {
             ZEN_LAUNCH(grid, block, 0, 0, selftest_overflow_kernel)(out.data());
         } else if (name == "too_much_shared") {

@@ -529,6 +529,13 @@ def test_builtins_survive_every_switch(emu, grid, block):
     assert got == "" and out == [15] * (grid * block)
 
 
+def test_several_os_threads_launch_at_once(emu):
+    """Four OS threads launch at once, each running its blocks on fibers of its own: every check
+    of the built-ins holds in every thread of every launch."""
+    out, got = emu.module.emu_selftest("concurrent", 3, 100)
+    assert got == "" and out == [4 * 15] * 300
+
+
 def test_thread_order_varies_from_block_to_block(emu):
     """A racy kernel (each thread reads its neighbour's shared slot without a barrier after the
     neighbour's write) reads different values in different blocks: the emulation's schedule is
