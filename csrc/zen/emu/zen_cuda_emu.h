@@ -33,8 +33,8 @@
 // set_fault("warp_prefix_skips_warp0") turns on the kernels' one mutation point (an off-by-one in
 // the partition's per-warp prefix; see ZEN_MUTATION_WARP_PREFIX_FIRST) without a second build.
 //
-// Several OS threads may launch at once: each has its own fibers; only the launch counts and the
-// fault are shared (under a mutex).
+// Several OS threads may launch at once: each has its own fibers; only the launch counts, the
+// fault and the count of blocks run (which picks each block's order) are shared, under a mutex.
 #pragma once
 
 #include <c10/util/Exception.h>

@@ -496,8 +496,9 @@ def test_an_off_by_one_in_the_partition_histogram_is_caught(emu):
     ("not_in_mask", 1, 64,
      r"kernel selftest_not_in_mask_kernel: __ballot_sync: the calling lane is not in its mask"),
     # lane 31 exits before or after the others wait, depending on the block's thread order
-    ("exited_lane", 3, 64, r"kernel selftest_exited_lane_kernel: (__syncwarp: a lane named in the "
-                           r"mask has exited|lane 31 of warp 0 exited while its warp waits)"),
+    ("exited_lane", 1, 64,
+     (r"kernel selftest_exited_lane_kernel: (__syncwarp: a lane named in the mask has exited"
+      r"|lane 31 of warp [01] exited while its warp waits in __syncwarp)")),
     ("exited_lane", 1, 16, r"a lane named in the mask has exited or does not exist"),
     ("too_much_shared", 1, 32, r"selftest_noop_kernel asks 49153 bytes of dynamic shared memory"),
     ("noop", 1, 1025, r"selftest_noop_kernel: block of 1025 threads"),
@@ -505,7 +506,7 @@ def test_an_off_by_one_in_the_partition_histogram_is_caught(emu):
 def test_the_emulation_reports_misuse(emu, name, grid, block, error):
     """What the GPU would turn into a hang or undefined behaviour raises, naming the kernel; the
     next launch works again."""
-    for _ in range(3):  # every block order
+    for _ in range(3):  # the failing block runs in each of the three orders
         _, got = emu.module.emu_selftest(name, grid, block)
         assert re.search(error, got), got
     out, got = emu.module.emu_selftest("indices", 2, 64)
@@ -566,7 +567,7 @@ def test_a_stack_overflow_names_the_kernel(emu):
     over another fiber's stack): the process dies of SIGSEGV after a line naming the kernel and the
     thread. In a subprocess, which loads the built module directly."""
     command = [sys.executable, "-c", _OVERFLOW, emu.module.__file__, emu.module.__name__]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr[-3000:])
     assert re.search(r"zen_ds emulation: kernel selftest_overflow_kernel: thread \d+ of block 0 "
                      r"overflowed its fiber stack of 256 KiB", proc.stderr), proc.stderr[-3000:]
