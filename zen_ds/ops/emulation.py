@@ -3,8 +3,9 @@
 ``csrc/zen/includes/zen_ops_cuda_kernels.cuh`` holds the CUDA kernels and their launchers. nvcc
 compiles it for the GPU (``csrc/zen/cuda/zen_ops_cuda.cu``); the host compiler compiles the same
 header with the emulation layer of ``csrc/zen/emu/zen_cuda_emu.h`` (a launch runs its blocks in
-turn, a block's threads as real threads with barriers, warp collectives, shared memory and atomics),
-so a machine without a GPU runs exactly the kernels' code on CPU tensors. :func:`load_emulated_ops`
+turn, a block's threads as fibers taking turns on the calling thread, with barriers, warp
+collectives, shared memory and atomics, in a thread order that varies from block to block), so a
+machine without a GPU runs exactly the kernels' code on CPU tensors. :func:`load_emulated_ops`
 builds it through the op builder (:class:`zen_ds.ops.builder.ZenCUDAEmulationOpBuilder`, JIT-cached
 like the other ops) and wraps it in the :class:`~zen_ds.ops.compiled.CompiledOps` facade, so calls
 take the torch_ops signatures and go through the same argument preparation as on a GPU.
@@ -16,8 +17,8 @@ Controls of the loaded module (``ops.module``): ``emu_launch_counts()`` / ``emu_
 (which kernels ran), ``emu_set_fault(name)`` (``"nonatomic"``: atomics lose their atomicity under
 the worst lockstep schedule; ``"warp_prefix_skips_warp0"``: the kernels' mutation point, an
 off-by-one in the partition's per-warp prefix; ``"none"``: correct again), ``emu_config()`` (block
-size and grid cap). The faults let the tests show that they catch a broken kernel, without a
-second build.
+size and grid cap), ``emu_selftest(name, grid, block)`` (the emulation's own test kernels). The
+faults let the tests show that they catch a broken kernel, without a second build.
 """
 from __future__ import annotations
 

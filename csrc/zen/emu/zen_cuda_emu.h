@@ -1,16 +1,28 @@
 // zen_ds CUDA emulation: runs the kernels of zen_ops_cuda_kernels.cuh on the CPU, for tests only.
 //
-// A launch runs its grid's blocks in turn. A block's threads are real std::threads (a pool reused
-// by every launch), so the kernels' concurrency is real: __syncthreads is a barrier over the block's live threads (a thread
-// that returned no longer counts, as on the GPU), a warp collective (__any_sync, __ballot_sync,
-// __match_any_sync, __syncwarp) waits for every lane its mask names, dynamic shared memory is one
-// buffer per block filled with garbage at block start, atomics are std::atomic_ref operations.
+// A launch runs its grid's blocks in turn, on the OS thread that launches. A block's threads are
+// fibers (user-space contexts, each with its own stack) that this thread runs one at a time: a
+// fiber runs until it waits in __syncthreads or a warp collective, or returns, then the next ready
+// one runs. __syncthreads is a barrier over the block's live threads (a thread that returned no
+// longer counts, as on the GPU), a warp collective (__any_sync, __ballot_sync, __match_any_sync,
+// __syncwarp) waits for every lane its mask names, dynamic shared memory is one buffer per block
+// filled with garbage at block start, atomics are std::atomic_ref operations.
+//
+// Since fibers take turns, the code between two barriers of one thread runs without interleaving
+// with other threads: a race shows as a dependence on the order the threads run in. That order
+// varies: a block's threads start, and resume after every barrier and warp collective, in
+// ascending thread order, descending, or a seeded permutation, chosen per block in turn (so the
+// blocks of one launch differ). A kernel whose result depends on the order between barriers gives
+// different results from one block to the next. Finer interleavings (two threads inside one
+// read-modify-write) occur only as the fault "nonatomic" below models them.
 //
 // Misuse the GPU would turn into a hang or undefined behaviour raises instead: a deadlock (every
 // live thread of a block waiting, e.g. __syncthreads in divergent code), a warp collective whose
 // lanes disagree on the mask or one of whose lanes has exited, too much shared memory, too big a
 // block. The error names the kernel. A warp runs one collective at a time (the kernels use full
-// masks; concurrent collectives of disjoint sub-warp groups are reported as divergent).
+// masks; concurrent collectives of disjoint sub-warp groups are reported as divergent). A C++
+// exception in a thread (never let across a fiber's boundary) fails the launch the same way: the
+// block's other threads unwind from where they wait, and the launch raises.
 //
 // Fault injection (set_fault("nonatomic")): atomic read-modify-writes lose their atomicity. Each
 // thread's RMWs read memory as it was at the block's last barrier (plus the thread's own earlier
@@ -20,28 +32,31 @@
 // that its inputs contend, i.e. that a kernel missing an atomic would be caught.
 // set_fault("warp_prefix_skips_warp0") turns on the kernels' one mutation point (an off-by-one in
 // the partition's per-warp prefix; see ZEN_MUTATION_WARP_PREFIX_FIRST) without a second build.
+//
+// Several OS threads may launch at once: each has its own fibers; only the launch counts, the
+// fault and the count of blocks run (which picks each block's order) are shared, under a mutex.
 #pragma once
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <exception>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include <signal.h>
+#include <sys/mman.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #define __global__
@@ -60,7 +75,7 @@ struct alignas(16) uint4 {
     unsigned int x, y, z, w;
 };
 
-// The built-in variables: per CPU thread, set before it runs its part of a block.
+// The built-in variables: per OS thread, set by the scheduler for the fiber it resumes.
 inline thread_local uint3 threadIdx;
 inline thread_local uint3 blockIdx;
 inline thread_local dim3 blockDim;
@@ -77,8 +92,216 @@ enum class Fault { none, nonatomic, warp_prefix_skips_warp0 };
 struct Aborted {
 };
 
+// ------------------------------------------------------------------ fibers
+
+// A fiber's stack: reserved, committed page by page as it is touched (the kernels use a few KiB;
+// a GPU thread gets 1 KiB by default), above an inaccessible guard region so that an overflow
+// faults (see on_segv) instead of overwriting another fiber's stack. The guard is 16 pages: a
+// frame larger than one page could step over a single guard page.
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kGuardBytes = 64 * 1024;
+
+class Stack {
+   public:
+    Stack()
+    {
+        void* p = mmap(nullptr, kGuardBytes + kStackBytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+        TORCH_CHECK(p != MAP_FAILED, "zen_ds emulation: cannot map a fiber stack");
+        base_ = static_cast<char*>(p);
+        if (mprotect(base_, kGuardBytes, PROT_NONE) != 0) {
+            munmap(base_, kGuardBytes + kStackBytes);
+            TORCH_CHECK(false, "zen_ds emulation: cannot protect a fiber stack's guard");
+        }
+    }
+    ~Stack() { munmap(base_, kGuardBytes + kStackBytes); }
+    Stack(const Stack&) = delete;
+    Stack& operator=(const Stack&) = delete;
+
+    char* bottom() const { return base_ + kGuardBytes; }
+    char* top() const { return base_ + kGuardBytes + kStackBytes; }
+    bool in_guard(const void* address) const
+    {
+        const uintptr_t a = reinterpret_cast<uintptr_t>(address);
+        return a >= reinterpret_cast<uintptr_t>(base_) && a < reinterpret_cast<uintptr_t>(bottom());
+    }
+
+   private:
+    char* base_;
+};
+
+// The context switch. On x86-64 a hand-written one: swapcontext saves and restores the signal
+// mask, a system call per switch (test_cuda_emulated.py took 15-18 CPU-s with it, 11-12 without).
+// Define ZEN_EMU_UCONTEXT to use ucontext anyway (other architectures always do).
+#if defined(__x86_64__) && !defined(ZEN_EMU_UCONTEXT)
+#define ZEN_EMU_ASM_SWITCH 1
+// zen_emu_switch(save, load): pushes the callee-saved registers (System V ABI: rbx, rbp, r12-r15,
+// the SSE and x87 control words), stores the stack pointer in *save, continues on stack `load`.
+// zen_emu_fiber_start: a new fiber's first return address; calls r13(r12), never returns; the
+// outermost frame for an unwinder (a backtrace taken in a fiber, e.g. by c10::Error, ends there).
+// Weak and hidden: one copy however many translation units include this header.
+extern "C" void zen_emu_switch(void** save, void* load);
+extern "C" void zen_emu_fiber_start();
+asm(R"(
+    .pushsection .text
+    .weak zen_emu_switch
+    .hidden zen_emu_switch
+    .type zen_emu_switch, @function
+zen_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size zen_emu_switch, .-zen_emu_switch
+    .weak zen_emu_fiber_start
+    .hidden zen_emu_fiber_start
+    .type zen_emu_fiber_start, @function
+zen_emu_fiber_start:
+    .cfi_startproc
+    .cfi_undefined rip
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+    .cfi_endproc
+    .size zen_emu_fiber_start, .-zen_emu_fiber_start
+    .popsection
+)");
+#else
+#define ZEN_EMU_ASM_SWITCH 0
+#endif
+
+struct FiberContext {
+#if ZEN_EMU_ASM_SWITCH
+    void* sp = nullptr;
+#else
+    ucontext_t uc;
+#endif
+};
+
+inline void switch_context(FiberContext& from, FiberContext& to)
+{
+#if ZEN_EMU_ASM_SWITCH
+    zen_emu_switch(&from.sp, to.sp);
+#else
+    swapcontext(&from.uc, &to.uc);
+#endif
+}
+
+#if !ZEN_EMU_ASM_SWITCH
+// makecontext passes ints: the argument travels as two halves.
+template <void (*Entry)(void*)>
+void ucontext_start(unsigned int high, unsigned int low)
+{
+    Entry(reinterpret_cast<void*>(uintptr_t(high) << 32 | low));
+}
+#endif
+
+// Prepares `context` to call Entry(arg) on `stack` when first switched to; Entry never returns.
+template <void (*Entry)(void*)>
+void make_context(FiberContext& context, const Stack& stack, void* arg)
+{
+#if ZEN_EMU_ASM_SWITCH
+    // The frame zen_emu_switch pops: control words, r15, r14, r13 = Entry, r12 = arg, rbx, rbp,
+    // return address; 16-byte aligned at zen_emu_fiber_start's call, as the ABI wants.
+    const uintptr_t top = reinterpret_cast<uintptr_t>(stack.top()) & ~uintptr_t(15);
+    uint64_t* frame = reinterpret_cast<uint64_t*>(top - 80);
+    uint32_t control[2] = {0, 0};
+    asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(control[0]), "=m"(control[1]));
+    control[1] &= 0xffffu;
+    std::memcpy(&frame[0], control, 8);
+    frame[1] = frame[2] = 0;
+    frame[3] = reinterpret_cast<uint64_t>(Entry);
+    frame[4] = reinterpret_cast<uint64_t>(arg);
+    frame[5] = frame[6] = 0;
+    frame[7] = reinterpret_cast<uint64_t>(&zen_emu_fiber_start);
+    context.sp = frame;
+#else
+    TORCH_CHECK(getcontext(&context.uc) == 0, "zen_emu: getcontext failed");
+    context.uc.uc_stack.ss_sp = stack.bottom();
+    context.uc.uc_stack.ss_size = kStackBytes;
+    context.uc.uc_link = nullptr;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(arg);
+    makecontext(&context.uc, reinterpret_cast<void (*)()>(&ucontext_start<Entry>), 2,
+                static_cast<unsigned int>(a >> 32), static_cast<unsigned int>(a & 0xffffffffu));
+#endif
+}
+
 class Block;
 inline thread_local Block* current_block = nullptr;
+inline thread_local int current_thread = 0;  // flat thread index inside the block
+
+// The fibers that play a block's threads on one OS thread: created as the largest block so far
+// needs them and reused by every launch from that thread (a fiber loops over the blocks it
+// plays). The scheduler is the OS thread's own context.
+class Executor {
+   public:
+    static Executor& mine()
+    {
+        static thread_local Executor executor;
+        return executor;
+    }
+
+    Executor();
+    ~Executor();
+    Executor(const Executor&) = delete;
+    Executor& operator=(const Executor&) = delete;
+
+    // Runs block.run_thread(t) for t in [0, threads) in the fibers, one at a time in the order the
+    // block's scheduler picks; returns when every thread returned.
+    void run(Block& block, int threads, const char* kernel);
+
+    // In the SIGSEGV handler: one line on stderr if `address` is in a fiber's guard.
+    void report_overflow(const void* address) const;
+
+    // In fiber t: back to the scheduler; returns when the scheduler resumes t.
+    void suspend(int t) { switch_context(fibers_[t]->context, scheduler_); }
+
+    // In the scheduler: runs fiber t until it suspends or finishes.
+    void resume(int t)
+    {
+        threadIdx = uint3{static_cast<unsigned int>(t), 0, 0};
+        current_thread = t;
+        switch_context(scheduler_, fibers_[t]->context);
+    }
+
+    bool busy() const { return block_ != nullptr; }
+
+   private:
+    struct Fiber {
+        Stack stack;
+        FiberContext context;
+        Executor* executor;
+        int index;
+    };
+
+    static void fiber_main(void* arg);
+
+    std::vector<std::unique_ptr<Fiber>> fibers_;
+    FiberContext scheduler_;
+    Block* block_ = nullptr;
+    const char* kernel_ = "";
+    std::unique_ptr<char[]> signal_stack_;  // ours, when the thread had none
+};
+
+// The executor running a block on this OS thread, for the SIGSEGV handler.
+inline thread_local Executor* running_executor = nullptr;
 
 // One pending plain read-modify-write (fault "nonatomic"): its address, width and new value.
 struct PendingWrite {
@@ -87,28 +310,43 @@ struct PendingWrite {
     uint64_t value;
 };
 
+// A block's synchronisation and its scheduler. Everything runs on one OS thread, so no locks: a
+// fiber changes the state, then suspends to the scheduler, which resumes the ready fibers.
 class Block {
    public:
-    Block(int threads, size_t shared_bytes, Fault fault)
-        : threads_(threads), shared_(shared_bytes + 16), fault_(fault),
-          warps_((threads + 31) / 32), pending_(threads)
+    Block(int threads, size_t shared_bytes, Fault fault, void (*body)(void*), void* context)
+        : threads_(threads), shared_(shared_bytes + 16), fault_(fault), body_(body),
+          context_(context), warps_((threads + 31) / 32), pending_(threads), state_(threads),
+          order_(threads), ready_(threads)
     {
     }
 
-    // Called by the launcher, with no thread running, before each block.
-    void reset()
+    // Called by the launcher, with no fiber running, before each block. `schedule` picks the
+    // order of the block's threads: ascending, descending, or a permutation seeded by it.
+    void reset(uint64_t schedule)
     {
         live_ = threads_;
         arrived_ = 0;
-        blocked_ = 0;
         for (size_t w = 0; w < warps_.size(); ++w) {
             Warp& warp = warps_[w];
             warp.arrived = warp.mask = 0;
-            warp.what.clear();
+            warp.what = nullptr;
             const int lanes = std::min(32, threads_ - static_cast<int>(w) * 32);
             warp.exited = lanes == 32 ? 0u : ~((1u << lanes) - 1u);  // lanes that do not exist
         }
         std::memset(shared_.data(), 0xA5, shared_.size());  // shared memory starts as garbage
+        for (int t = 0; t < threads_; ++t) order_[t] = t;
+        for (int l = 0; l < 32; ++l) lane_order_[l] = l;
+        if (schedule % 3 == 1) {
+            std::reverse(order_.begin(), order_.end());
+            std::reverse(std::begin(lane_order_), std::end(lane_order_));
+        } else if (schedule % 3 == 2) {
+            uint64_t seed = schedule;
+            shuffle(order_.data(), threads_, seed);
+            shuffle(lane_order_, 32, seed);
+        }
+        head_ = count_ = 0;
+        for (int t : order_) make_ready(t);
     }
 
     void* shared() { return align16(shared_.data()); }
@@ -116,73 +354,88 @@ class Block {
     bool failed() const { return !error_.empty(); }
     const std::string& error() const { return error_; }
 
-    // A thread of the block failed (or found misuse): every thread unwinds, the launch raises.
-    void fail(const std::string& why)
+    // The scheduler: resumes ready fibers until every thread returned. When none is ready but
+    // some live, they all wait: a deadlock. After an error the waiting fibers resume to unwind.
+    void schedule(Executor& executor) noexcept
     {
-        std::lock_guard<std::mutex> lock(mutex_);
-        abort_locked(why);
+        for (;;) {
+            while (count_ > 0) {
+                const int t = ready_[head_];
+                head_ = head_ + 1 == threads_ ? 0 : head_ + 1;
+                --count_;
+                executor.resume(t);
+                if (failed()) wake_all();
+            }
+            if (live_ == 0) return;
+            set_error(std::string("deadlock: every live thread of the block waits (last: ") +
+                      last_event_ + "); __syncthreads or a warp collective in divergent code?");
+            wake_all();
+        }
+    }
+
+    // Thread t's whole life in one block, in its fiber: no exception leaves it.
+    void run_thread(Executor& executor, int t) noexcept
+    {
+        executor_ = &executor;
+        if (!failed()) {
+            try {
+                body_(context_);
+            } catch (const Aborted&) {
+            } catch (const std::exception& e) {
+                set_error(e.what());
+            } catch (...) {
+                set_error("a C++ exception that is not a std::exception");
+            }
+        }
+        exit_thread(t);
     }
 
     void syncthreads(int thread)
     {
-        std::unique_lock<std::mutex> lock(mutex_);
         throw_if_aborted();
-        if (++arrived_ == live_) {
-            release_barrier_locked(arrived_ - 1);
-            return;
-        }
-        const uint64_t generation = barrier_generation_;
-        wait_locked(lock, cv_, [&] { return barrier_generation_ != generation; }, "__syncthreads");
+        state_[thread] = State::barrier;
+        if (++arrived_ == live_) release_barrier();
+        else last_event_ = "__syncthreads";
+        executor_->suspend(thread);
+        throw_if_aborted();
     }
 
-    // Warp collective over the lanes in `mask`: every lane contributes `value`; returns all lanes'
-    // values in `out` (indexed by lane).
+    // Warp collective over the lanes in `mask`: every lane contributes `value`; every lane gets all
+    // lanes' values in its `out` (indexed by lane).
     void warp_exchange(int thread, const char* what, uint32_t mask, uint64_t value, uint64_t* out)
     {
-        std::unique_lock<std::mutex> lock(mutex_);
         throw_if_aborted();
         Warp& warp = warps_[thread / 32];
-        const uint32_t lane_bit = 1u << (thread % 32);
-        if (!(mask & lane_bit)) abort_locked(std::string(what) + ": the calling lane is not in its mask");
+        const int lane = thread % 32;
+        const uint32_t lane_bit = 1u << lane;
+        if (!(mask & lane_bit)) abort(std::string(what) + ": the calling lane is not in its mask");
         if (mask & warp.exited)
-            abort_locked(std::string(what) + ": a lane named in the mask has exited or does not exist");
+            abort(std::string(what) + ": a lane named in the mask has exited or does not exist");
         if (warp.arrived == 0) {
             warp.mask = mask;
             warp.what = what;
-        } else if (warp.mask != mask || warp.what != what) {
-            abort_locked(std::string("divergent warp collective: ") + what + " with mask " +
-                         std::to_string(mask) + " while other lanes wait in " + warp.what +
-                         " with mask " + std::to_string(warp.mask));
+        } else if (warp.mask != mask || std::strcmp(warp.what, what) != 0) {
+            abort(std::string("divergent warp collective: ") + what + " with mask " +
+                  std::to_string(mask) + " while other lanes wait in " + warp.what + " with mask " +
+                  std::to_string(warp.mask));
         }
-        warp.values[thread % 32] = value;
+        warp.values[lane] = value;
+        warp.out[lane] = out;
         warp.arrived |= lane_bit;
+        state_[thread] = State::warp;
         if (warp.arrived == mask) {
-            std::copy(std::begin(warp.values), std::end(warp.values), warp.result);
-            blocked_ -= __builtin_popcount(mask) - 1;
             warp.arrived = 0;
-            ++warp.generation;
-            warp.cv.notify_all();
+            const int first = thread - lane;
+            for (int l : lane_order_) {
+                if (!(mask >> l & 1u)) continue;
+                std::copy(std::begin(warp.values), std::end(warp.values), warp.out[l]);
+                make_ready(first + l);
+            }
         } else {
-            const uint64_t generation = warp.generation;
-            wait_locked(lock, warp.cv, [&] { return warp.generation != generation; }, what);
+            last_event_ = what;
         }
-        std::copy(std::begin(warp.result), std::end(warp.result), out);
-    }
-
-    // The thread returned from the kernel (or unwound).
-    void exit_thread(int thread)
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        --live_;
-        Warp& warp = warps_[thread / 32];
-        const uint32_t lane_bit = 1u << (thread % 32);
-        warp.exited |= lane_bit;
-        if (error_.empty() && warp.arrived != 0 && (warp.mask & lane_bit))
-            set_error_locked(std::string("lane ") + std::to_string(thread % 32) + " of warp " +
-                         std::to_string(thread / 32) + " exited while its warp waits in " +
-                         warp.what);
-        if (arrived_ > 0 && arrived_ == live_) release_barrier_locked(arrived_);
-        check_deadlock_locked();
+        executor_->suspend(thread);
+        throw_if_aborted();
     }
 
     // Fault "nonatomic": the RMW reads the thread's own pending value, else memory.
@@ -210,19 +463,19 @@ class Block {
     // Called by the launcher when the block's threads are all done.
     void flush_all()
     {
-        for (int t = 0; t < threads_; ++t) flush_locked(t);
+        for (int t = 0; t < threads_; ++t) flush(t);
     }
 
    private:
+    enum class State : uint8_t { ready, barrier, warp, done };
+
     struct Warp {
         uint32_t arrived = 0;  // lanes waiting in the current collective
         uint32_t mask = 0;
         uint32_t exited = 0;
-        uint64_t generation = 0;
-        std::string what;
+        const char* what = nullptr;  // the current collective (a literal)
         uint64_t values[32] = {};
-        uint64_t result[32] = {};
-        std::condition_variable cv;  // lanes waiting in a collective
+        uint64_t* out[32] = {};  // each waiting lane's result buffer, on its fiber's stack
     };
 
     static void* align16(unsigned char* p)
@@ -230,52 +483,74 @@ class Block {
         return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t(15));
     }
 
+    // splitmix64 steps: a permutation per block, reproducible from `schedule`.
+    static void shuffle(int* items, int n, uint64_t& seed)
+    {
+        for (int i = n - 1; i > 0; --i) {
+            uint64_t z = (seed += 0x9E3779B97F4A7C15ull);
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+            std::swap(items[i], items[(z ^ (z >> 31)) % uint64_t(i + 1)]);
+        }
+    }
+
+    void make_ready(int t)
+    {
+        state_[t] = State::ready;
+        int tail = head_ + count_;
+        if (tail >= threads_) tail -= threads_;
+        ready_[tail] = t;
+        ++count_;
+    }
+
+    // The block failed: every waiting fiber resumes, finds the error and unwinds.
+    void wake_all()
+    {
+        for (int t : order_)
+            if (state_[t] == State::barrier || state_[t] == State::warp) make_ready(t);
+    }
+
     void throw_if_aborted()
     {
         if (!error_.empty()) throw Aborted{};
     }
 
-    void set_error_locked(const std::string& why)
+    void set_error(const std::string& why)
     {
         if (error_.empty()) error_ = why;
-        cv_.notify_all();
-        for (Warp& warp : warps_) warp.cv.notify_all();
     }
 
-    void abort_locked(const std::string& why)
+    [[noreturn]] void abort(const std::string& why)
     {
-        set_error_locked(why);
+        set_error(why);
         throw Aborted{};
     }
 
-    // `waiters`: the arrived threads that wait (all of them when an exit completes the barrier).
-    void release_barrier_locked(int waiters)
+    // Every waiting thread (the completing one included) resumes, in the block's order.
+    void release_barrier()
     {
-        for (int t = 0; t < threads_; ++t) flush_locked(t);  // fault "nonatomic" only
-        blocked_ -= waiters;
+        for (int t = 0; t < threads_; ++t) flush(t);  // fault "nonatomic" only
         arrived_ = 0;
-        ++barrier_generation_;
-        cv_.notify_all();
+        for (int t : order_)
+            if (state_[t] == State::barrier) make_ready(t);
     }
 
-    template <typename Done>
-    void wait_locked(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done,
-                     const char* what)
+    // The thread returned from the kernel (or unwound).
+    void exit_thread(int thread)
     {
-        ++blocked_;
-        check_deadlock_locked(what);
-        cv.wait(lock, [&] { return done() || !error_.empty(); });
-        if (!done()) throw Aborted{};
+        --live_;
+        state_[thread] = State::done;
+        last_event_ = "exit";
+        Warp& warp = warps_[thread / 32];
+        const uint32_t lane_bit = 1u << (thread % 32);
+        warp.exited |= lane_bit;
+        if (warp.arrived != 0 && (warp.mask & lane_bit))
+            set_error(std::string("lane ") + std::to_string(thread % 32) + " of warp " +
+                      std::to_string(thread / 32) + " exited while its warp waits in " + warp.what);
+        if (arrived_ > 0 && arrived_ == live_) release_barrier();
     }
 
-    void check_deadlock_locked(const char* what = "exit")
-    {
-        if (error_.empty() && live_ > 0 && blocked_ >= live_)
-            set_error_locked(std::string("deadlock: every live thread of the block waits (last: ") +
-                             what + "); __syncthreads or a warp collective in divergent code?");
-    }
-
-    void flush_locked(int thread)
+    void flush(int thread)
     {
         for (const PendingWrite& write : pending_[thread])
             std::memcpy(write.address, &write.value, write.bytes);
@@ -285,16 +560,130 @@ class Block {
     const int threads_;
     std::vector<unsigned char> shared_;
     const Fault fault_;
+    void (*const body_)(void*);  // the kernel call, run by every thread
+    void* const context_;
+    Executor* executor_ = nullptr;
     std::vector<Warp> warps_;
     std::vector<std::vector<PendingWrite>> pending_;
-    std::mutex mutex_;
-    std::condition_variable cv_;
+    std::vector<State> state_;
+    std::vector<int> order_;  // the block's thread order: start, and resumption after a barrier
+    int lane_order_[32];      // the same for a warp's lanes after a collective
+    std::vector<int> ready_;  // ring buffer of the ready fibers, in the order they resume
+    int head_ = 0;
+    int count_ = 0;
     int live_ = 0;
     int arrived_ = 0;  // threads waiting in (or arriving at) the current __syncthreads
-    int blocked_ = 0;  // threads waiting on any barrier that has not completed
-    uint64_t barrier_generation_ = 0;
+    const char* last_event_ = "exit";  // the last wait or exit, for the deadlock message
     std::string error_;
 };
+
+inline void Executor::fiber_main(void* arg)
+{
+    Fiber& fiber = *static_cast<Fiber*>(arg);
+    for (;;) {  // one iteration per block; nothing on this frame needs destroying
+        fiber.executor->block_->run_thread(*fiber.executor, fiber.index);
+        fiber.executor->suspend(fiber.index);
+    }
+}
+
+inline void Executor::run(Block& block, int threads, const char* kernel)
+{
+    TORCH_CHECK(block_ == nullptr, "zen_ds emulation: a launch from inside a kernel");
+    while (static_cast<int>(fibers_.size()) < threads) {
+        auto fiber = std::make_unique<Fiber>();
+        fiber->executor = this;
+        fiber->index = static_cast<int>(fibers_.size());
+        make_context<&Executor::fiber_main>(fiber->context, fiber->stack, fiber.get());
+        fibers_.push_back(std::move(fiber));
+    }
+    block_ = &block;
+    kernel_ = kernel;
+    running_executor = this;
+    block.schedule(*this);
+    running_executor = nullptr;
+    block_ = nullptr;
+}
+
+// ------------------------------------------------------------------ stack overflow
+
+// A fiber that overflows its stack faults in the guard. The handler runs on an alternate signal
+// stack (the fiber's is full), writes which kernel and thread overflowed, puts back the handler
+// it replaced and returns: the fault repeats under that one (Python's faulthandler, or the
+// default), and the process dies as it would have. A fiber cannot be unwound from a signal
+// handler, so there is no recovering; the point is the message.
+inline struct sigaction& previous_segv()
+{
+    static struct sigaction previous;
+    return previous;
+}
+
+inline void on_segv(int, siginfo_t* info, void*)
+{
+    if (running_executor != nullptr) running_executor->report_overflow(info->si_addr);
+    sigaction(SIGSEGV, &previous_segv(), nullptr);
+}
+
+inline Executor::Executor()
+{
+    static std::once_flag installed;
+    std::call_once(installed, [] {
+        struct sigaction action {};
+        action.sa_sigaction = &on_segv;
+        action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+        sigemptyset(&action.sa_mask);
+        sigaction(SIGSEGV, &action, &previous_segv());
+    });
+    stack_t current{};
+    if (sigaltstack(nullptr, &current) == 0 && (current.ss_flags & SS_DISABLE)) {
+        constexpr size_t bytes = 64 * 1024;
+        signal_stack_.reset(new char[bytes]);
+        stack_t mine{};
+        mine.ss_sp = signal_stack_.get();
+        mine.ss_size = bytes;
+        if (sigaltstack(&mine, nullptr) != 0) signal_stack_.reset();
+    }
+}
+
+inline Executor::~Executor()
+{
+    stack_t current{};
+    if (signal_stack_ && sigaltstack(nullptr, &current) == 0 &&
+        current.ss_sp == signal_stack_.get()) {
+        stack_t off{};
+        off.ss_flags = SS_DISABLE;
+        sigaltstack(&off, nullptr);
+    }
+}
+
+inline void Executor::report_overflow(const void* address) const
+{
+    bool ours = false;
+    for (const auto& fiber : fibers_) ours = ours || fiber->stack.in_guard(address);
+    if (!ours) return;
+    // async-signal-safe: no allocation, no stdio
+    char line[512];
+    size_t n = 0;
+    auto put = [&](const char* s) {
+        while (*s && n < sizeof(line) - 1) line[n++] = *s++;
+    };
+    auto put_number = [&](uint64_t v) {
+        char digits[24];
+        int d = 0;
+        do digits[d++] = static_cast<char>('0' + v % 10); while ((v /= 10) != 0);
+        while (d > 0 && n < sizeof(line) - 1) line[n++] = digits[--d];
+    };
+    put("zen_ds emulation: kernel ");
+    put(kernel_);
+    put(": thread ");
+    put_number(threadIdx.x);
+    put(" of block ");
+    put_number(blockIdx.x);
+    put(" overflowed its fiber stack of ");
+    put_number(kStackBytes / 1024);
+    put(" KiB\n");
+    ssize_t written = write(STDERR_FILENO, line, n);
+    (void)written;
+}
 
 // ------------------------------------------------------------------ process-wide state
 
@@ -302,6 +691,7 @@ struct Registry {
     std::mutex mutex;
     std::map<std::string, int64_t> launches;  // kernel name -> launches
     Fault fault = Fault::none;
+    uint64_t blocks = 0;  // blocks run: picks each block's thread order
 };
 
 inline Registry& registry()
@@ -334,79 +724,7 @@ inline void reset_launch_counts()
 
 // ------------------------------------------------------------------ launch
 
-inline thread_local int current_thread = 0;  // flat thread index inside the block
-
-// The CPU threads that play a block's threads: created once per process (as many as the largest
-// block so far) and reused by every launch, since creating hundreds of threads per launch costs
-// more than the kernels. Launches are serialised. A forked child starts a new pool.
-class ThreadPool {
-   public:
-    static ThreadPool& instance()
-    {
-        static ThreadPool* pool = new ThreadPool();  // never destroyed: its threads are detached
-        return *pool;
-    }
-
-    // Runs job(t) for t in [0, threads) concurrently, one pool thread each; returns when all ran.
-    void run(int threads, const std::function<void(int)>& job)
-    {
-        std::lock_guard<std::mutex> launch(launch_mutex_);
-        std::unique_lock<std::mutex> lock(mutex_);
-        if (pid_ != getpid()) {  // forked: the parent's threads do not exist here
-            state_ = std::make_shared<State>();
-            pid_ = getpid();
-        }
-        std::shared_ptr<State> state = state_;
-        while (state->size < threads) {
-            std::thread(&ThreadPool::loop, state, state->size++).detach();
-        }
-        state->job = &job;
-        state->active = threads;
-        state->finished = 0;
-        ++state->generation;
-        state->start.notify_all();
-        state->done.wait(lock, [&] { return state->finished == state->active; });
-        state->job = nullptr;
-    }
-
-   private:
-    struct State {
-        std::condition_variable start;
-        std::condition_variable done;
-        const std::function<void(int)>* job = nullptr;
-        uint64_t generation = 0;
-        int size = 0;
-        int active = 0;
-        int finished = 0;
-    };
-
-    ThreadPool() : pid_(getpid()), state_(std::make_shared<State>()) {}
-
-    static void loop(std::shared_ptr<State> state, int index)
-    {
-        ThreadPool& pool = instance();
-        uint64_t seen = 0;
-        for (;;) {
-            const std::function<void(int)>* job;
-            {
-                std::unique_lock<std::mutex> lock(pool.mutex_);
-                state->start.wait(lock, [&] { return state->generation != seen && index < state->active; });
-                seen = state->generation;
-                job = state->job;
-            }
-            (*job)(index);
-            std::lock_guard<std::mutex> lock(pool.mutex_);
-            if (++state->finished == state->active) state->done.notify_one();
-        }
-    }
-
-    std::mutex launch_mutex_;
-    std::mutex mutex_;
-    pid_t pid_;
-    std::shared_ptr<State> state_;
-};
-
-// Runs body() as every thread of every block of the grid; blocks in turn, threads concurrently.
+// Runs body() as every thread of every block of the grid; blocks in turn, threads as fibers.
 template <typename Body>
 void run_grid(const char* name, int64_t grid, int64_t block, size_t shared_bytes, Body body)
 {
@@ -418,41 +736,31 @@ void run_grid(const char* name, int64_t grid, int64_t block, size_t shared_bytes
                 " bytes of dynamic shared memory; a launch gets ", kMaxSharedBytes,
                 " without cudaFuncSetAttribute");
     Fault fault;
+    uint64_t schedule;
     {
         std::lock_guard<std::mutex> lock(registry().mutex);
         ++registry().launches[name];
         fault = registry().fault;
+        schedule = registry().blocks;
+        registry().blocks += static_cast<uint64_t>(grid);
     }
     const int threads = static_cast<int>(block);
-    Block state(threads, shared_bytes, fault);
-    int64_t b = 0;
-    const std::function<void(int)> run_thread = [&](int t) {
-        threadIdx = uint3{static_cast<unsigned int>(t), 0, 0};
+    Block state(threads, shared_bytes, fault, [](void* b) { (*static_cast<Body*>(b))(); }, &body);
+    Executor& executor = Executor::mine();
+    TORCH_CHECK(!executor.busy(), "zen_ds emulation: kernel ", name, " launched from a kernel");
+    blockDim = dim3{static_cast<unsigned int>(threads), 1, 1};
+    gridDim = dim3{static_cast<unsigned int>(grid), 1, 1};
+    struct Current {  // cleared however the launch ends
+        explicit Current(Block* block) { current_block = block; }
+        ~Current() { current_block = nullptr; }
+    } current(&state);
+    for (int64_t b = 0; b < grid && !state.failed(); ++b) {
         blockIdx = uint3{static_cast<unsigned int>(b), 0, 0};
-        blockDim = dim3{static_cast<unsigned int>(threads), 1, 1};
-        gridDim = dim3{static_cast<unsigned int>(grid), 1, 1};
-        current_block = &state;
-        current_thread = t;
-        try {
-            body();
-        } catch (const Aborted&) {
-        } catch (const std::exception& e) {
-            try {
-                state.fail(e.what());
-            } catch (const Aborted&) {
-            }
-        }
-        state.exit_thread(t);
-        current_block = nullptr;
-    };
-    std::string error;
-    for (; b < grid && error.empty(); ++b) {
-        state.reset();
-        ThreadPool::instance().run(threads, run_thread);
+        state.reset(schedule + static_cast<uint64_t>(b));
+        executor.run(state, threads, name);
         state.flush_all();
-        if (state.failed()) error = state.error();
     }
-    TORCH_CHECK(error.empty(), "zen_ds emulation: kernel ", name, ": ", error);
+    TORCH_CHECK(!state.failed(), "zen_ds emulation: kernel ", name, ": ", state.error());
 }
 
 // ZEN_LAUNCH(grid, block, shmem, stream, kernel)(args...): arguments are converted to the

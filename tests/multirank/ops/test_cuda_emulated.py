@@ -1,22 +1,35 @@
 """The CUDA kernels, run on the CPU through the emulation, against the torch reference ops.
 
 ``zen_ds.ops.emulation`` compiles ``csrc/zen/includes/zen_ops_cuda_kernels.cuh`` (the very kernels
-and launchers nvcc compiles) with a host-side CUDA emulation: real threads per block, barriers,
-warp collectives, shared memory, atomics. Every kernel runs here on the adversarial cases of
-tests/unit/ops/test_ops.py (row 0, last row, empty input, duplicates, unsorted input, NaN / -0.0 rows, row
-widths that are not a multiple of the copy or warp width, large universes) and on contention cases
-(many threads on one histogram bin, one bitmap word, one segment). The emulation caps grids at
-4 blocks of 256 threads, so these small inputs span several blocks and wrap every grid-stride loop.
+and launchers nvcc compiles) with a host-side CUDA emulation: a block's threads are fibers with
+barriers, warp collectives, shared memory and atomics. Every kernel runs here on the adversarial
+cases of tests/unit/ops/test_ops.py (row 0, last row, empty input, duplicates, unsorted input,
+NaN / -0.0 rows, row widths that are not a multiple of the copy or warp width, large universes)
+and on contention cases (many threads on one histogram bin, one bitmap word, one segment). The
+emulation caps grids at 4 blocks of 256 threads, so these small inputs span several blocks and wrap
+every grid-stride loop.
+
+The fibers take turns on one OS thread: a thread runs until it waits in a barrier or a warp
+collective, or returns. So code between two barriers never interleaves with another thread's;
+what the emulation varies instead is the order the threads run in (ascending, descending, or a
+seeded permutation, from block to block), so a kernel that depends on that order gives different
+results in different blocks (``test_thread_order_varies_from_block_to_block`` shows it on a racy
+kernel). Contention inside one atomic is covered by the fault below, not by the schedule.
 
 Two tests prove the comparisons catch broken kernels, through the emulation's fault switch:
 atomics made non-atomic, and the kernels' mutation point (an off-by-one in the partition's per-warp
-histogram prefix, which the GPU build compiles to the correct constant).
+histogram prefix, which the GPU build compiles to the correct constant). The emulation's own
+checks (deadlock, divergent or misused warp collectives, a C++ exception in a thread) are tested
+on its self-test kernels.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -471,3 +484,90 @@ def test_an_off_by_one_in_the_partition_histogram_is_caught(emu):
     print("\n".join(found))
     assert found, "the off-by-one mutant passed every partition case"
     assert partition_differences(emu) == []
+
+
+# ---------------------------------------------------------------- the emulation itself
+
+
+@pytest.mark.parametrize("name, grid, block, error", [
+    ("deadlock", 2, 64,
+     r"kernel selftest_deadlock_kernel: deadlock: every live thread of the block waits"),
+    ("divergent", 1, 64, r"kernel selftest_divergent_kernel: divergent warp collective: "),
+    ("not_in_mask", 1, 64,
+     r"kernel selftest_not_in_mask_kernel: __ballot_sync: the calling lane is not in its mask"),
+    # lane 31 exits before or after the others wait, depending on the block's thread order
+    ("exited_lane", 1, 64,
+     (r"kernel selftest_exited_lane_kernel: (__syncwarp: a lane named in the mask has exited"
+      r"|lane 31 of warp [01] exited while its warp waits in __syncwarp)")),
+    ("exited_lane", 1, 16, r"a lane named in the mask has exited or does not exist"),
+    ("too_much_shared", 1, 32, r"selftest_noop_kernel asks 49153 bytes of dynamic shared memory"),
+    ("noop", 1, 1025, r"selftest_noop_kernel: block of 1025 threads"),
+])
+def test_the_emulation_reports_misuse(emu, name, grid, block, error):
+    """What the GPU would turn into a hang or undefined behaviour raises, naming the kernel; the
+    next launch works again."""
+    for _ in range(3):  # the failing block runs in each of the three orders
+        _, got = emu.module.emu_selftest(name, grid, block)
+        assert re.search(error, got), got
+    out, got = emu.module.emu_selftest("indices", 2, 64)
+    assert got == "" and set(out) == {15}
+
+
+def test_an_exception_in_a_thread_unwinds_every_thread(emu):
+    """Thread 5 throws between two barriers: the launch raises its message, every thread of the
+    block unwinds (its destructor runs) and the grid's later blocks do not run."""
+    for _ in range(3):
+        unwound, got = emu.module.emu_selftest("throw", 2, 256)
+        assert "kernel selftest_throw_kernel: thrown by thread 5" in got, got
+        assert unwound == [256]
+
+
+@pytest.mark.parametrize("grid, block", [(3, 256), (5, 100), (1, 1), (2, 1024)])
+def test_builtins_survive_every_switch(emu, grid, block):
+    """threadIdx, blockIdx, blockDim, gridDim and the collectives' results, checked by every
+    thread after every barrier and warp collective (partial warps included)."""
+    out, got = emu.module.emu_selftest("indices", grid, block)
+    assert got == "" and out == [15] * (grid * block)
+
+
+def test_several_os_threads_launch_at_once(emu):
+    """Four OS threads launch at once, each running its blocks on fibers of its own: every check
+    of the built-ins holds in every thread of every launch."""
+    out, got = emu.module.emu_selftest("concurrent", 3, 100)
+    assert got == "" and out == [4 * 15] * 300
+
+
+def test_thread_order_varies_from_block_to_block(emu):
+    """A racy kernel (each thread reads its neighbour's shared slot without a barrier after the
+    neighbour's write) reads different values in different blocks: the emulation's schedule is
+    not one fixed order. With the barrier every block reads the neighbours' values."""
+    grid, block = 6, 64
+    out, got = emu.module.emu_selftest("race", grid, block)
+    assert got == ""
+    blocks = [tuple(out[b * block:(b + 1) * block]) for b in range(grid)]
+    assert len(set(blocks)) > 1, "every block ran its threads in the same order"
+    neighbours = tuple(t ^ 1 for t in range(block))
+    assert any(b != neighbours for b in blocks)
+    out, got = emu.module.emu_selftest("race_synced", grid, block)
+    assert got == "" and out == list(neighbours) * grid
+
+
+_OVERFLOW = """
+import importlib.util, resource, sys, torch
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+spec = importlib.util.spec_from_file_location(sys.argv[2], sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.emu_selftest("overflow", 1, 32)
+"""
+
+
+def test_a_stack_overflow_names_the_kernel(emu):
+    """A thread that overflows its fiber stack faults in the guard below it (instead of writing
+    over another fiber's stack): the process dies of SIGSEGV after a line naming the kernel and the
+    thread. In a subprocess, which loads the built module directly."""
+    command = [sys.executable, "-c", _OVERFLOW, emu.module.__file__, emu.module.__name__]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr[-3000:])
+    assert re.search(r"zen_ds emulation: kernel selftest_overflow_kernel: thread \d+ of block 0 "
+                     r"overflowed its fiber stack of 256 KiB", proc.stderr), proc.stderr[-3000:]
