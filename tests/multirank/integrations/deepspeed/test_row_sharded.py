@@ -1,7 +1,7 @@
 """Row-sharded embeddings (``"zen": {"row_sharded": true}``) under ZeRO-1/2, 4 gloo ranks.
 
 One spawn runs every case: parameters equal stock DeepSpeed's ZeRO-1/2 run (fp32 AdamW, SGD with
-accumulation 2 + clipping, bf16) and zen's replicated-table sharded route; each rank holds 1/n of
+accumulation 2 + clipping, bf16; fp16 with stock's overflow skips and loss scale) and zen's replicated-table sharded route; each rank holds 1/n of
 each table and never a whole one; an id outside the table on one rank raises the same
 ZenInputError on every rank and the group trains on; a checkpoint resumes bit-identically, its
 offline consolidation, ``full_state_dict`` and ``save_16bit_model`` give the same whole tables, and
@@ -39,6 +39,12 @@ CASES = [
          zen_extra=SHARDED),
     dict(name="bf16_stock", zero=2, gas=2, clip=CLIP, sparse=False, dtype="bf16", opt="adamw", plain=True,
          zen=None),
+    # fp16: DeepSpeed's dynamic loss scale from 2^8 (ds_cases), growing, and an overflow (an inf
+    # loss on rank 1 at step 3) that skips the step and halves it
+    dict(name="fp16_rows", zero=2, gas=2, clip=CLIP, sparse=False, dtype="fp16", opt="adamw", zen_extra=ROWS,
+         steps=6, inf_at=(3, 1)),
+    dict(name="fp16_stock", zero=2, gas=2, clip=CLIP, sparse=False, dtype="fp16", opt="adamw", plain=True,
+         zen=None, steps=6, inf_at=(3, 1)),
     # sparse=True embeddings: the module is replaced alike (the local table's gradient is dense)
     dict(name="sparse_rows", zero=1, gas=2, clip=CLIP, sparse=True, opt="sgd", zen_extra=ROWS),
 ]
@@ -66,6 +72,9 @@ def _train(rank: int, engine, case: Dict[str, Any], steps: int, start: int = 0) 
     for step in range(start, start + steps):
         for micro in range(case.get("gas", 1)):
             a, b, y = dc.batch(step, micro, rank)
+            if case.get("inf_at") == (step, rank) and micro == 0:  # an overflow: the step is skipped
+                y = y.clone()
+                y[0] = float("inf")
             engine.backward(dc.loss_fn(engine(a, b), y))
             engine.step()
 
@@ -80,7 +89,8 @@ def _summary(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]:
     import zen_ds
     engine = _engine(case, world)
     _train(rank, engine, case, case.get("steps", 4))
-    out: Dict[str, Any] = {"params": _weights(engine)}
+    out: Dict[str, Any] = {"params": _weights(engine), "skipped": engine.skipped_steps,
+                           "loss_scale": float(getattr(engine.optimizer, "loss_scale", 0.0) or 0.0)}
     state = zen_ds.state_of(engine)
     if state is not None and state.owned is not None and state.owned.tables:
         tables = state.owned.tables
@@ -173,6 +183,7 @@ def _checkpoint(rank: int, world: int, root: str) -> Dict[str, Any]:
 def _worker(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
     import warnings
     dc.set_env(rank, world)
+    dc.accept_fp16_on_cpu()
     warnings.filterwarnings("ignore")
     jobs = {case["name"]: (lambda case=case: _summary(rank, world, case)) for case in CASES}
     jobs["bad_ids"] = lambda: _bad_ids(rank, world)
@@ -216,6 +227,20 @@ def test_bf16_close_to_stock_and_equal_to_the_sharded_route(results):
     sharded = dc.case_results(results, "bf16_sharded")[0]
     assert max(dc.max_rel_err(mine["params"], stock["params"]).values()) < 3e-2
     assert max(dc.max_rel_err(mine["params"], sharded["params"]).values()) < 1e-2
+
+
+def test_fp16_follows_stock_loss_scaling_and_stays_close(results):
+    """The same overflow skip and loss scale as stock fp16 ZeRO-2 (the tables step with DeepSpeed's
+    scale and skip the overflowed step with it), parameters within fp16 rounding of stock's."""
+    mine = dc.case_results(results, "fp16_rows")[0]
+    stock = dc.case_results(results, "fp16_stock")[0]
+    assert mine["skipped"] == stock["skipped"] == 1, (mine["skipped"], stock["skipped"])
+    assert mine["loss_scale"] == stock["loss_scale"], (mine["loss_scale"], stock["loss_scale"])
+    assert all(np.isfinite(v).all() for v in mine["params"].values())  # the tables skipped too
+    errors = dc.max_rel_err(mine["params"], stock["params"])
+    assert max(errors.values()) < 1e-2, errors  # 2.6e-3 measured: fp16 rounding of the updates
+    initial = dc.params_of(dc.make_model(False))
+    assert np.abs(mine["params"]["emb_d.weight"] - initial["emb_d.weight"]).max() > 0  # it trained
 
 
 def test_sparse_true_embeddings_equal_dense_ones(results):
