@@ -169,8 +169,8 @@ def runs_as_written(command: str) -> bool:
 
 def run_command(command: str) -> subprocess.CompletedProcess:
     """The line's outcome (run ahead by start_early_runs when the suite started it)."""
-    return early_runs.runs().result(command, _command_argv(command, _extra_env(command)), os.environ,
-                                    REPO, TIMEOUT_S)
+    return early_runs.runs().result(command, _command_argv(command, _extra_env(command)), REPO,
+                                    TIMEOUT_S)
 
 
 def start_early_runs(config, items) -> None:
@@ -184,7 +184,7 @@ def start_early_runs(config, items) -> None:
     queue = early_runs.runs()
     for command in COMMANDS:
         if command in wanted:
-            queue.add(command, _command_argv(command, _extra_env(command)), os.environ, REPO)
+            queue.add(command, _command_argv(command, _extra_env(command)), REPO)
     if wanted:
         queue.start(after_pid=int(os.environ.get("ZEN_DS_EARLY_BUILD_PID") or 0))
 
@@ -273,7 +273,7 @@ def run_in_process(command: str) -> List[Dict[str, object]]:
                      timeout=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "bash launch/quickstart.sh"],
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != QUICKSTART],
                          ids=lambda c: re.sub(r"[^\w./ -]", "_", c))
 def test_readme_command(command):
     reason = _match(SKIPPED, command)

@@ -10,7 +10,8 @@ suite's early CUDA builds are done (``ZEN_DS_EARLY_BUILD_PID``, set by tests/run
 come first and wait for them), then runs its commands in turn at nice 19 (the session's autogroup
 too, as tests/run.sh does for the builds), so they use the cores the other tests leave idle. A
 test whose command has not started yet starts it itself at normal priority, one that still runs
-gets normal priority back; its timeout counts from when it asks. Nothing changes in what runs: the same argv, environment and working
+gets normal priority back; its timeout counts from when it asks. Nothing changes in what runs:
+the same argv (the caller's environment, or the one argv sets up, e.g. ``env -i ...``), working
 directory, exit status and output as a run in the test itself.
 """
 from __future__ import annotations
@@ -29,11 +30,10 @@ BUILDS_WAIT_S = 1200  # the CUDA builds of a cold CI run take minutes at nice 19
 
 
 class _Job:
-    def __init__(self, key: str, argv: Sequence[str], env: Dict[str, str], cwd: str) -> None:
-        self.key, self.argv, self.env, self.cwd = key, list(argv), env, cwd
+    def __init__(self, argv: Sequence[str], cwd: str) -> None:
+        self.argv, self.cwd = list(argv), cwd
         self.proc: Optional[subprocess.Popen] = None
         self.niced = False
-        self.started = self.ended = 0.0
         self.out_path = self.err_path = ""
 
 
@@ -89,10 +89,10 @@ class EarlyRuns:
         self._closed = False
         self._dir = tempfile.mkdtemp(prefix="zen_ds_early_runs_")
 
-    def add(self, key: str, argv: Sequence[str], env: Dict[str, str], cwd: str) -> None:
+    def add(self, key: str, argv: Sequence[str], cwd: str) -> None:
         with self._lock:
             if key not in self._jobs:
-                self._jobs[key] = _Job(key, argv, env, cwd)
+                self._jobs[key] = _Job(argv, cwd)
                 self._order.append(key)
 
     def start(self, after_pid: int = 0) -> None:
@@ -102,12 +102,12 @@ class EarlyRuns:
                                             name="zen-early-runs")
             self._thread.start()
 
-    def result(self, key: str, argv: Sequence[str], env: Dict[str, str], cwd: str,
-               timeout: float) -> subprocess.CompletedProcess:
+    def result(self, key: str, argv: Sequence[str], cwd: str, timeout: float
+               ) -> subprocess.CompletedProcess:
         """The command's outcome: started here now unless the queue started it; ``timeout``
         counts from this call. A command still running at the timeout is killed (its whole
         session) and ``subprocess.TimeoutExpired`` raised."""
-        self.add(key, argv, env, cwd)
+        self.add(key, argv, cwd)
         with self._lock:
             job = self._jobs[key]
             if job.proc is None:
@@ -120,7 +120,6 @@ class EarlyRuns:
         except subprocess.TimeoutExpired:
             self._kill(job)
             raise
-        job.ended = job.ended or time.time()
         with open(job.out_path, errors="replace") as out, open(job.err_path, errors="replace") as err:
             return subprocess.CompletedProcess(job.argv, job.proc.returncode, out.read(), err.read())
 
@@ -140,9 +139,9 @@ class EarlyRuns:
         stem = os.path.join(self._dir, f"{len(os.listdir(self._dir)):02d}")
         job.out_path, job.err_path = stem + ".out", stem + ".err"
         with open(job.out_path, "w") as out, open(job.err_path, "w") as err:
-            job.proc = subprocess.Popen(job.argv, env=job.env, cwd=job.cwd, stdout=out, stderr=err,
+            job.proc = subprocess.Popen(job.argv, cwd=job.cwd, stdout=out, stderr=err,
                                         stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-        job.niced, job.started = niced, time.time()
+        job.niced = niced
         if niced:
             _set_priority(job.proc.pid, LOWEST)
 
@@ -157,7 +156,6 @@ class EarlyRuns:
                     continue  # closed, or its test already started it
                 self._launch(job, niced=True)
             job.proc.wait()
-            job.ended = time.time()
 
     @staticmethod
     def _kill(job: _Job) -> None:
