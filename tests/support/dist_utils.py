@@ -66,13 +66,45 @@ def skip_unless_installed(*modules: str, reason: str = "") -> None:
             pytest.skip(reason or f"{name} is not installed", allow_module_level=True)
 
 
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+
+
 def _context(new_interpreter: bool = False):
     """The start method for ranks: forked from the preloading fork server, or spawned."""
     if new_interpreter or os.environ.get("ZEN_DS_TEST_SPAWN") == "1":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOADED)
+    _ensure_fork_server()
     return ctx
+
+
+def _ensure_fork_server() -> None:
+    """Start the fork server, if it is not running, with this folder on its ``PYTHONPATH``.
+
+    Python 3.11's fork server takes the parent's ``sys.path`` but never applies it, and skips a
+    preload module it cannot import without a word: ``rank_preload`` (this folder) was never
+    imported, so every rank of the Trainer, megatron-core and ZeRO-3 tests imported transformers
+    and megatron-core itself (~5 s of CPU each) and nothing was frozen for the garbage collector.
+    The variable is set only while the server starts; ranks take the caller's environment."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([SUPPORT] + ([saved] if saved else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def preloaded_in_rank(rank: int, world_size: int) -> Dict[str, bool]:
+    """Which of :data:`PRELOADED` a forked rank finds already imported (a job for run_ranks)."""
+    import sys
+
+    return {name: name in sys.modules for name in PRELOADED}
 
 
 def rank_context(new_interpreter: bool = False):
@@ -86,10 +118,7 @@ def start_fork_server() -> None:
     ranks are spawned: for a test whose code under test starts ``forkserver`` processes itself.
     ``multiprocessing`` keeps one fork server per process, started by its first user with that
     user's preload list: code that starts it first would leave later ranks without DeepSpeed."""
-    if _context().get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
+    _context()  # the forkserver context starts it
 
 
 def _adopt(environ: Dict[str, str]) -> None:
