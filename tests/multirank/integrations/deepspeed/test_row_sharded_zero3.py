@@ -33,14 +33,6 @@ def _config(zen: bool, gas: int = 1, clip: float = 0.0, dtype: str = "fp32", ada
     return dc.zero3_config(WORLD, ROWS if zen else None, gas, clip, dtype, adamw, micro)
 
 
-def _weights(engine) -> Dict[str, Any]:
-    """Every param whole (DeepSpeed's gathered, zen's tables consolidated), as numpy."""
-    import deepspeed
-    import zen_ds
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        return {k: v.detach().float().numpy().copy() for k, v in zen_ds.full_state_dict(engine).items()}
-
-
 def _net(rank: int, zen: bool, gas: int, clip: float, dtype: str, adamw: bool, steps: int = 3, engine=None,
          start: int = 0):
     import torch
@@ -76,7 +68,7 @@ def _llama(rank: int, zen: bool, steps: int = 3):
         ids = (torch.rand(2, 12, generator=g).pow(3) * VOCAB).long()
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-    out = {"params": _weights(engine)}
+    out = {"params": dc.whole_weights(engine)}
     try:
         engine.module.get_input_embeddings().weight
         out["weight_error"] = ""
@@ -91,13 +83,13 @@ def _checkpoint(rank: int, root: str) -> Dict[str, Any]:
     eng = _net(rank, True, steps=2, **kw)
     eng.save_checkpoint(root, tag="t2")
     eng.save_16bit_model(os.path.join(root, "export"), "model.bin")
-    at_save = _weights(eng)
+    at_save = dc.whole_weights(eng)
     _net(rank, True, steps=2, engine=eng, start=2, **kw)
-    straight = _weights(eng)
+    straight = dc.whole_weights(eng)
     eng2 = _net(rank, True, steps=0, **kw)
     eng2.load_checkpoint(root, tag="t2")
     _net(rank, True, steps=2, engine=eng2, start=2, **kw)
-    out = {"straight": straight, "resumed": _weights(eng2), "at_save": at_save}
+    out = {"straight": straight, "resumed": dc.whole_weights(eng2), "at_save": at_save}
     if rank == 0:
         exported = torch.load(os.path.join(root, "export", "model.bin"), map_location="cpu", weights_only=False)
         out["exported"] = {k: v.float().numpy() for k, v in exported.items()}
@@ -111,8 +103,8 @@ def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
     jobs: Dict[str, Any] = {}
     for zen in (True, False):
         tag = "rows" if zen else "stock"
-        jobs[f"sgd_{tag}"] = lambda zen=zen: {"params": _weights(_net(rank, zen, 2, 0.5, "fp32", False))}
-        jobs[f"bf16_{tag}"] = lambda zen=zen: {"params": _weights(_net(rank, zen, 2, 0.5, "bf16", True))}
+        jobs[f"sgd_{tag}"] = lambda zen=zen: {"params": dc.whole_weights(_net(rank, zen, 2, 0.5, "fp32", False))}
+        jobs[f"bf16_{tag}"] = lambda zen=zen: {"params": dc.whole_weights(_net(rank, zen, 2, 0.5, "bf16", True))}
         jobs[f"llama_{tag}"] = lambda zen=zen: _llama(rank, zen)
     jobs["ckpt"] = lambda: _checkpoint(rank, root)
     return dc.run_jobs(jobs)
