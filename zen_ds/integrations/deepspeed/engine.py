@@ -309,7 +309,7 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
         install_id_checks(engine.module, zen_params, facts.dp_group(engine))
         for table in owned.tables if owned is not None else []:
             table.next_backward_replaces = next_backward_replaces(engine.optimizer)
-    if zcfg.overlap and state.zero3 is None:  # under ZeRO-3 zen syncs inside the backward anyway
+    if zcfg.overlap:
         state.overlap = _overlapped_sync(engine, state, route)
     _REGISTRY[engine] = state
     install.install(engine, state)
@@ -325,15 +325,21 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
 def _overlapped_sync(engine: Any, state: ZenEngineState, route: Route) -> Optional[OverlappedSync]:
     """zen's sync overlapped with backward, or None (logged) where zen cannot see a gradient
     become final: pipelines (many backwards per step), DS-Sync, the bf16 optimizer's fp32
-    accumulators. Every rank decides alike (same config, same engine type)."""
+    accumulators; or where there is nothing to overlap: ZeRO-3 (zen syncs inside DeepSpeed's
+    gradient hooks). Every rank decides alike (same config, same engine type)."""
     read = grad_reader(state.storage)
     why = ("a pipeline runs many backwards per step" if route.setup.pipeline
            else '"shuffle" syncs every param itself' if state.shuffle is not None
            else "the bf16 optimizer accumulates gradients where zen's hooks cannot see them" if read is None
            else None)
+    if state.zero3 is not None:
+        why = ("under ZeRO-3 zen syncs its params inside DeepSpeed's gradient hooks, during backward "
+               "already; row-sharded tables push their rows at the step")
+    elif why is not None:
+        why += "; zen syncs after backward"
     if why is not None:
         if engine.global_rank == 0:
-            logger.info("zen: \"overlap\" is off for this engine (%s); zen syncs after backward", why)
+            logger.info("zen: \"overlap\" is off for this engine (%s)", why)
         return None
     return OverlappedSync(state.reducer, read, mirror_group(state.reducer.group),
                           engine.is_gradient_accumulation_boundary)

@@ -1,7 +1,8 @@
 """Row-sharded embeddings (``"zen": {"row_sharded": true}``) under ZeRO-1/2, 4 gloo ranks.
 
 One spawn runs every case: parameters equal stock DeepSpeed's ZeRO-1/2 run (fp32 AdamW, SGD with
-accumulation 2 + clipping, bf16; fp16 with stock's overflow skips and loss scale) and zen's replicated-table sharded route; each rank holds 1/n of
+accumulation 2 + clipping, bf16; fp16 with stock's overflow skips and loss scale; ``"overlap"``
+with another zen param beside a table) and zen's replicated-table sharded route; each rank holds 1/n of
 each table and never a whole one; an id outside the table on one rank raises the same
 ZenInputError on every rank and the group trains on; a checkpoint resumes bit-identically, its
 offline consolidation, ``full_state_dict`` and ``save_16bit_model`` give the same whole tables, and
@@ -45,10 +46,16 @@ CASES = [
          steps=6, inf_at=(3, 1)),
     dict(name="fp16_stock", zero=2, gas=2, clip=CLIP, sparse=False, dtype="fp16", opt="adamw", plain=True,
          zen=None, steps=6, inf_at=(3, 1)),
+    # "overlap" with a row-sharded table (emb_s: its sharding saves 1536 B per rank, over
+    # shard_min_mb) next to a zen param that stays on the owned route (emb_d: 1152 B, under it),
+    # which zen's comm thread syncs during backward
+    dict(name="overlap_rows", zero=2, gas=2, clip=CLIP, sparse=False, opt="adamw",
+         zen_extra={"row_sharded": True, "shard_min_mb": 1400 / 2 ** 20, "overlap": True}),
     # sparse=True embeddings: the module is replaced alike (the local table's gradient is dense)
     dict(name="sparse_rows", zero=1, gas=2, clip=CLIP, sparse=True, opt="sgd", zen_extra=ROWS),
 ]
-VS_STOCK = {"adamw_rows": "adamw_stock", "sgd_rows": "sgd_stock", "adamw_clip_rows": "adamw_clip_stock"}
+VS_STOCK = {"adamw_rows": "adamw_stock", "sgd_rows": "sgd_stock", "adamw_clip_rows": "adamw_clip_stock",
+            "overlap_rows": "adamw_clip_stock"}
 
 
 def _optimizer(kind: str, params):
@@ -97,6 +104,7 @@ def _summary(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]:
         out["stats"] = {t.name: vars(t.last_stats).copy() for t in tables}
         out["lines"] = [t.line(state.reducer.step) for t in tables]
         out["describe"] = state.owned.describe()
+        out["overlapped"] = [p.name for p in state.reducer.params] if state.overlap is not None else []
         out["full_bytes"] = {t.name: t.num_rows * t.row_shape[0] * t.shard.element_size() for t in tables}
         # no tensor zen holds for a table between steps is table-sized
         out["largest_held"] = max(int(v.numel()) for t in tables
@@ -205,6 +213,13 @@ def test_fp32_equals_stock_zero(results, name):
     # and the embeddings' updates themselves agree (SGD with clipping moves them little)
     dc.assert_updates_agree(mine["params"], stock["params"], dc.params_of(dc.make_model(False)),
                             ["emb_s.weight", "emb_d.weight"], 1e-3)
+
+
+def test_overlap_syncs_the_other_zen_params_beside_a_row_sharded_table(results):
+    """``"overlap"``: the table keeps its fetch and push, zen's thread syncs the zen param left on
+    the owned route during backward; the parameters equal stock's (test_fp32_equals_stock_zero)."""
+    for r in dc.case_results(results, "overlap_rows"):
+        assert list(r["shard_rows"]) == ["emb_s.weight"] and r["overlapped"] == ["emb_d.weight"], r["overlapped"]
 
 
 def test_equals_the_replicated_table_route(results):
