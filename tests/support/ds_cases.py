@@ -63,9 +63,16 @@ class Net(nn.Module):
         return self.mlp(x.to(self.mlp[0].weight.dtype)).squeeze(-1)
 
 
-def make_model(sparse: bool = True, seed: int = 1234) -> Net:
+def make_model(sparse: bool = True, seed: int = 1234, embedding_scale: float = 1.0) -> Net:
+    """``embedding_scale``: the embeddings' initial weights times it (0.02: a language model's
+    scale, where fp16 rounds a weight far below one SGD update, so updates can be compared)."""
     torch.manual_seed(seed)
-    return Net(sparse)
+    model = Net(sparse)
+    if embedding_scale != 1.0:
+        with torch.no_grad():
+            model.emb_s.weight.mul_(embedding_scale)
+            model.emb_d.weight.mul_(embedding_scale)
+    return model
 
 
 def batch(step: int, micro: int, rank: int, scale: float = 1.0, inf_at: Any = None):

@@ -186,14 +186,17 @@ class ZenEngineState:
         return (sum_sq if local else model_parallel_sum(sum_sq, self.engine.mpu)).sqrt()
 
     def step_owned(self, loss_scale: float, norm: Optional[float], base_lr: Optional[float]) -> None:
-        """Step zen's own params after DeepSpeed applied its step, clipped by the global ``norm``.
+        """Step zen's own params after DeepSpeed applied its step, clipped by the global ``norm``
+        (``loss_scale``: the scale the gradients were computed with).
 
-        Under ZeRO-3 (row-sharded tables) the rows are unscaled as DeepSpeed unscaled its own
-        partitions: its stage-3 step updates the dynamic fp16 loss scale *before* it unscales and
-        clips (and divides ``norm`` by that scale), so on a step where the scale grows both use the
-        grown one."""
-        if self.zero3 is not None:
-            loss_scale = facts.optimizer_loss_scale(self.engine.optimizer)
+        zen unscales and clips as DeepSpeed did its own params: its ZeRO-1/2/3 steps update the
+        dynamic fp16 loss scale *before* they unscale and clip, so on a step where the scale grows
+        both use the grown one (ZeRO-3 also divides ``norm`` by it; ZeRO-1/2 hand over the norm
+        over the scale from before the update)."""
+        applied = facts.optimizer_loss_scale(self.engine.optimizer)
+        if self.zero3 is None and norm is not None and applied != loss_scale:
+            norm = norm * loss_scale / applied
+        loss_scale = applied
         coef = clip_coefficient(self.engine.gradient_clipping(), norm)
         self.owned.step(loss_scale, coef, base_lr, self.reducer.last_stats)
 

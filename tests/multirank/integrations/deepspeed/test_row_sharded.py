@@ -1,9 +1,9 @@
 """Row-sharded embeddings (``"zen": {"row_sharded": true}``) under ZeRO-1/2, 4 gloo ranks.
 
 One spawn runs every case: parameters equal stock DeepSpeed's ZeRO-1/2 run (fp32 AdamW, SGD with
-accumulation 2 + clipping, bf16; fp16 with stock's overflow skips and loss scale; ``"overlap"``
-with another zen param beside a table) and zen's replicated-table sharded route; each rank holds 1/n of
-each table and never a whole one; an id outside the table on one rank raises the same
+accumulation 2 + clipping, bf16; fp16 AdamW with clipping and SGD without, with stock's overflow
+skips and loss scale; ``"overlap"`` with another zen param beside a table) and zen's
+replicated-table sharded route; each rank holds 1/n of each table and never a whole one; an id outside the table on one rank raises the same
 ZenInputError on every rank and the group trains on; a checkpoint resumes bit-identically, its
 offline consolidation, ``full_state_dict`` and ``save_16bit_model`` give the same whole tables, and
 none of zen's saves logs the warning a plain module state dict (no table) logs.
@@ -51,6 +51,12 @@ CASES = [
     # which zen's comm thread syncs during backward
     dict(name="overlap_rows", zero=2, gas=2, clip=CLIP, sparse=False, opt="adamw",
          zen_extra={"row_sharded": True, "shard_min_mb": 1400 / 2 ** 20, "overlap": True}),
+    # fp16 SGD without clipping, embeddings at std 0.02: the updates themselves are compared, and a
+    # step where the loss scale grows is unscaled by the grown scale, as stock's ZeRO-2 step does
+    dict(name="fp16_sgd_rows", zero=2, gas=2, sparse=False, dtype="fp16", opt="sgd", zen_extra=ROWS,
+         steps=6, inf_at=(3, 1), embedding_scale=0.02),
+    dict(name="fp16_sgd_stock", zero=2, gas=2, sparse=False, dtype="fp16", opt="sgd", plain=True, zen=None,
+         steps=6, inf_at=(3, 1), embedding_scale=0.02),
     # sparse=True embeddings: the module is replaced alike (the local table's gradient is dense)
     dict(name="sparse_rows", zero=1, gas=2, clip=CLIP, sparse=True, opt="sgd", zen_extra=ROWS),
 ]
@@ -68,7 +74,7 @@ def _optimizer(kind: str, params):
 def _engine(case: Dict[str, Any], world: int):
     import deepspeed
     import zen_ds
-    model = dc.make_model(case.get("sparse", True))
+    model = dc.make_model(case.get("sparse", True), embedding_scale=case.get("embedding_scale", 1.0))
     init = deepspeed.initialize if case.get("plain") else zen_ds.initialize
     engine, *_ = init(model=model, optimizer=_optimizer(case["opt"], model.parameters()),
                       config=dc.ds_config(case, world))
@@ -246,6 +252,16 @@ def test_fp16_follows_stock_loss_scaling_and_stays_close(results):
     dc.assert_follows_stock_fp16(mine, stock, 1e-2)  # 2.6e-3 measured: fp16 rounding of the updates
     initial = dc.params_of(dc.make_model(False))
     assert np.abs(mine["params"]["emb_d.weight"] - initial["emb_d.weight"]).max() > 0  # it trained
+
+
+def test_fp16_sgd_updates_follow_stock(results):
+    """fp16 SGD without clipping: the tables' updates within 1e-2 of stock ZeRO-2's, whose step
+    unscales by the loss scale after the step's update (grown on some steps)."""
+    mine = dc.case_results(results, "fp16_sgd_rows")[0]
+    stock = dc.case_results(results, "fp16_sgd_stock")[0]
+    dc.assert_follows_stock_fp16(mine, stock, 1e-2)
+    initial = dc.params_of(dc.make_model(False, embedding_scale=0.02))
+    dc.assert_updates_agree(mine["params"], stock["params"], initial, ["emb_s.weight", "emb_d.weight"], 1e-2)
 
 
 def test_sparse_true_embeddings_equal_dense_ones(results):

@@ -53,23 +53,13 @@ def _net(rank: int, zen: Any, gas: int, clip: float, dtype: str, adamw: bool, st
     return engine
 
 
-def _small_embeddings():
-    """The suite's Net with embeddings at a language model's scale (std 0.02, not 1): fp16 rounds
-    such weights far below one SGD update, so the updates themselves can be compared."""
-    import torch
-    model = dc.make_model(False)
-    with torch.no_grad():
-        model.emb_s.weight.mul_(0.02)
-        model.emb_d.weight.mul_(0.02)
-    return model
-
-
 def _fp16(rank: int, zen: bool) -> Dict[str, Any]:
     """fp16 SGD, accumulation 2, no clipping (the unscaled gradient is then the scaled one over the
-    loss scale, however large the norm): DeepSpeed's dynamic loss scale from 2^8 grows every 2
-    steps, and an inf loss on rank 1 at step 3 skips that step."""
+    loss scale, however large the norm), embeddings at std 0.02: DeepSpeed's dynamic loss scale
+    from 2^8 grows every 2 steps, and an inf loss on rank 1 at step 3 skips that step."""
     dc.accept_fp16_on_cpu()  # as test_row_sharded.py's fp16 case: oneDNN's fp16 kernels or not
-    engine = _net(rank, zen, 2, 0.0, "fp16", False, steps=6, inf_at=(3, 1), model=_small_embeddings())
+    model = dc.make_model(False, embedding_scale=0.02)
+    engine = _net(rank, zen, 2, 0.0, "fp16", False, steps=6, inf_at=(3, 1), model=model)
     return {"params": dc.whole_weights(engine), "skipped": int(engine.skipped_steps),
             "loss_scale": float(engine.optimizer.loss_scale)}
 
@@ -159,8 +149,8 @@ def test_fp16_follows_stock_zero3_loss_scaling_and_stays_close(results):
     stock = dc.case_results(results, "fp16_stock")[0]
     dc.assert_follows_stock_fp16(mine, stock, 1e-2)  # 4.8e-4 measured
     # the tables' own updates (2.5e-3 measured; unscaled by the scale from before the step: 0.29)
-    dc.assert_updates_agree(mine["params"], stock["params"], dc.params_of(_small_embeddings()),
-                            ["emb_s.weight", "emb_d.weight"], 1e-2)
+    initial = dc.params_of(dc.make_model(False, embedding_scale=0.02))
+    dc.assert_updates_agree(mine["params"], stock["params"], initial, ["emb_s.weight", "emb_d.weight"], 1e-2)
 
 
 def test_every_rank_holds_the_same_weights(results):
