@@ -63,17 +63,28 @@ class Net(nn.Module):
         return self.mlp(x.to(self.mlp[0].weight.dtype)).squeeze(-1)
 
 
-def make_model(sparse: bool = True, seed: int = 1234) -> Net:
+def make_model(sparse: bool = True, seed: int = 1234, embedding_scale: float = 1.0) -> Net:
+    """``embedding_scale``: the embeddings' initial weights times it (0.02: a language model's
+    scale, where fp16 rounds a weight far below one SGD update, so updates can be compared)."""
     torch.manual_seed(seed)
-    return Net(sparse)
+    model = Net(sparse)
+    if embedding_scale != 1.0:
+        with torch.no_grad():
+            model.emb_s.weight.mul_(embedding_scale)
+            model.emb_d.weight.mul_(embedding_scale)
+    return model
 
 
-def batch(step: int, micro: int, rank: int, scale: float = 1.0):
-    """Rank's micro-batch: Zipf-ish ids (ranks overlap on frequent rows)."""
+def batch(step: int, micro: int, rank: int, scale: float = 1.0, inf_at: Any = None):
+    """Rank's micro-batch: Zipf-ish ids (ranks overlap on frequent rows). ``inf_at=(step, rank)``:
+    that rank's first micro-batch of that step has an inf target (an fp16 overflow: DeepSpeed
+    skips the step on every rank)."""
     g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
     a = (torch.rand(MICRO, 4, generator=g).pow(3) * VOCAB_S).long()
     b = (torch.rand(MICRO, 2, generator=g).pow(2) * VOCAB_D).long()
     y = torch.randn(MICRO, generator=g) * scale
+    if inf_at == (step, rank) and micro == 0:
+        y[0] = float("inf")
     return a, b, y
 
 
@@ -164,6 +175,15 @@ def params_of(module: nn.Module) -> Dict[str, Any]:
     return {k: v.detach().float().numpy().copy() for k, v in module.named_parameters()}
 
 
+def whole_weights(engine: Any) -> Dict[str, Any]:
+    """Every weight of the engine's model whole, as numpy: ZeRO-3's params gathered (a no-op for
+    other stages), row-sharded tables consolidated (``zen_ds.full_state_dict``: collective)."""
+    import deepspeed
+    import zen_ds
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {k: v.detach().float().numpy().copy() for k, v in zen_ds.full_state_dict(engine).items()}
+
+
 def train_ds(rank: int, world: int, case: Dict[str, Any], steps: int = 5,
              engine_fn=None) -> Dict[str, Any]:
     """Train one case with DeepSpeed (zen_ds.initialize unless case['plain'])."""
@@ -176,10 +196,7 @@ def train_ds(rank: int, world: int, case: Dict[str, Any], steps: int = 5,
     losses = []
     for step in range(steps):
         for micro in range(case.get("gas", 1)):
-            a, b, y = batch(step, micro, rank, case.get("yscale", 1.0))
-            if case.get("inf_at") == (step, rank) and micro == 0:
-                y = y.clone()
-                y[0] = float("inf")
+            a, b, y = batch(step, micro, rank, case.get("yscale", 1.0), case.get("inf_at"))
             loss = loss_fn(engine(a, b), y)
             engine.backward(loss)
             engine.step()
@@ -214,6 +231,21 @@ def reference(case: Dict[str, Any], world: int, steps: int = 5) -> Dict[str, tor
     return params_of(model)
 
 
+def summed_reference(sparse: bool, micros: List[int], divide: int, world: int) -> Dict[str, Any]:
+    """One SGD step (:func:`make_optimizer`) of a single process on the sum, over the micro-batch
+    indices ``micros`` of step 0 and every rank, of the gradients of ``loss / divide``: what a
+    data-parallel step applies when its reductions of those micro-batches add up."""
+    model = make_model(sparse)
+    opt = make_optimizer(model.parameters())
+    for micro in micros:
+        for r in range(world):
+            a, b, y = batch(0, micro, r)
+            (loss_fn(model(a, b), y) / divide).backward()
+    opt.step()
+    with torch.no_grad():
+        return params_of(model)
+
+
 def max_rel_err(got: Dict[str, Any], want: Dict[str, Any]) -> Dict[str, float]:
     """Per param: max |got - want| / max |want|."""
     out = {}
@@ -221,6 +253,28 @@ def max_rel_err(got: Dict[str, Any], want: Dict[str, Any]) -> Dict[str, float]:
         g, w = torch.as_tensor(got[k]), torch.as_tensor(want[k])
         out[k] = float((g - w).abs().max() / w.abs().max().clamp_min(1e-12))
     return out
+
+
+def assert_follows_stock_fp16(mine: Dict[str, Any], stock: Dict[str, Any], rtol: float) -> None:
+    """An fp16 run with one overflow (``{"params", "skipped", "loss_scale"}``) against stock
+    DeepSpeed's: the same skipped step and final loss scale, finite parameters within ``rtol``."""
+    assert mine["skipped"] == stock["skipped"] == 1, (mine["skipped"], stock["skipped"])
+    assert mine["loss_scale"] == stock["loss_scale"], (mine["loss_scale"], stock["loss_scale"])
+    assert all(torch.isfinite(torch.as_tensor(v)).all() for v in mine["params"].values())  # skipped too
+    errors = max_rel_err(mine["params"], stock["params"])
+    assert max(errors.values()) < rtol, errors
+
+
+def assert_updates_agree(got: Dict[str, Any], want: Dict[str, Any], initial: Dict[str, Any],
+                         keys: List[str], rtol: float) -> None:
+    """The updates ``got - initial`` of ``keys`` within ``rtol`` of ``want - initial`` (relative to
+    its largest entry): a check of the training itself, which weights far larger than one update
+    would hide in :func:`max_rel_err`."""
+    for key in keys:
+        update = torch.as_tensor(got[key] - initial[key])
+        wanted = torch.as_tensor(want[key] - initial[key])
+        assert wanted.abs().max() > 0, key
+        assert (update - wanted).abs().max() <= rtol * wanted.abs().max(), key
 
 
 def error_record(exc: BaseException) -> Dict[str, Any]:

@@ -17,8 +17,9 @@ Accelerate, on 2 forked gloo ranks.
 * Row-sharded embeddings (``--row-sharded``, Llama) under ZeRO-2 and ZeRO-3:
   ``Trainer.save_model()`` on every rank writes the input embedding whole (equal to
   ``zen_ds.full_state_dict`` and to every rank's rows) with every other weight as the engine holds
-  it; no "table missing" warning fires during training or the save, and a plain
-  ``module.state_dict()`` afterwards logs it once.
+  it; the saved folder loads back with ``LlamaForCausalLM.from_pretrained`` (inside ``zero.Init``
+  under ZeRO-3) into exactly ``zen_ds.full_state_dict``'s tensors; no "table missing" warning fires
+  during training or the save, and a plain ``module.state_dict()`` afterwards logs it once.
 
 Every case runs in one spawn (a torch + transformers import per process is the expensive part).
 """
@@ -42,7 +43,7 @@ pytest.importorskip("deepspeed")
 skip_unless_installed("transformers", "accelerate", reason="the hf extra is not installed: pip install zen_ds[hf]")
 
 from ds_cases import (  # noqa: E402
-    LogLines, load_hf_trainer_example, max_rel_err, params_of, run_jobs, set_env)
+    LogLines, load_hf_trainer_example, max_rel_err, params_of, run_jobs, set_env, whole_weights)
 
 # Two ranks: what this module checks (enable() from the config, the Trainer's and Accelerate's
 # paths, accumulation, clipping, bytes) does not depend on the rank count, and ZeRO-1/2 partitions
@@ -109,18 +110,35 @@ def _trainer_save_run(example: Any, argv: List[str]) -> Dict[str, Any]:
         # ZeRO-3's params gathered (a no-op under ZeRO-1/2)
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             module = params_of(engine.module)
-        whole = zen_ds.full_state_dict(engine)[table.name].detach().float().numpy().copy()
+        full = whole_weights(engine)
         engine.module.state_dict()  # a plain module state dict, twice: one warning
         engine.module.state_dict()
+        warned_after = records.lines[len(during_run):]
         saved = _saved_weights(target) if dist.get_rank() == 0 else {}
-        return {"summary": summary, "module": module, "whole": whole,
+        return {"summary": summary, "module": module, "whole": full[table.name], "full": full,
+                "reloaded": _reloaded(type(engine.module), target),
                 "rows": table.rows.cpu().numpy().copy(),
                 "shard": table.shard.detach().float().numpy().copy(),
                 "saved": {k: v.float().numpy().copy() for k, v in saved.items()},
-                "warned_during_run": during_run, "warned_after": records.lines[len(during_run):]}
+                "warned_during_run": during_run, "warned_after": warned_after}
     finally:
         zen_logger.removeHandler(records)
         shutil.rmtree(target, ignore_errors=True)
+
+
+def _reloaded(model_class: Any, target: str) -> Dict[str, np.ndarray]:
+    """The folder rank 0's ``save_model()`` wrote, loaded with ``model_class.from_pretrained`` on
+    every rank (under ZeRO-3 transformers builds the model inside ``zero.Init`` while the
+    Trainer's config is alive, a collective: every rank loads), its state dict whole."""
+    import deepspeed
+    import torch.distributed as dist
+    folder = [target]
+    dist.broadcast_object_list(folder, src=0)
+    model = model_class.from_pretrained(folder[0])
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        out = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    dist.barrier()  # rank 0 removes its folder afterwards
+    return out
 
 
 def _accelerate_run(example: Any, zen: bool, zero: int) -> Dict[str, Any]:
@@ -414,6 +432,10 @@ def test_trainer_save_model_writes_the_whole_row_sharded_table(results: List[Dic
                                       err_msg=f"rank {rank}'s rows")
     for name, value in runs[0]["module"].items():
         np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    for rank, run in enumerate(runs):  # what a user loads back: the engine's weights, every one
+        assert set(run["reloaded"]) == set(run["full"]), (rank, sorted(set(run["reloaded"]) ^ set(run["full"])))
+        for name, value in run["full"].items():
+            np.testing.assert_array_equal(run["reloaded"][name], value, err_msg=f"rank {rank}, {name}")
     initial = params_of(load_hf_trainer_example().build_model("llama", 4000, 32, 2, 16, seed=0))
     assert not np.array_equal(table, initial[EMBED]), "the saved table is the untrained one"
     for rank, run in enumerate(runs):  # silent nowhere, noisy only outside zen's saves

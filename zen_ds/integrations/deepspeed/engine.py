@@ -35,7 +35,7 @@ from zen_ds.integrations.deepspeed.routes import (
     resolve_route,
 )
 from zen_ds.integrations.deepspeed.shuffling import build_shuffle
-from zen_ds.integrations.deepspeed.zero3 import Zero3Sync, install_id_checks
+from zen_ds.integrations.deepspeed.zero3 import Zero3Sync, install_id_checks, next_backward_replaces
 from zen_ds.integrations.reducer import ZenReducer
 from zen_ds.planner import PlanMemo
 from zen_ds.sync.calibrate import network_options
@@ -186,7 +186,17 @@ class ZenEngineState:
         return (sum_sq if local else model_parallel_sum(sum_sq, self.engine.mpu)).sqrt()
 
     def step_owned(self, loss_scale: float, norm: Optional[float], base_lr: Optional[float]) -> None:
-        """Step zen's own params after DeepSpeed applied its step, clipped by the global ``norm``."""
+        """Step zen's own params after DeepSpeed applied its step, clipped by the global ``norm``
+        (``loss_scale``: the scale the gradients were computed with).
+
+        zen unscales and clips as DeepSpeed did its own params: its ZeRO-1/2/3 steps update the
+        dynamic fp16 loss scale *before* they unscale and clip, so on a step where the scale grows
+        both use the grown one (ZeRO-3 also divides ``norm`` by it; ZeRO-1/2 hand over the norm
+        over the scale from before the update)."""
+        applied = facts.optimizer_loss_scale(self.engine.optimizer)
+        if self.zero3 is None and norm is not None and applied != loss_scale:
+            norm = norm * loss_scale / applied
+        loss_scale = applied
         coef = clip_coefficient(self.engine.gradient_clipping(), norm)
         self.owned.step(loss_scale, coef, base_lr, self.reducer.last_stats)
 
@@ -300,7 +310,9 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
     if route.name == "zero3":
         state.zero3 = Zero3Sync(reducer, options, route.left_to_deepspeed)
         install_id_checks(engine.module, zen_params, facts.dp_group(engine))
-    if zcfg.overlap and state.zero3 is None:  # under ZeRO-3 zen syncs inside the backward anyway
+        for table in owned.tables if owned is not None else []:
+            table.next_backward_replaces = next_backward_replaces(engine.optimizer)
+    if zcfg.overlap:
         state.overlap = _overlapped_sync(engine, state, route)
     _REGISTRY[engine] = state
     install.install(engine, state)
@@ -316,15 +328,21 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
 def _overlapped_sync(engine: Any, state: ZenEngineState, route: Route) -> Optional[OverlappedSync]:
     """zen's sync overlapped with backward, or None (logged) where zen cannot see a gradient
     become final: pipelines (many backwards per step), DS-Sync, the bf16 optimizer's fp32
-    accumulators. Every rank decides alike (same config, same engine type)."""
+    accumulators; or where there is nothing to overlap: ZeRO-3 (zen syncs inside DeepSpeed's
+    gradient hooks). Every rank decides alike (same config, same engine type)."""
     read = grad_reader(state.storage)
     why = ("a pipeline runs many backwards per step" if route.setup.pipeline
            else '"shuffle" syncs every param itself' if state.shuffle is not None
            else "the bf16 optimizer accumulates gradients where zen's hooks cannot see them" if read is None
            else None)
+    if state.zero3 is not None:
+        why = ("under ZeRO-3 zen syncs its params inside DeepSpeed's gradient hooks, during backward "
+               "already; row-sharded tables push their rows at the step")
+    elif why is not None:
+        why += "; zen syncs after backward"
     if why is not None:
         if engine.global_rank == 0:
-            logger.info("zen: \"overlap\" is off for this engine (%s); zen syncs after backward", why)
+            logger.info("zen: \"overlap\" is off for this engine (%s)", why)
         return None
     return OverlappedSync(state.reducer, read, mirror_group(state.reducer.group),
                           engine.is_gradient_accumulation_boundary)

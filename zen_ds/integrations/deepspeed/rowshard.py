@@ -119,6 +119,9 @@ class RowShardTable:
         self._ids: Optional[torch.Tensor] = None
         self._sums: Optional[torch.Tensor] = None
         self.synced: Optional[torch.Tensor] = None  # [shard rows, *row_shape]: summed over ranks
+        # ZeRO-3 (.zero3.next_backward_replaces): seen True by a forward, the next gradient replaces the sum
+        self.next_backward_replaces: Optional[Callable[[], bool]] = None
+        self.restart = False
         self.stats = RowShardStats()
         self.last_stats = RowShardStats()
         # --- module state dicts without the table: > 0 inside zen's own saves (they add the whole
@@ -292,8 +295,8 @@ class RowShardTable:
     def add_grad(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         """Add one lookup's local-table gradient to this step's fp32 row-sparse sum."""
         values = grad.detach().float()
-        if self._ids is None:
-            self._ids, self._sums = ids, values.clone()
+        if self._ids is None or self.restart:
+            self._ids, self._sums, self.restart = ids, values.clone(), False
         else:
             merged = torch.sparse_coo_tensor(torch.cat([self._ids, ids]).unsqueeze(0),
                                              torch.cat([self._sums, values]),
@@ -342,14 +345,14 @@ class RowShardTable:
 
     def end_step(self) -> None:
         """Close the step's stats (whether or not the optimizer stepped) and drop its gradient."""
-        self.synced = None
-        self._ids = self._sums = None
+        self.clear()
         self.last_stats, self.stats = self.stats, RowShardStats()
 
     def clear(self) -> None:
         """Drop this step's gradient (``zero_grad`` or a second backward before the step)."""
         self.synced = None
         self._ids = self._sums = None
+        self.restart = False
 
     def sum_of_squares(self) -> torch.Tensor:
         """fp32 sum of squares of this rank's shard of the synced gradient."""

@@ -46,7 +46,10 @@ class RowShardedEmbedding(nn.Module):
         self.register_state_dict_post_hook(_warn_table_missing)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.lookup(ids, self.padding_idx, self.scale_grad_by_freq)
+        table = self.table
+        if table.next_backward_replaces is not None and table.next_backward_replaces():
+            table.restart = True  # ZeRO-3 restarts its gradients at the next backward (optimizer.zero_grad())
+        return table.lookup(ids, self.padding_idx, self.scale_grad_by_freq)
 
     def __getattr__(self, name: str) -> Any:
         if name == "weight":

@@ -54,20 +54,6 @@ def _backward(engine, step: int, micro: int, rank: int) -> None:
     engine.backward(dc.loss_fn(engine(a, b), y))
 
 
-def _reference(sparse: bool, micros: List[int], divide: int) -> Dict[str, Any]:
-    """One SGD step on the sum over ``micros`` of the global batch's gradients / ``divide``."""
-    import torch
-    model = dc.make_model(sparse)
-    opt = dc.make_optimizer(model.parameters())
-    for micro in micros:
-        for r in range(WORLD):
-            a, b, y = dc.batch(0, micro, r)
-            (dc.loss_fn(model(a, b), y) / divide).backward()
-    opt.step()
-    with torch.no_grad():
-        return dc.params_of(model)
-
-
 # ----------------------------------------------------------------------------- the cases
 def double_backward(zen: bool, sparse: bool, zero: int, extra=None) -> Callable[[int], Dict[str, Any]]:
     def run(rank: int) -> Dict[str, Any]:
@@ -270,7 +256,7 @@ REFERENCED = {
 @pytest.mark.parametrize("engine", ["stock", "zen"])
 def test_matches_reference(results, case: str, engine: str) -> None:
     sparse, micros, divide = REFERENCED[case]
-    _assert_close(_params(results, f"{case}_{engine}"), _reference(sparse, micros, divide))
+    _assert_close(_params(results, f"{case}_{engine}"), dc.summed_reference(sparse, micros, divide, WORLD))
 
 
 @pytest.mark.parametrize("case", sorted(REFERENCED) + ["no_sync_sparse", "manual_boundary_dense_z1",

@@ -7,10 +7,12 @@ fp32, bf16 rounding in bf16), with accumulation and clipping; models built insid
 tied embedding is left to DeepSpeed; checkpoints resume bit for bit; ``save_16bit_model`` and
 ``zero_to_fp32`` give the trained embedding; an id outside the table raises the same error on
 every rank and the group stays usable; the embedding's bytes are a few % of the dense
-reduce-scatter's.
+reduce-scatter's; two backwards before ``step()`` (with ``engine.zero_grad()`` or the optimizer's
+between them) apply what stock ZeRO-3 applies, with and without row-sharded tables.
 """
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from typing import Any, Dict
@@ -29,6 +31,14 @@ import ds_cases as dc  # noqa: E402
 WORLD = int(os.environ.get("ZEN_DS_ZERO3_WORLD", "2"))
 VOCAB = int(os.environ.get("ZEN_DS_ZERO3_VOCAB", "320"))  # the Hugging Face models' vocabulary
 BIG_VOCAB = 20000
+# Row-sharded tables (zen steps their rows; DeepSpeed never sees them), however small
+ROWS = {"row_sharded": True, "optimizer_state": "sharded", "stats_interval": 0}
+# Micro-batches of step 0 whose averaged gradients the step applies: stock ZeRO-3 adds a second
+# backward's reduction into its gradient partitions (its micro-step counter advances at the second
+# forward). engine.zero_grad() only drops param.grad (ZeRO-3 has none left after the backward), so
+# both still count; the optimizer's zero_grad() restarts the counter: the second replaces the first
+SECOND_BACKWARD = {"second_backward": [0, 1], "engine_zero_grad_between": [0, 1],
+                   "optimizer_zero_grad_between": [1]}
 
 
 def _config(zen: bool, gas: int = 1, clip: float = 0.0, dtype: str = "fp32", adamw: bool = False,
@@ -54,10 +64,7 @@ def _net_run(rank: int, zen: bool, gas: int = 2, clip: float = 0.5, dtype: str =
                                            config=_config(zen, gas, clip, dtype))
     for step in range(steps):
         for micro in range(gas):
-            a, b, y = dc.batch(step, micro, rank)
-            if inf_at == (step, rank) and micro == 0:
-                y = y.clone()
-                y[0] = float("inf")
+            a, b, y = dc.batch(step, micro, rank, inf_at=inf_at)
             engine.backward(dc.loss_fn(engine(a, b), y))
             engine.step()
     return engine
@@ -211,6 +218,25 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
         except Exception as exc:
             out["refusal"] = (type(exc).__name__, str(exc))
 
+    def second_backward(name: str, zero_grad_between: str = "") -> None:
+        """Two forward+backward passes before one step (accumulation 1; ``zero_grad_between``:
+        "engine" or "optimizer", whose ``zero_grad()`` runs between them), stock and zen, with and
+        without row-sharded tables."""
+        import deepspeed
+        for tag, block in (("stock", None), ("zen", {"stats_interval": 0}), ("rows", ROWS)):
+            model = dc.make_model(False)
+            engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=dc.make_optimizer(model.parameters()),
+                                                         config=dc.zero3_config(WORLD, block))
+            for micro in (0, 1):
+                if micro and zero_grad_between:
+                    (engine if zero_grad_between == "engine" else optimizer).zero_grad()
+                a, b, y = dc.batch(0, micro, rank)
+                engine.backward(dc.loss_fn(engine(a, b), y))
+            engine.step()
+            out[f"{name}_{tag}"] = dc.whole_weights(engine)
+            state = zen_ds.state_of(engine)
+            out[f"{name}_{tag}_tables"] = [t.name for t in state.owned.tables] if state and state.owned else []
+
     def fp16_case() -> None:
         dc.accept_fp16_on_cpu()  # DeepSpeed's CPU accelerator allows fp16 only with oneDNN's kernels
         net_case("net_fp16", dtype="fp16", inf_at=(1, 1))
@@ -219,7 +245,10 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
             "net_bf16": lambda: net_case("net_bf16", dtype="bf16"),
             "net_fp16": fp16_case, "trainer_save": trainer_save,
             "llama": lambda: hf_case(False), "gpt2": lambda: hf_case(True),
-            "checkpoints": checkpoints, "bad_id": bad_id, "bytes": bytes_case, "refusal": refusal}
+            "checkpoints": checkpoints, "bad_id": bad_id, "bytes": bytes_case, "refusal": refusal,
+            **{name: functools.partial(second_backward, name, between)
+               for name, between in (("second_backward", ""), ("engine_zero_grad_between", "engine"),
+                                     ("optimizer_zero_grad_between", "optimizer"))}}
     errors = dc.run_jobs({k: v for k, v in jobs.items()})
     out.update({f"job_{k}": v for k, v in errors.items() if isinstance(v, dict) and "error" in v})
     return out
@@ -249,6 +278,21 @@ def test_zero3_matches_stock(results, case: str, rtol: float) -> None:
         _close(res[f"{case}_zen"], res[f"{case}_stock"], rtol)
         assert res[f"{case}_route"] == ("zero3", ["emb_s.weight", "emb_d.weight"])
         assert res[f"{case}_zen_skipped"] == res[f"{case}_stock_skipped"]
+
+
+@pytest.mark.parametrize("case", sorted(SECOND_BACKWARD))
+@pytest.mark.parametrize("engine", ["zen", "rows"])
+def test_second_backward_before_step_as_stock_zero3(results, case: str, engine: str) -> None:
+    """Two backwards before step(), as test_ds_behaviour.py checks at ZeRO-0/1/2: stock ZeRO-3
+    applies the sum of both averaged gradients (the last one after the optimizer's zero_grad), and
+    so does zen, through DeepSpeed's partitions or with row-sharded tables."""
+    _no_job_failed(results, case)
+    want = dc.summed_reference(False, SECOND_BACKWARD[case], WORLD, WORLD)
+    for res in results:
+        _close(res[f"{case}_stock"], want, 1e-5)
+        _close(res[f"{case}_{engine}"], res[f"{case}_stock"], 1e-5)
+        tables = res[f"{case}_{engine}_tables"]
+        assert tables == (["emb_s.weight", "emb_d.weight"] if engine == "rows" else []), tables
 
 
 def test_fp16_overflow_skips_the_same_steps(results) -> None:
