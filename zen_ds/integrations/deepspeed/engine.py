@@ -35,7 +35,7 @@ from zen_ds.integrations.deepspeed.routes import (
     resolve_route,
 )
 from zen_ds.integrations.deepspeed.shuffling import build_shuffle
-from zen_ds.integrations.deepspeed.zero3 import Zero3Sync, install_id_checks, next_backward_replaces
+from zen_ds.integrations.deepspeed.zero3 import Zero3Sync, install_id_checks
 from zen_ds.integrations.reducer import ZenReducer
 from zen_ds.planner import PlanMemo
 from zen_ds.sync.calibrate import network_options
@@ -311,7 +311,7 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
         state.zero3 = Zero3Sync(reducer, options, route.left_to_deepspeed)
         install_id_checks(engine.module, zen_params, facts.dp_group(engine))
         for table in owned.tables if owned is not None else []:
-            table.next_backward_replaces = next_backward_replaces(engine.optimizer)
+            table.next_backward_replaces = facts.next_backward_replaces(engine.optimizer)
     if zcfg.overlap:
         state.overlap = _overlapped_sync(engine, state, route)
     _REGISTRY[engine] = state

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_DEEPSPEED", "check_deepspeed_version", "is_model_parallel_parameter", "dp_group",
            "scale_rule", "loss_scale_reader", "params_in_ds_optimizer", "grad_storage", "Bf16HpGrads",
-           "is_bf16_optimizer", "optimizer_loss_scale", "require_deepspeed"]
+           "is_bf16_optimizer", "next_backward_replaces", "optimizer_loss_scale", "require_deepspeed"]
 
 SUPPORTED_DEEPSPEED = ">=0.19,<0.20"
 _SUPPORTED_MINOR = (0, 19)
@@ -113,6 +113,18 @@ def optimizer_loss_scale(opt: Any) -> float:
         if value is not None:
             return float(value)
     return 1.0
+
+
+def next_backward_replaces(optimizer: Any) -> Callable[[], bool]:
+    """Whether ZeRO-3's next backward overwrites its gradient partitions instead of adding to them.
+
+    DeepSpeed's stage-3 ``partition_grads`` copies at ``micro_step_id == 0`` and adds after it; the
+    counter advances at each forward that follows a backward and restarts at the step and at the
+    optimizer's own ``zero_grad()`` (``engine.zero_grad()`` only drops ``param.grad``). So a second
+    forward+backward before ``step()`` adds, and one after ``optimizer.zero_grad()`` replaces what
+    was there. Row-sharded tables keep their gradient sum outside those partitions and follow the
+    same rule with this (read at each forward)."""
+    return lambda: getattr(optimizer, "micro_step_id", 1) == 0
 
 
 def is_bf16_optimizer(opt: Any) -> bool:

@@ -119,7 +119,7 @@ class RowShardTable:
         self._ids: Optional[torch.Tensor] = None
         self._sums: Optional[torch.Tensor] = None
         self.synced: Optional[torch.Tensor] = None  # [shard rows, *row_shape]: summed over ranks
-        # ZeRO-3 (.zero3.next_backward_replaces): seen True by a forward, the next gradient replaces the sum
+        # ZeRO-3 (facts.next_backward_replaces): seen True by a forward, the next gradient replaces the sum
         self.next_backward_replaces: Optional[Callable[[], bool]] = None
         self.restart = False
         self.stats = RowShardStats()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import fields
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from zen_ds.sync.reduce_scatter import sparse_reduce_scatter_flat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Zero3Sync", "IdCheck", "install_id_checks", "next_backward_replaces"]
+__all__ = ["Zero3Sync", "IdCheck", "install_id_checks"]
 
 
 class Zero3Sync:
@@ -155,15 +155,3 @@ def install_id_checks(model: nn.Module, params: Sequence[ZenParam], group: Optio
         handles.append(module.register_forward_pre_hook(IdCheck(wanted[id(weight)], rows, group),
                                                         prepend=True))
     return handles
-
-
-def next_backward_replaces(optimizer: Any) -> Callable[[], bool]:
-    """Whether ZeRO-3's next backward overwrites its gradient partitions instead of adding to them.
-
-    DeepSpeed's stage-3 ``partition_grads`` copies at ``micro_step_id == 0`` and adds after it; the
-    counter advances at each forward that follows a backward and restarts at the step and at the
-    optimizer's own ``zero_grad()`` (``engine.zero_grad()`` only drops ``param.grad``). So a second
-    forward+backward before ``step()`` adds, and one after ``optimizer.zero_grad()`` replaces what
-    was there. Row-sharded tables keep their gradient sum outside those partitions and follow the
-    same rule with this (read at each forward)."""
-    return lambda: getattr(optimizer, "micro_step_id", 1) == 0
