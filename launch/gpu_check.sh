@@ -46,7 +46,12 @@ if [[ "${1:-}" == "--prepare" ]]; then
 fi
 
 cd "$REPO"
-# No GPU: fail fast, before installing anything.
+# No GPU: fail fast, before installing anything. Without a GPU device node (as in launch/env.sh)
+# the answer needs no torch import (seconds on a small CPU machine); otherwise torch decides.
+if ! compgen -G "/dev/nvidia[0-9]*" >/dev/null && [[ ! -e /dev/dxg ]]; then
+    echo "gpu_check: no CUDA device (no /dev/nvidia* or /dev/dxg device node); nothing was run" >&2
+    exit 2
+fi
 "$PY" "$HERE/gpu_check.py" --probe
 
 if ! "$PY" -c "import deepspeed, zen_ds" >/dev/null 2>&1; then
