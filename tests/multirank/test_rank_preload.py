@@ -9,28 +9,22 @@ from __future__ import annotations
 
 import gc
 import os
-import importlib.util
+import sys
 
 import pytest
 
 import dist_utils
 
 
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:
-        return False
-
-
 def _rank_view(rank: int, world_size: int):
-    return dist_utils.preloaded_in_rank(rank, world_size), gc.get_freeze_count()
+    """Which preload modules this forked rank finds imported, and how many objects gc froze."""
+    return {name: name in sys.modules for name in dist_utils.PRELOADED}, gc.get_freeze_count()
 
 
 @pytest.mark.skipif(os.environ.get("ZEN_DS_TEST_SPAWN") == "1",
                     reason="ranks are spawned, not forked from the fork server")
 def test_forked_ranks_find_every_preload_module_imported_and_frozen():
     for loaded, frozen in dist_utils.run_ranks(2, _rank_view, fresh=True):
-        missing = [name for name, found in loaded.items() if not found and _installed(name)]
+        missing = [name for name, found in loaded.items() if not found and dist_utils.installed(name)]
         assert not missing, f"the fork server did not preload {missing}"
         assert frozen > 10_000, "rank_preload did not freeze the preloaded objects"

@@ -58,12 +58,16 @@ def skip_unless_installed(*modules: str, reason: str = "") -> None:
     import pytest
 
     for name in modules:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except ImportError:  # its parent package is missing
-            found = False
-        if not found:
+        if not installed(name):
             pytest.skip(reason or f"{name} is not installed", allow_module_level=True)
+
+
+def installed(name: str) -> bool:
+    """Whether module ``name`` can be imported here, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # its parent package is missing
+        return False
 
 
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
@@ -86,9 +90,13 @@ def _ensure_fork_server() -> None:
     preload module it cannot import without a word: ``rank_preload`` (this folder) was never
     imported, so every rank of the Trainer, megatron-core and ZeRO-3 tests imported transformers
     and megatron-core itself (~5 s of CPU each) and nothing was frozen for the garbage collector.
-    The variable is set only while the server starts; ranks take the caller's environment."""
+    The variable is set only while the server starts (once per session; ranks take the caller's
+    environment, and tests/support/early_runs.py's commands the one from before the tests)."""
     from multiprocessing import forkserver
 
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        forkserver.ensure_running()  # started: restarts it only if it died
+        return
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([SUPPORT] + ([saved] if saved else []))
     try:
@@ -98,13 +106,6 @@ def _ensure_fork_server() -> None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
-
-
-def preloaded_in_rank(rank: int, world_size: int) -> Dict[str, bool]:
-    """Which of :data:`PRELOADED` a forked rank finds already imported (a job for run_ranks)."""
-    import sys
-
-    return {name: name in sys.modules for name in PRELOADED}
 
 
 def rank_context(new_interpreter: bool = False):

@@ -11,8 +11,8 @@ come first and wait for them), then runs its commands in turn at nice 19 (the se
 too, as tests/run.sh does for the builds), so they use the cores the other tests leave idle. A
 test whose command has not started yet starts it itself at normal priority, one that still runs
 gets normal priority back; its timeout counts from when it asks. Nothing changes in what runs:
-the same argv (the caller's environment, or the one argv sets up, e.g. ``env -i ...``), working
-directory, exit status and output as a run in the test itself.
+the same argv, environment (the caller's when queued, before any test ran, or the one argv sets
+up, e.g. ``env -i ...``), working directory, exit status and output as a run in the test itself.
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ BUILDS_WAIT_S = 1200  # the CUDA builds of a cold CI run take minutes at nice 19
 class _Job:
     def __init__(self, argv: Sequence[str], cwd: str) -> None:
         self.argv, self.cwd = list(argv), cwd
+        # a copy: tests/support/dist_utils.py sets PYTHONPATH for a moment while it starts the
+        # rank fork server, which a command launched then would otherwise inherit
+        self.env = dict(os.environ)
         self.proc: Optional[subprocess.Popen] = None
         self.niced = False
         self.out_path = self.err_path = ""
@@ -139,7 +142,7 @@ class EarlyRuns:
         stem = os.path.join(self._dir, f"{len(os.listdir(self._dir)):02d}")
         job.out_path, job.err_path = stem + ".out", stem + ".err"
         with open(job.out_path, "w") as out, open(job.err_path, "w") as err:
-            job.proc = subprocess.Popen(job.argv, cwd=job.cwd, stdout=out, stderr=err,
+            job.proc = subprocess.Popen(job.argv, env=job.env, cwd=job.cwd, stdout=out, stderr=err,
                                         stdin=subprocess.DEVNULL, text=True, start_new_session=True)
         job.niced = niced
         if niced:
