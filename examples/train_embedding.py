@@ -203,7 +203,11 @@ def train(args: argparse.Namespace, zen: bool, embedding_grad: str, out) -> None
                        "micro_batch": micro, "context": args.context,
                        "embedding_grad": embedding_grad, "wire_element_bytes": wire_element,
                        "zero_stage": int(engine.zero_optimization_stage()),
-                       "embed_dense_bytes": args.vocab * emb_row_bytes, "records": records}, fh, indent=1)
+                       "embed_dense_bytes": args.vocab * emb_row_bytes,
+                       # measured, where the run used a GPU (the whole process: params, grads,
+                       # optimizer state and every transient buffer)
+                       "peak_cuda_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+                       "records": records}, fh, indent=1)
     engine.destroy()  # the next run of --runs builds its own
 
 

@@ -36,7 +36,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 NO_DEVICE_EXIT = 2
@@ -367,7 +367,8 @@ def step_sync_nccl2(timeout: float) -> Dict[str, Any]:
             "summary": f"{len(got[0]) - len(bad)}/{len(got[0])} cases agree with dist.all_reduce"}
 
 
-def _train(config: str, zen: bool, steps: int, out: Path, gpus: int, timeout: float) -> List[float]:
+def _train(config: str, zen: bool, steps: int, out: Path, gpus: int,
+           timeout: float) -> Tuple[List[float], Optional[int]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -391,7 +392,8 @@ def _train(config: str, zen: bool, steps: int, out: Path, gpus: int, timeout: fl
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[-8:])} exited {proc.returncode}:\n"
                            f"{(proc.stdout + proc.stderr)[-2500:]}")
-    return [r["loss"] for r in json.loads(result.read_text())["records"]]
+    summary = json.loads(result.read_text())
+    return [r["loss"] for r in summary["records"]], summary.get("peak_cuda_bytes")
 
 
 def step_deepspeed(check: Check) -> Dict[str, Any]:
@@ -402,13 +404,14 @@ def step_deepspeed(check: Check) -> Dict[str, Any]:
         if check.left() < 40:
             runs[config] = "skipped: time budget spent"
             continue
-        losses = {}
+        losses, peaks = {}, {}
         for zen in (True, False):
-            losses["zen" if zen else "stock"] = _train(config, zen, 5, check.out, gpus,
-                                                       max(30.0, check.left() / 2))
+            name = "zen" if zen else "stock"
+            losses[name], peaks[name] = _train(config, zen, 5, check.out, gpus,
+                                               max(30.0, check.left() / 2))
         diff = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses["zen"], losses["stock"]))
         worst = max(worst, diff)
-        runs[config] = {**losses, "max_rel_diff": diff}
+        runs[config] = {**losses, "max_rel_diff": diff, "peak_cuda_bytes": peaks}
     return {"status": "passed" if worst < 1e-3 else "failed", **runs,
             "summary": f"loss zen vs stock: max relative difference {worst:.2e}"}
 
