@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -748,6 +749,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if rank == 0:
         print("summary " + json.dumps(summary), flush=True)
         if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as fh:
                 json.dump({"args": vars(args), "summary": summary, "steps": records}, fh, indent=1,
                           default=str)

@@ -88,6 +88,7 @@ PROCESS_STATE = {
     ("zen_ds.integrations.deepspeed.overlap", "_HOOKED"): "gradient tensors -> the overlap thread "
                                                           "feeding on them (weak references)",
     ("zen_ds.integrations.deepspeed.checkpoint", "_WARNED"): "each skipped-flag warning once per process",
+    ("zen_ds.integrations.deepspeed.rowstep", "_warned"): "each optimizer type's whole-shard step logged once per process",
     ("zen_ds.tools.sim.traffic", "_TRAFFIC"): "the simulator's traffic functions by scheme (a tool)",
     ("zen_ds.tools.bench.ops", "_stat"): "the ops benchmark's statistic, set by its CLI (a tool)",
 }

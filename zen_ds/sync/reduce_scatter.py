@@ -40,10 +40,13 @@ def shard_rows(layout: ShardLayout, rank: int, device: Union[str, torch.device] 
 def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dist.ProcessGroup] = None, *,
                           seed: Optional[int] = None, prescale: float = 1.0, postscale: float = 1.0,
                           options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
-                          log_prefix: str = "zen", as_rows: bool = False) -> Union[torch.Tensor, RowSparse]:
+                          log_prefix: str = "zen", as_rows: bool = False,
+                          positions: bool = False) -> Union[torch.Tensor, RowSparse]:
     """The sum over ``group`` of this rank's shard of rows, as a dense ``[shard_size, *row_shape]``
     tensor in ``x``'s dtype (rows nobody sent are zero), or with ``as_rows`` only the rows some
-    rank sent, as a :class:`RowSparse` over the whole table (global row ids, in shard order).
+    rank sent, as a :class:`RowSparse` over the whole table (global row ids, in shard order), or
+    with ``positions`` too as a :class:`RowSparse` over the shard (row ``p`` is the shard's
+    ``p``-th row; sorted): what an owner that steps its rows needs, nothing shard-sized.
 
     ``x`` is a :class:`RowSparse`, a sparse COO tensor or a dense tensor (its non-zero rows are
     sent). Every rank must pass the same shape and dtype: a mismatch or a bad input on any rank
@@ -79,6 +82,9 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
         stats.num_rows, stats.row_numel, stats.world_size = x.num_rows, x.row_numel, n
         stats.dense_bytes = x.num_rows * x.row_numel * x.values.element_size()
         stats.collectives = list(comm.records)
+    if as_rows and positions:
+        return RowSparse(rows.to(torch.int64), sums.to(x.dtype).reshape((-1,) + x.row_shape),
+                         layout.shard_size(rank), coalesced=True)
     if as_rows:
         ids = ops.unpermute(rows.to(torch.int64) + layout.starts[rank], x.num_rows, seed)
         return RowSparse(ids, sums.to(x.dtype).reshape((-1,) + x.row_shape), x.num_rows)

@@ -19,6 +19,7 @@ from torch import nn
 
 from zen_ds.core.sparse import RowSparse
 from zen_ds.integrations.deepspeed.routes import Route, refuse
+from zen_ds.integrations.deepspeed.rowstep import step_rows
 from zen_ds.integrations.deepspeed.sharded import ShardedRows, should_shard, state_bytes_per_element
 from zen_ds.integrations.reducer import ZenParam
 
@@ -322,18 +323,16 @@ class OwnedParams:
             if shard is not None and sparse_only:  # SparseAdam takes COO grads only
                 g = RowSparse.from_dense(g).to_coo()
             master.grad = g
-        for t in self.tables:
-            g = t.grad_for_step(factor)
-            t.master.grad = RowSparse.from_dense(g).to_coo() if g is not None and sparse_only else g
         if base_lr is not None:
             for group, ratio in zip(self.optimizer.param_groups, self.lr_ratio):
                 group["lr"] = base_lr * ratio
         self.optimizer.step()
-        for t in self.tables:
-            t.master.grad = None
+        for p, master in zip(self.params, self.masters):
+            master.grad = None
+        for t in self.tables:  # in row blocks: no shard-sized gradient (see .rowstep)
+            step_rows(self.optimizer, t.master, t.grad_for_step(factor), t.name)
             t.after_step()
         for p, master, shard in zip(self.params, self.masters, self.sharded):
-            master.grad = None
             if shard is not None:
                 gathered = shard.gather(master, p.param)
                 if not self.half:

@@ -118,7 +118,7 @@ class RowShardTable:
         # --- per optimizer step: the row-sparse fp32 gradient sum, its pushed result, the stats
         self._ids: Optional[torch.Tensor] = None
         self._sums: Optional[torch.Tensor] = None
-        self.synced: Optional[torch.Tensor] = None  # [shard rows, *row_shape]: summed over ranks
+        self.synced: Optional[RowSparse] = None  # the shard's rows some rank pushed, summed (fp32)
         # ZeRO-3 (facts.next_backward_replaces): seen True by a forward, the next gradient replaces the sum
         self.next_backward_replaces: Optional[Callable[[], bool]] = None
         self.restart = False
@@ -278,8 +278,8 @@ class RowShardTable:
     def _note_transient(self, *tensors: Optional[torch.Tensor]) -> None:
         """Tensors zen allocated for this step that are alive now (``tensors`` and the step's
         gradient sum and pushed result, each storage once): the largest such set is reported."""
-        seen, alive = set(), 0
-        for t in tensors + (self._ids, self._sums, self.synced):
+        seen, alive, synced = set(), 0, self.synced
+        for t in tensors + (self._ids, self._sums) + ((synced.indices, synced.values) if synced is not None else ()):
             if t is not None and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
                 alive += _nbytes(t)
@@ -308,8 +308,9 @@ class RowShardTable:
     @torch.no_grad()
     def push(self, prescale: float, postscale: float, comm_dtype: Optional[torch.dtype],
              options: SyncOptions) -> None:
-        """The step's gradient rows to their owners (collective): :attr:`synced` is this rank's
-        shard of the scaled sum over the group, in fp32."""
+        """The step's gradient rows to their owners (collective): :attr:`synced` is the scaled sum
+        over the group of the rows of this rank's shard that some rank pushed, in fp32 (positions
+        in the shard; never a shard-sized tensor, see :mod:`.rowstep`)."""
         wire = comm_dtype or (self.shard.dtype if self._sums is None else torch.float32)
         if self._ids is None:
             x = RowSparse(torch.empty(0, dtype=torch.int64, device=self.rows.device),
@@ -321,27 +322,28 @@ class RowShardTable:
             prescale = 1.0
         st = SyncStats()
         out = sparse_reduce_scatter(x, self.group, seed=self.layout.seed, prescale=prescale, postscale=postscale,
-                                    options=options, stats=st, log_prefix=f"zen.{self.name}.push")
-        self._note_transient(x.indices, x.values, out)
-        self.synced = out.float()
+                                    options=options, stats=st, log_prefix=f"zen.{self.name}.push",
+                                    as_rows=True, positions=True)
+        self._note_transient(x.indices, x.values, out.indices, out.values)
+        self.synced = RowSparse(out.indices, out.values.float(), out.num_rows, coalesced=True)
         self.stats.pushed_rows += int(x.indices.numel())
         self.stats.received_rows += st.nnz_result
         self.stats.push_bytes_sent += st.bytes_sent
         self.stats.push_bytes_received += st.bytes_received
         self._ids = self._sums = None
 
-    def grad_for_step(self, factor: float) -> Optional[torch.Tensor]:
-        """The master's gradient for the optimizer step: the pushed result itself, times the clip
-        coefficient / loss scale in place (no second shard-sized tensor; the norm was taken)."""
+    def grad_for_step(self, factor: float) -> Optional[RowSparse]:
+        """The master's gradient rows for the optimizer step (:func:`.rowstep.step_rows`): the
+        pushed result itself, times the clip coefficient / loss scale in place (the norm was taken)."""
         if self.synced is not None and factor != 1.0:
-            self.synced.mul_(factor)
+            self.synced.values.mul_(factor)
         return self.synced
 
     @torch.no_grad()
     def after_step(self) -> None:
         """The optimizer stepped the master: the model's dtype copy follows (half precision)."""
         if self.half and self.master is not None:
-            self.shard.data.copy_(self.master.data.to(self.shard.dtype))
+            self.shard.data.copy_(self.master.data)  # casts while copying: no shard-sized temporary
 
     def end_step(self) -> None:
         """Close the step's stats (whether or not the optimizer stepped) and drop its gradient."""
@@ -358,7 +360,7 @@ class RowShardTable:
         """fp32 sum of squares of this rank's shard of the synced gradient."""
         if self.synced is None:
             return torch.zeros((), dtype=torch.float32)
-        return self.synced.float().pow(2).sum().cpu()
+        return self.synced.values.float().pow(2).sum().cpu()
 
     def line(self, step: int) -> str:
         """The stats line: rows and bytes per phase, against the stock baselines for the table."""

@@ -1,0 +1,160 @@
+"""Peak memory per rank of a large untied input embedding: row-sharded vs stock ZeRO-3 (measured).
+
+    deepspeed --num_gpus 4 examples/rowshard_memory.py --mode rows  --json bench_out/rowmem_rows.json
+    deepspeed --num_gpus 4 examples/rowshard_memory.py --mode stock --json bench_out/rowmem_stock.json
+
+The model is the embedding and little else (``Embedding(vocab, hidden)`` -> mean over the
+sequence -> ``Linear(hidden, 16)``), trained with fp32 AdamW under ZeRO-3, so what a rank
+allocates is the embedding's cost. ``--mode rows`` row-shards it (``"zen": {"row_sharded":
+true}``), ``--mode zen`` syncs it with zen's ZeRO-3 path, ``--mode stock`` is DeepSpeed alone.
+
+What is measured, per rank: the bytes the process has allocated from the C heap (glibc
+``mallinfo2``: in-use heap chunks + mmapped chunks, where torch's CPU tensors live), sampled
+after every torch op of one training step (forward, backward, ``engine.step()``; a dispatch mode
+sees every op, collectives included) — ``held`` at the step's start minus before the engine was
+built, and ``peak`` above that start during the step. A temporary that lives only inside one op
+is not seen; the ops' outputs, the optimizer's temporaries and every buffer DeepSpeed or zen
+allocates are. Needs glibc (Linux) and a CPU run (a GPU's memory is not on this heap).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zen_ds
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]
+
+
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+    _libc.mallinfo2.restype = _MallInfo2
+except (OSError, AttributeError) as err:  # not glibc >= 2.33
+    raise SystemExit(f"examples/rowshard_memory.py reads glibc's mallinfo2 (Linux, glibc >= 2.33): {err}")
+
+
+def heap_bytes() -> int:
+    """Bytes the process holds from malloc now: in-use heap chunks plus mmapped chunks."""
+    info = _libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class PeakHeap(TorchDispatchMode):
+    """The largest :func:`heap_bytes` seen after any torch op while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start = self.peak = heap_bytes()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, heap_bytes())
+        return out
+
+
+class EmbeddingModel(nn.Module):
+    def __init__(self, vocab: int, hidden: int, classes: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(self.embed(ids).mean(dim=1)), labels)
+
+
+def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
+    config: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        # DeepSpeed's default buckets (5e8 elements) would hold ~2 GB per rank in every mode
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": args.bucket,
+                              "stage3_prefetch_bucket_size": args.bucket},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
+    }
+    if args.mode != "stock":
+        config["zen"] = {"enabled": True, "row_sharded": args.mode == "rows", "stats_interval": 0}
+    return config
+
+
+def zipf_batch(vocab: int, batch: int, seq: int, gen: torch.Generator):
+    """A micro-batch of Zipf(1.1)-distributed ids (frequent ids low, as in text) and labels."""
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+    ids = torch.multinomial(ranks.pow(-1.1), batch * seq, replacement=True, generator=gen)
+    return ids.view(batch, seq), torch.randint(0, 16, (batch,), generator=gen)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("rows", "zen", "stock"), default="rows")
+    p.add_argument("--vocab", type=int, default=262144)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3, help="the last one is measured")
+    p.add_argument("--bucket", type=int, default=1 << 20, help="ZeRO-3 reduce/prefetch bucket (elements)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--local_rank", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = heap_bytes()
+    torch.manual_seed(0)
+    model = EmbeddingModel(args.vocab, args.hidden)
+    init = zen_ds.initialize if args.mode != "stock" else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config(args))
+    gen = torch.Generator().manual_seed(1 + rank)
+    result: Dict[str, Any] = {}
+    for step in range(1, args.steps + 1):
+        ids, labels = zipf_batch(args.vocab, args.batch, args.seq, gen)
+        dist.barrier()
+        if step < args.steps:
+            loss = engine(ids, labels)
+            engine.backward(loss)
+            engine.step()
+            continue
+        with PeakHeap() as probe:
+            loss = engine(ids, labels)
+            engine.backward(loss)
+            engine.step()
+        result = {"rank": rank, "held_bytes": probe.start - before, "step_peak_bytes": probe.peak - probe.start,
+                  "unique_ids": int(torch.unique(ids).numel()), "loss": float(loss)}
+    table_bytes = args.vocab * args.hidden * 4
+    per_rank: List[Dict[str, Any]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(per_rank, result)
+    summary = {"mode": args.mode, "world": world, "vocab": args.vocab, "hidden": args.hidden,
+               "table_bytes": table_bytes,
+               # the 1/n shard: fp32 params (their own master) + AdamW's two moments
+               "shard_state_bytes": 3 * table_bytes // world, "ranks": per_rank}
+    if rank == 0:
+        mib = 1 << 20
+        for r in per_rank:
+            print(f"{args.mode} rank {r['rank']}: held {r['held_bytes'] / mib:8.2f} MiB, step peak +"
+                  f"{r['step_peak_bytes'] / mib:8.2f} MiB, total {(r['held_bytes'] + r['step_peak_bytes']) / mib:8.2f}"
+                  f" MiB ({r['unique_ids']} unique ids; table {table_bytes / mib:.1f} MiB, shard + AdamW state "
+                  f"{summary['shard_state_bytes'] / mib:.1f} MiB)", flush=True)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as fh:
+                json.dump(summary, fh, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    from example_utils import run_example  # beside this file
+
+    run_example(main)
