@@ -48,20 +48,32 @@ def _state_equal(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 
 
+# CPU: torch's for-loop implementations; CUDA (where there is one): the default (foreach) and fused
+CUDA = torch.cuda.is_available()
+IMPLEMENTATIONS = [("cpu", {})] + ([("cuda", {}), ("cuda", {"fused": True})] if CUDA else [])
+FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+@pytest.mark.parametrize("device, impl", IMPLEMENTATIONS, ids=lambda v: v if isinstance(v, str) else
+                         "-".join(v) or "default")
 @pytest.mark.parametrize("cls, hyper", OPTIMIZERS + [(_Lamb, {"lr": 0.1, "momentum": 0.9})],
                          ids=lambda v: v.__name__ if isinstance(v, type) else "")
-def test_blocks_equal_one_step_of_the_whole_shard(cls, hyper):
+def test_blocks_equal_one_step_of_the_whole_shard(cls, hyper, device, impl):
+    if impl and cls not in FUSED:
+        pytest.skip(f"{cls.__name__} has no fused implementation")
+    hyper = dict(hyper, **impl)
     gen = torch.Generator().manual_seed(3)
-    start = torch.randn(ROWS, WIDTH, generator=gen)
-    whole, blocked, other = nn.Parameter(start.clone()), nn.Parameter(start.clone()), nn.Parameter(torch.ones(3))
+    start = torch.randn(ROWS, WIDTH, generator=gen).to(device)
+    whole, blocked = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    other = nn.Parameter(torch.ones(3, device=device))
     whole_opt, blocked_opt = cls([whole], **hyper), cls([blocked, other], **hyper)
     for step in range(5):
-        ids, values = _rows(step, gen)
+        ids, values = (t.to(device) for t in _rows(step, gen))
         sparse = RowSparse(ids, values.clone(), ROWS, coalesced=True)
         if cls is torch.optim.SparseAdam:
             whole.grad = sparse.to_coo()
         else:
-            whole.grad = torch.zeros(ROWS, WIDTH).index_copy_(0, ids, values)
+            whole.grad = torch.zeros(ROWS, WIDTH, device=device).index_copy_(0, ids, values)
         whole_opt.step()
         whole.grad = None
         step_rows(blocked_opt, blocked, sparse)
@@ -70,7 +82,7 @@ def test_blocks_equal_one_step_of_the_whole_shard(cls, hyper):
     # the optimizer's state holds the master and what it held before, nothing else
     assert set(map(id, blocked_opt.state)) <= {id(blocked), id(other)}
     assert blocked_opt.param_groups[0]["params"][0] is blocked
-    assert torch.equal(other, torch.ones(3))  # no gradient: never stepped
+    assert torch.equal(other, torch.ones(3, device=device))  # no gradient: never stepped
 
 
 def test_no_step_without_a_push():
@@ -97,18 +109,20 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
 @pytest.mark.parametrize("cls", ELEMENTWISE, ids=lambda c: c.__name__)
-def test_no_tensor_as_large_as_a_block_beyond_the_rows(cls):
+def test_no_tensor_as_large_as_a_block_beyond_the_rows(cls, device):
     """After the first step (whose state the optimizer creates), a step makes no tensor larger
     than one block: neither the shard's gradient nor the optimizer's shard-sized temporaries."""
     rows, width = 6400, 16
-    master = nn.Parameter(torch.randn(rows, width))
+    master = nn.Parameter(torch.randn(rows, width, device=device))
     opt = cls([master], lr=0.01)
-    ids = torch.arange(0, rows, 97)
-    grad = RowSparse(ids, torch.randn(ids.numel(), width), rows, coalesced=True)
+    ids = torch.arange(0, rows, 97, device=device)
+    grad = RowSparse(ids, torch.randn(ids.numel(), width, device=device), rows, coalesced=True)
     step_rows(opt, master, grad)
     with _Allocations() as seen:
-        step_rows(opt, master, RowSparse(ids, torch.randn(ids.numel(), width), rows, coalesced=True))
+        step_rows(opt, master, RowSparse(ids, torch.randn(ids.numel(), width, device=device), rows,
+                                         coalesced=True))
     block = block_rows(rows, ids.numel(), width)
     assert block * MAX_BLOCKS >= rows and block < rows // 16
     assert max(seen.numels) <= block * width, (max(seen.numels), block * width)
