@@ -328,15 +328,14 @@ class _Pull:
                 if mine.numel():
                     mine = mine + my_at[o]
                     shards.append((o, False, my_offsets[mine],
-                                   self._owner_arithmetic(my_values[mine])))
+                                   self._owner_arithmetic(my_values.index_select(0, mine))))
         return shards
 
     def _owner_arithmetic(self, values: torch.Tensor) -> torch.Tensor:
         """What the owner would have sent for rows with one contribution, bit for bit: the
         value plus the other ranks' +0.0 in the accumulation dtype (so -0.0 becomes +0.0, as
-        there), scaled, cast back."""
-        sums = torch.zeros(values.shape, dtype=accum_dtype(self.x.dtype), device=values.device)
-        sums.add_(values)
+        there), scaled, cast back. ``values``: a copy of my rows, reused for the result."""
+        sums = values.to(accum_dtype(self.x.dtype)).add_(0.0)  # v + 0.0 is 0.0 + v, bit for bit
         if self.ctx.scale is not None:
             sums.mul_(self.ctx.scale)
         return sums.to(self.x.dtype).reshape(-1, self.x.row_numel)
