@@ -128,9 +128,8 @@ def _view_as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _put(area: torch.Tensor, source: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
-    """Write ``source`` (only its rows at ``slots`` when given, gathered straight into place) at
-    the start of the uint8 ``area``, aligned for its dtype, and zero the rest of ``area``: that
-    padding goes on the wire."""
+    """Write ``source`` (only its rows at ``slots``, gathered straight into place) at the start of
+    the uint8 ``area``, aligned for its dtype; zero the rest: that padding goes on the wire."""
     shape = (source.shape[0] if slots is None else slots.numel(),) + tuple(source.shape[1:])
     nbytes = math.prod(shape) * source.element_size()
     into = area[:nbytes].view(source.dtype).view(shape)
@@ -264,7 +263,7 @@ class _Pull:
         n, rank, ctx = self.n, self.rank, self.ctx
         pref = ctx.index_encoding
         recv_at = [0, *itertools.accumulate(recv_counts)]
-        no_mask = torch.empty(0, dtype=torch.uint8)
+        no_mask, whole = torch.empty(0, dtype=torch.uint8), None  # whole: the unfiltered index
         plans, meta = {}, [[0] * _PULL_META_FIELDS for _ in range(n)]  # all sizes before any bytes
         for d in range(n):
             if d == rank:
@@ -277,7 +276,9 @@ class _Pull:
                 slots = torch.nonzero(keep).flatten()
             rows = self.shard_rows if slots is None else self.shard_rows.index_select(0, slots)
             encoding = choose_encoding(rows.numel(), self.universe, self.id_bytes, pref)
-            index = self._index_payload(rows, encoding, self.bitmap if slots is None else None)
+            if slots is None and whole is None:  # built once, for every peer that gets it
+                whole = self._index_payload(rows, encoding, self.bitmap)
+            index = whole if slots is None else self._index_payload(rows, encoding, None)
             mask = no_mask if single_d is None else ops.bitmap_encode(
                 torch.nonzero(single_d).flatten(), recv_counts[d])
             plans[d] = (mask, index, slots)
