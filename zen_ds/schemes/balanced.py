@@ -37,6 +37,7 @@ decoding the shards (:func:`zen_ds.ops.bitmap_decode` / ``scatter_shard`` count 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -124,6 +125,19 @@ def _view_as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if flat.storage_offset() % dtype.itemsize:
         flat = flat.clone()
     return flat.view(dtype).reshape(shape)
+
+
+def _put(area: torch.Tensor, source: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
+    """Write ``source`` (only its rows at ``slots``, gathered straight into place) at the start of
+    the uint8 ``area``, aligned for its dtype; zero the rest: that padding goes on the wire."""
+    shape = (source.shape[0] if slots is None else slots.numel(),) + tuple(source.shape[1:])
+    nbytes = math.prod(shape) * source.element_size()
+    into = area[:nbytes].view(source.dtype).view(shape)
+    if slots is None:
+        into.copy_(source)
+    else:
+        torch.index_select(source, 0, slots, out=into)
+    area[nbytes:].zero_()
 
 
 Shard = Tuple[int, bool, torch.Tensor, torch.Tensor]  # owner, is_bitmap, index, [rows, numel]
@@ -249,38 +263,28 @@ class _Pull:
         n, rank, ctx = self.n, self.rank, self.ctx
         pref = ctx.index_encoding
         recv_at = [0, *itertools.accumulate(recv_counts)]
-        no_mask = torch.empty(0, dtype=torch.uint8)
-        whole = None  # the unfiltered payload, built once
-        payloads = {}
-        meta = torch.zeros((n, _PULL_META_FIELDS), dtype=torch.int64)
+        no_mask, whole = torch.empty(0, dtype=torch.uint8), None  # whole: the unfiltered index
+        plans, meta = {}, [[0] * _PULL_META_FIELDS for _ in range(n)]  # all sizes before any bytes
         for d in range(n):
             if d == rank:
                 continue
             single_d = None if sole is None else sole[1][recv_at[d]: recv_at[d + 1]]
+            slots = None  # the rows of my shard that d gets: all, or these
             if single_d is not None and bool(single_d.any()):
-                keep = torch.ones(self.shard_rows.numel(), dtype=torch.bool,
-                                  device=self.shard_rows.device)
+                keep = torch.ones_like(self.shard_rows, dtype=torch.bool)
                 keep[sole[0][recv_at[d]: recv_at[d + 1]][single_d]] = False
-                rows, values = self.shard_rows[keep], self.shard_values[keep]
-                encoding = choose_encoding(rows.numel(), self.universe, self.id_bytes, pref)
-                index = self._index_payload(rows, encoding, None)
-                payload = (index, values.contiguous().view(torch.uint8).flatten(), rows.numel(),
-                           encoding)
-            else:
-                if whole is None:
-                    rows = self.shard_rows
-                    encoding = choose_encoding(rows.numel(), self.universe, self.id_bytes, pref)
-                    whole = (self._index_payload(rows, encoding, self.bitmap),
-                             self.shard_values.contiguous().view(torch.uint8).flatten(),
-                             rows.numel(), encoding)
-                payload = whole
+                slots = torch.nonzero(keep).flatten()
+            rows = self.shard_rows if slots is None else self.shard_rows.index_select(0, slots)
+            encoding = choose_encoding(rows.numel(), self.universe, self.id_bytes, pref)
+            if slots is None and whole is None:  # built once, for every peer that gets it
+                whole = self._index_payload(rows, encoding, self.bitmap)
+            index = whole if slots is None else self._index_payload(rows, encoding, None)
             mask = no_mask if single_d is None else ops.bitmap_encode(
                 torch.nonzero(single_d).flatten(), recv_counts[d])
-            index, values, rows_d, encoding = payload
-            payloads[d] = (mask, index, values)
-            meta[d] = torch.tensor([rows_d, encoding, _round8(index.numel())])
+            plans[d] = (mask, index, slots)
+            meta[d] = [rows.numel(), encoding, _round8(index.numel())]
         all_meta = torch.empty(n * n * _PULL_META_FIELDS, dtype=torch.int64, device=self.x.device)
-        ctx.comm.all_gather_into_tensor(all_meta, meta.flatten().to(self.x.device),
+        ctx.comm.all_gather_into_tensor(all_meta, torch.tensor(meta).flatten().to(self.x.device),
                                         "balanced.pull_meta")
         from_owner = all_meta.view(n, n, _PULL_META_FIELDS)[:, rank].tolist()  # [owner] -> meta
 
@@ -290,23 +294,23 @@ class _Pull:
             mask_area = _round8((mask_rows + 7) // 8) if masked else 0
             return mask_area + index_area + _round8(rows * self.row_bytes)
 
-        send_splits = [0 if d == rank else size(recv_counts[d], int(meta[d, 0]), int(meta[d, 2]))
+        send_splits = [0 if d == rank else size(recv_counts[d], meta[d][0], meta[d][2])
                        for d in range(n)]
         recv_splits = [0 if o == rank else size(send_counts[o], from_owner[o][0], from_owner[o][2])
                        for o in range(n)]
-        send = torch.zeros(sum(send_splits), dtype=torch.uint8, device=self.x.device)
+        send = torch.empty(sum(send_splits), dtype=torch.uint8, device=self.x.device)
+        values = self.shard_values.reshape(-1, self.x.row_numel)
         cursor = 0
         for d in range(n):
             if d == rank:
                 continue
-            mask, index, values = payloads[d]
-            mask_area = _round8(mask.numel())
-            send[cursor: cursor + mask.numel()].copy_(mask)
-            send[cursor + mask_area: cursor + mask_area + index.numel()].copy_(index)
-            at = cursor + mask_area + int(meta[d, 2])
-            send[at: at + values.numel()].copy_(values)
+            mask, index, slots = plans[d]
+            at = cursor + _round8(mask.numel())
+            _put(send[cursor: at], mask)
+            _put(send[at: at + meta[d][2]], index)
+            _put(send[at + meta[d][2]: cursor + send_splits[d]], values, slots)
             cursor += send_splits[d]
-        del payloads
+        del plans
         pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.x.device)
         ctx.comm.all_to_all_single(pulled, send, recv_splits, send_splits, "balanced.pull")
         del send
@@ -325,15 +329,14 @@ class _Pull:
                 if mine.numel():
                     mine = mine + my_at[o]
                     shards.append((o, False, my_offsets[mine],
-                                   self._owner_arithmetic(my_values[mine])))
+                                   self._owner_arithmetic(my_values.index_select(0, mine))))
         return shards
 
     def _owner_arithmetic(self, values: torch.Tensor) -> torch.Tensor:
         """What the owner would have sent for rows with one contribution, bit for bit: the
         value plus the other ranks' +0.0 in the accumulation dtype (so -0.0 becomes +0.0, as
-        there), scaled, cast back."""
-        sums = torch.zeros(values.shape, dtype=accum_dtype(self.x.dtype), device=values.device)
-        sums.add_(values)
+        there), scaled, cast back. ``values``: a copy of my rows, reused for the result."""
+        sums = values.to(accum_dtype(self.x.dtype)).add_(0.0)  # v + 0.0 is 0.0 + v, bit for bit
         if self.ctx.scale is not None:
             sums.mul_(self.ctx.scale)
         return sums.to(self.x.dtype).reshape(-1, self.x.row_numel)
