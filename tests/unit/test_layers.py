@@ -39,8 +39,8 @@ OPTIONAL_LOCAL_IMPORTS = {
 LONG_MODULES = {
     "zen_ds.schemes.sparcml": (540, "SparCML's two variants (split all-gather, recursive doubling) and "
                                "the byte model that picks between them share their stream layout"),
-    "zen_ds.schemes.balanced": (500, "ZEN's scheme: the push, both pull encodings (COO, bitmap) and "
-                                "their byte model, which must change together"),
+    "zen_ds.schemes.balanced": (510, "ZEN's scheme: the push, both pull encodings (COO, bitmap), "
+                                "their byte model and their buffers, which must change together"),
     "zen_ds.features.compression": (490, "three compressors (top-k, DGC, threshold) over one "
                                     "error-feedback state and its checkpoint format"),
     "zen_ds.tools.bench.workloads": (580, "one generator per workload family, each a few dozen lines "
@@ -67,6 +67,8 @@ PROCESS_STATE = {
     ("zen_ds.core.buffers", "_CACHE"): "new dense results reuse buffers their callers dropped "
                                        "(bounded by shape count and bytes; "
                                        "release_result_buffers() empties it)",
+    ("zen_ds.core.buffers", "_SCRATCH"): "syncs' send/receive buffers kept across calls, one per purpose "
+                                         "(bounded; release_result_buffers() empties it)",
     ("zen_ds.core.comm", "_logged_all_gather"): "the all-gather function torch offers, resolved once",
     ("zen_ds.core.handshake", "_OFFSETS"): "the record layout, computed at import from FIELDS",
     ("zen_ds.core.handshake", "_AGREED_MASK"): "the record layout, computed at import from FIELDS",

@@ -25,12 +25,12 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["result_buffer", "zeroed_in_background", "release_result_buffers",
-           "cached_result_bytes", "MIN_BYTES",
+__all__ = ["result_buffer", "zeroed_in_background", "release_result_buffers", "scratch",
+           "cached_result_bytes", "MIN_BYTES", "MIN_SCRATCH_BYTES",
            "PER_SHAPE", "DEFAULT_CACHE_MB", "CACHE_ENV"]
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ _Key = Tuple[Tuple[int, ...], torch.dtype, torch.device]
 _storage_use_count: Optional[Callable[[int], int]] = getattr(torch._C, "_storage_Use_Count", None)
 _LOCK = threading.Lock()  # the plug-in's overlap thread may sync while the main thread does
 _CACHE: "OrderedDict[_Key, List[Tuple[torch.Tensor, int]]]" = OrderedDict()
+# scratch(): one growing byte buffer per (purpose, device), with its use count when free
+MIN_SCRATCH_BYTES = 1 << 17  # glibc serves smaller blocks from its heap without fresh pages
+_SCRATCH: Dict[Tuple[str, torch.device], Tuple[torch.Tensor, int]] = {}
 
 
 def _use_count(buffer: torch.Tensor) -> int:
@@ -71,6 +74,7 @@ def release_result_buffers() -> None:
     """Drop every cached buffer (results still held by callers keep their memory)."""
     with _LOCK:
         _CACHE.clear()
+        _SCRATCH.clear()
 
 
 def result_buffer(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -99,6 +103,32 @@ def result_buffer(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.devi
         entries.append((buffer, _use_count(buffer)))
         _evict(limit)
         return buffer.view(shape)
+
+
+def scratch(nbytes: int, device: torch.device, purpose: str) -> torch.Tensor:
+    """``nbytes`` of uninitialised uint8 memory for one sync's transient buffer (a send or
+    receive buffer), which the caller drops before the sync returns.
+
+    On CPU, blocks of a few MB come from ``mmap`` and go back to the system when freed, so a new
+    one is mapped page by page on every call (measured: ~20% of an in-place balanced sync's CPU
+    on 4 ranks; BENCHMARKS.md, issue 33's rows). So the memory is one buffer per ``purpose`` kept
+    across calls and grown as needed, handed out again once nothing holds a view of it (another
+    thread's sync still holding it gets a new allocation). Bounded like the result cache: no
+    more than 1/8 of ``ZEN_DS_RESULT_CACHE_MB`` per buffer, none when that is 0."""
+    device = torch.device(device)
+    limit = _cache_bytes_limit() // 8
+    if device.type != "cpu" or nbytes < MIN_SCRATCH_BYTES or nbytes > limit or _storage_use_count is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    key = (purpose, device)
+    with _LOCK:
+        held = _SCRATCH.get(key)
+        if held is not None and _use_count(held[0]) != held[1]:  # in use: another call's
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if held is None or held[0].numel() < nbytes:
+            grown = max(nbytes, min(limit, (held[0].numel() * 5) // 4 if held is not None else 0))
+            buffer = torch.empty(grown, dtype=torch.uint8)
+            held = _SCRATCH[key] = (buffer, _use_count(buffer))
+        return held[0][:nbytes]
 
 
 def zeroed_in_background(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device

@@ -43,6 +43,7 @@ from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from zen_ds import ops
+from zen_ds.core.buffers import scratch
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.model.shape import SPREAD, ByteEstimate, SyncShape, on_links
@@ -222,7 +223,7 @@ class _Pull:
         index = self._index_payload(self.shard_rows, encodings[rank], self.bitmap)
         payload = sizes[rank]
         # The send buffer holds the payload once per peer: write the first slot, copy it on.
-        send = torch.empty((max(n - 1, 0), payload), dtype=torch.uint8, device=self.x.device)
+        send = scratch(max(n - 1, 0) * payload, self.x.device, "balanced.pull_send").view(-1, payload)
         if n > 1:
             slot = send[0]
             slot.zero_()  # the padding goes on the wire: keep it deterministic
@@ -234,7 +235,7 @@ class _Pull:
             if n > 2:
                 send[1:].copy_(slot.expand(n - 2, payload))
         recv_splits = [0 if j == rank else sizes[j] for j in range(n)]
-        pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.x.device)
+        pulled = scratch(sum(recv_splits), self.x.device, "balanced.pull_recv")
         self.ctx.comm.all_to_all_single(pulled, send.view(-1), recv_splits,
                                         [0 if j == rank else payload for j in range(n)],
                                         "balanced.pull")
@@ -298,7 +299,7 @@ class _Pull:
                        for d in range(n)]
         recv_splits = [0 if o == rank else size(send_counts[o], from_owner[o][0], from_owner[o][2])
                        for o in range(n)]
-        send = torch.empty(sum(send_splits), dtype=torch.uint8, device=self.x.device)
+        send = scratch(sum(send_splits), self.x.device, "balanced.pull_send")
         values = self.shard_values.reshape(-1, self.x.row_numel)
         cursor = 0
         for d in range(n):
@@ -311,7 +312,7 @@ class _Pull:
             _put(send[at + meta[d][2]: cursor + send_splits[d]], values, slots)
             cursor += send_splits[d]
         del plans
-        pulled = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.x.device)
+        pulled = scratch(sum(recv_splits), self.x.device, "balanced.pull_recv")
         ctx.comm.all_to_all_single(pulled, send, recv_splits, send_splits, "balanced.pull")
         del send
 
@@ -373,8 +374,11 @@ def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balan
         if gather:
             ctx.owner_counts, received = received, received[:, rank]
         recv_splits = received.tolist()
-    send = torch.cat([_as_bytes(offsets), _as_bytes(values)], dim=1)
-    received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=x.device)
+    ids, rows = _as_bytes(offsets), _as_bytes(values)  # a row on the wire: its id, its values
+    width = ids.shape[1] + rows.shape[1]
+    send = scratch(ids.shape[0] * width, x.device, "balanced.push_send").view(-1, width)
+    torch.cat([ids, rows], dim=1, out=send)
+    received = scratch(sum(recv_splits) * width, x.device, "balanced.push_recv").view(-1, width)
     ctx.comm.all_to_all_single(received, send, recv_splits, send_splits, f"{name}.push")
     del send
     id_bytes = layout.id_dtype.itemsize

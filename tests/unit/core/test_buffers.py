@@ -85,3 +85,31 @@ def test_zeroed_in_background_is_zero_once_waited_for() -> None:
     assert tensor.shape == SHAPE and not tensor.any()
     small, no_wait = buffers.zeroed_in_background((8, 8), torch.float64, cpu)
     assert no_wait is None and not small.any() and small.dtype == torch.float64
+
+
+def test_scratch_is_reused_once_dropped_and_never_while_held() -> None:
+    cpu, nbytes = torch.device("cpu"), 4 * buffers.MIN_SCRATCH_BYTES
+    first = buffers.scratch(nbytes, cpu, "t.a")
+    pointer = first.data_ptr()
+    held = buffers.scratch(nbytes, cpu, "t.a")  # first is alive: other memory
+    assert held.data_ptr() != pointer and held.numel() == nbytes
+    del first, held
+    again = buffers.scratch(nbytes // 2, cpu, "t.a")  # dropped: the same memory again
+    assert again.data_ptr() == pointer and again.numel() == nbytes // 2
+    view = again[10:]
+    del again
+    assert buffers.scratch(nbytes, cpu, "t.a").data_ptr() != pointer  # a view still holds it
+    del view
+    assert buffers.scratch(nbytes, cpu, "t.b").data_ptr() != pointer  # purposes do not share
+    assert buffers.scratch(3 * nbytes, cpu, "t.a").numel() == 3 * nbytes  # grows
+    assert buffers.scratch(2 * nbytes, cpu, "t.a").numel() == 2 * nbytes
+    buffers.scratch(buffers.MIN_SCRATCH_BYTES - 1, cpu, "t.small")  # below the bound: not kept
+    assert not any(key[0] == "t.small" for key in buffers._SCRATCH)
+    release_result_buffers()
+    assert not buffers._SCRATCH
+
+
+def test_scratch_is_off_with_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(buffers.CACHE_ENV, "0")  # off: every call allocates, nothing is kept
+    got = buffers.scratch(2 * buffers.MIN_SCRATCH_BYTES, torch.device("cpu"), "t.off")
+    assert got.numel() == 2 * buffers.MIN_SCRATCH_BYTES and not buffers._SCRATCH
