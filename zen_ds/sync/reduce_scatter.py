@@ -45,7 +45,7 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     """The sum over ``group`` of this rank's shard of rows, as a dense ``[shard_size, *row_shape]``
     tensor in ``x``'s dtype (rows nobody sent are zero), or with ``as_rows`` only the rows some
     rank sent, as a :class:`RowSparse` over the whole table (global row ids, in shard order), or
-    with ``positions`` too as a :class:`RowSparse` over the shard (row ``p`` is the shard's
+    with ``positions`` those rows as a :class:`RowSparse` over the shard (row ``p`` is the shard's
     ``p``-th row; sorted): what an owner that steps its rows needs, nothing shard-sized.
 
     ``x`` is a :class:`RowSparse`, a sparse COO tensor or a dense tensor (its non-zero rows are
@@ -82,7 +82,7 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
         stats.num_rows, stats.row_numel, stats.world_size = x.num_rows, x.row_numel, n
         stats.dense_bytes = x.num_rows * x.row_numel * x.values.element_size()
         stats.collectives = list(comm.records)
-    if as_rows and positions:
+    if positions:
         return RowSparse(rows.to(torch.int64), sums.to(x.dtype).reshape((-1,) + x.row_shape),
                          layout.shard_size(rank), coalesced=True)
     if as_rows:

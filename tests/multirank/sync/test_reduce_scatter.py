@@ -59,7 +59,7 @@ def _check(case: str, rank: int, n: int, average: bool) -> None:
         dense_want[ref_rows] = ref_values * scale
         torch.testing.assert_close(shard.double(), dense_want[mine_rows], equal_nan=True, **tol)
         # positions in the shard (what a row-sharded table steps): sorted, the same rows and values
-        at = sparse_reduce_scatter(mine, seed=5, postscale=scale, as_rows=True, positions=True)
+        at = sparse_reduce_scatter(mine, seed=5, postscale=scale, positions=True)
         assert at.num_rows == mine_rows.numel() and bool((at.indices[1:] > at.indices[:-1]).all())
         by_id = torch.argsort(mine_rows[at.indices])
         assert torch.equal(mine_rows[at.indices][by_id], got.indices[order])

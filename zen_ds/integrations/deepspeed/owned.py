@@ -327,7 +327,7 @@ class OwnedParams:
             for group, ratio in zip(self.optimizer.param_groups, self.lr_ratio):
                 group["lr"] = base_lr * ratio
         self.optimizer.step()
-        for p, master in zip(self.params, self.masters):
+        for master in self.masters:
             master.grad = None
         for t in self.tables:  # in row blocks: no shard-sized gradient (see .rowstep)
             step_rows(self.optimizer, t.master, t.grad_for_step(factor), t.name)

@@ -323,7 +323,7 @@ class RowShardTable:
         st = SyncStats()
         out = sparse_reduce_scatter(x, self.group, seed=self.layout.seed, prescale=prescale, postscale=postscale,
                                     options=options, stats=st, log_prefix=f"zen.{self.name}.push",
-                                    as_rows=True, positions=True)
+                                    positions=True)
         self._note_transient(x.indices, x.values, out.indices, out.values)
         self.synced = RowSparse(out.indices, out.values.float(), out.num_rows, coalesced=True)
         self.stats.pushed_rows += int(x.indices.numel())

@@ -23,7 +23,8 @@ before, and says so once in the log. ``SparseAdam`` takes the pushed rows as a C
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+import math
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -47,14 +48,17 @@ def block_rows(shard_rows: int, received_rows: int, row_numel: int) -> int:
     """Rows per block: the rows that got a gradient or 1/:data:`MAX_BLOCKS` of the shard, whichever
     is more, rounded up so that every block starts at a multiple of 64 elements."""
     rows = max(received_rows, -(-shard_rows // MAX_BLOCKS), 1)
-    step = _ALIGN // _gcd(_ALIGN, max(row_numel, 1))
+    step = _ALIGN // math.gcd(_ALIGN, max(row_numel, 1))
     return min(shard_rows, -(-rows // step) * step) if shard_rows else 0
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
+def _step_with(optimizer: torch.optim.Optimizer, param: nn.Parameter, grad: torch.Tensor) -> None:
+    """One ``optimizer.step()`` with ``grad`` as ``param``'s gradient (only param has one)."""
+    param.grad = grad
+    try:
+        optimizer.step()
+    finally:
+        param.grad = None
 
 
 def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Optional[RowSparse],
@@ -66,11 +70,7 @@ def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Opti
     if grad is None:
         return
     if isinstance(optimizer, torch.optim.SparseAdam):  # it steps the rows it is given, no more
-        master.grad = grad.to_coo()
-        try:
-            optimizer.step()
-        finally:
-            master.grad = None
+        _step_with(optimizer, master, grad.to_coo())
         return
     total = int(master.shape[0])
     if type(optimizer) not in ELEMENTWISE:
@@ -79,11 +79,7 @@ def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Opti
             logger.info("zen: %s steps %s with the whole shard's dense gradient (row blocks are used only "
                         "for the element-wise torch optimizers %s)", type(optimizer).__name__, name,
                         ", ".join(c.__name__ for c in ELEMENTWISE))
-        master.grad = _dense_rows(master, grad, 0, total)
-        try:
-            optimizer.step()
-        finally:
-            master.grad = None
+        _step_with(optimizer, master, _dense_rows(master, grad, 0, total))
         return
     group, slot = _place(optimizer, master)
     full = optimizer.state.setdefault(master, {})
@@ -98,11 +94,9 @@ def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Opti
         view = nn.Parameter(master.data[start:stop], requires_grad=master.requires_grad)
         optimizer.state[view] = {} if fresh else {k: _block_of(v, start, stop, total) for k, v in before.items()}
         group["params"][slot] = view
-        view.grad = _dense_rows(master, grad, start, stop)
         try:
-            optimizer.step()
+            _step_with(optimizer, view, _dense_rows(master, grad, start, stop))
         finally:
-            view.grad = None
             group["params"][slot] = master
             stepped = optimizer.state.pop(view, {})
         _merge(full, stepped, start, stop, total)
