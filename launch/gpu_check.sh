@@ -24,13 +24,15 @@ RUNTIME_DEPS=(hjson py-cpuinfo msgpack ninja psutil einops tqdm packaging pydant
 if [[ "${1:-}" == "--prepare" ]]; then
     mkdir -p "$WHEELS"
     echo "[gpu_check] zen_ds wheel (with the op sources) -> $WHEELS"
-    "$PY" -m pip wheel --no-deps --no-build-isolation -q -w "$WHEELS" "$REPO"
+    # PEP 517 build isolation: pip brings the setuptools/wheel the build needs (a plain python3 may
+    # have neither; the op sources need no torch at build time)
+    "$PY" -m pip wheel --no-deps -q -w "$WHEELS" "$REPO"
     echo "[gpu_check] deepspeed==$DEEPSPEED_VERSION -> $WHEELS"
     "$PY" -m pip download --no-deps -q -d "$WHEELS" "deepspeed==$DEEPSPEED_VERSION"
     for sdist in "$WHEELS"/deepspeed-"$DEEPSPEED_VERSION".tar.gz; do
         [[ -f "$sdist" ]] || continue
         # a pure-python wheel (no prebuilt DeepSpeed ops), so the GPU machine builds nothing
-        DS_BUILD_OPS=0 "$PY" -m pip wheel --no-deps --no-build-isolation -q -w "$WHEELS" "$sdist"
+        DS_BUILD_OPS=0 "$PY" -m pip wheel --no-deps -q -w "$WHEELS" "$sdist"
         rm -f "$sdist"
     done
     echo "[gpu_check] run-time requirements for Python ${ZEN_GPU_PYTHON_VERSION:-3.12} -> $WHEELS"
