@@ -14,7 +14,7 @@ per step (from ``zen_ds.last_sync_stats()``, summed over the step's syncs, max o
         python examples/compression_convergence.py --shuffle 2 --json out.json   # emulated cluster
 
 With ``--shuffle g`` the runs are ``dense`` (full sync every step) and ``shuffle`` (DS-Sync,
-:class:`zen_ds.features.shuffle_sync.ShuffleSync`, over all parameters), each with the training loss against
+:class:`zen_ds.features.ds_sync.sync.ShuffleSync`, over all parameters), each with the training loss against
 step and wall time and the divergence between replicas (max over ranks of
 ``||p_rank - p_mean|| / ||p_mean||``, measured outside the timed region) in the JSON output. Under
 ``python -m zen_ds cluster`` (``RANK``/``MASTER_ADDR`` set) every rank runs in its own process.
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import zen_ds
 from zen_ds import RowSparse
 from zen_ds.features.compression import CompressionConfig, GradientCompressor, select_topk
-from zen_ds.features.shuffle_sync import MODES as SHUFFLE_MODES, ShuffleParam, ShuffleSync
+from zen_ds.features.ds_sync.sync import MODES as SHUFFLE_MODES, ShuffleParam, ShuffleSync
 from zen_ds.tools.teardown import exit_finished_rank
 
 # mode -> compression config (None = dense sync of everything); optimizer momentum per mode

@@ -631,7 +631,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         raise SystemExit(f"examples/train_lm.py needs megatron-core: pip install 'zen_ds[megatron]' "
                          f"({_MEGATRON_ERROR})")
     import deepspeed
-    from zen_ds.integrations.megatron import initialize_megatron_parallel
+    from zen_ds.integrations.mpu import initialize_megatron_parallel
 
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)

@@ -39,7 +39,7 @@ prepare_ops() {
   fi
   "$PY" -c "
 import sys
-from zen_ds.tools.report import main
+from zen_ds.tools.ops_report import main
 main(['--build', '--no-color'])
 if sys.argv[1] == 'cpu':
     from deepspeed.comm.torch import build_shm_op

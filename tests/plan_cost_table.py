@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from zen_ds.planner import plan
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.shape import SyncShape
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ by pytest.
 
 1. How often the memo (counts rounded to 1/16 octave) picks another scheme than exact pricing,
    and what that costs, over 6000 seeded random shapes.
-2. Union / singletons error of :func:`zen_ds.model.support.estimate_support` over 20 random supports
+2. Union / singletons error of :func:`zen_ds.costmodel.support.estimate_support` over 20 random supports
    per setting, next to the merged sketch's 64 smallest alone (the estimator it replaced).
 3. Host time per call: the estimate, a memo hit, and full pricing.
 """
@@ -17,11 +17,11 @@ import time
 import torch
 
 from zen_ds import planner
-from zen_ds.model.cost import CostModel
-from zen_ds.model.support import estimate_support
+from zen_ds.costmodel.cost import CostModel
+from zen_ds.costmodel.support import estimate_support
 from zen_ds.planner import plan, plan_choice, price
 from zen_ds.schemes import auto_candidates
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.shape import SyncShape
 
 COSTS = (CostModel(), CostModel(alpha=2e-3, bandwidth=1.2e7, duplex=2.0, all_to_all_duplex=1.4),
          CostModel(alpha=1e-3, bandwidth=1.25e8))

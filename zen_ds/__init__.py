@@ -20,7 +20,7 @@ are drawn in docs/architecture.md.
 from __future__ import annotations
 
 from zen_ds.core.buffers import release_result_buffers
-from zen_ds.core.comm import ZenSyncError
+from zen_ds.core.errors import ZenError, ZenSyncError
 from zen_ds.core.partition import ShardLayout, owner
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats, last_sync_stats
@@ -28,7 +28,7 @@ from zen_ds.integrations.config import ZenConfig, ZenConfigError
 from zen_ds.integrations.deepspeed.engine import attach, full_state_dict, initialize, state_of
 from zen_ds.integrations.deepspeed.switch import disable, enable
 from zen_ds.integrations.deepspeed.faults import ZenReductionError
-from zen_ds.model.cost import CostModel
+from zen_ds.costmodel.cost import CostModel
 from zen_ds.schemes import scheme_names
 from zen_ds.sync.allreduce import sparse_allreduce
 from zen_ds.sync.options import (
@@ -45,7 +45,7 @@ __version__ = "0.1.0"
 
 SCHEMES = scheme_names()
 
-__all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats",
+__all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats", "ZenError",
            "SyncOptions", "default_options", "set_default_options", "ZenSyncError", "ZenInputError",
            "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "sparse_reduce_scatter_flat", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
            "initialize", "attach", "state_of", "enable", "disable", "full_state_dict", "ZenReductionError",

@@ -19,7 +19,7 @@ TOOLS = {
     "bench": ("zen_ds.tools.bench.cli", "benchmarks: sync, ops, sim, validate, calibrate, report"),
     "sim": ("zen_ds.tools.sim.cli", "the simulator: every scheme at 4-4096 ranks, and `sim fit`"),
     "cluster": ("zen_ds.tools.cluster", "run a command on an emulated cluster (root: netns + tc)"),
-    "report": ("zen_ds.tools.report", "which ops implementation runs, build and self-check"),
+    "report": ("zen_ds.tools.ops_report", "which ops implementation runs, build and self-check"),
     "data": ("zen_ds.tools.data", "real-token datasets: prepare, text, info"),
 }
 

@@ -1,4 +1,4 @@
-"""Deprecated spelling kept working: ``python -m zen_ds cluster`` runs ``python -m zen_ds cluster`` with a warning."""
+"""Deprecated spelling: ``python -m zen_ds.cluster`` still works, with a warning; use ``python -m zen_ds cluster``."""
 import sys
 
 from zen_ds.__main__ import run_deprecated_alias

@@ -19,9 +19,9 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Dict, Hashable, Iterable, Optional, Tuple
 
-from zen_ds.model.cost import CostModel
-from zen_ds.model.shape import ByteEstimate, SyncShape, with_rank
-from zen_ds.model.support import planning_ranks
+from zen_ds.costmodel.cost import CostModel
+from zen_ds.costmodel.shape import ByteEstimate, SyncShape, with_rank
+from zen_ds.costmodel.support import planning_ranks
 from zen_ds.schemes import auto_candidates, get_scheme
 
 logger = logging.getLogger(__name__)

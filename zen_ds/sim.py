@@ -1,4 +1,4 @@
-"""Deprecated spelling kept working: ``python -m zen_ds sim`` runs ``python -m zen_ds sim`` with a warning."""
+"""Deprecated spelling: ``python -m zen_ds.sim`` still works, with a warning; use ``python -m zen_ds sim``."""
 import sys
 
 from zen_ds.__main__ import run_deprecated_alias

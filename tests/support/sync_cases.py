@@ -413,7 +413,7 @@ def measure_balanced_bytes(rank: int, n: int, kind: str = "zipf") -> Dict[str, f
     # The exact union and single-holder rows, to feed the model the true U and S.
     import torch.distributed as dist
     from zen_ds.schemes import get_scheme
-    from zen_ds.model.shape import SyncShape
+    from zen_ds.costmodel.shape import SyncShape
     from zen_ds.core.handshake import handshake_bytes
     supports: List = [None] * n
     dist.all_gather_object(supports, x.indices)

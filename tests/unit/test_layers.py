@@ -2,7 +2,7 @@
 
 ``zen_ds`` is built in layers whose imports only go down (docs/architecture.md draws them)::
 
-    ops -> core -> model -> schemes -> planner -> sync -> features -> integrations -> tools
+    ops -> core -> costmodel -> schemes -> planner -> sync -> features -> integrations -> tools
 
 A module may import its own layer and the layers below it. The facade (``zen_ds/__init__.py``,
 ``zen_ds/__main__.py``, the public spellings ``zen_ds.megatron`` / ``zen_ds.compression`` and the
@@ -23,10 +23,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "zen_ds"
-LAYERS = ("ops", "core", "model", "schemes", "planner", "sync", "features", "integrations", "tools")
+LAYERS = ("ops", "core", "costmodel", "schemes", "planner", "sync", "features", "integrations", "tools")
 # the public spellings: the package, its CLI, zen_ds.megatron / zen_ds.compression (documented import
 # paths) and the deprecated `python -m zen_ds.<tool>` spellings
-FACADE = {"zen_ds", "zen_ds.__main__", "zen_ds.megatron", "zen_ds.compression", "zen_ds.bench", "zen_ds.sim",
+FACADE = {"zen_ds", "zen_ds.__main__", "zen_ds.megatron", "zen_ds.compression", "zen_ds.model", "zen_ds.bench", "zen_ds.sim",
           "zen_ds.cluster", "zen_ds.report", "zen_ds.data"}
 
 # (importing module, imported module) -> why it is imported inside a function
@@ -82,7 +82,7 @@ PROCESS_STATE = {
     ("zen_ds.schemes.topology", "_CHECKED"): "node layouts the group already agreed on",
     ("zen_ds.sync.options", "_default_options"): "the documented process default of set_default_options()",
     ("zen_ds.sync.calibrate", "_MEASURED"): "this machine's measured compute rates, measured once",
-    ("zen_ds.integrations.megatron", "_IMPORTED"): "megatron-core's import outcome, once",
+    ("zen_ds.integrations.mpu", "_IMPORTED"): "megatron-core's import outcome, once",
     ("zen_ds.integrations.deepspeed.engine", "_REGISTRY"): "engine -> its ZenEngineState (weak keys: "
                                                            "the state lives and dies with its engine)",
     ("zen_ds.integrations.deepspeed.install", "_ORIGINAL_INITIALIZE"): "deepspeed.initialize is "

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zen_ds.model.support import EVERY_RANK_UP_TO, planning_ranks
-from zen_ds.model.cost import CostModel
+from zen_ds.costmodel.support import EVERY_RANK_UP_TO, planning_ranks
+from zen_ds.costmodel.cost import CostModel
 from zen_ds.planner import PlanMemo, plan, plan_and_price, plan_choice, price, representative_shape
 from zen_ds.schemes import auto_candidates, get_scheme
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.shape import SyncShape
 from zen_ds.schemes.sparcml import SparCMLScheme
 
 
@@ -140,7 +140,7 @@ def test_pull_pads_only_when_its_padding_costs_less_than_the_size_exchange() -> 
     it would pad (duplicates, plus the single-holder rows the exchanged pull skips) cost less on
     the wire than the size all-gather's latency."""
     from zen_ds.schemes.balanced import pads_pull
-    from zen_ds.model.shape import DEFAULT_LATENCY_BYTES
+    from zen_ds.costmodel.shape import DEFAULT_LATENCY_BYTES
 
     assert CostModel().latency_bytes == DEFAULT_LATENCY_BYTES
     # 4 ranks, 8-byte entries: the budget is 4 * 62.5 kB = 250 kB = 31,250 padded entries.
@@ -164,7 +164,7 @@ def test_singletons_from_sketches() -> None:
     """Exact when every support fits its sketch; a scaled sample otherwise."""
     import torch
 
-    from zen_ds.model.support import estimate_singletons
+    from zen_ds.costmodel.support import estimate_singletons
 
     sketches = torch.full((3, 8), -1, dtype=torch.int64)
     sketches[0, :3] = torch.tensor([1, 5, 9])
@@ -184,7 +184,7 @@ def test_support_estimates_use_every_complete_position(n, per_rank, shared, boun
     the group (the merged sketch's 64 smallest alone erred ~10% here)."""
     import torch
 
-    from zen_ds.model.support import estimate_support
+    from zen_ds.costmodel.support import estimate_support
 
     num_rows, union_err, single_err = 2_000_000, [], []
     for seed in range(20):

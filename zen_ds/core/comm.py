@@ -46,24 +46,13 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from zen_ds.core.errors import ZenSyncError
+
 __all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group"]
 
 # torch >= 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
-class ZenSyncError(RuntimeError):
-    """A collective of a zen sync failed: a peer died, stalled past the process group's timeout,
-    or called a different collective. ``phase`` is the collective's name (``handshake``,
-    ``balanced.push``, ...), ``scheme`` the scheme that was running (``auto`` while planning)."""
-
-    def __init__(self, phase: str, scheme: str, rank: int, world_size: int, cause: BaseException
-                 ) -> None:
-        self.phase, self.scheme = phase, scheme
-        super().__init__(
-            f"zen_ds: the {scheme} sync failed in phase {phase!r} on rank {rank} of {world_size} "
-            f"({type(cause).__name__}: {cause}). A peer rank died, stalled past the process "
-            "group's timeout, or called a different collective; check the other ranks' logs")
 
 
 @dataclass

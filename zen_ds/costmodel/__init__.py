@@ -1,3 +1,3 @@
-"""Layer 2, model: the vocabulary of the cost model, shared by the schemes' byte models, the planner
+"""Layer 2, costmodel: the vocabulary of the cost model, shared by the schemes' byte models, the planner
 and the simulator: a sync's sizes and predicted bytes (:mod:`.shape`), the alpha-beta cost model
 (:mod:`.cost`) and support estimates from the handshake's sketches (:mod:`.support`)."""

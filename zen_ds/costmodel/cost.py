@@ -9,7 +9,7 @@ import struct
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Tuple
 
-from zen_ds.model.shape import ByteEstimate
+from zen_ds.costmodel.shape import ByteEstimate
 
 # Seconds per element of zen's local ops when nothing was measured: the compiled CPU ops on one
 # core of a 2-vCPU x86 VM. :func:`zen_ds.sync.calibrate.measure_compute_rates` replaces them with this
@@ -36,7 +36,7 @@ class CostModel:
     - 1) * all_to_all_two_way_bytes) / bandwidth + intra_bytes / intra_bandwidth + sum_op
     elements_op * rate_op``. ``bandwidth`` is one node's NIC (with one rank per node,
     the rank's link), ``intra_bandwidth`` one rank's links inside its node; which bytes load which
-    link comes from the scheme's :class:`ByteEstimate` (see :func:`zen_ds.model.shape.link_split`).
+    link comes from the scheme's :class:`ByteEstimate` (see :func:`zen_ds.costmodel.shape.link_split`).
     ``duplex`` is a pair's two-way exchange time over its one-way time between nodes (pairwise
     rounds), ``all_to_all_duplex`` an all-to-all's time over a one-way ring's with the same bytes:
     1 for full-duplex links (NCCL, RDMA), up to 2 where a connection's two directions share its

@@ -53,14 +53,14 @@ class ByteEstimate:
     ``nic``: bytes through this rank's node NIC (max of in and out, every rank of the node
     counted), None for the flat model (one rank per node: ``wire_bytes``); ``intra``: bytes over
     this rank's links inside the node; ``compute``: elements each local op processes
-    (:data:`zen_ds.model.cost.COMPUTE_OPS`); ``two_way`` / ``all_to_all_two_way``: of the NIC's
+    (:data:`zen_ds.costmodel.cost.COMPUTE_OPS`); ``two_way`` / ``all_to_all_two_way``: of the NIC's
     bytes, those that cross it while the same pair of ranks moves bytes the other way, in
     pairwise rounds / in all-to-alls: a link that is not full duplex per connection pays for them
     again in part (the cost model's ``duplex`` / ``all_to_all_duplex``).
     ``alternatives``: the same library collective run by another algorithm (NCCL's tree for an
-    all-reduce, :func:`zen_ds.model.cost.all_reduce_estimate`), each naming its ``algorithm``;
+    all-reduce, :func:`zen_ds.costmodel.cost.all_reduce_estimate`), each naming its ``algorithm``;
     the bytes above stay what the byte counters record.
-    :meth:`zen_ds.model.cost.CostModel.seconds` times the cheapest the model allows.
+    :meth:`zen_ds.costmodel.cost.CostModel.seconds` times the cheapest the model allows.
     """
 
     bytes_sent: float

@@ -7,7 +7,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.shape import SyncShape
 
 
 def _complete_sample(sketches: torch.Tensor) -> Tuple[np.ndarray, np.ndarray, int]:

@@ -13,8 +13,9 @@ from typing import Any, List, Literal, Mapping, Optional, Sequence, Union, get_a
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from zen_ds.core.errors import ZenConfigError
 from zen_ds.features.compression import CompressionConfig
-from zen_ds.model.cost import COMPUTE_OPS
+from zen_ds.costmodel.cost import COMPUTE_OPS
 from zen_ds.schemes import scheme_names
 from zen_ds.sync.options import INDEX_ENCODINGS
 
@@ -22,9 +23,6 @@ __all__ = ["ZenConfig", "ShuffleConfig", "NetworkConfig", "ZenConfigError", "loa
 
 ZEN_KEY = "zen"
 
-
-class ZenConfigError(ValueError):
-    """A bad ``"zen"`` block: raised at initialize, before any training step."""
 
 
 class ShuffleConfig(BaseModel):

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from zen_ds.core.errors import MegatronNotAvailableError
 from zen_ds.integrations.params import data_parallel_group, is_vocab_parallel_embedding
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,6 @@ def _megatron_core() -> Tuple[Any, Optional[BaseException]]:
     return _IMPORTED["state"], _IMPORTED["error"]
 
 
-class MegatronNotAvailableError(ImportError):
-    """Raised when a Megatron-specific helper is used without a working megatron-core."""
-
 
 def megatron_available() -> bool:
     """True when megatron-core imported cleanly in this process."""
@@ -65,7 +63,7 @@ def _require_megatron() -> Any:
     parallel_state, error = _megatron_core()
     if parallel_state is None:
         raise MegatronNotAvailableError(
-            "this zen_ds.integrations.megatron helper needs megatron-core, which failed to import "
+            "this zen_ds.integrations.mpu helper needs megatron-core, which failed to import "
             f"({type(error).__name__}: {error}). Install it with "
             "`pip install 'zen_ds[megatron]'` (megatron-core>=0.16,<0.17). If the error mentions "
             "apex, uninstall the unrelated PyPI package `apex`; megatron-core does not need apex."
@@ -262,7 +260,7 @@ class MegatronMPU(_MPUBase):
         self.ps = parallel_state if parallel_state is not None else _require_megatron()
         if not self.ps.model_parallel_is_initialized():
             raise RuntimeError("megatron parallel_state is not initialised: call "
-                               "zen_ds.integrations.megatron.initialize_megatron_parallel(tp, pp) or "
+                               "zen_ds.integrations.mpu.initialize_megatron_parallel(tp, pp) or "
                                "parallel_state.initialize_model_parallel(...) before building "
                                "the mpu")
         cp = self.ps.get_context_parallel_world_size()

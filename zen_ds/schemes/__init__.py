@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from zen_ds.model.shape import ByteEstimate, SyncShape
+from zen_ds.costmodel.shape import ByteEstimate, SyncShape
 from zen_ds.schemes.agsparse import AllGatherSparseScheme
 from zen_ds.schemes.balanced import BalancedScheme
 from zen_ds.schemes.base import Scheme, SyncContext

@@ -23,7 +23,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.sparse import RowSparse, accum_dtype
-from zen_ds.model.shape import RING, ByteEstimate, SyncShape, on_links
+from zen_ds.costmodel.shape import RING, ByteEstimate, SyncShape, on_links
 from zen_ds.schemes.base import Scheme, SyncContext
 
 ID_BYTES = 8  # DeepSpeed's int64 indices

@@ -46,7 +46,7 @@ from zen_ds import ops
 from zen_ds.core.buffers import scratch
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
-from zen_ds.model.shape import SPREAD, ByteEstimate, SyncShape, on_links
+from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
 from zen_ds.schemes.base import Scheme, SyncContext
 
 ENCODING_COO = 0

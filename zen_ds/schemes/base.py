@@ -14,7 +14,7 @@ import torch
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import CHECK_ABORT, HandshakeTable, pack_checks, unpack_checks
 from zen_ds.core.sparse import RowSparse
-from zen_ds.model.shape import ByteEstimate, SyncShape
+from zen_ds.costmodel.shape import ByteEstimate, SyncShape
 
 __all__ = ["SyncContext", "Scheme", "StalePlan"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from zen_ds.core.sparse import RowSparse, accum_dtype
-from zen_ds.model.cost import all_reduce_estimate
-from zen_ds.model.shape import ByteEstimate, SyncShape, nodes_of
+from zen_ds.costmodel.cost import all_reduce_estimate
+from zen_ds.costmodel.shape import ByteEstimate, SyncShape, nodes_of
 from zen_ds.schemes.base import Scheme, SyncContext
 
 

@@ -53,8 +53,8 @@ from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import SKETCH_SIZE
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
-from zen_ds.model.shape import DEFAULT_LATENCY_BYTES, ByteEstimate, SyncShape, with_rank
-from zen_ds.model.support import estimate_support, planning_ranks
+from zen_ds.costmodel.shape import DEFAULT_LATENCY_BYTES, ByteEstimate, SyncShape, with_rank
+from zen_ds.costmodel.support import estimate_support, planning_ranks
 from zen_ds.schemes.agsparse import AllGatherSparseScheme
 from zen_ds.schemes.balanced import BalancedScheme, rows_from_positions
 from zen_ds.schemes.base import Scheme, SyncContext

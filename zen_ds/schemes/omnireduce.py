@@ -48,7 +48,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.sparse import RowSparse, accum_dtype
-from zen_ds.model.shape import SPREAD, ByteEstimate, SyncShape, on_links
+from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
 from zen_ds.schemes.base import Scheme, SyncContext
 from zen_ds.schemes.streams import exchange, pack, positive_int_env, round8, row_id_dtype, unpack
 

@@ -59,8 +59,8 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.sparse import RowSparse, accum_dtype
-from zen_ds.model.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
-from zen_ds.model.support import planning_ranks
+from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
+from zen_ds.costmodel.support import planning_ranks
 from zen_ds.schemes.base import Scheme, SyncContext
 from zen_ds.schemes.streams import (
     exchange,

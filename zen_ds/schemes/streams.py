@@ -111,7 +111,7 @@ def unpack(buffer: torch.Tensor, layout: Sequence[Tuple[torch.dtype, int, int]]
 
 
 def latency_cost(estimate, latency_bytes: float) -> float:
-    """A :class:`~zen_ds.model.shape.ByteEstimate` as bytes-equivalent time (alpha-beta)."""
+    """A :class:`~zen_ds.costmodel.shape.ByteEstimate` as bytes-equivalent time (alpha-beta)."""
     return estimate.latency_steps * latency_bytes + estimate.wire_bytes
 
 

@@ -31,8 +31,8 @@ from zen_ds.core.handshake import HandshakeSummary, HandshakeTable, handshake_by
 from zen_ds.core.inputs import LocalInput
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
-from zen_ds.model.shape import SyncShape
-from zen_ds.model.support import estimate_support
+from zen_ds.costmodel.shape import SyncShape
+from zen_ds.costmodel.support import estimate_support
 from zen_ds.planner import plan_and_price, plan_choice, price
 from zen_ds.schemes import auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncContext

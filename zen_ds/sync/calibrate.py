@@ -1,4 +1,4 @@
-"""Measure what the planner's :class:`~zen_ds.model.cost.CostModel` needs on the machine it runs on.
+"""Measure what the planner's :class:`~zen_ds.costmodel.cost.CostModel` needs on the machine it runs on.
 
 * :func:`measure_compute_rates`: seconds per element of zen's local ops (partition, aggregate,
   scatter into a dense tensor, one memory pass), by a short micro-benchmark of this process's own
@@ -29,14 +29,14 @@ from zen_ds import ops
 from zen_ds.core.comm import _all_gather_single
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
-from zen_ds.model.cost import (
+from zen_ds.costmodel.cost import (
     ALL_REDUCE_NCCL,
     ALL_REDUCE_RING,
     COMPUTE_OPS,
     DEFAULT_COMPUTE_RATES,
     CostModel,
 )
-from zen_ds.model.shape import RING, SPREAD, SyncShape, link_split
+from zen_ds.costmodel.shape import RING, SPREAD, SyncShape, link_split
 from zen_ds.sync.allreduce import sparse_allreduce
 from zen_ds.sync.options import SyncOptions, default_options, set_default_options
 

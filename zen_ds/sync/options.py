@@ -8,8 +8,9 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
+from zen_ds.core.errors import ZenInputError
 from zen_ds.core.sparse import RowSparse
-from zen_ds.model.cost import CostModel
+from zen_ds.costmodel.cost import CostModel
 from zen_ds.planner import DEFAULT_PLAN_MEMO, PlanMemo
 from zen_ds.schemes import scheme_names
 
@@ -21,15 +22,6 @@ INDEX_ENCODINGS = ("auto", "coo", "bitmap")
 HANDSHAKES = ("allgather", "reduce", "auto")
 TensorLike = Union[RowSparse, torch.Tensor]
 
-
-class ZenInputError(ValueError):
-    """A bad input, option or mismatch found by the handshake. Every rank of the group raises it
-    from the same call, before any data moved, so the group stays aligned and usable.
-    ``reasons``: each failing rank's reasons by its rank in the group (empty for a mismatch)."""
-
-    def __init__(self, message: str, reasons: Optional[Dict[int, str]] = None) -> None:
-        super().__init__(message)
-        self.reasons: Dict[int, str] = dict(reasons or {})
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from zen_ds.core.inputs import inspect_input
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.shape import SyncShape
 from zen_ds.planner import plan_and_price
 from zen_ds.schemes.balanced import pads_pull
 from zen_ds.schemes.base import StalePlan

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import HandshakeSummary, HandshakeTable
 from zen_ds.core.stats import SyncStats
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.shape import SyncShape
 from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, prepare
 from zen_ds.sync.allreduce import plan_from_summary, sparse_allreduce
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options

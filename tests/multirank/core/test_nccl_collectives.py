@@ -178,7 +178,7 @@ def _scheme_worker(rank: int, world: int) -> Dict[str, List[Dict[str, Any]]]:
 
     import zen_ds
     from zen_ds.sync.reduce_scatter import sparse_reduce_scatter_flat
-    from zen_ds.features.shuffle_sync import ShuffleSync
+    from zen_ds.features.ds_sync.sync import ShuffleSync
 
     zen_ds.ops.use("torch")  # the collectives do not depend on the ops' implementation
     recorder = Recorder(world)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from zen_ds.features.shuffle import ShuffleSchedule, ceil_log, gossip_rounds
+from zen_ds.features.ds_sync.schedule import ShuffleSchedule, ceil_log, gossip_rounds
 
 GROUP_SIZES = (2, 3, 4, 8)
 
@@ -187,7 +187,7 @@ def _gather(t):
 
 def _shuffle_worker(rank, world):
     import torch.distributed as dist
-    from zen_ds.features.shuffle_sync import ShuffleParam, ShuffleSync
+    from zen_ds.features.ds_sync.sync import ShuffleParam, ShuffleSync
 
     res = {}
     ref, _ = _train(rank, 4, lambda m: None)

@@ -53,7 +53,7 @@ def _run_case(train_lm: Any, argv: List[str]) -> Tuple[Dict[str, torch.Tensor], 
 
     def recording(cls: Any, group: Any, log_prefix: str = "zen") -> Any:
         comm = original(cls, group, log_prefix)
-        seen.append(zen_ds.integrations.megatron.group_ranks(group))
+        seen.append(zen_ds.integrations.mpu.group_ranks(group))
         return comm
 
     zen_ds.core.comm.Communicator.for_group = classmethod(recording)
@@ -72,28 +72,28 @@ def _run_case(train_lm: Any, argv: List[str]) -> Tuple[Dict[str, torch.Tensor], 
     grid = getattr(engine, "grid", None)
     mpu = grid if grid is not None else engine.mpu
     facts["dp_ranks"] = list(mpu.get_data_parallel_group_ranks())
-    facts["tp_ranks"] = zen_ds.integrations.megatron.group_ranks(parallel_state.get_tensor_model_parallel_group())
-    facts["tie_ranks"] = [zen_ds.integrations.megatron.group_ranks(g) for _, g in
+    facts["tp_ranks"] = zen_ds.integrations.mpu.group_ranks(parallel_state.get_tensor_model_parallel_group())
+    facts["tie_ranks"] = [zen_ds.integrations.mpu.group_ranks(g) for _, g in
                           (module.get_tied_weights_and_groups()
                            if hasattr(module, "get_tied_weights_and_groups") else [])]
     # Megatron's groups, the adapter, explicit groups and DeepSpeed's grid must all agree.
-    from zen_ds.integrations.megatron import ExplicitGroupsMPU, MegatronMPU, ParallelGroups
+    from zen_ds.integrations.mpu import ExplicitGroupsMPU, MegatronMPU, ParallelGroups
     adapters = [MegatronMPU(), ExplicitGroupsMPU(ParallelGroups(
         data=parallel_state.get_data_parallel_group(),
         tensor=parallel_state.get_tensor_model_parallel_group(),
         pipeline=parallel_state.get_pipeline_model_parallel_group()))]
     facts["adapter_answers"] = [
         (a.get_data_parallel_group_ranks(), a.get_data_parallel_world_size(),
-         a.get_data_parallel_rank(), zen_ds.integrations.megatron.group_ranks(a.get_model_parallel_group()),
+         a.get_data_parallel_rank(), zen_ds.integrations.mpu.group_ranks(a.get_model_parallel_group()),
          a.get_model_parallel_world_size(), a.get_model_parallel_rank(),
          a.get_tensor_model_parallel_world_size(), a.get_pipeline_model_parallel_rank(),
-         zen_ds.integrations.megatron.data_parallel_group(a) is parallel_state.get_data_parallel_group())
+         zen_ds.integrations.mpu.data_parallel_group(a) is parallel_state.get_data_parallel_group())
         for a in adapters]
     if grid is not None:
         facts["grid_vs_megatron"] = (
-            (zen_ds.integrations.megatron.group_ranks(grid.get_slice_parallel_group()), facts["tp_ranks"]),
+            (zen_ds.integrations.mpu.group_ranks(grid.get_slice_parallel_group()), facts["tp_ranks"]),
             (sorted(grid.get_data_parallel_group_ranks()),
-             zen_ds.integrations.megatron.group_ranks(parallel_state.get_data_parallel_group())),
+             zen_ds.integrations.mpu.group_ranks(parallel_state.get_data_parallel_group())),
             (grid.get_stage_id(), parallel_state.get_pipeline_model_parallel_rank()))
     last = zen_ds.last_sync_stats()
     facts["last_world_size"] = last.world_size if last is not None else None
@@ -103,7 +103,7 @@ def _run_case(train_lm: Any, argv: List[str]) -> Tuple[Dict[str, torch.Tensor], 
         # The tied copies on the first and last stage must stay bit-identical.
         tied = []
         for weight, group in module.get_tied_weights_and_groups():
-            ranks = zen_ds.integrations.megatron.group_ranks(group)
+            ranks = zen_ds.integrations.mpu.group_ranks(group)
             gathered = [torch.empty_like(weight) for _ in ranks]
             torch.distributed.all_gather(gathered, weight.detach().contiguous(), group=group)
             tied.append(max(float((g - gathered[0]).abs().max()) for g in gathered))
@@ -126,7 +126,7 @@ def _process_groups() -> List[Any]:
 
 
 def _worker(rank: int, world: int) -> Dict[str, Any]:
-    import zen_ds.integrations.megatron  # noqa: F401 (used through the module in _run_case)
+    import zen_ds.integrations.mpu  # noqa: F401 (used through the module in _run_case)
 
     # deepspeed.initialize checks the launcher's variables; the gloo group already exists.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -249,7 +249,7 @@ def test_tied_copies_stay_identical() -> None:
 
 
 def test_mpu_adapter_without_megatron_is_clear(monkeypatch: pytest.MonkeyPatch) -> None:
-    import zen_ds.integrations.megatron as zm
+    import zen_ds.integrations.mpu as zm
 
     monkeypatch.setattr(zm, "_IMPORTED", {"state": None, "error": ImportError("No module named 'megatron'")})
     monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.layers", raising=False)

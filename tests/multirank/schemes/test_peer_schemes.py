@@ -109,7 +109,7 @@ def _measure(rank: int, n: int, scheme: str, kind: str, env: Dict[str, str]) -> 
     import zen_ds
     from zen_ds import RowSparse
     from zen_ds.schemes import get_scheme
-    from zen_ds.model.shape import SyncShape
+    from zen_ds.costmodel.shape import SyncShape
     from zen_ds.core.handshake import handshake_bytes
 
     os.environ.update(env)

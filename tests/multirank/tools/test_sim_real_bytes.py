@@ -18,7 +18,7 @@ from dist_utils import run_ranks
 
 import zen_ds
 from zen_ds.tools.bench.workloads import parse_workload
-from zen_ds.model.cost import CostModel
+from zen_ds.costmodel.cost import CostModel
 from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SPLIT_ALLGATHER, SparCMLScheme
 from zen_ds.schemes.topology import RANKS_PER_NODE_ENV
 from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, simulate

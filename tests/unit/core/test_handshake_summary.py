@@ -14,7 +14,7 @@ from zen_ds.core.handshake import (
     encode_summary,
 )
 from zen_ds.core.partition import ShardLayout
-from zen_ds.model.support import estimate_union
+from zen_ds.costmodel.support import estimate_union
 
 NUM_ROWS = 200_000
 

@@ -10,18 +10,18 @@ import math
 import pytest
 import torch
 
-from zen_ds.model.cost import (
+from zen_ds.costmodel.cost import (
     ALL_REDUCE_RING,
     CostModel,
     all_reduce_estimate,
     ring_all_reduce,
     tree_all_reduce,
 )
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.shape import SyncShape
 from zen_ds.planner import plan_and_price
 from zen_ds.schemes import get_scheme
 from zen_ds.tools.sim.cost import SimCost, Topology
-from zen_ds.tools.sim.report import deepspeed_best, format_table
+from zen_ds.tools.sim.tables import deepspeed_best, format_table
 from zen_ds.tools.sim.simulate import simulate
 from zen_ds.tools.sim.supports import Supports
 from zen_ds.tools.sim.traffic import dense_traffic

@@ -145,7 +145,7 @@ def test_bad_shuffle_values(block, needle):
 
 def test_network_block_builds_the_planners_cost_model():
     from zen_ds.sync.calibrate import cost_model_for
-    from zen_ds.model.cost import DEFAULT_COMPUTE_RATES
+    from zen_ds.costmodel.cost import DEFAULT_COMPUTE_RATES
 
     net = load_zen_config({"zen": {"network": {"alpha": 1e-4, "bandwidth": 1e8,
                                                "intra_bandwidth": 1e10, "ranks_per_node": 2,

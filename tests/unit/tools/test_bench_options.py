@@ -8,7 +8,7 @@ import pytest
 
 from zen_ds.core.comm import CommRecord
 from zen_ds.core.stats import SyncStats
-from zen_ds.tools.bench.report import format_table
+from zen_ds.tools.bench.tables import format_table
 from zen_ds.tools.bench.runner import SyncConfig, handshake_seconds
 from zen_ds.tools.bench.sync_args import add_sync_arguments
 

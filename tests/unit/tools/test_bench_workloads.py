@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zen_ds.tools.bench import workloads as W
-from zen_ds.tools.bench.report import format_table
+from zen_ds.tools.bench.tables import format_table
 
 
 def _all_ranks(w: W.Workload, n: int, seed: int = 0):

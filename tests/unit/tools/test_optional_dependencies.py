@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from zen_ds.tools.bench import report as bench_report
+from zen_ds.tools.bench import tables as bench_report
 from zen_ds.tools.optional import MissingDependency, optional_import
-from zen_ds.tools.sim.report import plot_speedups
+from zen_ds.tools.sim.tables import plot_speedups
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import torch
 
 import zen_ds
 from zen_ds.tools.bench.workloads import parse_workload
-from zen_ds.model.cost import CostModel
-from zen_ds.model.shape import ByteEstimate
+from zen_ds.costmodel.cost import CostModel
+from zen_ds.costmodel.shape import ByteEstimate
 from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, simulate
 from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
 from zen_ds.tools.sim.traffic import Phase

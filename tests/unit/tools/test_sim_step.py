@@ -9,7 +9,7 @@ import json
 import pytest
 
 from zen_ds.core.handshake import handshake_bytes
-from zen_ds.model.cost import CostModel
+from zen_ds.costmodel.cost import CostModel
 from zen_ds.tools.bench.workloads import expected_unique, zipf_workload
 from zen_ds.tools.sim import cli
 from zen_ds.tools.sim.step import (

@@ -49,7 +49,7 @@ from torch import nn
 
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import last_sync_stats
-from zen_ds.features.shuffle import Group, ShuffleGroups, ShuffleSchedule
+from zen_ds.features.ds_sync.schedule import Group, ShuffleGroups, ShuffleSchedule
 from zen_ds.sync.allreduce import sparse_allreduce
 from zen_ds.sync.options import SyncOptions, default_options
 

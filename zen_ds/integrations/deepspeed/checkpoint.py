@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.integrations.deepspeed.rowshard import full_weights, tables_saved_elsewhere
-from zen_ds.integrations.deepspeed.shuffling import load_shuffle_state_dict, shuffle_state_dict
+from zen_ds.integrations.deepspeed.ds_sync import load_shuffle_state_dict, shuffle_state_dict
 
 if TYPE_CHECKING:  # pragma: no cover
     from zen_ds.integrations.deepspeed.engine import ZenEngineState

@@ -1,4 +1,4 @@
-"""DS-Sync on the shuffle route: :class:`zen_ds.features.shuffle_sync.ShuffleSync` over every param of an engine.
+"""DS-Sync on the shuffle route: :class:`zen_ds.features.ds_sync.sync.ShuffleSync` over every param of an engine.
 
 DeepSpeed reduces nothing on this route (:mod:`.install` skips its fallback); each optimizer step
 zen averages the gradients (or, after the step, the parameters) inside the step's shuffle group.
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zen_ds.features.shuffle_sync import ShuffleParam, ShuffleSync
+from zen_ds.features.ds_sync.sync import ShuffleParam, ShuffleSync
 from zen_ds.integrations.config import ShuffleConfig, ZenConfig
 from zen_ds.integrations.deepspeed.routes import Route, refuse
 from zen_ds.integrations.reducer import ScaleRule

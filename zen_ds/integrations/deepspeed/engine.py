@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zen_ds import ops
-from zen_ds.features.shuffle_sync import ShuffleSync
+from zen_ds.features.ds_sync.sync import ShuffleSync
 from zen_ds.integrations.config import ZenConfig, load_zen_config
 from zen_ds.integrations.deepspeed import checkpoint, facts, install
 from zen_ds.integrations.deepspeed.faults import describe, during_sync
@@ -34,7 +34,7 @@ from zen_ds.integrations.deepspeed.routes import (
     refuse,
     resolve_route,
 )
-from zen_ds.integrations.deepspeed.shuffling import build_shuffle
+from zen_ds.integrations.deepspeed.ds_sync import build_shuffle
 from zen_ds.integrations.deepspeed.zero3 import Zero3Sync, install_id_checks
 from zen_ds.integrations.reducer import ZenReducer
 from zen_ds.planner import PlanMemo

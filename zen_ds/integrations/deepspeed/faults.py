@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, TypeVar
 
 import torch.distributed as dist
 
-from zen_ds.sync.options import ZenInputError
+from zen_ds.core.errors import ZenInputError, ZenReductionError
 
 __all__ = ["ZenReductionError", "describe", "during_sync"]
 
@@ -26,9 +26,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-class ZenReductionError(RuntimeError):
-    """zen's gradient reduction failed (raised from ``engine.backward()`` / ``engine.step()``)."""
 
 
 def _group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:

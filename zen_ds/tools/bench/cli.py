@@ -21,7 +21,8 @@ from zen_ds.integrations.config import NetworkConfig
 from zen_ds.schemes.topology import ranks_per_node
 from zen_ds.sync import calibrate
 from zen_ds.sync.calibrate import apply_network
-from zen_ds.tools.bench import ops, report, runner
+from zen_ds.tools.bench import ops, runner
+from zen_ds.tools.bench import tables as report
 from zen_ds.tools.bench.sync_args import add_sync_arguments
 from zen_ds.tools.bench.workloads import DEFAULT_WORKLOADS, parse_workload
 from zen_ds.tools.cluster import RATE_ENV, parse_rate

@@ -4,10 +4,10 @@ planner's cost model on a topology (``python -m zen_ds sim``; see :mod:`zen_ds.t
 Pieces: :mod:`~zen_ds.tools.sim.supports` (ids only, and what the handshake derives from them),
 :mod:`~zen_ds.tools.sim.traffic` (per-scheme exact bytes; the registration point for new schemes),
 :mod:`~zen_ds.tools.sim.peers` (the same for sparcml, omnireduce and hierarchical),
-:mod:`~zen_ds.tools.sim.cost` (the planner's :class:`~zen_ds.model.cost.CostModel` per collective, with
+:mod:`~zen_ds.tools.sim.cost` (the planner's :class:`~zen_ds.costmodel.cost.CostModel` per collective, with
 shared NICs and a compute term), :mod:`~zen_ds.tools.sim.simulate` (all schemes, ``auto``,
 ``deepspeed``), :mod:`~zen_ds.tools.sim.throughput` (training step time),
-:mod:`~zen_ds.tools.sim.report` (tables, JSON, plot), :mod:`~zen_ds.tools.sim.validate` (against measured
+:mod:`~zen_ds.tools.sim.tables` (tables, JSON, plot), :mod:`~zen_ds.tools.sim.validate` (against measured
 ``zen-bench sync`` runs on the emulated cluster) and :mod:`~zen_ds.tools.sim.scale` (one embedding's
 prediction at more ranks, for the quick start).
 

@@ -37,7 +37,7 @@ from zen_ds.tools.bench.workloads import parse_workload
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
 from zen_ds.tools.sim.fit import main as fit_main
-from zen_ds.tools.sim.report import format_table, plot_speedups, write_json
+from zen_ds.tools.sim.tables import format_table, plot_speedups, write_json
 from zen_ds.tools.sim.simulate import simulate
 from zen_ds.tools.sim.step import main as step_main
 from zen_ds.tools.sim.rowshard import main as rowshard_main

@@ -1,8 +1,8 @@
 """Time of simulated traffic: the planner's cost model, applied per collective on a topology.
 
-Every collective is timed by :meth:`zen_ds.model.cost.CostModel.link_seconds` (``latency_steps *
+Every collective is timed by :meth:`zen_ds.costmodel.cost.CostModel.link_seconds` (``latency_steps *
 alpha + NIC bytes / bandwidth + intra-node bytes / intra_bandwidth``) and local work by
-:meth:`~zen_ds.model.cost.CostModel.compute_seconds`: the methods the planner's estimates go through.
+:meth:`~zen_ds.costmodel.cost.CostModel.compute_seconds`: the methods the planner's estimates go through.
 What the simulator adds is the exact load of each link class:
 
 * ranks are packed ``ranks_per_node`` to a node; a node's NIC (``inter_bandwidth``) carries all
@@ -11,7 +11,7 @@ What the simulator adds is the exact load of each link class:
 * ring collectives (all-gather, all-reduce) are ordered node by node, so each node's NIC carries
   one rank's share (on one node, the intra-node links carry it); a library all-reduce is priced
   as the model's backend runs it (NCCL: the cheaper of ring and tree,
-  :meth:`~zen_ds.model.cost.CostModel.all_reduce_seconds`);
+  :meth:`~zen_ds.costmodel.cost.CostModel.all_reduce_seconds`);
 * an all-to-all loads each NIC with the sum of its ranks' off-node bytes, and each rank's intra
   links with its on-node bytes: the busiest of each. Where a pair moves bytes both ways at once
   (pairwise rounds and two-rank rings: ``duplex``; all-to-alls: ``all_to_all_duplex``), the model
@@ -31,7 +31,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from zen_ds import ops
-from zen_ds.model.cost import ALL_REDUCE_NCCL, COMPUTE_OPS, CostModel
+from zen_ds.costmodel.cost import ALL_REDUCE_NCCL, COMPUTE_OPS, CostModel
 from zen_ds.sync import calibrate
 from zen_ds.tools.sim.traffic import OP_ALL_TO_ALL, Phase, Traffic
 

@@ -22,7 +22,7 @@ import torch
 
 from zen_ds.core.handshake import SKETCH_SIZE
 from zen_ds.core.partition import ShardLayout
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.shape import SyncShape
 from zen_ds.ops import shard_starts
 from zen_ds.schemes import get_scheme
 from zen_ds.schemes.hierarchical import _inner_scheme

@@ -17,9 +17,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from zen_ds.model.cost import CostModel
-from zen_ds.model.shape import SyncShape
-from zen_ds.model.support import planning_ranks
+from zen_ds.costmodel.cost import CostModel
+from zen_ds.costmodel.shape import SyncShape
+from zen_ds.costmodel.support import planning_ranks
 from zen_ds.planner import plan_choice
 from zen_ds.schemes import auto_candidates, get_scheme, scheme_names
 from zen_ds.sync.agreement import choose_handshake

@@ -39,8 +39,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zen_ds.core.handshake import handshake_bytes, summary_width
-from zen_ds.model.cost import CostModel
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.cost import CostModel
+from zen_ds.costmodel.shape import SyncShape
 from zen_ds.planner import PlanMemo, plan_choice, price
 from zen_ds.schemes import auto_candidates
 from zen_ds.sync.agreement import choose_handshake

@@ -9,7 +9,7 @@ rank by rank, the quantities every scheme's byte logic and the planner read:
 * ``union_per_owner`` and ``single_per_owner`` -- union rows per shard, and rows of shard o held
   by rank d alone (balanced's pull skips those towards d);
 * ``sketches`` -- each rank's KMV sketch, the handshake's, so :func:`handshake_shape` rebuilds the
-  :class:`~zen_ds.model.shape.SyncShape` every rank of a real run would plan from.
+  :class:`~zen_ds.costmodel.shape.SyncShape` every rank of a real run would plan from.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch
 
 from zen_ds.core.handshake import SKETCH_SIZE
 from zen_ds.core.partition import ShardLayout
-from zen_ds.model.shape import DEFAULT_LATENCY_BYTES, SyncShape
-from zen_ds.model.support import estimate_support
+from zen_ds.costmodel.shape import DEFAULT_LATENCY_BYTES, SyncShape
+from zen_ds.costmodel.support import estimate_support
 from zen_ds.tools.bench.workloads import Workload
 
 logger = logging.getLogger(__name__)

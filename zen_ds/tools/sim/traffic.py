@@ -25,7 +25,7 @@ import torch
 
 from zen_ds.core.handshake import handshake_bytes, summary_width
 from zen_ds.core.sparse import accum_dtype
-from zen_ds.model.shape import SyncShape
+from zen_ds.costmodel.shape import SyncShape
 from zen_ds.schemes.balanced import (
     _PULL_META_FIELDS,
     _round8,
@@ -59,7 +59,7 @@ class Phase:
     members: Optional[torch.Tensor] = None  # bool [n]; None: every rank records this collective
     steps: Optional[int] = None  # latency steps; None: one collective over all n ranks
     # all_reduce: the tensor's bytes, so the cost model can price it as NCCL runs it (ring or
-    # tree, :func:`zen_ds.model.cost.all_reduce_estimate`); None: a ring at the bytes above.
+    # tree, :func:`zen_ds.costmodel.cost.all_reduce_estimate`); None: a ring at the bytes above.
     tensor_bytes: Optional[int] = None
 
     @classmethod

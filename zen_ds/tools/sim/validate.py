@@ -39,7 +39,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from zen_ds.model.cost import ALL_REDUCE_RING, CostModel
+from zen_ds.costmodel.cost import ALL_REDUCE_RING, CostModel
 from zen_ds.schemes.topology import RANKS_PER_NODE_ENV
 from zen_ds.tools.bench.runner import DEEPSPEED, deepspeed_equivalent
 from zen_ds.tools.bench.sync_args import add_sync_arguments

@@ -39,7 +39,7 @@ def _poisoned(rank: int):
 def _steps_model(alpha: float):
     """Latency only: the predicted time is ``alpha`` times the latency steps."""
     from zen_ds import CostModel
-    from zen_ds.model.cost import COMPUTE_OPS
+    from zen_ds.costmodel.cost import COMPUTE_OPS
     return CostModel(alpha=alpha, bandwidth=1e18, intra_bandwidth=1e18).with_compute(
         {op: 0.0 for op in COMPUTE_OPS})
 
