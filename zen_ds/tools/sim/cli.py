@@ -41,6 +41,7 @@ from zen_ds.tools.sim.tables import format_table, plot_speedups, write_json
 from zen_ds.tools.sim.simulate import simulate
 from zen_ds.tools.sim.step import main as step_main
 from zen_ds.tools.sim.rowshard import main as rowshard_main
+from zen_ds.tools.sim.zero3_rows import main as zero3_main
 from zen_ds.tools.sim.supports import generate_supports
 from zen_ds.tools.sim.throughput import format_throughput, throughput_rows
 
@@ -174,6 +175,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return fit_main(argv[1:])
     if argv[:1] == ["step"]:  # python -m zen_ds sim step ...: zen_ds.tools.sim.step
         return step_main(argv[1:])
+    if argv[:1] == ["zero3"]:  # python -m zen_ds sim zero3 ...: zen_ds.tools.sim.zero3_rows
+        return zero3_main(argv[1:])
     if argv[:1] == ["rowshard"]:  # python -m zen_ds sim rowshard ...: zen_ds.tools.sim.rowshard
         return rowshard_main(argv[1:])
     args = build_parser().parse_args(argv)

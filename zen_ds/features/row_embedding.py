@@ -1,0 +1,131 @@
+"""An embedding whose forward and backward cost what the batch touches, not what the table holds.
+
+Under ZeRO-3 a table lives only as flat partitions (rank ``r`` holds elements ``[r * P, (r+1) * P)``
+of the row-major ``[V, d]`` table). Stock DeepSpeed gathers the whole table before the forward and
+again before the backward, and autograd then builds a dense ``[V, d]`` gradient. :class:`RowEmbedding`
+replaces the module's forward instead: it asks the partitions' owners for the batch's unique rows
+(:func:`zen_ds.sync.fetch.fetch_rows_flat`), embeds from them, and its backward produces the
+gradient of those rows only (duplicates summed in fp32), kept as a :class:`RowSparse` for the
+reducer to push to the owners. The parameter stays in the autograd graph (its gradient is an empty
+tensor of the placeholder's shape), so the optimizer's per-parameter gradient hook still fires when
+the rows are ready. Nothing here knows DeepSpeed: the partition is read through a callable, and the
+plug-in decides which modules get this and stops DeepSpeed from gathering their weight.
+
+Semantics match ``nn.Embedding``'s: ``padding_idx`` gets no gradient, ``scale_grad_by_freq``
+divides each row's gradient by its count in the batch. ``max_norm`` (which renormalises the table in
+place) is not supported: :func:`unsupported_reason` says so and the plug-in keeps the stock path.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zen_ds.core.sparse import RowSparse
+from zen_ds.core.stats import SyncStats
+from zen_ds.sync.fetch import fetch_rows_flat
+
+__all__ = ["RowEmbedding", "unsupported_reason"]
+
+
+def unsupported_reason(module: nn.Module) -> str:
+    """Why ``module`` cannot run at batch cost ("" when it can)."""
+    if type(module) is not nn.Embedding:
+        return f"{type(module).__name__} is not a plain nn.Embedding"
+    if module.max_norm is not None:
+        return "max_norm renormalises the whole table in place"
+    return ""
+
+
+class _FetchedLookup(torch.autograd.Function):
+    """``rows[inverse]`` whose backward stores the rows' gradient on ``owner`` and gives ``weight``
+    (the parameter placeholder) an empty gradient of its own shape."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor,
+                owner: "RowEmbedding", unique: torch.Tensor) -> torch.Tensor:
+        ctx.owner, ctx.weight_shape = owner, weight.shape
+        ctx.save_for_backward(inverse, unique)
+        return rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, rows.shape[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        inverse, unique = ctx.saved_tensors
+        owner: RowEmbedding = ctx.owner
+        owner.add_row_grads(unique, inverse, grad_out)
+        return (grad_out.new_zeros(ctx.weight_shape), None, None, None, None)
+
+
+class RowEmbedding:
+    """Batch-cost forward/backward for one ``nn.Embedding`` whose weight is partitioned.
+
+    ``partition()`` returns this rank's flat partition of the weight (read at every forward, so
+    optimizer steps are seen), ``group`` the ranks that hold the partitions. After a backward,
+    :meth:`take_rows` hands the accumulated row gradient (over every backward since the last take)
+    to the reducer."""
+
+    def __init__(self, module: nn.Module, name: str, num_rows: int, row_numel: int,
+                 partition: Callable[[], torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+        reason = unsupported_reason(module)
+        if reason:
+            raise ValueError(f"{name}: {reason}")
+        self.module, self.name = module, name
+        self.num_rows, self.row_numel = num_rows, row_numel
+        self.partition, self.group = partition, group
+        self.padding_idx: Optional[int] = module.padding_idx
+        self.scale_grad_by_freq = bool(module.scale_grad_by_freq)
+        self.fetch_stats: List[SyncStats] = []
+        self._ids: List[torch.Tensor] = []
+        self._grads: List[torch.Tensor] = []
+        self._original_forward = module.forward
+
+    def install(self) -> None:
+        self.module.forward = self.forward  # an instance attribute: the class is untouched
+
+    def uninstall(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        stats = SyncStats()
+        with torch.no_grad():
+            rows = fetch_rows_flat(unique, self.partition(), self.num_rows, self.row_numel, self.group,
+                                   stats=stats, log_prefix=f"zen {self.name}")
+        self.fetch_stats.append(stats)
+        weight = self.module.weight
+        if not (torch.is_grad_enabled() and weight.requires_grad):
+            return rows.index_select(0, inverse).view(*ids.shape, self.row_numel)
+        return _FetchedLookup.apply(weight, rows, inverse.view(ids.shape), self, unique)
+
+    def add_row_grads(self, unique: torch.Tensor, inverse: torch.Tensor, grad_out: torch.Tensor) -> None:
+        """The gradient of the fetched rows: each unique row's sum over its occurrences, in fp32."""
+        grad = torch.zeros((unique.numel(), self.row_numel), dtype=torch.float32, device=grad_out.device)
+        grad.index_add_(0, inverse.reshape(-1), grad_out.reshape(-1, self.row_numel).to(torch.float32))
+        if self.scale_grad_by_freq:
+            counts = torch.bincount(inverse.reshape(-1), minlength=unique.numel()).to(torch.float32)
+            grad.div_(counts.clamp_min(1).unsqueeze(1))
+        if self.padding_idx is not None:
+            padding = self.padding_idx % self.num_rows
+            grad[unique == padding] = 0.0
+        self._ids.append(unique)
+        self._grads.append(grad)
+
+    def take_rows(self, dtype: torch.dtype) -> Optional[RowSparse]:
+        """Every row gradient since the last take, summed per row (fp32), as ``dtype``; None when
+        no backward ran."""
+        if not self._ids:
+            return None
+        ids, grads = self._ids, self._grads
+        self._ids, self._grads = [], []
+        if len(ids) == 1:
+            return RowSparse(ids[0], grads[0].to(dtype), self.num_rows, coalesced=True)
+        unique, inverse = torch.unique(torch.cat(ids), sorted=True, return_inverse=True)
+        total = torch.zeros((unique.numel(), self.row_numel), dtype=torch.float32, device=grads[0].device)
+        total.index_add_(0, inverse, torch.cat(grads))
+        return RowSparse(unique, total.to(dtype), self.num_rows, coalesced=True)
+
+    def take_fetch_stats(self) -> List[SyncStats]:
+        stats, self.fetch_stats = self.fetch_stats, []
+        return stats
