@@ -51,7 +51,8 @@ for arg in "$@"; do
 done
 # The unit part runs on two pytest-xdist workers (ZEN_DS_TEST_WORKERS; 0 or 1: one process):
 # 1m13s -> 39 s here. The multirank part stays in one process: its ranks and launchers already
-# fill both cores, and two files at once took as long (22m48s vs 22m58s, BENCHMARKS.md).
+# fill both cores, and two files at once took as long (22m48s vs 22m58s,
+# docs/benchmarks/test_suite_time.md).
 workers="${ZEN_DS_TEST_WORKERS:-2}"
 xdist_args=()
 if [[ "$workers" -gt 1 ]] && python -c "import xdist" 2>/dev/null; then
