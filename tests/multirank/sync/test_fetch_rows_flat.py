@@ -33,7 +33,7 @@ def _request(case: str, rank: int) -> torch.Tensor:
 
 def _worker(rank: int, world: int) -> Dict[str, Any]:
     from zen_ds import SyncStats
-    from zen_ds.sync.fetch import fetch_rows_flat
+    from zen_ds.sync.fetch import fetch_rows_flat, fetch_rows_two_hop
     out: Dict[str, Any] = {}
     for case in SHAPES:
         table = _table(case)
@@ -49,7 +49,14 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                                  want.view(torch.int16 if want.dtype == torch.bfloat16 else torch.int32)),
                      st.bytes_sent, st.bytes_received, [r.op for r in st.collectives],
                      int(ids.numel()))
+        st2 = SyncStats()
+        two = fetch_rows_two_hop(ids, flat[rank * part:(rank + 1) * part].clone(), rows, width, seed=3, stats=st2)
+        out[case + ".two_hop"] = (_bits(two).equal(_bits(want)), [r.op for r in st2.collectives])
     return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
 def _pieces(case: str, rank: int, world: int) -> List[int]:
@@ -63,7 +70,7 @@ def _pieces(case: str, rank: int, world: int) -> List[int]:
     return counts
 
 
-def test_fetch_rows_flat_bit_exact_and_bytes():
+def test_fetch_rows_bit_exact_and_bytes():
     results = run_ranks(WORLD, _worker)
     for case, (rows, width) in SHAPES.items():
         itemsize = 2 if case == "bf16" else 4
@@ -78,3 +85,6 @@ def test_fetch_rows_flat_bit_exact_and_bytes():
             assert sent == 8 * (WORLD - 1) + 8 * remote_asks + remote_served * width * itemsize, (case, rank)
             assert received == 8 * (WORLD - 1) + 8 * remote_served + remote_asks * width * itemsize, (case, rank)
             assert ops == ["all_to_all"] * 3  # counts, ids, rows: nothing else
+            exact, ops = result[case + ".two_hop"]
+            assert exact, f"{case}: rank {rank}'s two-hop fetch differs from the table's rows"
+            assert ops == ["all_to_all"] * 6  # to the hash owners and back, around a direct fetch
