@@ -4,7 +4,8 @@
 keys (``ZenConfig`` and its nested blocks), the handshake record's fields and
 docs/configuration.md: same names, defaults, bounds and docs; it is shown to catch a small bad
 example of each kind. The validators of ``sparse_allreduce`` (``option_problems``) and of the
-config block (pydantic) must give the same verdict on the values at and past every bound.
+config block (pydantic) must give the same verdict on the values at and past every bound, and a
+mismatch between ranks is named and shown as the declaration says.
 """
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ import re
 from typing import Any, Dict, List, Sequence, Tuple, Type
 
 import pytest
+import torch
 from pydantic import BaseModel, Field, ValidationError
 
 from zen_ds import SyncOptions
 from zen_ds.core import handshake
+from zen_ds.core.handshake import HandshakeTable, encode_record
 from zen_ds.core.option_fields import OPTIONS, OptionField, Slot, config_values, record_slots
 from zen_ds.integrations.config import ZenConfig
+from zen_ds.sync.agreement import Prepared
 from zen_ds.sync.options import option_problems
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -243,3 +247,19 @@ def test_bad_options_say_what_is_wrong() -> None:
     ]
     assert re.search(r"cost_model must be a zen_ds.CostModel, got str",
                      "; ".join(option_problems("auto", SyncOptions(cost_model="fast"), 1.0, 1.0)))
+
+
+@pytest.mark.parametrize("changed, message", [
+    ({"index_encoding": "bitmap"}, "ranks disagree on index_encoding (rank 0: auto, rank 1: bitmap)"),
+    ({"density_threshold": 0.5}, "ranks disagree on density_threshold (rank 0: 1.0, rank 1: 0.5)"),
+    ({"seed": 2 ** 63 - 1}, f"ranks disagree on seed (rank 0: 0, rank 1: {2 ** 63 - 1})"),
+])
+def test_a_mismatch_is_named_and_shown_as_declared(changed: Dict[str, Any], message: str) -> None:
+    """Two ranks' records that differ in one option: every rank's error names it and shows
+    each rank's value as the user wrote it (a choice by name, a float as a float)."""
+    records = [encode_record({"num_rows": 4, "row_numel": 1, **record_slots(opts, {})}, world_size=2)
+               for opts in (SyncOptions(), SyncOptions(**changed))]
+    prepared = Prepared(None, None, [], torch.device("cpu"), records[0], records[0])
+    with pytest.raises(ValueError) as err:
+        prepared.raise_on_errors(HandshakeTable(torch.stack(records)))
+    assert message in str(err.value)
