@@ -127,9 +127,9 @@ OPTIONS: Tuple[OptionField, ...] = (
         doc="""When any rank holds more than this fraction of a tensor's rows (for the
         plug-in: a param's row density, max over the data-parallel ranks), it is synced with a
         dense all-reduce. The default ``1.0`` never forces dense: a pinned scheme runs as
-        pinned on any input, as ``sparse_allreduce`` promises, and ``auto``'s cost model still
-        picks ``dense`` where it is cheaper. The ready configs in ``configs/`` set ``0.5``
-        (dense above half the rows, whatever the scheme)."""),
+        pinned on any input, and ``auto``'s cost model still picks ``dense`` where it is
+        cheaper. The ready configs in ``configs/`` set ``0.5`` (dense above half the rows,
+        whatever the scheme)."""),
     OptionField(
         "handshake", str, "allgather", choices=HANDSHAKES, config="handshake",
         doc="""How the ranks agree on a sync before any data moves: ``allgather`` (every rank's

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, ValidationError
 from zen_ds import SyncOptions
 from zen_ds.core import handshake
 from zen_ds.core.handshake import HandshakeTable, encode_record
-from zen_ds.core.option_fields import OPTIONS, OptionField, Slot, config_values, record_slots
+from zen_ds.core.option_fields import OPTION, OPTIONS, OptionField, Slot, config_values, record_slots
 from zen_ds.integrations.config import ZenConfig
 from zen_ds.sync.agreement import Prepared
 from zen_ds.sync.options import option_problems
@@ -157,7 +157,7 @@ def test_the_drift_check_catches_each_kind_of_bad_example() -> None:
     assert "the block's default 0 is not SyncOptions' 1" in found(sync_options=seed_one)
 
     class NarrowSeed(ZenConfig):
-        seed: int = Field(0, ge=0, lt=2 ** 62, description=inspect.cleandoc(OPTIONS[0].doc))
+        seed: int = Field(0, ge=0, lt=2 ** 62, description=inspect.cleandoc(OPTION["seed"].doc))
 
     assert "zen.seed: config declares" in found(zen_config=NarrowSeed)
     floats = tuple(f for f in handshake.FLOAT_FIELDS if f != "density_threshold")
@@ -230,7 +230,7 @@ def test_the_agreement_check_catches_a_narrower_config_bound() -> None:
     class NarrowSeed(ZenConfig):
         seed: int = Field(0, ge=0, lt=2 ** 62)
 
-    assert disagreements(OPTIONS[0], NarrowSeed) == [2 ** 63 - 1]
+    assert disagreements(OPTION["seed"], NarrowSeed) == [2 ** 63 - 1]
 
 
 def test_bad_options_say_what_is_wrong() -> None:
