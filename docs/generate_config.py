@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 import typing
 from typing import Any, Iterator, List, Tuple, Type
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel  # noqa: E402
 from pydantic_core import PydanticUndefined  # noqa: E402
 
 from zen_ds import ZenConfig  # noqa: E402
+from zen_ds.core.option_fields import OPTIONS  # noqa: E402
 
 HEADER = """\
 # Configuration: the `"zen"` block of the ds_config
@@ -32,6 +34,8 @@ zen reads a top-level `"zen"` block of the DeepSpeed config (a dict, a JSON path
 is `"enabled": false`. An unknown key or a bad value fails at initialize, before DeepSpeed builds
 anything, with a message that names the key (and the nearest valid one). Each nested block
 (`compression`, `shuffle`, `network`) is validated the same way.
+
+{sync_keys}
 
 Every key with its default value:
 """
@@ -140,8 +144,20 @@ def missing_descriptions() -> List[str]:
             for name, field in model.model_fields.items() if not (field.description or "").strip()]
 
 
+def sync_keys() -> str:
+    """The header's paragraph on the keys that are sync options (zen_ds.core.option_fields)."""
+    keys = [f"`{option.config}`" for option in OPTIONS if option.config]
+    named = f"{', '.join(keys[:-1])} and {keys[-1]}" if len(keys) > 1 else "".join(keys)
+    return textwrap.fill(
+        f"The keys {named} are `zen_ds.SyncOptions` fields too, the options of every sync: each is "
+        "declared once, in `zen_ds/core/option_fields.py`, so the plug-in and "
+        "`zen_ds.sparse_allreduce` share its type, default, bounds and description (they open "
+        "their blocks below).", 100)
+
+
 def generate() -> str:
-    lines = HEADER.splitlines() + [""] + defaults_block()
+    lines = HEADER.replace("{sync_keys}", sync_keys()).splitlines()
+    lines += [""] + defaults_block()
     for key, model in walk(ZenConfig, "zen"):
         lines += section(key, model)
     lines += FOOTER.splitlines()

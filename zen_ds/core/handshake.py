@@ -1,10 +1,12 @@
 """The handshake record: what every rank publishes at the start of a sync, defined once.
 
-One rank's record is a flat int64 vector: the named fields of :data:`FIELDS` (floats travel as
-their IEEE-754 bits, so ranks must agree on them exactly), then a KMV sketch of the support
-(``SKETCH_SIZE`` smallest permuted row positions, -1 padded), then how many of its rows each
-rank owns under the balanced partition. :mod:`zen_ds.sync.allreduce` builds and checks it; schemes and the
-planner read the gathered table through :class:`HandshakeTable`, by field name.
+One rank's record is a flat int64 vector: the named fields of :data:`FIELDS` (the input's
+shape, the call's arguments, then the options' slots as :data:`zen_ds.core.option_fields.OPTIONS`
+declares them; floats travel as their IEEE-754 bits, so ranks must agree on them exactly), then a
+KMV sketch of the support (``SKETCH_SIZE`` smallest permuted row positions, -1 padded), then how
+many of its rows each rank owns under the balanced partition. :mod:`zen_ds.sync.allreduce` builds
+and checks it; schemes and the planner read the gathered table through :class:`HandshakeTable`,
+by field name.
 
 A rank whose input is unusable still sends a record, with ``error`` set: every rank then learns
 it from the same collective and raises the same error, and the collective sequence stays aligned.
@@ -17,7 +19,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["FIELDS", "AGREED_FIELDS", "MAX_ROW_DIMS", "SKETCH_SIZE", "DTYPE_CODES",
+from zen_ds.core.option_fields import OPTION_SLOTS
+
+__all__ = ["FIELDS", "AGREED_FIELDS", "FLOAT_FIELDS", "MAX_ROW_DIMS", "SKETCH_SIZE", "DTYPE_CODES",
            "HandshakeTable", "encode_record", "record_width", "handshake_bytes",
            "float_bits", "bits_float", "BUCKETS", "bucket_minima", "encode_summary",
            "summary_width", "HandshakeSummary", "same_agreed_fields", "CHECK_PROBLEM",
@@ -30,8 +34,9 @@ MAX_ROW_DIMS = 8
 DTYPE_CODES: Dict[torch.dtype, int] = {torch.float32: 1, torch.float64: 2, torch.float16: 3,
                                        torch.bfloat16: 4}
 
-# (name, number of int64 slots, what it means). Order is the wire layout.
-FIELDS: Tuple[Tuple[str, int, str], ...] = (
+# (name, number of int64 slots, what it means). Order is the wire layout: the input and the
+# call's arguments, then the options' slots, declared with the options (core/option_fields.py).
+_CALL_FIELDS: Tuple[Tuple[str, int, str], ...] = (
     ("error", 1, "1 when this rank's input or options are unusable (details follow on error)"),
     ("num_rows", 1, "rows of the full tensor"),
     ("row_numel", 1, "elements per row"),
@@ -40,20 +45,16 @@ FIELDS: Tuple[Tuple[str, int, str], ...] = (
     ("dtype", 1, "values dtype (DTYPE_CODES)"),
     ("nnz", 1, "rows this rank holds"),
     ("scheme", 1, "requested scheme: 0 auto, 1 + registry index"),
-    ("index_encoding", 1, "requested pull index encoding (api.INDEX_ENCODINGS)"),
-    ("seed", 1, "partition seed"),
     ("average", 1, "1 to divide the sum by the group size"),
     ("prescale", 1, "float bits: factor applied before the sum"),
     ("postscale", 1, "float bits: factor applied after the sum"),
-    ("density_threshold", 1, "float bits: above this row density on any rank, sync dense"),
-    ("ranks_per_node", 1, "ranks per host (0 unknown)"),
-    ("cost_alpha", 1, "float bits: cost model latency (s)"),
-    ("cost_bandwidth", 1, "float bits: cost model bandwidth (B/s)"),
-    ("cost_model", 1, "digest of the whole cost model (intra-node bandwidth, compute rates)"),
 )
+FIELDS: Tuple[Tuple[str, int, str], ...] = _CALL_FIELDS + tuple(
+    (slot.field, 1, f"{'float bits: ' if slot.is_float else ''}option {slot.display}")
+    for slot in OPTION_SLOTS)
 # Every field but these must be equal on every rank.
 AGREED_FIELDS = tuple(name for name, _, _ in FIELDS if name not in ("error", "nnz"))
-FLOAT_FIELDS = ("prescale", "postscale", "density_threshold", "cost_alpha", "cost_bandwidth")
+FLOAT_FIELDS = ("prescale", "postscale") + tuple(slot.field for slot in OPTION_SLOTS if slot.is_float)
 
 _OFFSETS: Dict[str, Tuple[int, int]] = {}
 _at = 0

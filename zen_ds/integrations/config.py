@@ -7,22 +7,34 @@ ones), checks every value, and is resolved once per engine.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import os
-from typing import Any, List, Literal, Mapping, Optional, Sequence, Union, get_args
+from typing import Any, List, Literal, Mapping, Optional, Sequence, Type, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from zen_ds.core.errors import ZenConfigError
+from zen_ds.core.option_fields import block_options
 from zen_ds.features.compression import CompressionConfig
 from zen_ds.costmodel.cost import COMPUTE_OPS
 from zen_ds.schemes import scheme_names
-from zen_ds.sync.options import INDEX_ENCODINGS
 
 __all__ = ["ZenConfig", "ShuffleConfig", "NetworkConfig", "ZenConfigError", "load_zen_config", "ZEN_KEY"]
 
 ZEN_KEY = "zen"
+_BLOCK = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
+
+def _sync_option_keys(path: str) -> Type[BaseModel]:
+    """The keys of the block at ``path`` that are sync options (``zen_ds.SyncOptions`` fields),
+    each with the type, default, bounds and doc :mod:`zen_ds.core.option_fields` declares: the
+    block's model extends it, so the plug-in and ``sparse_allreduce`` validate them alike."""
+    fields = {key: (option.annotation, Field(option.default, **dict(option.bounds),
+                                             description=inspect.cleandoc(option.doc)))
+              for key, option in block_options(path)}
+    return create_model(f"SyncOptionKeys_{path or ZEN_KEY}", __config__=_BLOCK, **fields)
 
 
 class ShuffleConfig(BaseModel):
@@ -75,12 +87,12 @@ class ShuffleConfig(BaseModel):
         return None if self.domains is None else [list(d) for d in self.domains]
 
 
-class NetworkConfig(BaseModel):
-    """The planner's cost model (docs/configuration.md): links, latency, topology and the
+class NetworkConfig(_sync_option_keys("network")):
+    """The planner's cost model (docs/configuration.md): topology, links, latency and the
     compute rates of zen's local ops. ``zen-bench calibrate`` measures the links and prints this
-    block."""
+    block. Its keys that are sync options come first (declared in zen_ds/core/option_fields.py)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = _BLOCK
 
     alpha: float = Field(50e-6, ge=0.0)
     """Seconds per latency step of one collective (gloo/TCP order: tens of microseconds)."""
@@ -101,10 +113,6 @@ class NetworkConfig(BaseModel):
     ``1`` for full-duplex links, up to ``2``. Charged to all-to-alls (balanced's push and pull,
     OmniReduce, SparCML's split)."""
 
-    ranks_per_node: int = Field(0, ge=0)
-    """Ranks sharing a node (consecutive ranks); ``0`` = from ``ZEN_DS_RANKS_PER_NODE``, else the
-    launcher's ``LOCAL_WORLD_SIZE``, else 1."""
-
     compute: Union[Literal["measure", "default"], dict] = "measure"
     """Seconds per element of zen's local ops: ``measure`` (a sub-second micro-benchmark at
     start-up, the slowest rank's rate), ``default`` (built-in CPU rates), or a mapping of
@@ -122,10 +130,11 @@ class NetworkConfig(BaseModel):
         return value
 
 
-class ZenConfig(BaseModel):
-    """Options of the ``"zen"`` ds_config block (docs/configuration.md)."""
+class ZenConfig(_sync_option_keys("")):
+    """Options of the ``"zen"`` ds_config block (docs/configuration.md). Its sync options come
+    first (declared in zen_ds/core/option_fields.py)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = _BLOCK
 
     enabled: bool = True
     """Turn zen on. ``false`` leaves the engine exactly as plain DeepSpeed built it."""
@@ -139,29 +148,9 @@ class ZenConfig(BaseModel):
     every megatron-core ``VocabParallelEmbedding`` weight. Or a list of ``fnmatch`` patterns over
     ``model.named_parameters()`` names (e.g. ``["*embed*.weight"]``)."""
 
-    density_threshold: float = Field(0.5, gt=0.0, le=1.0)
-    """When a param's row density (max over the data-parallel ranks) exceeds this, zen syncs it with
-    a dense all-reduce; ``1.0`` never forces dense (``auto`` may still pick it)."""
-
-    index_encoding: Literal["auto", "coo", "bitmap"] = "auto"
-    """Row-id encoding of the pull phase: ``auto`` (by size), ``coo`` (ids) or ``bitmap``."""
-
-    handshake: Literal["allgather", "reduce", "auto"] = "allgather"
-    """How each step's syncs are agreed on (``zen_ds.SyncOptions.handshake``; one metadata
-    collective per step for all of zen's params, not one per param): ``allgather`` (every rank's
-    records to every rank: latency grows with the data-parallel size), ``reduce`` (one
-    fixed-size all-reduce of every param's summary, ``log n`` latency under NCCL's tree; the
-    records are gathered only for params whose plan is not ``dense``) or ``auto`` (the cheaper
-    of the two under the ``"network"`` cost model). With ``reduce`` and ``auto`` a param whose
-    agreed plan is ``dense`` keeps it without a handshake until a rank's row count or the
-    summed rows change class; its checks ride in the dense all-reduce."""
-
     stats_interval: int = Field(0, ge=0)
     """Every this many optimizer steps, rank 0 logs one line per zen param (density, aggregated
     density, scheme, wire bytes vs dense bytes, time). ``0`` turns the lines off."""
-
-    seed: int = Field(0, ge=0, lt=2 ** 62)
-    """Seed of the row-ownership permutation (must be equal on every rank)."""
 
     optimizer_state: Literal["auto", "sharded", "replicated"] = "auto"
     """Where the optimizer state of zen-owned params lives (ZeRO stage 1/2, or half precision with
@@ -227,7 +216,6 @@ class ZenConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ZenConfig":
-        assert self.index_encoding in INDEX_ENCODINGS
         if self.row_sharded and self.optimizer_state == "replicated":
             raise ValueError('row_sharded keeps each rank\'s rows only, so their optimizer state is sharded; '
                              'remove optimizer_state: "replicated" or set row_sharded to false')

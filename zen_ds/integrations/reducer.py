@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds.core.option_fields import config_values
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
@@ -111,8 +112,8 @@ class ZenReducer:
     """Syncs the selected params' gradients over one data-parallel group.
 
     ``options`` (default: :func:`zen_ds.default_options` when the reducer is built) carry the cost
-    model and topology its syncs plan with; the config's seed, index encoding and density
-    threshold go on top of them."""
+    model and topology its syncs plan with; the config's sync keys
+    (:func:`zen_ds.core.option_fields.config_values`) go on top of them."""
 
     def __init__(self, config: ZenConfig, params: Sequence[ZenParam], group: Optional[dist.ProcessGroup],
                  scale: ScaleRule, compressor: Optional[Any] = None,
@@ -141,9 +142,10 @@ class ZenReducer:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
     def _options(self, density_threshold: float = 1.0) -> SyncOptions:
-        return replace(self.options, seed=self.config.seed,
-                       index_encoding=self.config.index_encoding,
-                       density_threshold=density_threshold)
+        """The reducer's options with the block's sync keys on top; ``density_threshold``: the
+        block's for plain syncs, ``1.0`` (never forced dense) for compressed rows and shards."""
+        return replace(self.options, **{**config_values(self.config),
+                                        "density_threshold": density_threshold})
 
     def _wire_dtype(self, p: ZenParam, grad: Optional[torch.Tensor]) -> torch.dtype:
         """The dtype a gradient travels in: DeepSpeed's communication dtype, else its own."""

@@ -27,10 +27,11 @@ from zen_ds.core.handshake import (
     summary_width,
 )
 from zen_ds.core.inputs import LocalInput, inspect_input
+from zen_ds.core.option_fields import OPTION_SLOTS, record_slots
 from zen_ds.core.partition import ShardLayout
 from zen_ds.schemes import get_scheme, scheme_names
 from zen_ds.schemes.topology import ranks_per_node
-from zen_ds.sync.options import INDEX_ENCODINGS, SyncOptions, ZenInputError, option_problems
+from zen_ds.sync.options import SyncOptions, ZenInputError, option_problems
 
 
 def _usable_group(group) -> Tuple[Optional[dist.ProcessGroup], List[str]]:
@@ -112,8 +113,8 @@ def reduced_handshake(opts: object, group: object) -> bool:
 
 
 # ----------------------------------------------------------------------------- handshake
-_DISPLAY = {"cost_alpha": "cost model alpha", "cost_bandwidth": "cost model bandwidth",
-            "cost_model": "cost model (intra-node bandwidth or compute rates)"}
+# record field -> the option slot it carries (how a mismatch names it and shows its values)
+_OPTION_SLOTS = {slot.field: slot for slot in OPTION_SLOTS}
 
 
 def effective_ranks_per_node(opts: SyncOptions) -> int:
@@ -146,12 +147,8 @@ def _record(comm: Communicator, local: LocalInput, scheme: str, average: bool,
         "row_ndim": len(local.row_shape), "row_dims": row_dims_slots(local.row_shape),
         "dtype": DTYPE_CODES[local.dtype], "nnz": local.nnz,
         "scheme": 0 if scheme == "auto" else 1 + scheme_names().index(scheme),
-        "index_encoding": INDEX_ENCODINGS.index(opts.index_encoding), "seed": opts.seed,
         "average": int(bool(average)), "prescale": prescale, "postscale": postscale,
-        "density_threshold": opts.density_threshold,
-        "ranks_per_node": effective_ranks_per_node(opts),
-        "cost_alpha": opts.cost_model.alpha, "cost_bandwidth": opts.cost_model.bandwidth,
-        "cost_model": opts.cost_model.digest(),
+        **record_slots(opts, {"ranks_per_node": effective_ranks_per_node(opts)}),
     }, sketch, owner_counts, n)
     return record_, positions
 
@@ -181,15 +178,17 @@ def _raise_on_errors(table: HandshakeTable, comm: Communicator, problems: List[s
     if differing is None:
         return
     name, values = differing
+    label = name
     if name == "dtype":
         names = {code: str(dtype) for dtype, code in DTYPE_CODES.items()}
         values = [names.get(v, v) for v in values]
     elif name == "scheme":
         values = [(("auto",) + scheme_names())[v] for v in values]
-    elif name == "index_encoding":
-        values = [INDEX_ENCODINGS[v] for v in values]
+    elif name in _OPTION_SLOTS:
+        slot = _OPTION_SLOTS[name]
+        label, values = slot.display, [slot.show(v) for v in values]
     per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-    raise ZenInputError(f"zen_ds.sparse_allreduce: ranks disagree on {_DISPLAY.get(name, name)} "
+    raise ZenInputError(f"zen_ds.sparse_allreduce: ranks disagree on {label} "
                         f"({per_rank}); every rank must sync the same tensor with the same options")
 
 

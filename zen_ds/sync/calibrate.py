@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from zen_ds import ops
 from zen_ds.core.comm import _all_gather_single
+from zen_ds.core.option_fields import config_values
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
 from zen_ds.costmodel.cost import (
@@ -323,7 +324,7 @@ def network_options(network: object, group: Optional[dist.ProcessGroup] = None,
     model = cost_model_for(network.alpha, network.bandwidth, network.intra_bandwidth,
                            network.compute, group, network.duplex, network.all_to_all_duplex)
     return replace(default_options() if base is None else base, cost_model=model,
-                   ranks_per_node=network.ranks_per_node)
+                   **config_values(network, "network"))
 
 
 def apply_network(network: object, group: Optional[dist.ProcessGroup] = None) -> CostModel:

@@ -3,12 +3,14 @@ rank runs before the handshake, and the error every rank raises together (:class
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Union
+import textwrap
+from dataclasses import dataclass, field, make_dataclass, replace
+from typing import List, Optional, Union
 
 import torch
 
 from zen_ds.core.errors import ZenInputError
+from zen_ds.core.option_fields import HANDSHAKES, INDEX_ENCODINGS, OPTIONS
 from zen_ds.core.sparse import RowSparse
 from zen_ds.costmodel.cost import CostModel
 from zen_ds.planner import DEFAULT_PLAN_MEMO, PlanMemo
@@ -18,40 +20,35 @@ __all__ = ["SyncOptions", "INDEX_ENCODINGS", "HANDSHAKES", "ZenInputError", "def
            "set_cost_model", "option_problems", "TensorLike"]
 
 
-INDEX_ENCODINGS = ("auto", "coo", "bitmap")
-HANDSHAKES = ("allgather", "reduce", "auto")
 TensorLike = Union[RowSparse, torch.Tensor]
 
 
+def _docstring() -> str:
+    """SyncOptions' docstring: its purpose, then each option's doc from the table."""
+    lines = ["How a sync is planned. Every rank of a group must pass equal options (the handshake",
+             "checks). Each field is declared once, in :mod:`zen_ds.core.option_fields`; the",
+             '``"zen"`` ds_config block sets the same options with the same defaults.', ""]
+    for option in OPTIONS:
+        default = f" (default ``{option.default!r}``)" if option.kind is not None else ""
+        text = f"``{option.name}``{default}: {' '.join(option.doc.split())}"
+        lines += textwrap.wrap(text, 96) + [""]
+    return "\n".join(lines)
+
+
+# The options whose type and default the table gives; the object options (cost model, plan
+# memo) are declared below, where their types are known.
+_DeclaredOptions = make_dataclass(
+    "_DeclaredOptions", [(option.name, option.annotation, field(default=option.default))
+                         for option in OPTIONS if option.kind is not None],
+    frozen=True, namespace={"__module__": __name__})
+
 
 @dataclass(frozen=True)
-class SyncOptions:
-    """How a sync is planned. Every rank of a group must pass equal options (the handshake checks).
-
-    ``cost_model``: the alpha-beta constants the ``auto`` planner uses, also used by schemes to
-    trade padding against collectives. ``seed``: the balanced partition's permutation.
-    ``index_encoding``: the pull's index format (``auto`` picks per shard). ``density_threshold``:
-    sync dense when any rank holds more than this fraction of rows (1.0 never). ``ranks_per_node``:
-    ranks sharing a host, for topology-aware schemes (0 unknown). ``plan_memo``: where ``auto``
-    keeps the choices it priced and every sync the prices of the exact shapes it met
-    (:class:`~zen_ds.planner.PlanMemo`; None: the process default); the caller's state, not an
-    option the ranks compare. ``handshake``: ``"allgather"`` (every
-    rank's record to every rank: ``n - 1`` latency steps) or ``"reduce"`` (one fixed-size MAX
-    all-reduce first, ``log n`` latency under NCCL's tree; the records are gathered only when
-    the plan is not ``dense`` or a rank reports a problem) or ``"auto"`` (the cheaper of the two
-    under ``cost_model``; in a training step, :mod:`zen_ds.sync.step`, a param whose agreed plan
-    is ``dense`` then runs without a handshake, its checks riding in the dense all-reduce). It
-    decides the first collective, so it is the one option the handshake cannot compare: set it
-    alike on every rank.
-    """
+class SyncOptions(_DeclaredOptions):
+    __doc__ = _docstring()
 
     cost_model: CostModel = CostModel()
-    seed: int = 0
-    index_encoding: str = "auto"
-    density_threshold: float = 1.0
-    ranks_per_node: int = 0
     plan_memo: Optional[PlanMemo] = field(default=None, compare=False, hash=False, repr=False)
-    handshake: str = "allgather"
 
     def memo(self) -> PlanMemo:
         """``plan_memo``, or the process default where it is None."""
@@ -89,20 +86,14 @@ def option_problems(scheme: object, opts: object, prescale: object, postscale: o
         problems.append(f"unknown scheme {scheme!r}; choose 'auto' or one of {scheme_names()}")
     if not isinstance(opts, SyncOptions):
         return problems + [f"options must be a zen_ds.SyncOptions, got {type(opts).__name__}"]
-    if opts.index_encoding not in INDEX_ENCODINGS:
-        problems.append(f"index_encoding must be one of {INDEX_ENCODINGS}, got "
-                        f"{opts.index_encoding!r}")
-    if opts.handshake not in HANDSHAKES:
-        problems.append(f"handshake must be one of {HANDSHAKES}, got {opts.handshake!r}")
+    for option in OPTIONS:
+        problem = option.problem(getattr(opts, option.name))
+        if problem:
+            problems.append(problem)
     if not isinstance(opts.cost_model, CostModel):
         problems.append(f"cost_model must be a zen_ds.CostModel, got "
                         f"{type(opts.cost_model).__name__}")
-    if not isinstance(opts.seed, int) or not 0 <= opts.seed < 2**63:
-        problems.append(f"seed must be an int in [0, 2**63), got {opts.seed!r}")
-    if not isinstance(opts.ranks_per_node, int) or opts.ranks_per_node < 0:
-        problems.append(f"ranks_per_node must be an int >= 0, got {opts.ranks_per_node!r}")
-    for name, value in (("prescale", prescale), ("postscale", postscale),
-                        ("density_threshold", opts.density_threshold)):
+    for name, value in (("prescale", prescale), ("postscale", postscale)):
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             problems.append(f"{name} must be a finite number, got {value!r}")
     return problems

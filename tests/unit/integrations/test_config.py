@@ -19,6 +19,16 @@ def test_defaults_and_absent_block():
     assert load_zen_config({"zen": False}).enabled is False
 
 
+def test_sync_keys_default_as_sync_options():
+    """The keys that are SyncOptions fields have SyncOptions' defaults (one declaration)."""
+    cfg, defaults = load_zen_config({"zen": {}}), zen_ds.SyncOptions()
+    assert (cfg.seed, cfg.index_encoding, cfg.density_threshold, cfg.handshake,
+            cfg.network.ranks_per_node) == (defaults.seed, defaults.index_encoding, 1.0,
+                                             defaults.handshake, defaults.ranks_per_node)
+    assert defaults.density_threshold == 1.0
+    assert load_zen_config({"zen": {"seed": 2 ** 63 - 1}}).seed == 2 ** 63 - 1  # one int64
+
+
 def test_unknown_key_is_named_with_valid_keys():
     with pytest.raises(ZenConfigError) as err:
         load_zen_config({"zen": {"schme": "balanced"}})
@@ -57,6 +67,8 @@ def test_unrelated_key_gets_no_suggestion():
     ({"density_threshold": 1.5}, "density_threshold"),
     ({"index_encoding": "rle"}, "index_encoding"),
     ({"stats_interval": -1}, "stats_interval"),
+    ({"seed": 2 ** 63}, "zen.seed"),
+    ({"handshake": "gather"}, "zen.handshake"),
     ({"params": []}, "empty list"),
     ({"scheme": "dense", "index_encoding": "bitmap"}, "no effect"),
     ({"enabled": "maybe"}, "enabled"),
