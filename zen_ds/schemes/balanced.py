@@ -46,6 +46,7 @@ from zen_ds import ops
 from zen_ds.core.buffers import scratch
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.wire import as_bytes, round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
 from zen_ds.schemes.base import Scheme, SyncContext
 
@@ -61,10 +62,6 @@ def choose_encoding(unique_rows: int, shard_size: int, id_bytes: int, preference
     if preference == "bitmap":
         return ENCODING_BITMAP
     return ENCODING_BITMAP if (shard_size + 7) // 8 < unique_rows * id_bytes else ENCODING_COO
-
-
-def _round8(nbytes: int) -> int:
-    return nbytes + (-nbytes % 8)
 
 
 def index_bytes(encoding: int, rows: int, shard_size: int, id_bytes: int) -> int:
@@ -110,22 +107,6 @@ def _sole_contributors(shard_rows: torch.Tensor, recv_offsets: torch.Tensor
     slots = torch.searchsorted(shard_rows, recv_offsets.to(torch.int64))
     counts = torch.bincount(slots, minlength=shard_rows.numel())
     return slots, counts[slots] == 1
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A ``[rows, bytes per row]`` uint8 view of a tensor of any dtype (rows may be 0)."""
-    row_bytes = tensor.element_size() * (tensor[0].numel() if tensor.shape[0] else
-                                         int(torch.Size(tensor.shape[1:]).numel()))
-    return tensor.contiguous().view(torch.uint8).reshape(tensor.shape[0], row_bytes)
-
-
-def _view_as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret uint8 bytes (last dim) as ``dtype``; copies only if misaligned or strided."""
-    shape = tuple(buffer.shape[:-1]) + (buffer.shape[-1] // dtype.itemsize,)
-    flat = buffer.reshape(-1)  # a 1-D view when the bytes are dense, else a copy
-    if flat.storage_offset() % dtype.itemsize:
-        flat = flat.clone()
-    return flat.view(dtype).reshape(shape)
 
 
 def _put(area: torch.Tensor, source: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
@@ -203,12 +184,12 @@ class _Pull:
         return [(self.rank, False, self.shard_rows, self.shard_values.reshape(-1, self.x.row_numel))]
 
     def _values(self, chunk: torch.Tensor, rows: int) -> torch.Tensor:
-        return _view_as(chunk[: rows * self.row_bytes], self.x.dtype).reshape(rows, self.x.row_numel)
+        return view_as(chunk[: rows * self.row_bytes], self.x.dtype).reshape(rows, self.x.row_numel)
 
     def _index(self, chunk: torch.Tensor, owner: int, rows: int, is_bitmap: bool) -> torch.Tensor:
         if is_bitmap:
             return chunk[: (self.layout.shard_size(owner) + 7) // 8]
-        return _view_as(chunk[: rows * self.id_bytes], self.layout.id_dtype)
+        return view_as(chunk[: rows * self.id_bytes], self.layout.id_dtype)
 
     def padded(self, bounds: List[int]) -> List[Shard]:
         """One payload for every peer, padded to the rows its owner received (``bounds``, known to
@@ -217,9 +198,9 @@ class _Pull:
         pref = self.ctx.index_encoding
         encodings = [choose_encoding(b, layout.shard_size(j), self.id_bytes, pref)
                      for j, b in enumerate(bounds)]
-        index_areas = [_round8(index_bytes(e, b, layout.shard_size(j), self.id_bytes))
+        index_areas = [round8(index_bytes(e, b, layout.shard_size(j), self.id_bytes))
                        for j, (e, b) in enumerate(zip(encodings, bounds))]
-        sizes = [8 + index_areas[j] + _round8(bounds[j] * self.row_bytes) for j in range(n)]
+        sizes = [8 + index_areas[j] + round8(bounds[j] * self.row_bytes) for j in range(n)]
         index = self._index_payload(self.shard_rows, encodings[rank], self.bitmap)
         payload = sizes[rank]
         # The send buffer holds the payload once per peer: write the first slot, copy it on.
@@ -283,7 +264,7 @@ class _Pull:
             mask = no_mask if single_d is None else ops.bitmap_encode(
                 torch.nonzero(single_d).flatten(), recv_counts[d])
             plans[d] = (mask, index, slots)
-            meta[d] = [rows.numel(), encoding, _round8(index.numel())]
+            meta[d] = [rows.numel(), encoding, round8(index.numel())]
         all_meta = torch.empty(n * n * _PULL_META_FIELDS, dtype=torch.int64, device=self.x.device)
         ctx.comm.all_gather_into_tensor(all_meta, torch.tensor(meta).flatten().to(self.x.device),
                                         "balanced.pull_meta")
@@ -292,8 +273,8 @@ class _Pull:
         masked = sole is not None  # the same on every rank: it depends on the row width only
 
         def size(mask_rows: int, rows: int, index_area: int) -> int:
-            mask_area = _round8((mask_rows + 7) // 8) if masked else 0
-            return mask_area + index_area + _round8(rows * self.row_bytes)
+            mask_area = round8((mask_rows + 7) // 8) if masked else 0
+            return mask_area + index_area + round8(rows * self.row_bytes)
 
         send_splits = [0 if d == rank else size(recv_counts[d], meta[d][0], meta[d][2])
                        for d in range(n)]
@@ -306,7 +287,7 @@ class _Pull:
             if d == rank:
                 continue
             mask, index, slots = plans[d]
-            at = cursor + _round8(mask.numel())
+            at = cursor + round8(mask.numel())
             _put(send[cursor: at], mask)
             _put(send[at: at + meta[d][2]], index)
             _put(send[at + meta[d][2]: cursor + send_splits[d]], values, slots)
@@ -320,7 +301,7 @@ class _Pull:
         my_at = [0, *itertools.accumulate(send_counts)]
         for o, chunk in self._peer_chunks(pulled, recv_splits):
             rows, encoding, index_area = from_owner[o]
-            mask_area = _round8((send_counts[o] + 7) // 8) if masked else 0
+            mask_area = round8((send_counts[o] + 7) // 8) if masked else 0
             if rows:
                 is_bitmap = encoding == ENCODING_BITMAP
                 shards.append((o, is_bitmap, self._index(chunk[mask_area:], o, rows, is_bitmap),
@@ -374,7 +355,7 @@ def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balan
         if gather:
             ctx.owner_counts, received = received, received[:, rank]
         recv_splits = received.tolist()
-    ids, rows = _as_bytes(offsets), _as_bytes(values)  # a row on the wire: its id, its values
+    ids, rows = as_bytes(offsets), as_bytes(values)  # a row on the wire: its id, its values
     width = ids.shape[1] + rows.shape[1]
     send = scratch(ids.shape[0] * width, x.device, "balanced.push_send").view(-1, width)
     torch.cat([ids, rows], dim=1, out=send)
@@ -382,8 +363,8 @@ def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balan
     ctx.comm.all_to_all_single(received, send, recv_splits, send_splits, f"{name}.push")
     del send
     id_bytes = layout.id_dtype.itemsize
-    return Pushed(_view_as(received[:, :id_bytes], layout.id_dtype).flatten(),
-                  _view_as(received[:, id_bytes:], x.dtype).reshape(-1, x.row_numel),
+    return Pushed(view_as(received[:, :id_bytes], layout.id_dtype).flatten(),
+                  view_as(received[:, id_bytes:], x.dtype).reshape(-1, x.row_numel),
                   send_splits, recv_splits, offsets, values)
 
 

@@ -53,6 +53,7 @@ from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import SKETCH_SIZE
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.wire import round8
 from zen_ds.costmodel.shape import DEFAULT_LATENCY_BYTES, ByteEstimate, SyncShape, with_rank
 from zen_ds.costmodel.support import estimate_support, planning_ranks
 from zen_ds.schemes.agsparse import AllGatherSparseScheme
@@ -64,7 +65,6 @@ from zen_ds.schemes.streams import (
     expected_union,
     latency_cost,
     pack,
-    round8,
     unpack,
 )
 from zen_ds.schemes.topology import Topology, ranks_per_node, topology_for

@@ -48,9 +48,10 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.wire import round8
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
 from zen_ds.schemes.base import Scheme, SyncContext
-from zen_ds.schemes.streams import exchange, pack, positive_int_env, round8, row_id_dtype, unpack
+from zen_ds.schemes.streams import exchange, pack, positive_int_env, row_id_dtype, unpack
 
 __all__ = ["OmniReduceScheme", "DEFAULT_BLOCK_SIZE", "BLOCK_SIZE_ENV", "block_size",
            "block_geometry", "blocks_payload_bytes"]

@@ -59,6 +59,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.wire import round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
 from zen_ds.costmodel.support import planning_ranks
 from zen_ds.schemes.base import Scheme, SyncContext
@@ -67,10 +68,8 @@ from zen_ds.schemes.streams import (
     exchange_pairwise,
     latency_cost,
     pack,
-    round8,
     row_id_dtype,
     unpack,
-    view_as,
 )
 
 __all__ = ["SparCMLScheme", "RECURSIVE_DOUBLING", "SPLIT_ALLGATHER"]

@@ -15,13 +15,10 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from zen_ds.core.comm import Communicator
-from zen_ds.schemes.balanced import _as_bytes, _view_as
+from zen_ds.core.wire import round8, view_as
 
-__all__ = ["exchange", "pack", "unpack", "round8", "as_bytes", "view_as", "row_id_dtype",
+__all__ = ["exchange", "pack", "unpack", "row_id_dtype",
            "effective_universe", "expected_union", "latency_cost", "positive_int_env"]
-
-as_bytes = _as_bytes
-view_as = _view_as
 
 _INT32_MAX = 2**31 - 1
 
@@ -40,10 +37,6 @@ def positive_int_env(name: str, meaning: str) -> Optional[int]:
     if value < 1:
         raise ValueError(f"{name}={value}: {meaning} must be >= 1")
     return value
-
-
-def round8(nbytes: int) -> int:
-    return nbytes + (-nbytes % 8)
 
 
 def row_id_dtype(universe: int) -> torch.dtype:
@@ -104,7 +97,7 @@ def unpack(buffer: torch.Tensor, layout: Sequence[Tuple[torch.dtype, int, int]]
     for dtype, count, width in layout:
         nbytes = count * dtype.itemsize
         area = buffer[cursor: cursor + nbytes].reshape(1, -1)
-        out.append(_view_as(area, dtype).reshape(-1) if nbytes else
+        out.append(view_as(area, dtype).reshape(-1) if nbytes else
                    torch.empty(0, dtype=dtype, device=buffer.device))
         cursor += width
     return out

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds import ops
-from zen_ds.core.comm import _all_gather_single
+from zen_ds.core.comm import all_gather_single
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
 from zen_ds.costmodel.cost import (
@@ -142,7 +142,7 @@ def _timed_all_gather(nbytes: int, group: Optional[dist.ProcessGroup], size: int
     for _ in range(repeats + 1):
         dist.barrier(group=group)
         started = time.perf_counter()
-        _all_gather_single(recv, send, group=group)
+        all_gather_single(recv, send, group=group)
         times.append(_reduced_over_group([time.perf_counter() - started], group)[0])
     return statistics.median(times[1:])  # the first includes connection set-up
 

@@ -21,7 +21,8 @@ from zen_ds import ops
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats
-from zen_ds.schemes.balanced import _as_bytes, _view_as, push
+from zen_ds.core.wire import as_bytes, view_as
+from zen_ds.schemes.balanced import push
 from zen_ds.schemes.base import SyncContext
 from zen_ds.sync.agreement import agree
 from zen_ds.sync.allreduce import local_rows
@@ -166,12 +167,12 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
         comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "reduce_scatter_flat.counts")
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
         values = rs.values_2d().index_select(0, rows)
-        send = torch.cat([_as_bytes(ids.index_select(0, rows)), _as_bytes(values)], dim=1)
+        send = torch.cat([as_bytes(ids.index_select(0, rows)), as_bytes(values)], dim=1)
         received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=device)
         comm.all_to_all_single(received, send, recv_splits, send_splits, "reduce_scatter_flat.push")
         del send, values
-        got_ids = _view_as(received[:, :8], torch.int64).flatten()
-        got_values = _view_as(received[:, 8:], rs.dtype).reshape(-1, width)
+        got_ids = view_as(received[:, :8], torch.int64).flatten()
+        got_values = view_as(received[:, 8:], rs.dtype).reshape(-1, width)
         _add_rows_into_partition(out, got_ids, got_values, width, rank * part)
         recv_rows = int(got_ids.numel())
     else:

@@ -28,7 +28,8 @@ from zen_ds.schemes import get_scheme
 from zen_ds.schemes.hierarchical import _inner_scheme
 from zen_ds.schemes.omnireduce import block_geometry, block_size, blocks_payload_bytes
 from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SparCMLScheme, _accum_bytes, _Wire, range_part_bytes
-from zen_ds.schemes.streams import round8, row_id_dtype
+from zen_ds.core.wire import round8
+from zen_ds.schemes.streams import row_id_dtype
 from zen_ds.schemes.topology import Topology as NodeTopology, ranks_per_node
 from zen_ds.tools.sim.supports import Supports, handshake_shape
 from zen_ds.tools.sim.traffic import (

@@ -48,7 +48,7 @@ from zen_ds.sync.agreement import handshake_seconds as step_handshake_seconds
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
 from zen_ds.sync.stable import CHECK_SLOTS, STABLE_SCHEMES, checks_message_bytes, sparse_plans_skip
-from zen_ds.tools.bench.workloads import _log_miss
+from zen_ds.tools.bench.workloads import zipf_log_miss
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, Topology
 
@@ -96,7 +96,7 @@ def topk_tensor(name: str, numel: int, ratio: float, world_size: int, overlap: f
 def zipf_tensor(name: str, rows: int, hidden: int, tokens: int, world_size: int, s: float = 1.1,
                 value_bytes: int = 4) -> StepTensor:
     """An embedding's rows touched by ``tokens`` i.i.d. Zipf(``s``) ids per rank."""
-    held = -torch.expm1(tokens * _log_miss(rows, s))  # P(rank holds row i)
+    held = -torch.expm1(tokens * zipf_log_miss(rows, s))  # P(rank holds row i)
     nnz = float(held.sum())
     log_none = world_size * torch.log1p(-held.clamp(max=1 - 1e-12))
     union = float((-torch.expm1(log_none)).sum())

@@ -25,10 +25,10 @@ import torch
 
 from zen_ds.core.handshake import handshake_bytes, summary_width
 from zen_ds.core.sparse import accum_dtype
+from zen_ds.core.wire import round8
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.schemes.balanced import (
     _PULL_META_FIELDS,
-    _round8,
     choose_encoding,
     index_bytes,
     pads_pull,
@@ -174,11 +174,11 @@ def agsparse_traffic(s: Supports, shape: SyncShape, index_encoding: str) -> Traf
 
 def _index_areas(rows: torch.Tensor, shard_sizes: torch.Tensor, id_bytes: int,
                  preference: str) -> torch.Tensor:
-    """``_round8(index_bytes(choose_encoding(...)))`` of balanced for every (rows, shard) pair,
+    """``round8(index_bytes(choose_encoding(...)))`` of balanced for every (rows, shard) pair,
     through the scheme's own functions, each distinct pair evaluated once."""
     pairs = torch.stack([rows.flatten(), shard_sizes.expand_as(rows).flatten()], dim=1)
     distinct, where = torch.unique(pairs, dim=0, return_inverse=True)
-    areas = [_round8(index_bytes(choose_encoding(r, u, id_bytes, preference), r, u, id_bytes))
+    areas = [round8(index_bytes(choose_encoding(r, u, id_bytes, preference), r, u, id_bytes))
              for r, u in distinct.tolist()]
     return torch.tensor(areas, dtype=torch.int64)[where].reshape(rows.shape)
 
