@@ -43,7 +43,14 @@ from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter, sparse
 
 __version__ = "0.1.0"
 
-SCHEMES = scheme_names()
+
+def __getattr__(name: str) -> object:
+    """``zen_ds.SCHEMES``: the registered schemes' names, read when asked, so a scheme added
+    with :func:`zen_ds.schemes.register_scheme` shows in it."""
+    if name == "SCHEMES":
+        return scheme_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats", "ZenError",
            "SyncOptions", "default_options", "set_default_options", "ZenSyncError", "ZenInputError",

@@ -22,7 +22,8 @@ received with the skip, ``S_r`` = this rank's single-holder rows).
 
 :func:`push` alone is :func:`zen_ds.sparse_reduce_scatter`. The module is over 400 lines because
 the pull's two size modes, the single-holder skip and the dense scatter share the push's buffers
-and the shard's layout; splitting them would pass that state across modules.
+and the shard's layout, and the exact traffic (:meth:`BalancedScheme.traffic`) replays the same
+size decisions; splitting them would pass that state across modules.
 
 Host synchronisations on CUDA (each waits for the work queued before it; all are needed because
 NCCL's ``all_to_all_single`` takes its splits, and the receive buffers their sizes, on the host):
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -48,7 +49,10 @@ from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import as_bytes, round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
+from zen_ds.costmodel.supports import Supports
+from zen_ds.costmodel.traffic import Phase, Traffic, per_rank
 from zen_ds.schemes.base import Scheme, SyncContext
+from zen_ds.schemes.streams import rows_from_positions
 
 ENCODING_COO = 0
 ENCODING_BITMAP = 1
@@ -123,24 +127,6 @@ def _put(area: torch.Tensor, source: torch.Tensor, slots: Optional[torch.Tensor]
 
 
 Shard = Tuple[int, bool, torch.Tensor, torch.Tensor]  # owner, is_bitmap, index, [rows, numel]
-
-
-def rows_from_positions(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], x: RowSparse,
-                        seed: int, sorted_output: bool) -> RowSparse:
-    """The summed rows of a shard-partitioned sync as a RowSparse of ``x``'s shape and dtype.
-
-    ``parts``: (permuted positions, values) per shard, every row once. Positions map back to
-    rows through the seeded permutation; the result is sorted only when ``sorted_output``."""
-    rows = ops.unpermute(torch.cat([p for p, _ in parts]), x.num_rows, seed)
-    values = torch.cat([v for _, v in parts])
-    if sorted_output:
-        # The rows are unique, so "aggregate" only sorts them (and copies each row once):
-        # the compiled op does that with a bitset/bucket pass or a radix sort, several times
-        # cheaper than an argsort and two gathers of the whole union.
-        rows, values = ops.aggregate(rows, values, accum_dtype(x.dtype))
-        values = values.to(x.dtype)
-    return RowSparse(rows, values.reshape((rows.numel(),) + x.row_shape), x.num_rows,
-                     coalesced=sorted_output)
 
 
 class _Pull:
@@ -371,6 +357,8 @@ def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balan
 class BalancedScheme(Scheme):
     name = "balanced"
     needs_owner_counts = True
+    checks_in_counts = True
+    reduce_scatters = True
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> Optional[RowSparse]:
         n, rank = ctx.world_size, ctx.rank
@@ -483,3 +471,58 @@ class BalancedScheme(Scheme):
         received = (n - 1) * payload(r)
         return on_links(ByteEstimate(push_sent + meta + sent, push_received + meta + received,
                                      3 * (n - 1)), shape, SPREAD, compute)
+
+    def checks_message_bytes(self, shape: SyncShape) -> int:
+        """One int64 count to each owner, or, where the pull pads to the owners' bounds, all of
+        the rank's counts (an all-gather: every rank needs every rank's)."""
+        n = shape.world_size
+        if pads_pull(shape, ShardLayout(shape.num_rows, n, 0).id_dtype.itemsize + shape.row_bytes):
+            return 8 * n
+        return 8
+
+    def traffic(self, supports: Supports, shape: SyncShape, index_encoding: str,
+                checks: bool = False) -> Traffic:
+        """Push of exact splits, then the pull :meth:`sync` takes for this handshake: padded to
+        the owners' bounds, or exchanged sizes with single-holder rows skipped towards their
+        holder; ``checks``: after the count message that carries them."""
+        s, n, layout = supports, supports.world_size, supports.layout
+        id_bytes, row_bytes = layout.id_dtype.itemsize, supports.row_bytes
+        counts = s.owner_counts  # [sender, owner]
+        shard_sizes = torch.tensor([layout.shard_size(o) for o in range(n)], dtype=torch.int64)
+        phases = [Phase.all_to_all("balanced.push", counts * (id_bytes + row_bytes))]
+        per_peer = self.checks_message_bytes(shape) if checks else 0
+        if per_peer == 8:  # one count to each owner
+            phases.insert(0, Phase.all_to_all("balanced.counts", torch.full((n, n), 8)))
+        elif per_peer:  # every rank's counts, where the pull pads to the owners' bounds
+            phases.insert(0, Phase.ring("balanced.counts", "all_gather",
+                                        per_rank(n, (n - 1) * per_peer)))
+        received_rows = counts.sum(0)
+        if pads_pull(shape, id_bytes + row_bytes):
+            bounds = received_rows
+            sizes = 8 + _index_areas(bounds, shard_sizes, id_bytes, index_encoding) \
+                + round8(bounds * row_bytes)
+            phases.append(Phase.all_to_all("balanced.pull", sizes[:, None].expand(n, n)))
+        else:
+            meta = (n - 1) * n * _PULL_META_FIELDS * 8
+            phases.append(Phase.ring("balanced.pull_meta", "all_gather", per_rank(n, meta)))
+            union = s.union_per_owner[:, None].expand(n, n)  # [owner, destination]
+            skip = skips_single_holders(row_bytes)
+            rows = union - s.single_per_owner if skip else union
+            # The mask covers the rows the destination pushed to this owner.
+            mask = round8((counts.T + 7) // 8) if skip else torch.zeros_like(rows)
+            sizes = mask + _index_areas(rows, shard_sizes[:, None], id_bytes, index_encoding) \
+                + round8(rows * row_bytes)
+            phases.append(Phase.all_to_all("balanced.pull", sizes))
+        return Traffic(phases, {"partition": s.nnz.clone(), "aggregate": received_rows,
+                                "scatter": per_rank(n, s.union)})
+
+
+def _index_areas(rows: torch.Tensor, shard_sizes: torch.Tensor, id_bytes: int,
+                 preference: str) -> torch.Tensor:
+    """``round8(index_bytes(choose_encoding(...)))`` for every (rows, shard) pair, each
+    distinct pair evaluated once."""
+    pairs = torch.stack([rows.flatten(), shard_sizes.expand_as(rows).flatten()], dim=1)
+    distinct, where = torch.unique(pairs, dim=0, return_inverse=True)
+    areas = [round8(index_bytes(choose_encoding(r, u, id_bytes, preference), r, u, id_bytes))
+             for r, u in distinct.tolist()]
+    return torch.tensor(areas, dtype=torch.int64)[where].reshape(rows.shape)

@@ -22,7 +22,8 @@ from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats
 from zen_ds.core.wire import as_bytes, view_as
-from zen_ds.schemes.balanced import push
+from zen_ds.schemes.agsparse import AllGatherSparseScheme
+from zen_ds.schemes.balanced import BalancedScheme, push
 from zen_ds.schemes.base import SyncContext
 from zen_ds.sync.agreement import agree
 from zen_ds.sync.allreduce import local_rows
@@ -63,7 +64,9 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     if seed is not None and isinstance(opts, SyncOptions):
         opts = replace(opts, seed=seed)
     seed = opts.seed if isinstance(opts, SyncOptions) else 0
-    comm, local, table = agree(x, None, group, "balanced", False, opts, prescale, postscale, log_prefix)
+    # balanced's handshake (its owner counts are the push's splits)
+    comm, local, table = agree(x, None, group, BalancedScheme.name, False, opts, prescale,
+                               postscale, log_prefix)
     comm.scheme = "reduce_scatter"
     n, rank = comm.world_size, comm.rank
     x = local_rows(local, float(prescale))
@@ -120,7 +123,9 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
     the handshake plus that ring's, ``nnz_result`` the summed row counts: an upper bound).
     """
     opts = options if options is not None else default_options()
-    comm, local, table = agree(x, None, group, "agsparse", False, opts, prescale, postscale, log_prefix)
+    # a handshake without sketches (agsparse's): the counts alone decide the fallback
+    comm, local, table = agree(x, None, group, AllGatherSparseScheme.name, False, opts, prescale,
+                               postscale, log_prefix)
     comm.scheme = "reduce_scatter_flat"
     n, rank = comm.world_size, comm.rank
     width = local.row_numel

@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from zen_ds.schemes import DENSE
 from zen_ds.tools.bench.workloads import parse_workload
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the step compute that is backward (overlap model)")
     p.add_argument("--json", default=None, help="write rows, bounds and context to this file")
     p.add_argument("--plot", default=None, help="PNG: speed-up vs ranks per scheme (log-log)")
-    p.add_argument("--plot-baseline", default="dense", help="speed-up over this scheme")
+    p.add_argument("--plot-baseline", default=DENSE, help="speed-up over this scheme")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
