@@ -5,7 +5,7 @@ Core API::
     zen_ds.sparse_allreduce(x, group=None, scheme="auto", average=False, *, out=None,
                             prescale=1.0, postscale=1.0, options=zen_ds.SyncOptions(), stats=None)
     zen_ds.last_sync_stats()
-    zen_ds.RowSparse, zen_ds.SCHEMES
+    zen_ds.RowSparse, zen_ds.SCHEMES (zen_ds.scheme_names(): the registered schemes, live)
 
 DeepSpeed plug-in::
 
@@ -52,7 +52,8 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats", "ZenError",
+__all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "scheme_names",
+           "SyncStats", "ZenError",
            "SyncOptions", "default_options", "set_default_options", "ZenSyncError", "ZenInputError",
            "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "sparse_reduce_scatter_flat", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
            "initialize", "attach", "state_of", "enable", "disable", "full_state_dict", "ZenReductionError",

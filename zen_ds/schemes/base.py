@@ -124,9 +124,9 @@ class Scheme(ABC):
     #: ``auto`` offers it only on the default process group.
     needs_whole_world: ClassVar[bool] = False
     #: True when the scheme sums the whole tensor with the library all-reduce: the sync layer
-    #: sums a dense input with it directly (no rows gathered), ``density_threshold`` falls back
-    #: to it, and a plan of it is kept between steps with the checks as extra elements of that
-    #: all-reduce (:mod:`zen_ds.sync.stable`).
+    #: sums a dense input that way directly (no rows gathered), a plan of it can be made from
+    #: the reduced handshake alone, and it is kept between steps with the checks as extra
+    #: elements of that all-reduce (:mod:`zen_ds.sync.stable`).
     whole_tensor: ClassVar[bool] = False
     #: True when ``sync`` honours ``ctx.checks``: its first message exchanges per-rank counts
     #: through :meth:`SyncContext.exchange_counts`, so a plan of it is kept between steps with

@@ -191,7 +191,7 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     summary all-reduce, non-dense plans gather the records too, and ``auto`` decides dense from
     the summary as :func:`zen_ds.sync.allreduce.summary_prefers_dense` does. ``per_step``
     with ``reduce`` or ``auto``: the plug-in's steady state, a stable plan of
-    :data:`~zen_ds.sync.step.STABLE_SCHEMES` runs without a handshake (its checks in the dense
+    :func:`~zen_ds.sync.stable.stable_schemes` runs without a handshake (its checks in the dense
     all-reduce, or in the sparse scheme's count message)."""
     n = supports.world_size
     if n < 2:
