@@ -452,3 +452,14 @@ def test_the_public_api_is_unchanged() -> None:
                  "ZenConfig", "ZenConfigError", "release_result_buffers", "__version__"):
         assert name in exported, name
     assert _names(exported) == _names(set(exported)), "duplicates in __all__"
+
+
+def test_sparse_allreduce_takes_what_a_user_sets() -> None:
+    """Zen's own plumbing (collective names, an agreed local failure, a step's agreement) goes
+    through :func:`zen_ds.sync.allreduce.sync_tensor`, not the public signature."""
+    tree = ast.parse((PACKAGE / "sync" / "allreduce.py").read_text())
+    function = next(n for n in tree.body
+                    if isinstance(n, ast.FunctionDef) and n.name == "sparse_allreduce")
+    arguments = [a.arg for a in function.args.args + function.args.kwonlyargs]
+    assert arguments == ["x", "group", "scheme", "average", "out", "prescale", "postscale",
+                         "options", "stats", "seed", "index_encoding"]
