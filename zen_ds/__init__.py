@@ -5,7 +5,7 @@ Core API::
     zen_ds.sparse_allreduce(x, group=None, scheme="auto", average=False, *, out=None,
                             prescale=1.0, postscale=1.0, options=zen_ds.SyncOptions(), stats=None)
     zen_ds.last_sync_stats()
-    zen_ds.RowSparse, zen_ds.SCHEMES
+    zen_ds.RowSparse, zen_ds.SCHEMES (zen_ds.scheme_names(): the registered schemes, live)
 
 DeepSpeed plug-in::
 
@@ -43,9 +43,17 @@ from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter, sparse
 
 __version__ = "0.1.0"
 
-SCHEMES = scheme_names()
 
-__all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "SyncStats", "ZenError",
+def __getattr__(name: str) -> object:
+    """``zen_ds.SCHEMES``: the registered schemes' names, read when asked, so a scheme added
+    with :func:`zen_ds.schemes.register_scheme` shows in it."""
+    if name == "SCHEMES":
+        return scheme_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "scheme_names",
+           "SyncStats", "ZenError",
            "SyncOptions", "default_options", "set_default_options", "ZenSyncError", "ZenInputError",
            "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "sparse_reduce_scatter_flat", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
            "initialize", "attach", "state_of", "enable", "disable", "full_state_dict", "ZenReductionError",

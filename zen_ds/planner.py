@@ -77,13 +77,13 @@ def plan_and_price(shape: SyncShape, candidates: Iterable[str] = (),
     sparsity) otherwise asks every scheme's byte model at every planning rank again, which costs
     more host time than the sync itself."""
     names = tuple(candidates) or auto_candidates()
-    if not 1 < shape.ranks_per_node < shape.world_size:  # one node, or a node per rank
-        names = tuple(name for name in names if name != "hierarchical") or names
+    # A scheme's topology limits (a two-level scheme on one node); a pinned scheme runs anyway.
+    names = tuple(name for name in names if get_scheme(name).applies_to(shape)) or names
     key = None
     if memo is not None:
         key = (names, cost, shape.world_size, tuple(shape.nnz_per_rank), shape.union_nnz,
                shape.num_rows, shape.row_numel, shape.value_bytes, shape.rank,
-               shape.latency_bytes, shape.singletons, shape.ranks_per_node, _model_env(),
+               shape.latency_bytes, shape.singletons, shape.ranks_per_node,
                _model_settings(names))
         kept = memo.prices(key)
         if kept is not None:
@@ -100,8 +100,6 @@ def plan_and_price(shape: SyncShape, candidates: Iterable[str] = (),
 EXACT_COUNTS = 64
 STEPS_PER_OCTAVE = 16
 PLAN_MEMO_SIZE = 4096
-# Settings the schemes' byte models read from the environment (part of the memo key).
-_MODEL_ENV = ("ZEN_DS_OMNIREDUCE_BLOCK", "ZEN_DS_RANKS_PER_NODE", "LOCAL_WORLD_SIZE")
 
 
 class _Recent:
@@ -168,13 +166,11 @@ DEFAULT_PLAN_MEMO = PlanMemo()
 
 def _model_settings(names: Tuple[str, ...]) -> Tuple[Hashable, ...]:
     """The candidates' scheme objects and what their byte models read besides the shape (a
-    pinned sparcml variant): part of every memo key, so a change is priced afresh."""
-    return tuple((scheme, scheme.model_settings()) for scheme in map(get_scheme, names))
-
-
-def _model_env() -> Tuple[Optional[str], ...]:
-    """The environment settings the byte models read (part of every memo key)."""
-    return tuple(os.environ.get(v) for v in _MODEL_ENV)
+    pinned sparcml variant, the environment settings of ``model_env``): part of every memo
+    key, so a change is priced afresh."""
+    return tuple((scheme, scheme.model_settings(),
+                  tuple(os.environ.get(name) for name in scheme.model_env))
+                 for scheme in map(get_scheme, names))
 
 
 def _bucket(count: int) -> int:
@@ -214,7 +210,7 @@ def plan_choice(shape: SyncShape, candidates: Iterable[str] = (), cost: CostMode
     counts rank lower (``tests/plan_memo_table.py`` measures how often and by how much)."""
     names = tuple(candidates) or auto_candidates()
     key = (names, cost, shape.world_size, shape.num_rows, shape.row_numel, shape.value_bytes,
-           shape.latency_bytes, shape.ranks_per_node, _model_env(), _model_settings(names),
+           shape.latency_bytes, shape.ranks_per_node, _model_settings(names),
            tuple(_bucket(m) for m in shape.nnz_per_rank), _bucket(shape.union_nnz),
            _bucket(shape.singletons))
     memo = DEFAULT_PLAN_MEMO if memo is None else memo

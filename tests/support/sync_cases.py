@@ -194,13 +194,25 @@ CASES: Dict[str, Callable] = {
 # (scheme, index_encoding, average, pull sizes). Pull sizes: "" = the default cost model decides
 # (the small cases here pad), "exchange" / "bound" force balanced's size all-gather / padded pull
 # through the cost model (alpha 0 / alpha 1 s).
-VARIANTS: List[Tuple[str, str, bool, str]] = [
-    ("dense", "auto", False, ""), ("agsparse", "auto", False, ""), ("balanced", "auto", False, ""),
-    ("balanced", "coo", False, ""), ("balanced", "bitmap", False, ""), ("auto", "auto", False, ""),
+Variant = Tuple[str, str, bool, str]
+# Options of particular schemes, on top of every registered scheme as it is (VARIANTS): averaged
+# through DeepSpeed's two paths and ZEN's, balanced's index encodings and both pull sizes.
+OPTION_VARIANTS: List[Variant] = [
+    ("balanced", "coo", False, ""), ("balanced", "bitmap", False, ""),
     ("balanced", "auto", True, ""), ("agsparse", "auto", True, ""), ("dense", "auto", True, ""),
     ("balanced", "auto", False, "exchange"), ("balanced", "coo", False, "exchange"),
     ("balanced", "bitmap", False, "exchange"), ("balanced", "auto", True, "bound"),
 ]
+
+
+def conformance_variants() -> List[Variant]:
+    """Every registered scheme (the live registry: a scheme registered before this runs is
+    checked too) and ``auto``, then :data:`OPTION_VARIANTS`."""
+    plain = [(name, "auto", False, "") for name in zen_ds.scheme_names() + ("auto",)]
+    return plain + [v for v in OPTION_VARIANTS if v not in plain]
+
+
+VARIANTS: List[Variant] = conformance_variants()
 PULL_COST_MODELS = {"": CostModel(), "exchange": CostModel(alpha=0.0),
                     "bound": CostModel(alpha=1.0)}
 
@@ -297,11 +309,18 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, **tolerance) -> None:
         torch.testing.assert_close(got, want, **tolerance)
 
 
+def _whole_tensor(scheme: str) -> bool:
+    """Whether ``scheme`` (a registered one; not auto, not local) sums the whole tensor."""
+    from zen_ds.schemes import get_scheme
+
+    return scheme in zen_ds.scheme_names() and get_scheme(scheme).whole_tensor
+
+
 def _check_case(case: str, variant: Tuple[str, str, bool, str], rank: int, n: int) -> None:
     scheme, encoding, average, pull = variant
     inputs, reference = _inputs_and_reference(case, rank, n)
     x = inputs[rank]
-    if case == "huge_5e9_rows" and (scheme == "dense" or encoding == "bitmap"):
+    if case == "huge_5e9_rows" and (_whole_tensor(scheme) or encoding == "bitmap"):
         # A 5e9-row dense all-reduce cannot fit in memory, and a forced bitmap over a 1.7e9-row
         # shard is 200 MB per shard for 8 rows; auto must avoid both (checked below).
         return
@@ -323,7 +342,7 @@ def _check_case(case: str, variant: Tuple[str, str, bool, str], rank: int, n: in
         torch.testing.assert_close(y.values.to(torch.float64), ref_values / divisor,
                                    equal_nan=True, **_tolerance(x.dtype))
         if case == "huge_5e9_rows":
-            assert stats.scheme != "dense", "auto chose dense for a 5e9-row tensor"
+            assert not _whole_tensor(stats.scheme), "auto chose dense for a 5e9-row tensor"
         return
     if x.is_sparse:
         assert y.is_sparse and y.is_coalesced() and y.shape == x.shape and y.dtype == x.dtype

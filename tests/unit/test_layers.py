@@ -8,8 +8,10 @@ A module may import its own layer and the layers below it. The facade (``zen_ds/
 ``zen_ds/__main__.py``, the public spellings ``zen_ds.megatron`` / ``zen_ds.compression`` and the
 deprecated ``python -m zen_ds.<tool>`` spellings) sits on top and may import anything. Besides the order, the import graph has no cycle (within a layer either),
 no module imports a ``zen_ds`` module inside a function unless the import is a documented
-optional dependency (:data:`OPTIONAL_LOCAL_IMPORTS`), and no module is over 400 lines without a
-stated reason (:data:`LONG_MODULES`). Each check is shown to fail on a small bad example, so a
+optional dependency (:data:`OPTIONAL_LOCAL_IMPORTS`), no module is over 400 lines without a
+stated reason (:data:`LONG_MODULES`), no module imports another module's private (``_``) name,
+and no module outside ``zen_ds/schemes/`` decides anything by a scheme's name (a scheme's rules
+are attributes of its :class:`~zen_ds.schemes.base.Scheme`, so a new scheme is one module). Each check is shown to fail on a small bad example, so a
 passing check is not a vacuous one. ``if TYPE_CHECKING:`` imports are annotations only and are
 not edges.
 """
@@ -37,10 +39,12 @@ OPTIONAL_LOCAL_IMPORTS = {
 }
 # module -> (line limit, why it is longer than 400 lines)
 LONG_MODULES = {
-    "zen_ds.schemes.sparcml": (540, "SparCML's two variants (split all-gather, recursive doubling) and "
-                               "the byte model that picks between them share their stream layout"),
-    "zen_ds.schemes.balanced": (510, "ZEN's scheme: the push, both pull encodings (COO, bitmap), "
-                                "their byte model and their buffers, which must change together"),
+    "zen_ds.schemes.sparcml": (470, "SparCML's two variants (split all-gather, recursive doubling) and "
+                               "the byte model that picks between them (their codec and traffic are "
+                               "in sparcml_streams)"),
+    "zen_ds.schemes.balanced": (530, "ZEN's scheme: the push, both pull encodings (COO, bitmap), "
+                                "their byte model, their exact traffic and their buffers, which must "
+                                "change together"),
     "zen_ds.features.compression": (490, "three compressors (top-k, DGC, threshold) over one "
                                     "error-feedback state and its checkpoint format"),
     "zen_ds.tools.bench.workloads": (580, "one generator per workload family, each a few dozen lines "
@@ -55,6 +59,16 @@ LONG_MODULES = {
                                             "DeepSpeed builds, accumulation, and the replicated, "
                                             "sharded and row-sharded steps over its masters"),
 }
+
+
+# Strings equal to a scheme's name that name something else: (module, the expression compared
+# with the string) -> what the string is there.
+NOT_SCHEME_NAMES = {
+    ("zen_ds.sync.allreduce", "local.kind"): "an input's kind (zen_ds.core.inputs: rowsparse, coo, "
+                                             "dense)",
+    ("zen_ds.tools.bench.workloads", "name"): "a workload's name (dense:mb=N)",
+}
+SCHEMES_PACKAGE = "zen_ds.schemes"
 
 
 # Module-level state that code changes after import: (module, name) -> what it holds and why it is
@@ -91,7 +105,6 @@ PROCESS_STATE = {
                                                           "feeding on them (weak references)",
     ("zen_ds.integrations.deepspeed.checkpoint", "_WARNED"): "each skipped-flag warning once per process",
     ("zen_ds.integrations.deepspeed.rowstep", "_warned"): "each optimizer type's whole-shard step logged once per process",
-    ("zen_ds.tools.sim.traffic", "_TRAFFIC"): "the simulator's traffic functions by scheme (a tool)",
     ("zen_ds.tools.bench.ops", "_stat"): "the ops benchmark's statistic, set by its CLI (a tool)",
 }
 _MUTATORS = {"update", "pop", "clear", "append", "add", "setdefault", "popitem", "move_to_end",
@@ -225,6 +238,61 @@ def unlisted_local_imports(local: Dict[str, List[Tuple[int, str]]]) -> List[str]
             for line, t in local[m] if (m, t) not in OPTIONAL_LOCAL_IMPORTS]
 
 
+def scheme_names_in(sources: Dict[str, str]) -> Set[str]:
+    """The ``name`` every class of the schemes package sets (read from the source)."""
+    names: Set[str] = set()
+    for module, source in sources.items():
+        if module == SCHEMES_PACKAGE or module.startswith(SCHEMES_PACKAGE + "."):
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.ClassDef):
+                    names.update(st.value.value for st in node.body if isinstance(st, ast.Assign)
+                                 and any(getattr(t, "id", "") == "name" for t in st.targets)
+                                 and isinstance(st.value, ast.Constant)
+                                 and isinstance(st.value.value, str))
+    return names
+
+
+def scheme_name_rules(source: str, module: str, names: Set[str]) -> List[str]:
+    """Where ``module`` decides by a scheme's name: a comparison with one (``==``, ``in`` a
+    literal), a dict keyed by them, a subscript by one, a module- or class-level collection of
+    them. Passing a name (``scheme="dense"``) is no rule. :data:`NOT_SCHEME_NAMES` lists the
+    comparisons whose string names something else."""
+
+    def named(node: ast.AST) -> List[str]:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [e.value for e in items if isinstance(e, ast.Constant) and e.value in names]
+
+    tree = ast.parse(source)
+    found: List[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left] + node.comparators
+            for operand in operands:
+                others = {ast.unparse(o) for o in operands if o is not operand}
+                if named(operand) and not any((module, o) in NOT_SCHEME_NAMES for o in others):
+                    found.append(f"{module}:{node.lineno}: compares {ast.unparse(node)}")
+        elif isinstance(node, ast.Dict) and any(k is not None and named(k) for k in node.keys):
+            found.append(f"{module}:{node.lineno}: a dict keyed by scheme names")
+        elif isinstance(node, ast.Subscript) and named(node.slice):
+            found.append(f"{module}:{node.lineno}: looks up {ast.unparse(node)}")
+    bodies = [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    for body in bodies:
+        for st in body:
+            value = getattr(st, "value", None) if isinstance(st, (ast.Assign, ast.AnnAssign)) else None
+            if isinstance(value, (ast.Tuple, ast.List, ast.Set)) and named(value):
+                found.append(f"{module}:{st.lineno}: a list of scheme names {ast.unparse(value)}")
+    return found
+
+
+def private_imports(source: str, module: str) -> List[str]:
+    """``from zen_ds.x import _name``: another module's private name."""
+    return [f"{module}:{node.lineno}: imports {alias.name} from {node.module}"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "zen_ds"
+            for alias in node.names
+            if alias.name.startswith("_") and not alias.name.endswith("__")]
+
+
 def _package_sources() -> Dict[str, str]:
     return {module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
 
@@ -279,6 +347,49 @@ def test_module_state_is_documented(package) -> None:
         "module-level state changed after import: keep it in an object the caller holds, or "
         f"document why it is per process in PROCESS_STATE: {sorted(found - set(PROCESS_STATE))}")
     assert not set(PROCESS_STATE) - found, f"stale PROCESS_STATE entries: {set(PROCESS_STATE) - found}"
+
+
+def test_no_module_outside_the_schemes_decides_by_a_scheme_name(package) -> None:
+    sources, _, _ = package
+    names = scheme_names_in(sources)
+    assert {"dense", "balanced", "hierarchical"} <= names, "the schemes moved: update SCHEMES_PACKAGE"
+    found = [rule for module, source in sources.items()
+             if not (module == SCHEMES_PACKAGE or module.startswith(SCHEMES_PACKAGE + "."))
+             for rule in scheme_name_rules(source, module, names)]
+    assert not found, ("make these rules attributes or methods of the scheme (zen_ds.schemes.base."
+                       "Scheme), or list a string that names something else in NOT_SCHEME_NAMES:\n"
+                       + "\n".join(found))
+    used = {(m, ast.unparse(o)) for m, source in sources.items()
+            for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+            for o in [node.left] + node.comparators}
+    assert set(NOT_SCHEME_NAMES) <= used, f"stale NOT_SCHEME_NAMES: {set(NOT_SCHEME_NAMES) - used}"
+
+
+def test_no_module_imports_a_private_name(package) -> None:
+    sources, _, _ = package
+    found = [line for module, source in sources.items() for line in private_imports(source, module)]
+    assert not found, "make the name public (or move it where it is used):\n" + "\n".join(found)
+
+
+# ----------------------------------------------------------------------------- the checks bite
+def test_a_scheme_name_rule_is_caught() -> None:
+    names = scheme_names_in({"zen_ds.schemes.x": 'class X:\n    name = "x"\n    other = "y"\n'})
+    assert names == {"x"}
+    source = ('if chosen == "x":\n    pass\nKEEP = ("x", "z")\nBY = {"x": 1}\nok = s in ("auto", "x")\n'
+              'seconds["x"]\nrun(scheme="x")\nif local.kind == "x":\n    pass\n'
+              'class C:\n    LIST = ["x"]\n')
+    found = scheme_name_rules(source, "zen_ds.sync.allreduce", names)
+    # comparisons, the dict, the subscript, then the module- and class-level lists; not the call
+    assert [line.split(":")[1] for line in found] == ["1", "4", "5", "6", "3", "11"], found
+    elsewhere = scheme_name_rules(source, "zen_ds.sync.other", names)  # local.kind: allreduce's
+    assert [line.split(":")[1] for line in elsewhere] == ["1", "4", "5", "6", "8", "3", "11"]
+
+
+def test_a_private_import_is_caught() -> None:
+    source = ("from zen_ds.schemes.balanced import _as_bytes, push\nfrom torch import _C\n"
+              "from zen_ds.core import __version__\n")
+    assert private_imports(source, "zen_ds.sync.x") == [
+        "zen_ds.sync.x:1: imports _as_bytes from zen_ds.schemes.balanced"]
 
 
 # ----------------------------------------------------------------------------- the checks bite
@@ -341,3 +452,14 @@ def test_the_public_api_is_unchanged() -> None:
                  "ZenConfig", "ZenConfigError", "release_result_buffers", "__version__"):
         assert name in exported, name
     assert _names(exported) == _names(set(exported)), "duplicates in __all__"
+
+
+def test_sparse_allreduce_takes_what_a_user_sets() -> None:
+    """Zen's own plumbing (collective names, an agreed local failure, a step's agreement) goes
+    through :func:`zen_ds.sync.allreduce.sync_tensor`, not the public signature."""
+    tree = ast.parse((PACKAGE / "sync" / "allreduce.py").read_text())
+    function = next(n for n in tree.body
+                    if isinstance(n, ast.FunctionDef) and n.name == "sparse_allreduce")
+    arguments = [a.arg for a in function.args.args + function.args.kwonlyargs]
+    assert arguments == ["x", "group", "scheme", "average", "out", "prescale", "postscale",
+                         "options", "stats", "seed", "index_encoding"]

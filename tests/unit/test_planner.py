@@ -52,8 +52,7 @@ def test_pruned_plan_equals_full_pricing(shape: SyncShape, cost: CostModel, per_
     # time must be those of pricing every scheme at every planning rank.
     shape = replace(shape, ranks_per_node=per_node, rank=rank % shape.world_size,
                     latency_bytes=cost.latency_bytes)
-    names = [n for n in auto_candidates()
-             if n != "hierarchical" or 1 < per_node < shape.world_size]
+    names = [n for n in auto_candidates() if get_scheme(n).applies_to(shape)]
     full, _ = price(shape, names, cost)
     chosen, slowest, _ = plan_and_price(shape, (), cost)
     assert chosen == min(names, key=full.__getitem__)
@@ -87,7 +86,7 @@ def test_memoised_choice_is_pure_and_near_the_exact_best(shape: SyncShape, cost:
     if max(nearby.nnz_per_rank) <= shape.num_rows:
         plan_choice(nearby, (), cost)
     assert plan_choice(replace(shape, rank=(rank + 1) % n), (), cost) == first
-    names = [s for s in auto_candidates() if s != "hierarchical" or 1 < per_node < n]
+    names = [s for s in auto_candidates() if get_scheme(s).applies_to(shape)]
     exact, _ = price(shape, names, cost)
     bucketed, _ = price(representative_shape(shape), names, cost)
     moved = max(abs(bucketed[s] / exact[s] - 1) for s in names if exact[s] > 0)
@@ -221,8 +220,14 @@ def test_shared_nic_moves_auto_from_balanced_to_hierarchical() -> None:
 
 def test_hierarchical_is_no_candidate_on_one_node_or_one_rank_per_node() -> None:
     for per_node in (1, 16):
-        chosen, estimates = plan(replace(_EMBEDDING, ranks_per_node=per_node), cost=_CLUSTER)
+        shape = replace(_EMBEDDING, ranks_per_node=per_node)
+        chosen, estimates = plan(shape, cost=_CLUSTER)
         assert "hierarchical" not in estimates and chosen != "hierarchical"
+        assert not get_scheme("hierarchical").applies_to(shape)
+    assert get_scheme("hierarchical").applies_to(replace(_EMBEDDING, ranks_per_node=8))
+    # pinned, it is priced all the same
+    assert "hierarchical" in plan(replace(_EMBEDDING, ranks_per_node=1), ("hierarchical",),
+                                  cost=_CLUSTER)[1]
 
 
 def test_latency_bound_tensor_takes_recursive_doubling() -> None:

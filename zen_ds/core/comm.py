@@ -48,10 +48,10 @@ import torch.distributed as dist
 
 from zen_ds.core.errors import ZenSyncError
 
-__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group"]
+__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "all_gather_single"]
 
 # torch >= 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 
@@ -92,7 +92,7 @@ def _ds_all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor
                                log_name: str = "all_gather_into_tensor", debug: str = ""):
     """DeepSpeed's ``all_gather_into_tensor`` signature over torch's non-deprecated name, so the
     comms logger records it under zen's ``log_name`` without DeepSpeed calling the old name."""
-    return _all_gather_single(output_tensor, tensor, group=group, async_op=async_op)
+    return all_gather_single(output_tensor, tensor, group=group, async_op=async_op)
 
 
 _ds_all_gather_into_tensor.__name__ = "all_gather_into_tensor"  # DeepSpeed logs the op by it
@@ -176,7 +176,7 @@ class Communicator:
             gather = _ds_logged_all_gather()
             self._run(name, lambda: gather(output, tensor, group=self.group, log_name=log_name))
         else:
-            self._run(name, lambda: _all_gather_single(output, tensor, group=self.group))
+            self._run(name, lambda: all_gather_single(output, tensor, group=self.group))
 
     def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor,
                           output_splits: Sequence[int], input_splits: Sequence[int], name: str) -> None:

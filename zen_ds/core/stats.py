@@ -1,10 +1,11 @@
 """Per-sync statistics: what ran, what it cost, on this rank."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Tuple
 
-from zen_ds.core.comm import CommRecord
+from zen_ds.core.comm import CommRecord, Communicator
+from zen_ds.core.inputs import LocalInput
 
 __all__ = ["SyncStats", "last_sync_stats"]
 
@@ -36,6 +37,29 @@ class SyncStats:
     predicted_bytes_received: float = 0.0
     predicted_seconds: float = 0.0  # the cost model's time of the chosen scheme (slowest rank)
     collectives: List[CommRecord] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def of_sync(cls, scheme: str, comm: Communicator, seconds: float, local: LocalInput,
+                nnz_result: int, union_estimate: int, predicted: Tuple[float, float, float]
+                ) -> "SyncStats":
+        """One sync's stats: ``comm``'s byte counters and collectives, ``local``'s sizes, the
+        result's row count, the planner's union estimate and ``predicted`` (bytes sent,
+        received, seconds)."""
+        return cls(scheme=scheme, bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
+                   seconds=seconds, nnz_local=local.nnz, nnz_result=nnz_result,
+                   num_rows=local.num_rows, row_numel=local.row_numel,
+                   world_size=comm.world_size,
+                   dense_bytes=local.num_rows * local.row_numel * local.element_size,
+                   union_estimate=union_estimate, predicted_bytes_sent=predicted[0],
+                   predicted_bytes_received=predicted[1], predicted_seconds=predicted[2],
+                   collectives=list(comm.records))
+
+    def copy_from(self, other: "SyncStats") -> "SyncStats":
+        """Every :class:`SyncStats` field of ``other`` into this record (a subclass keeps its
+        own fields): how a caller's ``stats=`` is filled. Returns ``self``."""
+        for f in fields(SyncStats):
+            setattr(self, f.name, getattr(other, f.name))
+        return self
 
     @property
     def density(self) -> float:

@@ -19,7 +19,7 @@ from zen_ds.core.errors import ZenConfigError
 from zen_ds.core.option_fields import block_options
 from zen_ds.features.compression import CompressionConfig
 from zen_ds.costmodel.cost import COMPUTE_OPS
-from zen_ds.schemes import scheme_names
+from zen_ds.schemes import get_scheme, scheme_names
 
 __all__ = ["ZenConfig", "ShuffleConfig", "NetworkConfig", "ZenConfigError", "load_zen_config", "ZEN_KEY"]
 
@@ -219,7 +219,8 @@ class ZenConfig(_sync_option_keys("")):
         if self.row_sharded and self.optimizer_state == "replicated":
             raise ValueError('row_sharded keeps each rank\'s rows only, so their optimizer state is sharded; '
                              'remove optimizer_state: "replicated" or set row_sharded to false')
-        if self.scheme == "dense" and self.index_encoding != "auto":
+        if self.scheme != "auto" and get_scheme(self.scheme).whole_tensor and \
+                self.index_encoding != "auto":
             raise ValueError(f'index_encoding={self.index_encoding!r} has no effect with scheme="dense"; '
                              'remove it or pick a sparse scheme')
         return self

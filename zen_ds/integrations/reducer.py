@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,7 +26,7 @@ from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
 from zen_ds.integrations.config import ZenConfig
-from zen_ds.sync.allreduce import sparse_allreduce
+from zen_ds.sync.allreduce import sync_tensor
 from zen_ds.sync.options import SyncOptions, ZenInputError, default_options
 from zen_ds.sync.reduce_scatter import sparse_reduce_scatter
 from zen_ds.sync.step import StepCall, StepPlans, sync_step
@@ -258,8 +258,8 @@ class ZenReducer:
         p = self.params[index]
         group = self.group if group is None else group
         if local_error is not None and _reduce_scattered(p):  # pairs with any first call
-            sparse_allreduce(None, group, self.config.scheme, options=self._options(),
-                             log_prefix=p.log_prefix, local_error=local_error)
+            sync_tensor(None, group, self.config.scheme, options=self._options(),
+                        log_prefix=p.log_prefix, local_error=local_error)
             raise RuntimeError("zen: a handshake with a local error returned")  # it always raises
         if not _reduce_scattered(p):
             grads: List[Optional[torch.Tensor]] = [None] * len(self.params)
@@ -272,9 +272,7 @@ class ZenReducer:
         out_dtype = grad.dtype if grad is not None else p.param.dtype
         if result.dtype != out_dtype:
             result = result.to(out_dtype)
-        summary = ParamStats()
-        for f in fields(SyncStats):
-            setattr(summary, f.name, getattr(st, f.name))
+        summary = ParamStats().copy_from(st)
         summary.seconds = time.perf_counter() - started
         return result, summary
 
@@ -325,9 +323,7 @@ class ZenReducer:
                 result = result.to(out_dtype)
             if not result.is_sparse:
                 result = result.view_as(p.param)
-            summary = ParamStats(compressed=compressed)
-            for f in fields(SyncStats):
-                setattr(summary, f.name, getattr(st, f.name))
+            summary = ParamStats(compressed=compressed).copy_from(st)
             summary.seconds = share  # the step's agreement and syncs, shared out evenly
             done[index] = (result, summary)
         return done

@@ -24,6 +24,8 @@ import torch
 from zen_ds import ops
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.costmodel.shape import RING, ByteEstimate, SyncShape, on_links
+from zen_ds.costmodel.supports import Supports
+from zen_ds.costmodel.traffic import Phase, Traffic, per_rank
 from zen_ds.schemes.base import Scheme, SyncContext
 
 ID_BYTES = 8  # DeepSpeed's int64 indices
@@ -31,6 +33,7 @@ ID_BYTES = 8  # DeepSpeed's int64 indices
 
 class AllGatherSparseScheme(Scheme):
     name = "agsparse"
+    checks_in_counts = True
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         n = ctx.world_size
@@ -70,3 +73,15 @@ class AllGatherSparseScheme(Scheme):
         compute = {"aggregate": sum(shape.nnz_per_rank) * shape.row_numel,
                    "scatter": shape.union_nnz * shape.row_numel}
         return on_links(ByteEstimate(padded, padded, n - 1), shape, RING, compute)
+
+    def traffic(self, supports: Supports, shape: SyncShape, index_encoding: str,
+                checks: bool = False) -> Traffic:
+        """One all-gather of every rank's rows padded to the largest rank's; ``checks``: after
+        DeepSpeed's size all-gather, which carries them."""
+        n = supports.world_size
+        padded = (n - 1) * int(supports.nnz.max()) * (ID_BYTES + supports.row_bytes)
+        rows = Phase.ring("agsparse.rows", "all_gather", per_rank(n, padded))
+        sizes = (n - 1) * self.checks_message_bytes(shape)
+        head = [Phase.ring("agsparse.sizes", "all_gather", per_rank(n, sizes))] if checks else []
+        return Traffic(head + [rows], {"aggregate": per_rank(n, int(supports.nnz.sum())),
+                                       "scatter": per_rank(n, supports.union)})

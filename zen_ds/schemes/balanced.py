@@ -22,7 +22,8 @@ received with the skip, ``S_r`` = this rank's single-holder rows).
 
 :func:`push` alone is :func:`zen_ds.sparse_reduce_scatter`. The module is over 400 lines because
 the pull's two size modes, the single-holder skip and the dense scatter share the push's buffers
-and the shard's layout; splitting them would pass that state across modules.
+and the shard's layout, and the exact traffic (:meth:`BalancedScheme.traffic`) replays the same
+size decisions; splitting them would pass that state across modules.
 
 Host synchronisations on CUDA (each waits for the work queued before it; all are needed because
 NCCL's ``all_to_all_single`` takes its splits, and the receive buffers their sizes, on the host):
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -46,8 +47,12 @@ from zen_ds import ops
 from zen_ds.core.buffers import scratch
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.wire import as_bytes, round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
+from zen_ds.costmodel.supports import Supports
+from zen_ds.costmodel.traffic import Phase, Traffic, per_rank
 from zen_ds.schemes.base import Scheme, SyncContext
+from zen_ds.schemes.streams import rows_from_positions
 
 ENCODING_COO = 0
 ENCODING_BITMAP = 1
@@ -61,10 +66,6 @@ def choose_encoding(unique_rows: int, shard_size: int, id_bytes: int, preference
     if preference == "bitmap":
         return ENCODING_BITMAP
     return ENCODING_BITMAP if (shard_size + 7) // 8 < unique_rows * id_bytes else ENCODING_COO
-
-
-def _round8(nbytes: int) -> int:
-    return nbytes + (-nbytes % 8)
 
 
 def index_bytes(encoding: int, rows: int, shard_size: int, id_bytes: int) -> int:
@@ -112,22 +113,6 @@ def _sole_contributors(shard_rows: torch.Tensor, recv_offsets: torch.Tensor
     return slots, counts[slots] == 1
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A ``[rows, bytes per row]`` uint8 view of a tensor of any dtype (rows may be 0)."""
-    row_bytes = tensor.element_size() * (tensor[0].numel() if tensor.shape[0] else
-                                         int(torch.Size(tensor.shape[1:]).numel()))
-    return tensor.contiguous().view(torch.uint8).reshape(tensor.shape[0], row_bytes)
-
-
-def _view_as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Reinterpret uint8 bytes (last dim) as ``dtype``; copies only if misaligned or strided."""
-    shape = tuple(buffer.shape[:-1]) + (buffer.shape[-1] // dtype.itemsize,)
-    flat = buffer.reshape(-1)  # a 1-D view when the bytes are dense, else a copy
-    if flat.storage_offset() % dtype.itemsize:
-        flat = flat.clone()
-    return flat.view(dtype).reshape(shape)
-
-
 def _put(area: torch.Tensor, source: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
     """Write ``source`` (only its rows at ``slots``, gathered straight into place) at the start of
     the uint8 ``area``, aligned for its dtype; zero the rest: that padding goes on the wire."""
@@ -142,24 +127,6 @@ def _put(area: torch.Tensor, source: torch.Tensor, slots: Optional[torch.Tensor]
 
 
 Shard = Tuple[int, bool, torch.Tensor, torch.Tensor]  # owner, is_bitmap, index, [rows, numel]
-
-
-def rows_from_positions(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], x: RowSparse,
-                        seed: int, sorted_output: bool) -> RowSparse:
-    """The summed rows of a shard-partitioned sync as a RowSparse of ``x``'s shape and dtype.
-
-    ``parts``: (permuted positions, values) per shard, every row once. Positions map back to
-    rows through the seeded permutation; the result is sorted only when ``sorted_output``."""
-    rows = ops.unpermute(torch.cat([p for p, _ in parts]), x.num_rows, seed)
-    values = torch.cat([v for _, v in parts])
-    if sorted_output:
-        # The rows are unique, so "aggregate" only sorts them (and copies each row once):
-        # the compiled op does that with a bitset/bucket pass or a radix sort, several times
-        # cheaper than an argsort and two gathers of the whole union.
-        rows, values = ops.aggregate(rows, values, accum_dtype(x.dtype))
-        values = values.to(x.dtype)
-    return RowSparse(rows, values.reshape((rows.numel(),) + x.row_shape), x.num_rows,
-                     coalesced=sorted_output)
 
 
 class _Pull:
@@ -203,12 +170,12 @@ class _Pull:
         return [(self.rank, False, self.shard_rows, self.shard_values.reshape(-1, self.x.row_numel))]
 
     def _values(self, chunk: torch.Tensor, rows: int) -> torch.Tensor:
-        return _view_as(chunk[: rows * self.row_bytes], self.x.dtype).reshape(rows, self.x.row_numel)
+        return view_as(chunk[: rows * self.row_bytes], self.x.dtype).reshape(rows, self.x.row_numel)
 
     def _index(self, chunk: torch.Tensor, owner: int, rows: int, is_bitmap: bool) -> torch.Tensor:
         if is_bitmap:
             return chunk[: (self.layout.shard_size(owner) + 7) // 8]
-        return _view_as(chunk[: rows * self.id_bytes], self.layout.id_dtype)
+        return view_as(chunk[: rows * self.id_bytes], self.layout.id_dtype)
 
     def padded(self, bounds: List[int]) -> List[Shard]:
         """One payload for every peer, padded to the rows its owner received (``bounds``, known to
@@ -217,9 +184,9 @@ class _Pull:
         pref = self.ctx.index_encoding
         encodings = [choose_encoding(b, layout.shard_size(j), self.id_bytes, pref)
                      for j, b in enumerate(bounds)]
-        index_areas = [_round8(index_bytes(e, b, layout.shard_size(j), self.id_bytes))
+        index_areas = [round8(index_bytes(e, b, layout.shard_size(j), self.id_bytes))
                        for j, (e, b) in enumerate(zip(encodings, bounds))]
-        sizes = [8 + index_areas[j] + _round8(bounds[j] * self.row_bytes) for j in range(n)]
+        sizes = [8 + index_areas[j] + round8(bounds[j] * self.row_bytes) for j in range(n)]
         index = self._index_payload(self.shard_rows, encodings[rank], self.bitmap)
         payload = sizes[rank]
         # The send buffer holds the payload once per peer: write the first slot, copy it on.
@@ -283,7 +250,7 @@ class _Pull:
             mask = no_mask if single_d is None else ops.bitmap_encode(
                 torch.nonzero(single_d).flatten(), recv_counts[d])
             plans[d] = (mask, index, slots)
-            meta[d] = [rows.numel(), encoding, _round8(index.numel())]
+            meta[d] = [rows.numel(), encoding, round8(index.numel())]
         all_meta = torch.empty(n * n * _PULL_META_FIELDS, dtype=torch.int64, device=self.x.device)
         ctx.comm.all_gather_into_tensor(all_meta, torch.tensor(meta).flatten().to(self.x.device),
                                         "balanced.pull_meta")
@@ -292,8 +259,8 @@ class _Pull:
         masked = sole is not None  # the same on every rank: it depends on the row width only
 
         def size(mask_rows: int, rows: int, index_area: int) -> int:
-            mask_area = _round8((mask_rows + 7) // 8) if masked else 0
-            return mask_area + index_area + _round8(rows * self.row_bytes)
+            mask_area = round8((mask_rows + 7) // 8) if masked else 0
+            return mask_area + index_area + round8(rows * self.row_bytes)
 
         send_splits = [0 if d == rank else size(recv_counts[d], meta[d][0], meta[d][2])
                        for d in range(n)]
@@ -306,7 +273,7 @@ class _Pull:
             if d == rank:
                 continue
             mask, index, slots = plans[d]
-            at = cursor + _round8(mask.numel())
+            at = cursor + round8(mask.numel())
             _put(send[cursor: at], mask)
             _put(send[at: at + meta[d][2]], index)
             _put(send[at + meta[d][2]: cursor + send_splits[d]], values, slots)
@@ -320,7 +287,7 @@ class _Pull:
         my_at = [0, *itertools.accumulate(send_counts)]
         for o, chunk in self._peer_chunks(pulled, recv_splits):
             rows, encoding, index_area = from_owner[o]
-            mask_area = _round8((send_counts[o] + 7) // 8) if masked else 0
+            mask_area = round8((send_counts[o] + 7) // 8) if masked else 0
             if rows:
                 is_bitmap = encoding == ENCODING_BITMAP
                 shards.append((o, is_bitmap, self._index(chunk[mask_area:], o, rows, is_bitmap),
@@ -374,7 +341,7 @@ def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balan
         if gather:
             ctx.owner_counts, received = received, received[:, rank]
         recv_splits = received.tolist()
-    ids, rows = _as_bytes(offsets), _as_bytes(values)  # a row on the wire: its id, its values
+    ids, rows = as_bytes(offsets), as_bytes(values)  # a row on the wire: its id, its values
     width = ids.shape[1] + rows.shape[1]
     send = scratch(ids.shape[0] * width, x.device, "balanced.push_send").view(-1, width)
     torch.cat([ids, rows], dim=1, out=send)
@@ -382,14 +349,16 @@ def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balan
     ctx.comm.all_to_all_single(received, send, recv_splits, send_splits, f"{name}.push")
     del send
     id_bytes = layout.id_dtype.itemsize
-    return Pushed(_view_as(received[:, :id_bytes], layout.id_dtype).flatten(),
-                  _view_as(received[:, id_bytes:], x.dtype).reshape(-1, x.row_numel),
+    return Pushed(view_as(received[:, :id_bytes], layout.id_dtype).flatten(),
+                  view_as(received[:, id_bytes:], x.dtype).reshape(-1, x.row_numel),
                   send_splits, recv_splits, offsets, values)
 
 
 class BalancedScheme(Scheme):
     name = "balanced"
     needs_owner_counts = True
+    checks_in_counts = True
+    reduce_scatters = True
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> Optional[RowSparse]:
         n, rank = ctx.world_size, ctx.rank
@@ -502,3 +471,58 @@ class BalancedScheme(Scheme):
         received = (n - 1) * payload(r)
         return on_links(ByteEstimate(push_sent + meta + sent, push_received + meta + received,
                                      3 * (n - 1)), shape, SPREAD, compute)
+
+    def checks_message_bytes(self, shape: SyncShape) -> int:
+        """One int64 count to each owner, or, where the pull pads to the owners' bounds, all of
+        the rank's counts (an all-gather: every rank needs every rank's)."""
+        n = shape.world_size
+        if pads_pull(shape, ShardLayout(shape.num_rows, n, 0).id_dtype.itemsize + shape.row_bytes):
+            return 8 * n
+        return 8
+
+    def traffic(self, supports: Supports, shape: SyncShape, index_encoding: str,
+                checks: bool = False) -> Traffic:
+        """Push of exact splits, then the pull :meth:`sync` takes for this handshake: padded to
+        the owners' bounds, or exchanged sizes with single-holder rows skipped towards their
+        holder; ``checks``: after the count message that carries them."""
+        s, n, layout = supports, supports.world_size, supports.layout
+        id_bytes, row_bytes = layout.id_dtype.itemsize, supports.row_bytes
+        counts = s.owner_counts  # [sender, owner]
+        shard_sizes = torch.tensor([layout.shard_size(o) for o in range(n)], dtype=torch.int64)
+        phases = [Phase.all_to_all("balanced.push", counts * (id_bytes + row_bytes))]
+        per_peer = self.checks_message_bytes(shape) if checks else 0
+        if per_peer == 8:  # one count to each owner
+            phases.insert(0, Phase.all_to_all("balanced.counts", torch.full((n, n), 8)))
+        elif per_peer:  # every rank's counts, where the pull pads to the owners' bounds
+            phases.insert(0, Phase.ring("balanced.counts", "all_gather",
+                                        per_rank(n, (n - 1) * per_peer)))
+        received_rows = counts.sum(0)
+        if pads_pull(shape, id_bytes + row_bytes):
+            bounds = received_rows
+            sizes = 8 + _index_areas(bounds, shard_sizes, id_bytes, index_encoding) \
+                + round8(bounds * row_bytes)
+            phases.append(Phase.all_to_all("balanced.pull", sizes[:, None].expand(n, n)))
+        else:
+            meta = (n - 1) * n * _PULL_META_FIELDS * 8
+            phases.append(Phase.ring("balanced.pull_meta", "all_gather", per_rank(n, meta)))
+            union = s.union_per_owner[:, None].expand(n, n)  # [owner, destination]
+            skip = skips_single_holders(row_bytes)
+            rows = union - s.single_per_owner if skip else union
+            # The mask covers the rows the destination pushed to this owner.
+            mask = round8((counts.T + 7) // 8) if skip else torch.zeros_like(rows)
+            sizes = mask + _index_areas(rows, shard_sizes[:, None], id_bytes, index_encoding) \
+                + round8(rows * row_bytes)
+            phases.append(Phase.all_to_all("balanced.pull", sizes))
+        return Traffic(phases, {"partition": s.nnz.clone(), "aggregate": received_rows,
+                                "scatter": per_rank(n, s.union)})
+
+
+def _index_areas(rows: torch.Tensor, shard_sizes: torch.Tensor, id_bytes: int,
+                 preference: str) -> torch.Tensor:
+    """``round8(index_bytes(choose_encoding(...)))`` for every (rows, shard) pair, each
+    distinct pair evaluated once."""
+    pairs = torch.stack([rows.flatten(), shard_sizes.expand_as(rows).flatten()], dim=1)
+    distinct, where = torch.unique(pairs, dim=0, return_inverse=True)
+    areas = [round8(index_bytes(choose_encoding(r, u, id_bytes, preference), r, u, id_bytes))
+             for r, u in distinct.tolist()]
+    return torch.tensor(areas, dtype=torch.int64)[where].reshape(rows.shape)

@@ -1,13 +1,19 @@
 """The interface every scheme implements, and what a scheme is handed.
 
 A scheme is a small object with two entry points: :meth:`Scheme.sync` moves the data and
-:meth:`Scheme.predict` models the bytes it moves. The planner only talks to ``predict``.
+:meth:`Scheme.predict` models the bytes it moves. The planner only talks to ``predict``. Every
+other rule that is particular to a scheme is a class attribute or a method here, with a default
+that suits a new scheme: where the planner may offer it (:meth:`Scheme.applies_to`,
+:attr:`Scheme.needs_whole_world`), whether a plan of it is kept from step to step without a
+handshake (:attr:`Scheme.whole_tensor`, :attr:`Scheme.checks_in_counts`), whether its push is a
+reduce-scatter (:attr:`Scheme.reduce_scatters`) and its exact traffic for the simulator
+(:meth:`Scheme.traffic`). Code outside :mod:`zen_ds.schemes` reads these, never a scheme's name.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Hashable, List, Optional
+from typing import Callable, ClassVar, Hashable, List, Optional, Tuple
 
 import torch
 
@@ -15,6 +21,8 @@ from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import CHECK_ABORT, HandshakeTable, pack_checks, unpack_checks
 from zen_ds.core.sparse import RowSparse
 from zen_ds.costmodel.shape import ByteEstimate, SyncShape
+from zen_ds.costmodel.supports import Supports
+from zen_ds.costmodel.traffic import Traffic
 
 __all__ = ["SyncContext", "Scheme", "StalePlan"]
 
@@ -101,7 +109,9 @@ class SyncContext:
 
 
 class Scheme(ABC):
-    """Base class: subclasses set ``name`` and implement ``sync`` and ``predict``."""
+    """Base class: subclasses set ``name`` and implement ``sync`` and ``predict``; the other
+    attributes and methods are optional (their defaults suit a scheme that needs nothing
+    special)."""
 
     name: ClassVar[str] = ""
     #: True when ``sync`` needs ``ctx.owner_counts`` (the balanced partition's counts).
@@ -110,11 +120,34 @@ class Scheme(ABC):
     #: singletons: the handshake then carries support sketches to estimate them, where it would
     #: otherwise assume disjoint supports.
     needs_support_estimate: ClassVar[bool] = False
+    #: True when the scheme builds sub-groups from the ranks of the whole world (node groups):
+    #: ``auto`` offers it only on the default process group.
+    needs_whole_world: ClassVar[bool] = False
+    #: True when the scheme sums the whole tensor with the library all-reduce: the sync layer
+    #: sums a dense input that way directly (no rows gathered), a plan of it can be made from
+    #: the reduced handshake alone, and it is kept between steps with the checks as extra
+    #: elements of that all-reduce (:mod:`zen_ds.sync.stable`).
+    whole_tensor: ClassVar[bool] = False
+    #: True when ``sync`` honours ``ctx.checks``: its first message exchanges per-rank counts
+    #: through :meth:`SyncContext.exchange_counts`, so a plan of it is kept between steps with
+    #: the checks in those counts (:mod:`zen_ds.sync.stable`; see :meth:`checks_message_bytes`).
+    checks_in_counts: ClassVar[bool] = False
+    #: True when the scheme's push alone is :func:`zen_ds.sparse_reduce_scatter` (rows to their
+    #: hashed owners): the routes that reduce-scatter gradients (ZeRO-3) accept it pinned.
+    reduce_scatters: ClassVar[bool] = False
+    #: Environment variables :meth:`predict` reads: their values are part of the planner's memo
+    #: key, so a change of them is priced afresh.
+    model_env: ClassVar[Tuple[str, ...]] = ()
 
     @property
     def needs_sketch(self) -> bool:
         """Whether the handshake carries sketches and owner counts for this scheme."""
         return self.needs_owner_counts or self.needs_support_estimate
+
+    @property
+    def keeps_stable_plan(self) -> bool:
+        """Whether a plan of this scheme is kept from step to step without a handshake."""
+        return self.whole_tensor or self.checks_in_counts
 
     @abstractmethod
     def sync(self, x: RowSparse, ctx: SyncContext) -> Optional[RowSparse]:
@@ -126,10 +159,27 @@ class Scheme(ABC):
     def predict(self, shape: SyncShape) -> ByteEstimate:
         """Per-rank wire bytes of :meth:`sync` for data of this shape (handshake excluded)."""
 
+    def applies_to(self, shape: SyncShape) -> bool:
+        """Whether the planner prices this scheme for ``shape`` (a topology limit: a two-level
+        scheme needs several nodes of several ranks). Pinned schemes run regardless."""
+        return True
+
+    def checks_message_bytes(self, shape: SyncShape) -> int:
+        """With :attr:`checks_in_counts`: bytes to each peer of the first message, which carries
+        a stable plan's checks (one int64 count by default)."""
+        return 8
+
+    def traffic(self, supports: Supports, shape: SyncShape, index_encoding: str,
+                checks: bool = False) -> Optional[Traffic]:
+        """The exact collectives of :meth:`sync` on ``supports`` (row ids only) after a
+        handshake that gave ``shape``, for the simulator; ``checks``: a stable plan's sync (no
+        handshake; the scheme's first collective carries the checks). None (the default): the
+        simulator prices :meth:`predict` instead and marks the row ``model``."""
+        return None
+
     def model_settings(self) -> Hashable:
-        """What :meth:`predict` reads besides the shape and the environment settings of
-        :data:`zen_ds.planner._MODEL_ENV` (a pinned variant, say): part of the planner's memo
-        key, so a change of it is priced afresh."""
+        """What :meth:`predict` reads besides the shape and :attr:`model_env` (a pinned
+        variant, say): part of the planner's memo key, so a change of it is priced afresh."""
         return ()
 
     def __repr__(self) -> str:

@@ -9,7 +9,13 @@ import torch
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.costmodel.cost import all_reduce_estimate
 from zen_ds.costmodel.shape import ByteEstimate, SyncShape, nodes_of
+from zen_ds.costmodel.supports import Supports
+from zen_ds.costmodel.traffic import Phase, Traffic, per_rank
 from zen_ds.schemes.base import Scheme, SyncContext
+
+# Elements a stable plan's checks add to its all-reduce: problem, mismatch, changed
+# (:mod:`zen_ds.sync.stable`).
+CHECK_SLOTS = 3
 
 
 def dense_allreduce(tensor: torch.Tensor, ctx: SyncContext, name: str = "dense") -> torch.Tensor:
@@ -25,6 +31,7 @@ def dense_allreduce(tensor: torch.Tensor, ctx: SyncContext, name: str = "dense")
 
 class DenseScheme(Scheme):
     name = "dense"
+    whole_tensor = True
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         return RowSparse.from_dense(dense_allreduce(x.to_dense(), ctx))
@@ -39,3 +46,19 @@ class DenseScheme(Scheme):
         # Two passes over the tensor (to and from the wire dtype), and the reduce steps.
         compute = {"scan": 2 * elements, "aggregate": 2 * (n - 1) * elements / n}
         return all_reduce_estimate(tensor_bytes, n, nodes_of(shape)[0], compute)
+
+    def traffic(self, supports: Supports, shape: SyncShape, index_encoding: str,
+                checks: bool = False) -> Traffic:
+        """One all-reduce of the whole tensor in the accumulation dtype, counted as
+        :class:`~zen_ds.core.comm.Communicator` counts a ring; ``checks``: with the
+        :data:`CHECK_SLOTS` elements of a stable plan's checks."""
+        n, rows = supports.world_size, supports.num_rows
+        accum_bytes = max(supports.value_bytes, 4)  # fp16/bf16 travel as fp32
+        nbytes = rows * supports.row_numel * accum_bytes
+        extra = CHECK_SLOTS * nbytes // max(rows * supports.row_numel, 1) if checks else 0
+        # as Communicator.all_reduce counts a ring, the data and the checks' elements
+        ring = 2 * (n - 1) * nbytes // n + 2 * (n - 1) * extra // n
+        phase = Phase.ring("dense", "all_reduce", per_rank(n, ring))
+        phase.tensor_bytes = nbytes + extra
+        return Traffic([phase], {"scan": 2 * per_rank(n, rows),
+                                 "aggregate": per_rank(n, 2 * (n - 1) * rows // n)})

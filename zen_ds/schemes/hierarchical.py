@@ -44,7 +44,7 @@ and sketches (``cpu()`` after its all-gather) and the size table of the inter-no
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,28 +53,33 @@ from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import SKETCH_SIZE
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.wire import round8
 from zen_ds.costmodel.shape import DEFAULT_LATENCY_BYTES, ByteEstimate, SyncShape, with_rank
 from zen_ds.costmodel.support import estimate_support, planning_ranks
+from zen_ds.costmodel.supports import Supports, handshake_shape
+from zen_ds.costmodel.traffic import Phase, SideBySide, Traffic, in_groups, per_rank
 from zen_ds.schemes.agsparse import AllGatherSparseScheme
-from zen_ds.schemes.balanced import BalancedScheme, rows_from_positions
+from zen_ds.schemes.balanced import BalancedScheme
 from zen_ds.schemes.base import Scheme, SyncContext
 from zen_ds.schemes.streams import (
     effective_universe,
-    exchange,
     expected_union,
     latency_cost,
-    pack,
-    round8,
-    unpack,
+    rows_from_positions,
 )
-from zen_ds.schemes.topology import Topology, ranks_per_node, topology_for
+from zen_ds.schemes.topology import (
+    RANKS_PER_NODE_ENV,
+    Part,
+    SliceWire,
+    Topology,
+    ranks_per_node,
+    topology_for,
+)
 
 __all__ = ["HierarchicalScheme"]
 
-_NOTHING = torch.empty(0, dtype=torch.uint8)
 _INNER: Tuple[Scheme, ...] = (BalancedScheme(), AllGatherSparseScheme())
 
-Part = Tuple[torch.Tensor, torch.Tensor]  # slice offsets (int64), values [rows, row_numel]
 
 
 def _inner_scheme(shape: SyncShape) -> Scheme:
@@ -91,6 +96,14 @@ def _inner_scheme(shape: SyncShape) -> Scheme:
 class HierarchicalScheme(Scheme):
     name = "hierarchical"
     needs_support_estimate = True
+    # Node groups are made by every rank of the world (:mod:`zen_ds.schemes.topology`).
+    needs_whole_world = True
+    model_env = (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE")
+
+    def applies_to(self, shape: SyncShape) -> bool:
+        """Several nodes of several ranks: on one node, or with a node per rank, it is its
+        inner scheme with extra steps."""
+        return 1 < shape.ranks_per_node < shape.world_size
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         x = x.coalesce()
@@ -99,7 +112,7 @@ class HierarchicalScheme(Scheme):
         per_node = ctx.shape.ranks_per_node if ctx.shape is not None else None
         topology, node, across = topology_for(ctx.comm, x.device, per_node)
         layout = ShardLayout(x.num_rows, topology.slices, ctx.seed)
-        wire = _Wire(layout, x.row_numel)
+        wire = SliceWire(layout, x.row_numel)
         acc = accum_dtype(x.dtype)
         counts, offsets, values = ops.partition(x.indices, x.values_2d(), x.num_rows,
                                                 topology.slices, ctx.seed, layout.id_dtype)
@@ -196,7 +209,7 @@ class HierarchicalScheme(Scheme):
         if shape.num_rows == 0:
             return ByteEstimate(0, 0, 0)
         layout = ShardLayout(shape.num_rows, topology.slices, 0)
-        wire = _Wire(layout, shape.row_numel)
+        wire = SliceWire(layout, shape.row_numel)
         nodes = topology.nodes
         my_node = nodes[topology.node_of(r)]
         size, local = len(my_node), my_node.index(r)
@@ -268,63 +281,93 @@ class HierarchicalScheme(Scheme):
                             all_to_all_two_way=estimate.all_to_all_two_way)
 
 
+    # ------------------------------------------------------------------ traffic
+    def traffic(self, supports: Supports, shape: SyncShape, index_encoding: str,
+                checks: bool = False) -> Optional[Traffic]:
+        """Intra-node counts and push, every slice's inter-node sync (its handshake, then the
+        inner scheme :meth:`sync` picks, with that scheme's own traffic), the share's counts and
+        payload. The one-off topology check (a process's first sync) is left out."""
+        s, n, num_rows = supports, supports.world_size, supports.num_rows
+        topology = Topology.consecutive(n, shape.ranks_per_node or ranks_per_node())
+        slices = topology.slices
+        layout = ShardLayout(num_rows, slices, s.seed)
+        id_bytes = layout.id_dtype.itemsize
+
+        def entries(rows: int) -> int:
+            return round8(rows * id_bytes) + round8(rows * s.row_bytes)
+
+        # Every rank's rows per slice, and every node's union per slice (slice-local offsets).
+        in_slice = torch.zeros((n, slices), dtype=torch.int64)
+        node_rows: List[List[torch.Tensor]] = []
+        for node in topology.nodes:
+            for r in node:
+                if s.nnz[r]:
+                    in_slice[r] = torch.bincount(layout.owner(s.rank_ids(r)), minlength=slices)
+            positions = layout.positions(torch.unique(torch.cat([s.rank_ids(r) for r in node])))
+            owner = layout.owner_of_positions(positions)
+            order = torch.argsort(owner, stable=True)
+            positions, owner = positions[order], owner[order]
+            cuts = torch.searchsorted(owner, torch.arange(slices + 1)).tolist()
+            node_rows.append([(positions[cuts[j]: cuts[j + 1]] - layout.starts[j]).sort().values
+                              for j in range(slices)])
+        handled = {r: topology.slices_of(r) for r in range(n)}
+        counts = _counts_ring(topology, slices)
+        phases = [in_groups("hierarchical.intra_counts", n, topology.nodes, counts),
+                  in_groups("hierarchical.intra", n, topology.nodes,
+                            lambda a, b: entries(int(in_slice[a, handled[b]].sum())))]
+        # Slices whose groups share a rank run one after the other, in slice order.
+        last_stage = {r: -1 for r in range(n)}
+        stages: Dict[int, SideBySide] = {}
+        final = torch.zeros(slices, dtype=torch.int64)
+        aggregate = torch.zeros(n, dtype=torch.int64)
+        for j in range(slices):
+            group = topology.slice_group(j)
+            parts = [node_rows[i][j] for i in range(len(topology.nodes))]
+            for i, r in enumerate(group):
+                aggregate[r] += sum(int(in_slice[m, j]) for m in topology.nodes[i])
+            if len(group) == 1 or layout.shard_size(j) == 0:
+                final[j] = parts[0].numel()
+                continue
+            sub = Supports.from_ranks(parts, layout.shard_size(j), s.row_numel,
+                                      max(s.value_bytes, 4), s.seed, f"{s.name}/slice{j}")
+            final[j] = sub.union
+            inner_shape = handshake_shape(sub, shape.latency_bytes)
+            body = _inner_scheme(inner_shape).traffic(sub, inner_shape, index_encoding)
+            if body is None:  # an inner scheme without a traffic model: none for the whole
+                return None
+            stage = 1 + max(last_stage[r] for r in group)
+            for r in group:
+                last_stage[r] = stage
+            merged = stages.setdefault(stage, SideBySide(n))
+            g = len(group)
+            handshake = Phase.ring("hierarchical.handshake", "all_gather",
+                                   per_rank(g, (g - 1) * 8 * (1 + SKETCH_SIZE + g)))
+            for position, phase in enumerate([handshake] + body.phases):
+                merged.add(position, phase.name, phase, group)
+            for i, r in enumerate(group):
+                aggregate[r] += int(body.compute.get("aggregate", torch.zeros(g))[i])
+        for stage in sorted(stages):
+            phases += stages[stage].phases()
+        shares = {r: int(final[handled[r]].sum()) for r in range(n)}
+        phases += [in_groups("hierarchical.share_counts", n, topology.nodes, counts),
+                   in_groups("hierarchical.share", n, topology.nodes,
+                             lambda a, b: entries(shares[a]))]
+        return Traffic(phases, {"partition": s.nnz.clone(), "aggregate": aggregate,
+                                "scatter": per_rank(n, int(final.sum()))})
+
+
+def _counts_ring(topology: Topology, slices: int) -> Callable[[int, int], int]:
+    """A node's all-gather of per-slice counts (``slices`` int64 per rank), as ring links."""
+    def bytes_to(a: int, b: int) -> int:
+        node = topology.nodes[topology.node_of(a)]
+        following = node[(node.index(a) + 1) % len(node)]
+        return (len(node) - 1) * slices * 8 if b == following else 0
+    return bytes_to
+
+
 def _spans(counts: Sequence[int]) -> List[Tuple[int, int]]:
     spans, at = [], 0
     for c in counts:
         spans.append((at, at + c))
         at += c
     return spans
-
-
-class _Wire:
-    """Slice payloads inside a node: ``[ids][values]`` of several slices, 8-byte aligned areas."""
-
-    def __init__(self, layout: ShardLayout, row_numel: int) -> None:
-        self.id_dtype = layout.id_dtype
-        self.row_numel = row_numel
-
-    def bytes(self, rows: float, row_bytes: int) -> float:
-        return round8(int(rows * self.id_dtype.itemsize)) + round8(int(rows * row_bytes))
-
-    def swap(self, node: Communicator, parts: Dict[int, Part], counts: torch.Tensor,
-             handled: List[List[int]], dtype: torch.dtype, name: str, to_all: bool = False
-             ) -> Dict[int, Dict[int, Part]]:
-        """Send each local rank the slices it handles (``to_all``: send my slices to every local
-        rank) after an all-gather of the per-slice row counts; returns [sender][slice] -> part."""
-        n, rank = node.world_size, node.rank
-        table = torch.empty(n * counts.numel(), dtype=torch.int64, device=counts.device)
-        node.all_gather_into_tensor(table, counts, f"{name}_counts")
-        table = table.view(n, -1).tolist()
-        row_bytes = self.row_numel * dtype.itemsize
-
-        def payload(slices: Sequence[int]) -> torch.Tensor:
-            rows = [parts[s][0] for s in slices]
-            vals = [parts[s][1].to(dtype) for s in slices]
-            empty_rows = torch.empty(0, dtype=torch.int64, device=counts.device)
-            empty_vals = torch.empty((0, self.row_numel), dtype=dtype, device=counts.device)
-            return pack([torch.cat(rows or [empty_rows]).to(self.id_dtype),
-                         torch.cat(vals or [empty_vals])])
-
-        def incoming(sender: int) -> List[int]:
-            return handled[sender] if to_all else handled[rank]
-
-        sends = ({d: payload(handled[rank]) for d in range(n) if d != rank} if to_all else
-                 {d: payload(handled[d]) for d in range(n) if d != rank})
-        sizes = {i: int(self.bytes(sum(table[i][s] for s in incoming(i)), row_bytes))
-                 for i in range(n) if i != rank}
-        got = exchange(node, sends, sizes, name, counts.device)
-        out: Dict[int, Dict[int, Part]] = {}
-        for i in range(n):
-            if i == rank:
-                continue
-            slices = incoming(i)
-            total = sum(table[i][s] for s in slices)
-            ids, vals = unpack(got.get(i, _NOTHING), [
-                (self.id_dtype, total, round8(total * self.id_dtype.itemsize)),
-                (dtype, total * self.row_numel, 0)])
-            ids, vals = ids.to(torch.int64), vals.reshape(total, self.row_numel)
-            out[i], at = {}, 0
-            for s in slices:
-                out[i][s] = (ids[at: at + table[i][s]], vals[at: at + table[i][s]])
-                at += table[i][s]
-        return out

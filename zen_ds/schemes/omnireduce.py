@@ -48,9 +48,12 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.wire import round8
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
+from zen_ds.costmodel.supports import Supports
+from zen_ds.costmodel.traffic import Phase, Traffic, pairs, per_rank
 from zen_ds.schemes.base import Scheme, SyncContext
-from zen_ds.schemes.streams import exchange, pack, positive_int_env, round8, row_id_dtype, unpack
+from zen_ds.schemes.streams import exchange, pack, positive_int_env, row_id_dtype, unpack
 
 __all__ = ["OmniReduceScheme", "DEFAULT_BLOCK_SIZE", "BLOCK_SIZE_ENV", "block_size",
            "block_geometry", "blocks_payload_bytes"]
@@ -97,6 +100,7 @@ def blocks_payload_bytes(blocks: int, id_bytes: int, block_bytes: int) -> int:
 class OmniReduceScheme(Scheme):
     name = "omnireduce"
     needs_support_estimate = True
+    model_env = (BLOCK_SIZE_ENV,)
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         n, rank, num_rows, row_numel = ctx.world_size, ctx.rank, x.num_rows, x.row_numel
@@ -210,3 +214,25 @@ class OmniReduceScheme(Scheme):
                    "aggregate": sum(fill) * striped[r] * block_rows * shape.row_numel,
                    "scatter": shape.union_nnz * shape.row_numel}
         return on_links(ByteEstimate(sent, received, 4 * (n - 1)), shape, SPREAD, compute)
+
+    def traffic(self, supports: Supports, shape: SyncShape, index_encoding: str,
+                checks: bool = False) -> Traffic:
+        """Non-zero blocks striped ``block mod n``: counts, push, sizes, broadcast."""
+        s, n = supports, supports.world_size
+        block_rows, _, id_dtype = block_geometry(s.num_rows, s.row_numel, block_size())
+        id_bytes, block_bytes = id_dtype.itemsize, block_rows * s.row_bytes
+        pushed = pairs(n)  # [rank, aggregator] non-zero blocks
+        for r in range(n):
+            blocks = torch.unique_consecutive(s.rank_ids(r) // block_rows)
+            pushed[r] = torch.bincount(blocks % n, minlength=n)
+        union_blocks = torch.unique(torch.unique(s.ids).to(torch.int64) // block_rows)
+        held = torch.bincount(union_blocks % n, minlength=n)
+        phases = [Phase.ring("omnireduce.counts", "all_gather", per_rank(n, (n - 1) * (n + 1) * 8)),
+                  Phase.all_to_all("omnireduce.push",
+                                   blocks_payload_bytes(pushed, id_bytes, block_bytes)),
+                  Phase.ring("omnireduce.sizes", "all_gather", per_rank(n, (n - 1) * 8)),
+                  Phase.all_to_all("omnireduce.broadcast", blocks_payload_bytes(
+                      held[:, None].expand(n, n), id_bytes, block_bytes))]
+        return Traffic(phases, {"partition": s.nnz.clone(),
+                                "aggregate": pushed.sum(0) * block_rows,
+                                "scatter": per_rank(n, int(union_blocks.numel()) * block_rows)})

@@ -40,8 +40,9 @@ The variant follows the byte models under the cost model's latency (``ctx.shape`
 picks the same one. Once a stream is dense, rows whose sum is +0.0 drop out of the result, as
 with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.core.sparse` for the signed-zero rule).
 
-The module is over 400 lines because its two variants share one stream codec and each keeps its
-byte model next to the code whose bytes it predicts (the tests hold them equal).
+The stream codec, message sizes and exact traffic both variants share are in
+:mod:`zen_ds.schemes.sparcml_streams`. The module is over 400 lines because each variant keeps
+its byte model next to the code whose bytes it predicts (the tests hold them equal).
 
 Host synchronisations on CUDA (message sizes must be on the host for NCCL's point-to-point and
 all-to-all calls): recursive doubling reads one row-count header per received message; the
@@ -52,25 +53,37 @@ non-zero rows; :func:`zen_ds.ops.aggregate` reads the smallest offset and the un
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
 from zen_ds import ops
 from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.wire import round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
 from zen_ds.costmodel.support import planning_ranks
+from zen_ds.costmodel.supports import Supports
+from zen_ds.costmodel.traffic import Traffic
 from zen_ds.schemes.base import Scheme, SyncContext
+from zen_ds.schemes.sparcml_streams import (
+    Stream,
+    Wire,
+    accum_bytes,
+    decode_stream,
+    doubling_traffic,
+    encode_stream,
+    merge_streams,
+    message_bytes,
+    range_part_bytes,
+    split_traffic,
+)
 from zen_ds.schemes.streams import (
     exchange,
     exchange_pairwise,
     latency_cost,
     pack,
-    round8,
     row_id_dtype,
     unpack,
-    view_as,
 )
 
 __all__ = ["SparCMLScheme", "RECURSIVE_DOUBLING", "SPLIT_ALLGATHER"]
@@ -80,96 +93,7 @@ SPLIT_ALLGATHER = "split_allgather"
 _NOTHING = torch.empty(0, dtype=torch.uint8)  # what an empty message decodes from
 
 
-def _accum_bytes(value_bytes: int) -> int:
-    return max(value_bytes, 4)
-
-
-@dataclass(frozen=True)
-class _Wire:
-    """Sizes of stream messages over a universe of ``num_rows`` rows."""
-
-    num_rows: int
-    row_bytes: int  # bytes of one row's values on the wire
-
-    @property
-    def id_dtype(self) -> torch.dtype:
-        return row_id_dtype(self.num_rows)
-
-    def is_dense(self, rows: float) -> bool:
-        return rows * (self.id_dtype.itemsize + self.row_bytes) >= self.num_rows * self.row_bytes
-
-
-@dataclass
-class _Stream:
-    """A partial sum: sorted unique rows and values ``[k, row_numel]``, or a dense block."""
-
-    rows: Optional[torch.Tensor] = None
-    values: Optional[torch.Tensor] = None
-    dense: Optional[torch.Tensor] = None
-
-    def densified(self, num_rows: int) -> "_Stream":
-        """The same partial sum as a dense block: its rows' bits exactly, +0.0 elsewhere."""
-        if self.dense is not None:
-            return self
-        out = torch.zeros((num_rows, self.values.shape[1]), dtype=self.values.dtype,
-                          device=self.values.device)
-        if self.rows.numel():
-            out.index_copy_(0, self.rows, self.values)
-        return _Stream(dense=out)
-
-    def sparse_parts(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(rows, values) of the rows a dense block holds non-zeros in (NaN counts)."""
-        if self.dense is None:
-            return self.rows, self.values
-        rows = ops.nonzero_rows(self.dense)
-        return rows, self.dense.index_select(0, rows)
-
-
-def range_part_bytes(wire: _Wire, count: int, id_dtype: torch.dtype) -> int:
-    """Bytes of one split-allgather part of ``count`` rows over ``wire``'s range: the whole
-    range's values once dense by the break-even, else ``[ids][values]`` in 8-byte areas."""
-    return int(wire.num_rows * wire.row_bytes if wire.is_dense(count) else
-               round8(count * id_dtype.itemsize) + round8(count * wire.row_bytes))
-
-
-def _encode(stream: _Stream, bound: Optional[int], wire: _Wire) -> torch.Tensor:
-    """A stream as bytes: dense values, or ``[count][ids][values]`` (padded to ``bound`` rows
-    when given, so the receiver knows the size)."""
-    if stream.dense is not None:
-        return stream.dense.contiguous().view(torch.uint8).reshape(-1)
-    count = torch.tensor([stream.rows.numel()], dtype=torch.int64, device=stream.rows.device)
-    ids = stream.rows.to(wire.id_dtype)
-    if bound is None:
-        return pack([ids, stream.values])
-    return pack([count, ids, stream.values],
-                [8, round8(bound * wire.id_dtype.itemsize), round8(bound * wire.row_bytes)])
-
-
-def _decode(buffer: torch.Tensor, bound: int, wire: _Wire, dtype: torch.dtype, row_numel: int
-            ) -> _Stream:
-    """Read a message made by :func:`_encode` with a header (padded to ``bound``)."""
-    if wire.is_dense(bound):
-        dense = view_as(buffer.reshape(1, -1), dtype)
-        return _Stream(dense=dense.reshape(wire.num_rows, row_numel))
-    count = int(view_as(buffer[:8].reshape(1, -1), torch.int64)[0, 0])
-    id_area = round8(bound * wire.id_dtype.itemsize)
-    ids, values = unpack(buffer[8:], [(wire.id_dtype, count, id_area),
-                                      (dtype, count * row_numel, 0)])
-    return _Stream(ids.to(torch.int64), values.reshape(count, row_numel))
-
-
-def _merge(low: _Stream, high: _Stream, dense: bool, num_rows: int, dtype: torch.dtype) -> _Stream:
-    """Sum two partials, the lower block's first: both partners compute the same bits. A row one
-    partial lacks is +0.0 there (IEEE: -0.0 + +0.0 = +0.0), as in a dense all-reduce."""
-    if dense:
-        return _Stream(dense=torch.add(low.densified(num_rows).dense.to(dtype),
-                                       high.densified(num_rows).dense.to(dtype)))
-    rows, values = ops.aggregate(torch.cat([low.rows, high.rows]),
-                                 torch.cat([low.values, high.values]), dtype, terms=2)
-    return _Stream(rows, values)
-
-
-def _finish(stream: _Stream, x: RowSparse, ctx: SyncContext) -> Tuple[torch.Tensor, torch.Tensor]:
+def _finish(stream: Stream, x: RowSparse, ctx: SyncContext) -> Tuple[torch.Tensor, torch.Tensor]:
     """Scaled, cast (rows, values) of a summed stream."""
     rows, values = stream.sparse_parts()
     if ctx.scale is not None:
@@ -222,7 +146,7 @@ class _SplitRanges:
         self.share = [size / num_rows if num_rows else 0.0 for size in self.sizes]
         self.row_bytes = row_bytes
         self.id_bytes = row_id_dtype(max(self.sizes)).itemsize
-        # A range's part goes dense at the byte break-even (_Wire.is_dense over the range).
+        # A range's part goes dense at the byte break-even (Wire.is_dense over the range).
         self.entry_bytes = [row_id_dtype(size).itemsize + row_bytes for size in self.sizes]
         self.dense_bytes = [size * row_bytes for size in self.sizes]
 
@@ -319,7 +243,7 @@ class SparCMLScheme(Scheme):
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
         n, rank, num_rows = ctx.world_size, ctx.rank, x.num_rows
         acc = accum_dtype(x.dtype)
-        wire = _Wire(num_rows, x.row_numel * acc.itemsize)
+        wire = Wire(num_rows, x.row_numel * acc.itemsize)
         p = 1 << (n.bit_length() - 1)
         extras = n - p
         folded = [nnz[i] + (nnz[i + p] if i < extras else 0) for i in range(p)]
@@ -327,26 +251,26 @@ class SparCMLScheme(Scheme):
         def bound(first: int, count: int) -> int:
             return min(sum(folded[first: first + count]), num_rows)
 
-        def as_bound(stream: _Stream, rows: int) -> _Stream:
+        def as_bound(stream: Stream, rows: int) -> Stream:
             return stream.densified(num_rows) if wire.is_dense(rows) else stream
 
-        def swap(partner: Optional[int], send: Optional[Tuple[_Stream, int]], recv_bound: int,
-                 name: str) -> Optional[_Stream]:
+        def swap(partner: Optional[int], send: Optional[Tuple[Stream, int]], recv_bound: int,
+                 name: str) -> Optional[Stream]:
             """One pairwise step: every rank calls it; ``recv_bound < 0`` receives nothing."""
-            sends = {} if send is None else {partner: _encode(send[0], send[1], wire)}
-            sizes = {} if recv_bound < 0 else {partner: self._message_bytes(wire, recv_bound)}
+            sends = {} if send is None else {partner: encode_stream(send[0], send[1], wire)}
+            sizes = {} if recv_bound < 0 else {partner: message_bytes(wire, recv_bound)}
             got = exchange_pairwise(ctx.comm, sends, sizes, name, x.device)
             if recv_bound < 0:
                 return None
-            return _decode(got.get(partner, _NOTHING), recv_bound, wire, acc, x.row_numel)
+            return decode_stream(got.get(partner, _NOTHING), recv_bound, wire, acc, x.row_numel)
 
-        mine = as_bound(_Stream(x.indices, x.values_2d().to(acc)), min(nnz[rank], num_rows))
+        mine = as_bound(Stream(x.indices, x.values_2d().to(acc)), min(nnz[rank], num_rows))
         # Fold: ranks p.. hand their stream to rank - p.
         if rank >= p:
             swap(rank - p, (mine, nnz[rank]), -1, "sparcml.fold")
         elif rank < extras:
             theirs = swap(rank + p, None, min(nnz[rank + p], num_rows), "sparcml.fold")
-            mine = _merge(mine, theirs, wire.is_dense(folded[rank]), num_rows, acc)
+            mine = merge_streams(mine, theirs, wire.is_dense(folded[rank]), num_rows, acc)
         elif extras:
             swap(None, None, -1, "sparcml.fold")
         # Recursive doubling among the first p ranks.
@@ -360,7 +284,7 @@ class SparCMLScheme(Scheme):
             theirs = swap(partner, (mine, bound(first, size)), bound(partner_first, size),
                           f"sparcml.round{t}")
             low, high = (mine, theirs) if first < partner_first else (theirs, mine)
-            mine = _merge(low, high, wire.is_dense(bound(min(first, partner_first), 2 * size)),
+            mine = merge_streams(low, high, wire.is_dense(bound(min(first, partner_first), 2 * size)),
                           num_rows, acc)
         # The folded ranks get the result back.
         if extras:
@@ -373,41 +297,35 @@ class SparCMLScheme(Scheme):
                 swap(None, None, -1, "sparcml.unfold")
         return _finish(mine, x, ctx)
 
-    @staticmethod
-    def _message_bytes(wire: _Wire, bound: int) -> int:
-        if wire.is_dense(bound):
-            return wire.num_rows * wire.row_bytes
-        return 8 + round8(bound * wire.id_dtype.itemsize) + round8(bound * wire.row_bytes)
-
     def _split_allgather(self, x: RowSparse, ctx: SyncContext
                          ) -> Tuple[torch.Tensor, torch.Tensor]:
         n, rank, num_rows, row_numel = ctx.world_size, ctx.rank, x.num_rows, x.row_numel
         acc = accum_dtype(x.dtype)
         starts = ops.shard_starts(num_rows, n)
-        wires = [_Wire(starts[j + 1] - starts[j], row_numel * x.values.element_size())
+        wires = [Wire(starts[j + 1] - starts[j], row_numel * x.values.element_size())
                  for j in range(n)]
         id_dtype = row_id_dtype(max(w.num_rows for w in wires))
         cuts = torch.searchsorted(x.indices, torch.tensor(starts, device=x.device)).tolist()
         counts = [cuts[j + 1] - cuts[j] for j in range(n)]
         values = x.values_2d()
 
-        def part(j: int) -> _Stream:
+        def part(j: int) -> Stream:
             rows = x.indices[cuts[j]: cuts[j + 1]] - starts[j]
-            return _Stream(rows, values[cuts[j]: cuts[j + 1]])
+            return Stream(rows, values[cuts[j]: cuts[j + 1]])
 
-        def encode(stream: _Stream, wire: _Wire) -> torch.Tensor:
+        def encode(stream: Stream, wire: Wire) -> torch.Tensor:
             if wire.is_dense(stream.rows.numel()):
-                return _encode(stream.densified(wire.num_rows), None, wire)
+                return encode_stream(stream.densified(wire.num_rows), None, wire)
             return pack([stream.rows.to(id_dtype), stream.values])
 
-        def decode(buffer: torch.Tensor, count: int, wire: _Wire, dtype: torch.dtype) -> _Stream:
+        def decode(buffer: torch.Tensor, count: int, wire: Wire, dtype: torch.dtype) -> Stream:
             if wire.is_dense(count):
-                return _Stream(dense=view_as(buffer.reshape(1, -1), dtype).reshape(-1, row_numel))
+                return Stream(dense=view_as(buffer.reshape(1, -1), dtype).reshape(-1, row_numel))
             ids, vals = unpack(buffer, [(id_dtype, count, round8(count * id_dtype.itemsize)),
                                         (dtype, count * row_numel, 0)])
-            return _Stream(ids.to(torch.int64), vals.reshape(count, row_numel))
+            return Stream(ids.to(torch.int64), vals.reshape(count, row_numel))
 
-        def size(wire: _Wire, count: int) -> int:
+        def size(wire: Wire, count: int) -> int:
             return range_part_bytes(wire, count, id_dtype)
 
         # Reduce-scatter by range: counts first, then each part sparse or dense.
@@ -435,11 +353,11 @@ class SparCMLScheme(Scheme):
             if sparse:
                 ops.add_zero_where(reduced, lambda: torch.bincount(
                     torch.cat([s.rows for s in sparse]), minlength=mine.num_rows) < len(sparse))
-            summed = _Stream(dense=reduced)
+            summed = Stream(dense=reduced)
         else:
             rows, sums = ops.aggregate(torch.cat([s.rows for s in parts]),
                                        torch.cat([s.values for s in parts]), acc, terms=n)
-            summed = _Stream(rows, sums)
+            summed = Stream(rows, sums)
         rows, final = _finish(summed, x, ctx)
 
         # All-gather of the reduced ranges: sizes first.
@@ -448,7 +366,7 @@ class SparCMLScheme(Scheme):
                                                                       device=x.device),
                                         "sparcml.range_sizes")
         reduced_counts = reduced_counts.tolist()
-        payload = encode(_Stream(rows, final), mine)
+        payload = encode(Stream(rows, final), mine)
         got = exchange(ctx.comm, {j: payload for j in range(n) if j != rank},
                        {j: size(wires[j], reduced_counts[j]) for j in range(n) if j != rank},
                        "sparcml.allgather", x.device)
@@ -467,6 +385,14 @@ class SparCMLScheme(Scheme):
     def model_settings(self) -> Hashable:
         return self.forced_variant
 
+    def traffic(self, supports: Supports, shape: SyncShape, index_encoding: str,
+                checks: bool = False) -> Traffic:
+        """The variant :meth:`sync` picks for this handshake, message by message
+        (:mod:`zen_ds.schemes.sparcml_streams`)."""
+        if self.variant(shape) == RECURSIVE_DOUBLING:
+            return doubling_traffic(supports)
+        return split_traffic(supports)
+
     def predict(self, shape: SyncShape) -> ByteEstimate:
         if self.forced_variant is None and len(shape.nnz_per_rank) == shape.world_size:
             chosen, priced = self._choice(shape)
@@ -481,13 +407,13 @@ class SparCMLScheme(Scheme):
     def _predict_doubling(self, shape: SyncShape) -> ByteEstimate:
         n, r, num_rows = shape.world_size, shape.rank, shape.num_rows
         nnz = list(shape.nnz_per_rank)
-        wire = _Wire(num_rows, shape.row_numel * _accum_bytes(shape.value_bytes))
+        wire = Wire(num_rows, shape.row_numel * accum_bytes(shape.value_bytes))
         p = 1 << (n.bit_length() - 1)
         extras = n - p
         folded = [nnz[i] + (nnz[i + p] if i < extras else 0) for i in range(p)]
 
         def message(first: int, count: int) -> int:
-            return self._message_bytes(wire, min(sum(folded[first: first + count]), num_rows))
+            return message_bytes(wire, min(sum(folded[first: first + count]), num_rows))
 
         rounds = p.bit_length() - 1
         steps = rounds + (2 if extras else 0)
@@ -499,12 +425,12 @@ class SparCMLScheme(Scheme):
             return i - p if i >= p else (i + p if i < extras else None)
 
         if r >= p:
-            own = self._message_bytes(wire, min(nnz[r], num_rows))
+            own = message_bytes(wire, min(nnz[r], num_rows))
             exchanges.append((fold_partner, own, total))  # fold out, result back
         else:
             if r < extras:
                 exchanges.append((fold_partner, total,
-                                  self._message_bytes(wire, min(nnz[r + p], num_rows))))
+                                  message_bytes(wire, min(nnz[r + p], num_rows))))
             for t in range(rounds):
                 size = 1 << t
                 exchanges.append(((lambda i, size=size: i ^ size if i < p else None),

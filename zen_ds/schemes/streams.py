@@ -1,5 +1,6 @@
-"""Pieces the peer schemes share: point-to-point exchanges over ``all_to_all_single``, packed
-byte payloads, and the overlap model their byte estimates use.
+"""Pieces the schemes share: point-to-point exchanges over ``all_to_all_single``, packed byte
+payloads, the assembly of shard-partitioned sums (:func:`rows_from_positions`), and the overlap
+model the peer schemes' byte estimates use.
 
 The peer schemes talk to a few partners per step (recursive doubling, aggregators, node
 groups). :class:`~zen_ds.core.comm.Communicator` has no send/recv, so :func:`exchange` runs one
@@ -14,14 +15,13 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from zen_ds import ops
 from zen_ds.core.comm import Communicator
-from zen_ds.schemes.balanced import _as_bytes, _view_as
+from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.wire import round8, view_as
 
-__all__ = ["exchange", "pack", "unpack", "round8", "as_bytes", "view_as", "row_id_dtype",
+__all__ = ["exchange", "pack", "unpack", "row_id_dtype", "rows_from_positions",
            "effective_universe", "expected_union", "latency_cost", "positive_int_env"]
-
-as_bytes = _as_bytes
-view_as = _view_as
 
 _INT32_MAX = 2**31 - 1
 
@@ -40,10 +40,6 @@ def positive_int_env(name: str, meaning: str) -> Optional[int]:
     if value < 1:
         raise ValueError(f"{name}={value}: {meaning} must be >= 1")
     return value
-
-
-def round8(nbytes: int) -> int:
-    return nbytes + (-nbytes % 8)
 
 
 def row_id_dtype(universe: int) -> torch.dtype:
@@ -104,10 +100,28 @@ def unpack(buffer: torch.Tensor, layout: Sequence[Tuple[torch.dtype, int, int]]
     for dtype, count, width in layout:
         nbytes = count * dtype.itemsize
         area = buffer[cursor: cursor + nbytes].reshape(1, -1)
-        out.append(_view_as(area, dtype).reshape(-1) if nbytes else
+        out.append(view_as(area, dtype).reshape(-1) if nbytes else
                    torch.empty(0, dtype=dtype, device=buffer.device))
         cursor += width
     return out
+
+
+def rows_from_positions(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], x: RowSparse,
+                        seed: int, sorted_output: bool) -> RowSparse:
+    """The summed rows of a shard-partitioned sync as a RowSparse of ``x``'s shape and dtype.
+
+    ``parts``: (permuted positions, values) per shard, every row once. Positions map back to
+    rows through the seeded permutation; the result is sorted only when ``sorted_output``."""
+    rows = ops.unpermute(torch.cat([p for p, _ in parts]), x.num_rows, seed)
+    values = torch.cat([v for _, v in parts])
+    if sorted_output:
+        # The rows are unique, so "aggregate" only sorts them (and copies each row once):
+        # the compiled op does that with a bitset/bucket pass or a radix sort, several times
+        # cheaper than an argsort and two gathers of the whole union.
+        rows, values = ops.aggregate(rows, values, accum_dtype(x.dtype))
+        values = values.to(x.dtype)
+    return RowSparse(rows, values.reshape((rows.numel(),) + x.row_shape), x.num_rows,
+                     coalesced=sorted_output)
 
 
 def latency_cost(estimate, latency_bytes: float) -> float:

@@ -1,4 +1,5 @@
-"""Which ranks share a node, and the process groups of the two-level (hierarchical) scheme.
+"""Which ranks share a node, the process groups of the two-level (hierarchical) scheme, and the
+slice payloads its ranks exchange inside a node (:class:`SliceWire`).
 
 Node membership comes from ``ZEN_DS_RANKS_PER_NODE=k`` when set, else from the launcher's
 ``LOCAL_WORLD_SIZE`` (torchrun and the ``deepspeed`` launcher set it), else every rank is its own
@@ -26,13 +27,18 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.core.comm import Communicator
-from zen_ds.schemes.streams import positive_int_env
+from zen_ds.core.partition import ShardLayout
+from zen_ds.core.wire import round8
+from zen_ds.schemes.streams import exchange, pack, positive_int_env, unpack
 
-__all__ = ["RANKS_PER_NODE_ENV", "ranks_per_node", "Topology", "node_layout", "topology_for"]
+__all__ = ["RANKS_PER_NODE_ENV", "ranks_per_node", "Topology", "node_layout", "topology_for",
+           "SliceWire", "Part"]
 
 logger = logging.getLogger(__name__)
 
 RANKS_PER_NODE_ENV = "ZEN_DS_RANKS_PER_NODE"
+_NOTHING = torch.empty(0, dtype=torch.uint8)
+Part = Tuple[torch.Tensor, torch.Tensor]  # slice offsets (int64), values [rows, row_numel]
 
 
 def ranks_per_node() -> int:
@@ -149,3 +155,58 @@ def topology_for(comm: Communicator, device: torch.device, per_node: Optional[in
     node = communicator(topology.nodes[topology.node_of(rank)])
     slices = {s: communicator(topology.slice_group(s)) for s in topology.slices_of(rank)}
     return topology, node, slices
+
+
+class SliceWire:
+    """Slice payloads inside a node: ``[ids][values]`` of several slices, 8-byte aligned areas
+    (the two-level scheme's intra-node push and share)."""
+
+    def __init__(self, layout: ShardLayout, row_numel: int) -> None:
+        self.id_dtype = layout.id_dtype
+        self.row_numel = row_numel
+
+    def bytes(self, rows: float, row_bytes: int) -> float:
+        return round8(int(rows * self.id_dtype.itemsize)) + round8(int(rows * row_bytes))
+
+    def swap(self, node: Communicator, parts: Dict[int, Part], counts: torch.Tensor,
+             handled: List[List[int]], dtype: torch.dtype, name: str, to_all: bool = False
+             ) -> Dict[int, Dict[int, Part]]:
+        """Send each local rank the slices it handles (``to_all``: send my slices to every local
+        rank) after an all-gather of the per-slice row counts; returns [sender][slice] -> part."""
+        n, rank = node.world_size, node.rank
+        table = torch.empty(n * counts.numel(), dtype=torch.int64, device=counts.device)
+        node.all_gather_into_tensor(table, counts, f"{name}_counts")
+        table = table.view(n, -1).tolist()
+        row_bytes = self.row_numel * dtype.itemsize
+
+        def payload(slices: Sequence[int]) -> torch.Tensor:
+            rows = [parts[s][0] for s in slices]
+            vals = [parts[s][1].to(dtype) for s in slices]
+            empty_rows = torch.empty(0, dtype=torch.int64, device=counts.device)
+            empty_vals = torch.empty((0, self.row_numel), dtype=dtype, device=counts.device)
+            return pack([torch.cat(rows or [empty_rows]).to(self.id_dtype),
+                         torch.cat(vals or [empty_vals])])
+
+        def incoming(sender: int) -> List[int]:
+            return handled[sender] if to_all else handled[rank]
+
+        sends = ({d: payload(handled[rank]) for d in range(n) if d != rank} if to_all else
+                 {d: payload(handled[d]) for d in range(n) if d != rank})
+        sizes = {i: int(self.bytes(sum(table[i][s] for s in incoming(i)), row_bytes))
+                 for i in range(n) if i != rank}
+        got = exchange(node, sends, sizes, name, counts.device)
+        out: Dict[int, Dict[int, Part]] = {}
+        for i in range(n):
+            if i == rank:
+                continue
+            slices = incoming(i)
+            total = sum(table[i][s] for s in slices)
+            ids, vals = unpack(got.get(i, _NOTHING), [
+                (self.id_dtype, total, round8(total * self.id_dtype.itemsize)),
+                (dtype, total * self.row_numel, 0)])
+            ids, vals = ids.to(torch.int64), vals.reshape(total, self.row_numel)
+            out[i], at = {}, 0
+            for s in slices:
+                out[i][s] = (ids[at: at + table[i][s]], vals[at: at + table[i][s]])
+                at += table[i][s]
+        return out

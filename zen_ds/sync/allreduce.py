@@ -14,11 +14,19 @@
    A new dense result (a dense input without ``out=``) is zeros plus the scatter, in a buffer
    from :mod:`zen_ds.core.buffers` (one a caller dropped, when there is one): no fresh pages of
    the table's size per call, and the zero pass runs on a helper thread during the collectives.
+   A whole-tensor scheme (``dense``) on a dense input is the library all-reduce of
+   :func:`dense_work`, returned through :func:`dense_result` (a stable dense plan,
+   :mod:`zen_ds.sync.stable`, sums through the same two).
+
+:func:`sparse_allreduce` takes what a user sets; zen's own callers (the step agreement, the
+plug-in, DS-Sync) call :func:`sync_tensor`, which also takes their plumbing (collective names,
+a rank's agreed failure, an agreement made for the whole step).
 """
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -34,41 +42,62 @@ from zen_ds.core.stats import SyncStats, record
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.costmodel.support import estimate_support
 from zen_ds.planner import plan_and_price, plan_choice, price
-from zen_ds.schemes import auto_candidates, get_scheme
+from zen_ds.schemes import DENSE, auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncContext
 from zen_ds.sync.agreement import Agreement, agree, agree_reduced, reduced_handshake
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options
 
-__all__ = ["sparse_allreduce", "auto_candidates_for", "local_rows", "plan_sync",
-           "plan_from_summary", "summary_prefers_dense"]
+__all__ = ["sparse_allreduce", "sync_tensor", "auto_candidates_for", "local_rows", "plan_sync",
+           "plan_from_summary", "summary_prefers_dense", "dense_work", "dense_result"]
 
 
 # ----------------------------------------------------------------------------- execution
-def _dense_sum(local: LocalInput, out: Optional[torch.Tensor], prescale: float,
-               scale: Optional[float], comm: Optional[Communicator]) -> torch.Tensor:
-    """The library all-reduce of a dense input (fp32 for fp16/bf16), in place in ``out`` when
-    its dtype allows; ``comm`` None sums over this rank alone."""
-    x = local.dense
-    accum = accum_dtype(x.dtype)
-    if out is not None and out.dtype == accum:
+def dense_work(local: LocalInput, prescale: float, out: Optional[torch.Tensor] = None,
+               scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's input times ``prescale`` as the dense tensor (its shape, the accumulation
+    dtype: fp32 for fp16/bf16) a library all-reduce sums in place: the first elements of
+    ``scratch`` when given (a kept plan's buffer; rows are prescaled in their dtype, as the
+    dense scheme sums them), else ``out`` when its dtype allows (no copy when it is the dense
+    input itself), else a new result buffer or a cast copy of the dense input."""
+    accum = accum_dtype(local.dtype)
+    if scratch is not None:
+        work = scratch[:math.prod(local.shape)].view(local.shape)
+        if local.kind != "dense":
+            rows = local_rows(local, prescale)
+            work.zero_()
+            if rows.nnz:
+                work.index_copy_(0, rows.indices, rows.values.to(accum))
+            return work
+        work.copy_(local.dense)
+    elif out is not None and out.dtype == accum:
         work = out
         if not local.aliases(out):
-            work.copy_(x)
-    elif out is None and accum == x.dtype:  # a new result: the copy's memory is reused
-        work = result_buffer(local.shape, x.dtype, x.device, zero=False).copy_(x)
+            work.copy_(local.dense)
+    elif out is None and accum == local.dtype:  # a new result: the copy's memory is reused
+        work = result_buffer(local.shape, local.dtype, local.device, zero=False).copy_(local.dense)
     else:
-        work = x.to(accum, memory_format=torch.contiguous_format, copy=True)
+        work = local.dense.to(accum, memory_format=torch.contiguous_format, copy=True)
     if prescale != 1.0:
         work.mul_(prescale)
-    if comm is not None:
-        comm.all_reduce(work, "dense")
-    if scale is not None:
-        work.mul_(scale)
-    if out is None:
-        return work if work.dtype == x.dtype else work.to(x.dtype)
-    if work is not out:
-        out.copy_(work)
-    return out
+    return work
+
+
+def dense_result(local: LocalInput, summed: torch.Tensor, out: Optional[torch.Tensor],
+                 kept: bool = False) -> TensorLike:
+    """A dense sum (:func:`dense_work` after the all-reduce) as the caller's kind: written into
+    ``out``, a new dense tensor, or the rows it holds. ``kept``: ``summed`` is a buffer the
+    caller keeps (a kept plan's scratch), so a new dense result is a copy of it."""
+    if out is not None:
+        if summed is not out:
+            out.copy_(summed)
+        return out
+    if local.kind == "dense":
+        if kept:
+            return result_buffer(local.shape, local.dtype, summed.device,
+                                 zero=False).copy_(summed)
+        return summed if summed.dtype == local.dtype else summed.to(local.dtype)
+    rows = RowSparse.from_dense(summed.to(local.dtype, copy=True))
+    return rows if local.kind == "rowsparse" else rows.to_coo()
 
 
 def _once(fn: Callable[[], object]) -> Callable[[], None]:
@@ -118,13 +147,14 @@ def _sketched(scheme: str) -> bool:
 
 
 def auto_candidates_for(comm: Communicator, shape: SyncShape) -> Tuple[str, ...]:
-    """The schemes ``auto`` may pick for this group: hierarchical only on the default group
-    (its node groups are made by every rank of the world; the planner further keeps it to
-    several nodes of several ranks)."""
+    """The schemes ``auto`` may pick for this group: those that build groups from every rank
+    of the world (``needs_whole_world``) only on the default group (the planner further keeps
+    each to the shapes it ``applies_to``)."""
     names = auto_candidates()
     whole_world = comm.group is None or not dist.is_initialized() or \
         list(dist.get_process_group_ranks(comm.group)) == list(range(dist.get_world_size()))
-    return names if whole_world else tuple(name for name in names if name != "hierarchical")
+    return names if whole_world else tuple(
+        name for name in names if not get_scheme(name).needs_whole_world)
 
 
 def plan_sync(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptions,
@@ -141,7 +171,7 @@ def plan_sync(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncO
                       comm.rank, opts.cost_model.latency_bytes, singletons,
                       table.column("ranks_per_node")[0])
     if max(nnz_per_rank) > opts.density_threshold * num_rows:
-        names: Tuple[str, ...] = ("dense",)
+        names: Tuple[str, ...] = (DENSE,)
     elif scheme == "auto":  # memoised on bucketed counts: priced afresh only when they move
         names = (plan_choice(shape, auto_candidates_for(comm, shape), opts.cost_model, opts.memo()),)
     else:
@@ -165,14 +195,14 @@ def summary_prefers_dense(shape: SyncShape, candidates: Tuple[str, ...], opts: S
     (``n - 1`` latency steps), so ``dense`` wins unless the best other scheme beats it by more
     than that all-gather."""
     chosen = plan_choice(shape, candidates, opts.cost_model, opts.memo())
-    if chosen == "dense":
+    if get_scheme(chosen).whole_tensor:
         return True
-    if "dense" not in candidates:
+    if DENSE not in candidates:
         return False
     n = shape.world_size
     gather = opts.cost_model.link_seconds((n - 1) * handshake_bytes(n), 0.0, n - 1)
-    seconds = price(shape, (chosen, "dense"), opts.cost_model)[0]
-    return seconds["dense"] <= seconds[chosen] + gather
+    seconds = price(shape, (chosen, DENSE), opts.cost_model)[0]
+    return seconds[DENSE] <= seconds[chosen] + gather
 
 
 def plan_from_summary(summary: HandshakeSummary, local: LocalInput, scheme: str,
@@ -188,16 +218,18 @@ def plan_from_summary(summary: HandshakeSummary, local: LocalInput, scheme: str,
     union = summary.union_estimate(num_rows) if scheme == "auto" else min(sum(nnz), num_rows)
     shape = SyncShape(n, nnz, union, num_rows, local.row_numel, local.element_size, comm.rank,
                       opts.cost_model.latency_bytes, 0, per_node)
-    dense = scheme == "dense" or summary.nnz_max > opts.density_threshold * num_rows or (
+    pinned = scheme != "auto" and get_scheme(scheme).whole_tensor
+    dense = pinned or summary.nnz_max > opts.density_threshold * num_rows or (
         scheme == "auto" and summary_prefers_dense(shape, auto_candidates_for(comm, shape),
                                                    opts))
     if not dense:
         return None
-    _, slowest, estimates = plan_and_price(shape, ("dense",), opts.cost_model, opts.memo())
-    seconds = slowest["dense"] + _reduced_seconds(opts, n, per_node)
+    chosen = scheme if pinned else DENSE
+    _, slowest, estimates = plan_and_price(shape, (chosen,), opts.cost_model, opts.memo())
+    seconds = slowest[chosen] + _reduced_seconds(opts, n, per_node)
     handshake = 2 * (n - 1) * 8 * summary_width() / n  # as Communicator.all_reduce counts it
-    return "dense", shape, (estimates["dense"].bytes_sent + handshake,
-                            estimates["dense"].bytes_received + handshake, seconds)
+    return chosen, shape, (estimates[chosen].bytes_sent + handshake,
+                           estimates[chosen].bytes_received + handshake, seconds)
 
 
 def _plan(agreement: Agreement, scheme: str, opts: SyncOptions
@@ -226,9 +258,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
                      out: Optional[torch.Tensor] = None, prescale: float = 1.0,
                      postscale: float = 1.0, options: Optional[SyncOptions] = None,
                      stats: Optional[SyncStats] = None, seed: Optional[int] = None,
-                     index_encoding: Optional[str] = None, log_prefix: str = "zen",
-                     local_error: Optional[str] = None,
-                     agreement: Optional[Agreement] = None) -> TensorLike:
+                     index_encoding: Optional[str] = None) -> TensorLike:
     """Sum ``x`` over ``group``, returned as the same kind of tensor (or written into ``out``).
 
     ``x`` is a :class:`RowSparse`, a dense tensor (rows with any non-zero element are synced) or a
@@ -244,18 +274,32 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
     override it. ``stats``, if given, is filled with this call's :class:`SyncStats` (also kept for
     :func:`zen_ds.last_sync_stats`). Every rank of the group must call with the same shape, dtype
     and options; a mismatch or a bad input on any rank raises the same :class:`ZenInputError` (a
-    ValueError) on every rank. ``local_error``: this rank could not prepare its input (the
-    reason); it still joins the handshake, with any ``x``, and every rank raises that
-    :class:`ZenInputError` naming it: a failure agreed at no extra collective.
-    ``agreement``: this call's agreement, already made with the other syncs of a step
-    (:func:`zen_ds.sync.step.sync_step`); no handshake then runs here.
+    ValueError) on every rank.
     """
-    started = time.perf_counter()
     opts = options if options is not None else default_options()
     if isinstance(opts, SyncOptions) and (seed is not None or index_encoding is not None):
         opts = replace(opts, seed=opts.seed if seed is None else seed,
                        index_encoding=opts.index_encoding if index_encoding is None
                        else index_encoding)
+    return sync_tensor(x, group, scheme, average, out=out, prescale=prescale,
+                       postscale=postscale, options=opts, stats=stats)
+
+
+def sync_tensor(x: TensorLike, group: Optional[dist.ProcessGroup] = None, scheme: str = "auto",
+                average: bool = False, *, out: Optional[torch.Tensor] = None,
+                prescale: float = 1.0, postscale: float = 1.0,
+                options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
+                log_prefix: str = "zen", local_error: Optional[str] = None,
+                agreement: Optional[Agreement] = None) -> TensorLike:
+    """:func:`sparse_allreduce` with what zen's own callers (the step agreement, the plug-in,
+    DS-Sync) pass besides a user's arguments. ``log_prefix`` names the call's collectives
+    (DeepSpeed's comms logger). ``local_error``: this rank could not prepare its input (the
+    reason); it still joins the handshake, with any ``x``, and every rank raises that
+    :class:`ZenInputError` naming it: a failure agreed at no extra collective.
+    ``agreement``: this call's agreement, already made with the other syncs of a step
+    (:func:`zen_ds.sync.step.sync_step`); no handshake then runs here."""
+    started = time.perf_counter()
+    opts = options if options is not None else default_options()
     if agreement is None and reduced_handshake(opts, group):
         agreement = agree_reduced(x, out, group, scheme, average, opts, prescale, postscale,
                                   log_prefix, local_error)
@@ -280,14 +324,19 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
     table = agreement.table  # None: planned from the reduced handshake alone (dense)
 
     in_place = out is not None and local.aliases(out)
-    dense_result = out is not None or local.kind == "dense"
-    if local.kind == "dense" and (chosen == "dense" or nothing_to_move):
-        result = _dense_sum(local, out, prescale, scale, None if nothing_to_move else comm)
+    wants_dense = out is not None or local.kind == "dense"
+    if local.kind == "dense" and (nothing_to_move or get_scheme(chosen).whole_tensor):
+        work = dense_work(local, prescale, out)
+        if not nothing_to_move:
+            comm.all_reduce(work, chosen)
+        if scale is not None:
+            work.mul_(scale)
+        result = dense_result(local, work, out)
         nnz_result = local.nnz if nothing_to_move else -1
     else:
         rs = local_rows(local, prescale)
         target, zeroing, moved = out, None, False
-        if out is None and dense_result:  # a new dense result: zeros (during the sync) + scatter
+        if out is None and wants_dense:  # a new dense result: zeros (during the sync) + scatter
             target, zeroing = zeroed_in_background(local.shape, local.dtype, local.device)
         elif target is not None and not in_place:
             # Zeroed once the scheme writes (or returns): a stable plan whose checks fail has
@@ -300,7 +349,7 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
                 ctx = SyncContext(comm, opts.seed, scale, opts.index_encoding, list(nnz_per_rank),
                                   table.owner_counts  # host: read as splits, no device sync
                                   if table is not None and _sketched(scheme) else None,
-                                  sorted_output=not dense_result,
+                                  sorted_output=not wants_dense,
                                   dense_out=None if target is None else
                                   target.view((local.num_rows,) + local.row_shape),
                                   shape=shape, handshake=table, dense_out_zeroing=zeroing,
@@ -324,16 +373,9 @@ def sparse_allreduce(x: TensorLike, group: Optional[dist.ProcessGroup] = None,
     if nnz_result < 0:  # a dense all-reduce: count the rows it produced
         nnz_result = int(ops.nonzero_rows(result.reshape(local.num_rows, -1)).numel())
 
-    sync_stats = SyncStats(
-        scheme=chosen, bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
-        seconds=time.perf_counter() - started, nnz_local=local.nnz, nnz_result=nnz_result,
-        num_rows=local.num_rows, row_numel=local.row_numel, world_size=n,
-        dense_bytes=local.num_rows * local.row_numel * local.element_size,
-        union_estimate=union, predicted_bytes_sent=predicted[0],
-        predicted_bytes_received=predicted[1], predicted_seconds=predicted[2],
-        collectives=list(comm.records))
+    sync_stats = SyncStats.of_sync(chosen, comm, time.perf_counter() - started, local,
+                                   nnz_result, union, predicted)
     record(sync_stats)
     if stats is not None:
-        for f in fields(SyncStats):
-            setattr(stats, f.name, getattr(sync_stats, f.name))
+        stats.copy_from(sync_stats)
     return result

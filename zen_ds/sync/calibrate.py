@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds import ops
-from zen_ds.core.comm import _all_gather_single
+from zen_ds.core.comm import all_gather_single
 from zen_ds.core.option_fields import config_values
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
@@ -38,6 +38,7 @@ from zen_ds.costmodel.cost import (
     CostModel,
 )
 from zen_ds.costmodel.shape import RING, SPREAD, SyncShape, link_split
+from zen_ds.schemes import DEEPSPEED_SPARSE
 from zen_ds.sync.allreduce import sparse_allreduce
 from zen_ds.sync.options import SyncOptions, default_options, set_default_options
 
@@ -143,14 +144,15 @@ def _timed_all_gather(nbytes: int, group: Optional[dist.ProcessGroup], size: int
     for _ in range(repeats + 1):
         dist.barrier(group=group)
         started = time.perf_counter()
-        _all_gather_single(recv, send, group=group)
+        all_gather_single(recv, send, group=group)
         times.append(_reduced_over_group([time.perf_counter() - started], group)[0])
     return statistics.median(times[1:])  # the first includes connection set-up
 
 
 def _sync_alpha(repeats: int) -> float:
-    """Seconds per latency step as zen's syncs see them: the median time of a tiny ``agsparse``
-    sync over the default group divided by the latency steps the cost model counts for it
+    """Seconds per latency step as zen's syncs see them: the median time of a tiny sync of
+    DeepSpeed's sparse path (``agsparse``: one collective after the handshake) over the default
+    group divided by the latency steps the cost model counts for it
     (handshake included). It holds what a bare collective's latency leaves out: each
     collective's host-side work, and ranks that do not reach a step at the same moment (on an
     oversubscribed host, whichever rank the scheduler has not run yet). Collective."""
@@ -169,7 +171,7 @@ def _sync_alpha(repeats: int) -> float:
         stats = SyncStats()
         dist.barrier()
         started = time.perf_counter()
-        sparse_allreduce(x, scheme="agsparse", options=options, stats=stats)
+        sparse_allreduce(x, scheme=DEEPSPEED_SPARSE, options=options, stats=stats)
         times.append(_reduced_over_group([time.perf_counter() - started])[0])
         steps = stats.predicted_seconds
     return statistics.median(times[1:]) / max(steps, 1.0)

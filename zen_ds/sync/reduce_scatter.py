@@ -21,7 +21,9 @@ from zen_ds import ops
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats
-from zen_ds.schemes.balanced import _as_bytes, _view_as, push
+from zen_ds.core.wire import as_bytes, view_as
+from zen_ds.schemes.agsparse import AllGatherSparseScheme
+from zen_ds.schemes.balanced import BalancedScheme, push
 from zen_ds.schemes.base import SyncContext
 from zen_ds.sync.agreement import agree
 from zen_ds.sync.allreduce import local_rows
@@ -62,7 +64,9 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     if seed is not None and isinstance(opts, SyncOptions):
         opts = replace(opts, seed=seed)
     seed = opts.seed if isinstance(opts, SyncOptions) else 0
-    comm, local, table = agree(x, None, group, "balanced", False, opts, prescale, postscale, log_prefix)
+    # balanced's handshake (its owner counts are the push's splits)
+    comm, local, table = agree(x, None, group, BalancedScheme.name, False, opts, prescale,
+                               postscale, log_prefix)
     comm.scheme = "reduce_scatter"
     n, rank = comm.world_size, comm.rank
     x = local_rows(local, float(prescale))
@@ -119,7 +123,9 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
     the handshake plus that ring's, ``nnz_result`` the summed row counts: an upper bound).
     """
     opts = options if options is not None else default_options()
-    comm, local, table = agree(x, None, group, "agsparse", False, opts, prescale, postscale, log_prefix)
+    # a handshake without sketches (agsparse's): the counts alone decide the fallback
+    comm, local, table = agree(x, None, group, AllGatherSparseScheme.name, False, opts, prescale,
+                               postscale, log_prefix)
     comm.scheme = "reduce_scatter_flat"
     n, rank = comm.world_size, comm.rank
     width = local.row_numel
@@ -166,12 +172,12 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
         comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "reduce_scatter_flat.counts")
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
         values = rs.values_2d().index_select(0, rows)
-        send = torch.cat([_as_bytes(ids.index_select(0, rows)), _as_bytes(values)], dim=1)
+        send = torch.cat([as_bytes(ids.index_select(0, rows)), as_bytes(values)], dim=1)
         received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=device)
         comm.all_to_all_single(received, send, recv_splits, send_splits, "reduce_scatter_flat.push")
         del send, values
-        got_ids = _view_as(received[:, :8], torch.int64).flatten()
-        got_values = _view_as(received[:, 8:], rs.dtype).reshape(-1, width)
+        got_ids = view_as(received[:, :8], torch.int64).flatten()
+        got_values = view_as(received[:, 8:], rs.dtype).reshape(-1, width)
         _add_rows_into_partition(out, got_ids, got_values, width, rank * part)
         recv_rows = int(got_ids.numel())
     else:

@@ -1,11 +1,12 @@
 """Plans kept from step to step by :func:`zen_ds.sync.step.sync_step` (``handshake`` ``reduce``
-or ``auto``): a tensor whose agreed plan is one of :data:`STABLE_SCHEMES` runs later steps
-without a handshake, its checks riding in a collective it runs anyway. Three checks: a problem
-on some rank, a record that differs from the agreed one (shape, dtype, options), a change of
-some rank's row count by half an octave (:func:`count_class`).
+or ``auto``): a tensor whose agreed plan is one of :func:`stable_schemes` (the schemes that
+:attr:`~zen_ds.schemes.base.Scheme.keeps_stable_plan`) runs later steps without a handshake,
+its checks riding in a collective it runs anyway. Three checks: a problem on some rank, a
+record that differs from the agreed one (shape, dtype, options), a change of some rank's row
+count by half an octave (:func:`count_class`).
 
-**dense**: the checks ride in the dense all-reduce itself, as three extra elements summed with
-the data. The data goes through a scratch buffer, so a problem found there has written nothing:
+**dense** (``whole_tensor``): the checks ride in the dense all-reduce itself, as three extra
+elements summed with the data (:func:`zen_ds.sync.allreduce.dense_work` fills the rest). The data goes through a scratch buffer, so a problem found there has written nothing:
 every rank then runs the tensor's full handshake, which raises the agreed error (or, if the
 ranks changed alike, gives the new plan). Every rank also counts the summed tensor's non-zero
 rows (the exact union, identical on every rank); a change of its class, or of a rank's count,
@@ -13,8 +14,8 @@ drops the plan, and the next step re-plans. The sum is the library all-reduce of
 three more elements: on more than two ranks the library may chunk it, and so add, in another
 order than the tensor's own all-reduce (last-bit differences; every rank gets the same bits).
 
-**agsparse, balanced**: such a plan needs every rank's current counts, and the scheme's first
-collective exchanges them anyway (agsparse's size all-gather, as DeepSpeed's; balanced's push
+**agsparse, balanced** (``checks_in_counts``): such a plan needs every rank's current counts,
+and the scheme's first collective exchanges them anyway (agsparse's size all-gather, as DeepSpeed's; balanced's push
 counts, all-gathered instead of all-to-all'd where its pull pads to the owners' bounds). The
 checks ride in those int64 counts as flag bits above bit 60
 (:func:`zen_ds.core.handshake.pack_checks`), and every rank reads every rank's flags from that
@@ -44,7 +45,6 @@ from typing import Dict, Optional, Sequence, Set, Tuple
 import torch
 
 from zen_ds import ops
-from zen_ds.core.buffers import result_buffer
 from zen_ds.core.handshake import (
     CHECK_ABORT,
     CHECK_CHANGED,
@@ -53,22 +53,19 @@ from zen_ds.core.handshake import (
     same_agreed_fields,
 )
 from zen_ds.core.inputs import inspect_input
-from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.planner import plan_and_price
-from zen_ds.schemes.balanced import pads_pull
+from zen_ds.schemes import get_scheme, scheme_names
 from zen_ds.schemes.base import StalePlan
+from zen_ds.schemes.dense import CHECK_SLOTS
 from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, handshake_seconds
-from zen_ds.sync.allreduce import local_rows, sparse_allreduce
+from zen_ds.sync.allreduce import dense_result, dense_work, sync_tensor
 from zen_ds.sync.options import SyncOptions, TensorLike
 
-__all__ = ["StepCall", "StepPlans", "StablePlan", "count_class", "CHECK_SLOTS", "STABLE_SCHEMES",
+__all__ = ["StepCall", "StepPlans", "StablePlan", "count_class", "CHECK_SLOTS", "stable_schemes",
            "remember", "stable_sync", "checks_message_bytes", "sparse_plans_skip"]
-
-# Elements the checks of a stable dense plan add to its all-reduce: problem, mismatch, changed.
-CHECK_SLOTS = 3
 
 
 def count_class(count: int) -> int:
@@ -97,9 +94,11 @@ class StepCall:
         return self.key if self.key is not None else self.log_prefix
 
 
-# Plans kept between steps: ``dense`` (checks in its all-reduce) and the schemes whose first
-# collective exchanges per-rank counts the checks can ride in.
-STABLE_SCHEMES = ("dense", "agsparse", "balanced")
+def stable_schemes() -> Tuple[str, ...]:
+    """The registered schemes whose plans are kept between steps: whole-tensor ones (checks in
+    their all-reduce) and those whose first collective exchanges per-rank counts the checks can
+    ride in."""
+    return tuple(name for name in scheme_names() if get_scheme(name).keeps_stable_plan)
 
 
 @dataclass
@@ -140,16 +139,16 @@ class StepPlans:
 
 def remember(call: StepCall, prep: Prepared, s: SyncStats, plans: StepPlans,
               opts: SyncOptions, agreement: Optional[Agreement]) -> None:
-    """After a planned sync: keep a plan of :data:`STABLE_SCHEMES` (agreed, so alike on every
+    """After a planned sync: keep a plan of :func:`stable_schemes` (agreed, so alike on every
     rank)."""
     plans.stable.pop(call.name, None)
     local = prep.local
     keep = opts.handshake in ("reduce", "auto")
-    if not keep or s.scheme not in STABLE_SCHEMES or local.num_rows == 0 or \
+    if not keep or s.scheme not in stable_schemes() or local.num_rows == 0 or \
             local.row_numel == 0 or local.num_rows >= 2 ** 59:  # counts carry flags above 2**60
         return
     n = s.world_size
-    if s.scheme == "dense":
+    if get_scheme(s.scheme).whole_tensor:
         shape = SyncShape(n, [local.nnz] * n, max(s.nnz_result, local.nnz), local.num_rows,
                           local.row_numel, local.element_size, prep.comm.rank,
                           opts.cost_model.latency_bytes, 0, max(opts.ranks_per_node, 1))
@@ -170,14 +169,9 @@ def _prediction(shape: SyncShape, scheme: str, opts: SyncOptions) -> Tuple[float
 
 
 def checks_message_bytes(scheme: str, shape: SyncShape) -> int:
-    """Bytes to each peer of a stable ``agsparse`` or ``balanced`` plan's first message, which
-    carries its checks: one int64 count, or, where balanced's pull pads to the owners' bounds,
-    all of the rank's counts (an all-gather)."""
-    n = shape.world_size
-    if scheme == "balanced" and pads_pull(
-            shape, ShardLayout(shape.num_rows, n, 0).id_dtype.itemsize + shape.row_bytes):
-        return 8 * n
-    return 8
+    """Bytes to each peer of a stable sparse plan's first message, which carries its checks
+    (:meth:`~zen_ds.schemes.base.Scheme.checks_message_bytes`)."""
+    return get_scheme(scheme).checks_message_bytes(shape)
 
 
 def sparse_plans_skip(opts: SyncOptions, n: int, sparse: Sequence[Tuple[str, SyncShape]],
@@ -227,10 +221,9 @@ def _stable_sparse(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStat
     agreement = Agreement(prep.comm, local, None, plan=(plan.scheme, plan.planned,
                                                         plan.predicted), checks=flags)
     try:
-        result = sparse_allreduce(call.x, None, call.scheme, call.average, out=out,
-                                  prescale=call.prescale, postscale=call.postscale,
-                                  options=opts, stats=s, log_prefix=call.log_prefix,
-                                  agreement=agreement)
+        result = sync_tensor(call.x, None, call.scheme, call.average, out=out,
+                             prescale=call.prescale, postscale=call.postscale, options=opts,
+                             stats=s, log_prefix=call.log_prefix, agreement=agreement)
     except StalePlan:  # every rank raised it from the same message
         _drop(plans, call.name)
         return None
@@ -242,32 +235,25 @@ def _stable_sparse(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStat
 
 def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
                   ) -> Optional[TensorLike]:
-    """A stable ``dense`` plan: the checks ride in the all-reduce (module, step 3). None when
+    """A stable whole-tensor plan: the checks ride in the all-reduce (module, step 3). None when
     some rank found a problem or a mismatch (nothing was written anywhere)."""
     started = time.perf_counter()
     plan = plans.stable[call.name]
     local, comm = prep.local, prep.comm
     numel = math.prod(plan.shape)
-    accum = accum_dtype(plan.dtype)
-    buffer = plans.buffer(numel + CHECK_SLOTS, accum, prep.device)
-    data = buffer[:numel].view(plan.shape)
+    buffer = plans.buffer(numel + CHECK_SLOTS, accum_dtype(plan.dtype), prep.device)
     problem = bool(prep.problems)
     mismatch = not problem and not same_agreed_fields(prep.record, plan.record)
     if problem or mismatch:
-        data.zero_()
-    elif local.kind == "dense":
-        data.copy_(local.dense)
-        if call.prescale != 1.0:
-            data.mul_(float(call.prescale))
-    else:  # as the dense scheme sums rows: prescaled in their dtype, then summed in fp32
-        rows = local_rows(local, float(call.prescale))
-        data.zero_()
-        if rows.nnz:
-            data.index_copy_(0, rows.indices, rows.values.to(accum))
+        buffer[:numel].zero_()
+    else:
+        dense_work(local, float(call.prescale), scratch=buffer)
+    data = buffer[:numel].view(plan.shape)
     changed = count_class(local.nnz) != plan.nnz_class
-    buffer[numel:] = torch.tensor([float(problem), float(mismatch), float(changed)], dtype=accum)
-    comm.scheme = "dense"
-    comm.all_reduce(buffer, "dense")
+    buffer[numel:] = torch.tensor([float(problem), float(mismatch), float(changed)],
+                                  dtype=buffer.dtype)
+    comm.scheme = plan.scheme
+    comm.all_reduce(buffer, plan.scheme)
     flags = buffer[numel:].tolist()
     if flags[0] > 0 or flags[1] > 0:
         _drop(plans, call.name)
@@ -279,35 +265,18 @@ def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
     nnz_result = int(ops.nonzero_rows(data.reshape(plan.shape[0], -1)).numel())
     if flags[2] > 0 or count_class(nnz_result) != plan.union_class:
         _drop(plans, call.name)  # every rank sees the same flags and the same sum
-    result = _write_back(call, local, data)
-    sync_stats = SyncStats(
-        scheme="dense", bytes_sent=comm.bytes_sent, bytes_received=comm.bytes_received,
-        seconds=time.perf_counter() - started, nnz_local=local.nnz, nnz_result=nnz_result,
-        num_rows=local.num_rows, row_numel=local.row_numel, world_size=n,
-        dense_bytes=numel * local.element_size, union_estimate=nnz_result,
-        predicted_bytes_sent=plan.predicted[0], predicted_bytes_received=plan.predicted[1],
-        predicted_seconds=plan.predicted[2], collectives=list(comm.records))
+    result = dense_result(local, data, call.out, kept=True)
+    sync_stats = SyncStats.of_sync(plan.scheme, comm, time.perf_counter() - started, local,
+                                   nnz_result, nnz_result, plan.predicted)
     record(sync_stats)
-    for name in sync_stats.__dataclass_fields__:
-        setattr(s, name, getattr(sync_stats, name))
+    s.copy_from(sync_stats)
     return result
-
-
-def _write_back(call: StepCall, local, data: torch.Tensor) -> TensorLike:
-    """The summed scratch as the caller's kind: into ``out``, a new dense tensor, or rows."""
-    if call.out is not None:
-        call.out.copy_(data)
-        return call.out
-    if local.kind == "dense":  # a new result: reused memory, as sparse_allreduce's
-        return result_buffer(local.shape, local.dtype, data.device, zero=False).copy_(data)
-    summed = RowSparse.from_dense(data.to(local.dtype, copy=True))
-    return summed if local.kind == "rowsparse" else summed.to_coo()
 
 
 def stable_sync(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats,
                 opts: SyncOptions) -> Optional[TensorLike]:
     """Run ``call``'s stable plan (the module): its result, or None when some rank found a
     problem or a mismatch (nothing was written; the caller runs the full handshake)."""
-    if plans.stable[call.name].scheme == "dense":
+    if get_scheme(plans.stable[call.name].scheme).whole_tensor:
         return _stable_dense(call, prep, plans, s)
     return _stable_sparse(call, prep, plans, s, opts)

@@ -36,24 +36,25 @@ from zen_ds.core.handshake import HandshakeSummary, HandshakeTable
 from zen_ds.core.stats import SyncStats
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, prepare
-from zen_ds.sync.allreduce import plan_from_summary, sparse_allreduce
+from zen_ds.schemes import get_scheme
+from zen_ds.sync.allreduce import plan_from_summary, sync_tensor
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options
 from zen_ds.sync.stable import (  # noqa: F401  (StablePlan, CHECK_SLOTS...: this module's API too)
     CHECK_SLOTS,
-    STABLE_SCHEMES,
     StablePlan,
     StepCall,
     StepPlans,
     count_class,
     remember,
     sparse_plans_skip,
+    stable_schemes,
     stable_sync,
 )
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["StepCall", "StepPlans", "StablePlan", "sync_step", "count_class", "CHECK_SLOTS",
-           "STABLE_SCHEMES"]
+           "stable_schemes"]
 
 
 def _group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -80,9 +81,9 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
     n = _group_size(group)
     if n <= 1 or not isinstance(opts, SyncOptions) or not calls:
         plans.last_handshake = ""
-        return [sparse_allreduce(c.x, group, c.scheme, c.average, out=c.out, prescale=c.prescale,
-                                 postscale=c.postscale, options=opts, stats=s,
-                                 log_prefix=c.log_prefix, local_error=c.local_error)
+        return [sync_tensor(c.x, group, c.scheme, c.average, out=c.out, prescale=c.prescale,
+                            postscale=c.postscale, options=opts, stats=s,
+                            log_prefix=c.log_prefix, local_error=c.local_error)
                 for c, s in zip(calls, stats)]
     each = [c.options if c.options is not None else opts for c in calls]
     keep = opts.handshake in ("reduce", "auto")
@@ -90,7 +91,7 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
         plans.stable.clear()
     stable = [keep and c.name in plans.stable for c in calls]
     sparse = [i for i, s in enumerate(stable)
-              if s and plans.stable[calls[i].name].scheme != "dense"]
+              if s and not get_scheme(plans.stable[calls[i].name].scheme).whole_tensor]
     others = [c.name for c, s in zip(calls, stable) if not s]
     kept = [(plans.stable[calls[i].name].scheme, plans.stable[calls[i].name].planned)
             for i in sparse]
@@ -114,10 +115,10 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
                 prep = _prepare_call(call, each[index], group)
                 agreements[index] = _full_handshake(prep, step_comm)
         if result is None:
-            result = sparse_allreduce(call.x, group, call.scheme, call.average, out=call.out,
-                                      prescale=call.prescale, postscale=call.postscale,
-                                      options=each[index], stats=s,
-                                      log_prefix=call.log_prefix, agreement=agreements[index])
+            result = sync_tensor(call.x, group, call.scheme, call.average, out=call.out,
+                                 prescale=call.prescale, postscale=call.postscale,
+                                 options=each[index], stats=s, log_prefix=call.log_prefix,
+                                 agreement=agreements[index])
             remember(call, prep, s, plans, each[index], agreements[index])
         results.append(result)
     _share(step_comm, shares, stats)

@@ -14,8 +14,9 @@ record against what NCCL (through torch's ProcessGroupNCCL) supports:
   ``world_size`` inputs; all_to_all_single's splits sum to the rows of its tensors;
 * all_reduce with SUM / MAX / MIN / PRODUCT / AVG.
 
-Covered: the six schemes (dense, agsparse, balanced, sparcml, omnireduce, hierarchical) and auto,
-each on RowSparse, dense and COO input with both index encodings; ``sparse_reduce_scatter`` (rows
+Covered: every registered scheme (the live registry: the six built-in ones, and any scheme added
+with ``register_scheme`` before collection) and auto, each on RowSparse, dense and COO input with
+both index encodings; ``sparse_reduce_scatter`` (rows
 and dense shard) and ``sparse_reduce_scatter_flat``; DS-Sync (``ShuffleSync``, both modes);
 the DeepSpeed plug-in with ``overlap`` at ZeRO-0 and ZeRO-2 (its comm thread included).
 """
@@ -28,11 +29,12 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+import zen_ds
 from dist_utils import run_ranks
 
 NCCL_DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                torch.float32, torch.float64}
-SCHEMES = ("dense", "agsparse", "balanced", "sparcml", "omnireduce", "hierarchical", "auto")
+SCHEMES = zen_ds.scheme_names() + ("auto",)
 WRAPPED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "all_gather",
            "all_to_all_single", "all_to_all", "reduce_scatter_tensor", "reduce_scatter",
            "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
@@ -74,7 +76,7 @@ class Recorder:
             if getattr(dist, name, None) is original:
                 setattr(dist, name, wrapper)
         # zen's comm binds torch's all-gather at import
-        zen_ds.core.comm._all_gather_single = getattr(dist, "all_gather_single", None) or \
+        zen_ds.core.comm.all_gather_single = getattr(dist, "all_gather_single", None) or \
             dist.all_gather_into_tensor
 
     def _wrap(self, name: str, original):

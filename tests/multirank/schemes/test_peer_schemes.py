@@ -1,11 +1,15 @@
 """The peer schemes (sparcml, omnireduce, hierarchical) on the adversarial grid of
-``sync_cases``, their byte models against the measured bytes, and the node topology."""
+``sync_cases`` under the settings they read (node sizes, block sizes, pinned variants), their
+byte models against the measured bytes, and the node topology. Every registered scheme as it is
+runs on the same cases in ``tests/multirank/sync/test_sync.py`` (the conformance suite); the
+schemes here are picked from the live registry by what they are, so a new scheme of a kind is
+tested under that kind's settings too."""
 from __future__ import annotations
 
 import os
 import traceback
 from functools import lru_cache
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -24,18 +28,33 @@ EDGE_CASES = ("first_last", "not_divisible", "one_empty", "all_empty_rowsparse",
 ALL_CASES = tuple(sync_cases.CASES)
 AVERAGED_CASES = ("zipf", "fp16", "element_sparse_1d")
 
-# (n, environment, schemes, cases): one spawn each.
+
+def _registered(kind: Callable[[object], bool]) -> Tuple[str, ...]:
+    """The registered schemes of a kind (the live registry, in its order)."""
+    import zen_ds
+    from zen_ds.schemes import get_scheme
+
+    return tuple(name for name in zen_ds.scheme_names() if kind(get_scheme(name)))
+
+
+# The design-space peers: schemes that plan from the estimated union of the supports.
+PEERS = _registered(lambda s: s.needs_support_estimate)
+# Two-level schemes: node groups made from the ranks-per-node setting.
+TWO_LEVEL = _registered(lambda s: s.needs_whole_world)
+# Schemes whose byte model reads the block size setting.
+BLOCKED = _registered(lambda s: OMNI_BLOCK in s.model_env)
+
+# (n, environment, schemes, cases): one spawn each. The sparcml variants are pinned by name.
 GRID: List[Tuple[int, Tuple[Tuple[str, str], ...], Tuple[str, ...], Tuple[str, ...]]] = [
-    (2, (), (DOUBLING, SPLIT, "sparcml", "omnireduce", "hierarchical"), ALL_CASES),
-    (2, ((RANKS_PER_NODE, "2"),), ("hierarchical",), ALL_CASES),
-    (3, ((OMNI_BLOCK, "7"),), (DOUBLING, SPLIT, "omnireduce"), ALL_CASES),
-    (3, ((RANKS_PER_NODE, "2"),), ("hierarchical",), ALL_CASES),
-    (4, ((RANKS_PER_NODE, "2"),), (DOUBLING, SPLIT, "sparcml", "omnireduce", "hierarchical"),
-     ALL_CASES),
-    (4, ((RANKS_PER_NODE, "3"),), ("hierarchical",), ALL_CASES),
-    (5, ((RANKS_PER_NODE, "2"),), (DOUBLING, "omnireduce", "hierarchical"), EDGE_CASES),
-    (6, ((RANKS_PER_NODE, "3"),), (SPLIT, "hierarchical"), EDGE_CASES),
-    (8, ((RANKS_PER_NODE, "3"),), (DOUBLING, "hierarchical"), EDGE_CASES),
+    (2, (), (DOUBLING, SPLIT) + PEERS, ALL_CASES),
+    (2, ((RANKS_PER_NODE, "2"),), TWO_LEVEL, ALL_CASES),
+    (3, ((OMNI_BLOCK, "7"),), (DOUBLING, SPLIT) + BLOCKED, ALL_CASES),
+    (3, ((RANKS_PER_NODE, "2"),), TWO_LEVEL, ALL_CASES),
+    (4, ((RANKS_PER_NODE, "2"),), (DOUBLING, SPLIT) + PEERS, ALL_CASES),
+    (4, ((RANKS_PER_NODE, "3"),), TWO_LEVEL, ALL_CASES),
+    (5, ((RANKS_PER_NODE, "2"),), (DOUBLING,) + BLOCKED + TWO_LEVEL, EDGE_CASES),
+    (6, ((RANKS_PER_NODE, "3"),), (SPLIT,) + TWO_LEVEL, EDGE_CASES),
+    (8, ((RANKS_PER_NODE, "3"),), (DOUBLING,) + TWO_LEVEL, EDGE_CASES),
 ]
 
 
@@ -222,6 +241,9 @@ def test_every_scheme_is_an_auto_candidate() -> None:
 
     assert set(auto_candidates()) == set(zen_ds.SCHEMES)
     assert {"sparcml", "omnireduce", "hierarchical"} <= set(zen_ds.SCHEMES)
+    # the grid above picks them by kind
+    assert {"sparcml", "omnireduce", "hierarchical"} <= set(PEERS)
+    assert "hierarchical" in TWO_LEVEL and "omnireduce" in BLOCKED
 
 
 def test_overlap_model_limits() -> None:

@@ -1,4 +1,5 @@
-"""Signed zeros: every scheme, input and output form equals the dense all-reduce bit for bit.
+"""Signed zeros: every registered scheme, input and output form equals the dense all-reduce bit
+for bit.
 
 IEEE: -0.0 + -0.0 = -0.0 and -0.0 + +0.0 = +0.0, so an element of the sum is -0.0 exactly when
 it is -0.0 on every rank (a row a sparse input does not store is +0.0). The reference is
@@ -23,14 +24,16 @@ from dist_utils import run_ranks
 
 NUM_ROWS = 37  # not divisible by 2, 3 or 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# (scheme, index encoding, pull cost model alpha, sparcml variant)
-VARIANTS = (
-    ("dense", "auto", None, None), ("agsparse", "auto", None, None),
+# (scheme, index encoding, pull cost model alpha, sparcml variant): every registered scheme as it
+# is (the live registry) and auto, then options of particular schemes: balanced's encodings and
+# pull sizes, sparcml's two variants.
+OPTION_VARIANTS = (
     ("balanced", "coo", 0.0, None), ("balanced", "bitmap", 0.0, None),
     ("balanced", "auto", 1.0, None), ("sparcml", "auto", None, RECURSIVE_DOUBLING),
-    ("sparcml", "auto", None, SPLIT_ALLGATHER), ("omnireduce", "auto", None, None),
-    ("hierarchical", "auto", None, None), ("auto", "auto", None, None),
+    ("sparcml", "auto", None, SPLIT_ALLGATHER),
 )
+VARIANTS = tuple((name, "auto", None, None) for name in zen_ds.scheme_names() + ("auto",)) \
+    + OPTION_VARIANTS
 BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

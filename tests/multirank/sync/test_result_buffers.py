@@ -9,9 +9,10 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+import zen_ds
 from dist_utils import run_ranks
 
-SCHEMES = ("balanced", "agsparse", "sparcml", "omnireduce", "dense", "auto")
+SCHEMES = zen_ds.scheme_names() + ("auto",)  # every registered scheme
 ROWS, WIDTH = 8192, 64  # 2 MiB in fp32; every layout below is at least the cache's 1 MiB floor
 # Largest allocation of an in-place sync as a share of the table (1 / value): dense all-reduces
 # the table; omnireduce ships whole 256-element blocks (4 rows here), ~1/5 of this table.

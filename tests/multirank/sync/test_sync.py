@@ -1,7 +1,10 @@
-"""Every scheme against a float64 dense sum, on 1-5 real gloo ranks, with ops on and off.
+"""The conformance suite: every registered scheme against a float64 dense sum, on 1-5 real gloo
+ranks, with ops on and off.
 
-One spawn per (ops implementation, n) runs every case x variant (see sync_cases.py); each
-(case, variant) is then its own pytest item.
+The variants are the live registry's schemes as they are, ``auto``, and options of particular
+schemes (``sync_cases.conformance_variants``): a scheme registered with ``register_scheme`` is
+checked on every adversarial case without editing a test. One spawn per (ops implementation, n)
+runs every case x variant; each (case, variant) is then its own pytest item.
 """
 from __future__ import annotations
 

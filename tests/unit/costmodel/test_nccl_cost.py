@@ -24,7 +24,6 @@ from zen_ds.tools.sim.cost import SimCost, Topology
 from zen_ds.tools.sim.tables import deepspeed_best, format_table
 from zen_ds.tools.sim.simulate import simulate
 from zen_ds.tools.sim.supports import Supports
-from zen_ds.tools.sim.traffic import dense_traffic
 
 NET = CostModel(alpha=50e-6, bandwidth=25e9 / 8, intra_bandwidth=150e9, compute=())
 
@@ -124,9 +123,9 @@ def test_planner_keeps_sparse_schemes_where_they_win() -> None:
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_simulator_prices_the_all_reduce_like_the_planner(k: int) -> None:
-    class _Supports:  # what dense_traffic reads
+    class _Supports:  # what the dense scheme's traffic reads
         world_size, num_rows, row_numel, value_bytes = 1024, 4096, 64, 4
-    traffic = dense_traffic(_Supports(), None, "auto")
+    traffic = get_scheme("dense").traffic(_Supports(), None, "auto")
     cost = SimCost(Topology(k, NET.bandwidth, NET.intra_bandwidth, NET.alpha))
     phase = traffic.phases[0]
     assert cost.algorithm(phase) == "tree"

@@ -20,7 +20,9 @@ from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, simulate
 from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
 from zen_ds.tools.sim.traffic import Phase
 from zen_ds.tools.sim.supports import Supports, handshake_shape, lossless_bound
-from zen_ds.tools.sim import traffic as traffic_module
+from zen_ds.schemes import register_scheme, unregister_scheme
+from zen_ds.schemes.agsparse import AllGatherSparseScheme
+from zen_ds.schemes.base import Scheme
 from zen_ds.tools.sim.cli import main as sim_main
 
 def test_generate_ids_equal_generated_indices() -> None:
@@ -110,11 +112,22 @@ def test_planner_estimate_and_simulator_share_the_cost_model() -> None:
     assert half.model.seconds(two_way) == pytest.approx(3e-5 + 400 / 1e9 + 40 / 1e10 + 1e-6)
 
 
-def test_scheme_without_traffic_function_is_modelled(monkeypatch) -> None:
-    monkeypatch.delitem(traffic_module._TRAFFIC, "agsparse")
-    supports = _hand_made([[0, 1, 2], [1, 2, 3], [2, 50]])
-    result = simulate(supports, SimCost(Topology()))
-    row = result.row("agsparse")
+class _ModelOnly(AllGatherSparseScheme):
+    """agsparse without a traffic model (the base class's default)."""
+
+    name = "agsparse_model_only"
+    traffic = Scheme.traffic
+
+
+def test_scheme_without_traffic_function_is_modelled() -> None:
+    register_scheme(_ModelOnly())
+    try:
+        supports = _hand_made([[0, 1, 2], [1, 2, 3], [2, 50]])
+        result = simulate(supports, SimCost(Topology()))
+    finally:
+        unregister_scheme(_ModelOnly.name)
+    assert result.row("agsparse").method == "exact"
+    row = result.row(_ModelOnly.name)
     assert row.method == "model"
     predicted = zen_ds.schemes.get_scheme("agsparse").predict(handshake_shape(supports))
     handshake = 2 * zen_ds.core.handshake.handshake_bytes(3)

@@ -50,7 +50,7 @@ from torch import nn
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import last_sync_stats
 from zen_ds.features.ds_sync.schedule import Group, ShuffleGroups, ShuffleSchedule
-from zen_ds.sync.allreduce import sparse_allreduce
+from zen_ds.sync.allreduce import sync_tensor
 from zen_ds.sync.options import SyncOptions, default_options
 
 logger = logging.getLogger(__name__)
@@ -272,8 +272,8 @@ class ShuffleSync:
     # ------------------------------------------------------------------ helpers
     def _sync(self, x: Union[torch.Tensor, RowSparse], handle: dist.ProcessGroup, scheme: str,
               out: Optional[torch.Tensor] = None):
-        out = sparse_allreduce(x, group=handle, scheme=scheme, average=True, out=out,
-                               options=self.options, log_prefix="zen.shuffle")
+        out = sync_tensor(x, group=handle, scheme=scheme, average=True, out=out,
+                          options=self.options, log_prefix="zen.shuffle")
         stats, current = last_sync_stats(), self._current
         if stats is not None and current is not None:
             current.bytes_sent += stats.bytes_sent

@@ -46,7 +46,7 @@ from zen_ds.integrations.deepspeed.norms import replica_norm
 from zen_ds.integrations.deepspeed.owned import clip_coefficient
 from zen_ds.integrations.deepspeed.routes import refuse
 from zen_ds.integrations.deepspeed.rowshard import full_weights, tables_saved_elsewhere
-from zen_ds.sync.allreduce import sparse_allreduce
+from zen_ds.sync.allreduce import sync_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     from zen_ds.integrations.deepspeed.engine import ZenEngineState
@@ -422,8 +422,8 @@ def _take_over_tied_grads(engine: Any, state: "ZenEngineState") -> None:
             if grad is None:  # every stage of the tie must join the collective (zen sums in fp32)
                 fp32 = bf16 or owned is not None
                 grad = torch.zeros_like(weight, dtype=torch.float32 if fp32 else weight.dtype)
-            out = sparse_allreduce(grad.coalesce() if grad.is_sparse else grad, group, cfg.scheme,
-                                   options=state.options, log_prefix=f"{zp.log_prefix}.tied")
+            out = sync_tensor(grad.coalesce() if grad.is_sparse else grad, group, cfg.scheme,
+                              options=state.options, log_prefix=f"{zp.log_prefix}.tied")
             if not grad.is_sparse:
                 out = grad.copy_(out.to_dense() if out.is_sparse else out)
             if owned is not None:

@@ -40,6 +40,7 @@ from torch import nn
 from zen_ds.features.compression import GradientCompressor
 from zen_ds.integrations.config import ZenConfig, ZenConfigError
 from zen_ds.integrations.params import select_params
+from zen_ds.schemes import get_scheme
 
 __all__ = ["DeepSpeedSetup", "Route", "resolve_route", "ds_config_dict", "read_ds_config", "refuse"]
 
@@ -263,7 +264,7 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
         refuse("\"zen.optimizer_state\": \"sharded\" is for ZeRO stage 1/2 (and, with \"row_sharded\", row-shards "
                "every table); ZeRO-3 already partitions the optimizer state of every param. Remove the key "
                "(or set it to \"auto\")")
-    if zen_config.scheme not in ("auto", "balanced"):
+    if zen_config.scheme != "auto" and not get_scheme(zen_config.scheme).reduce_scatters:
         refuse(f"\"zen.scheme\": \"{zen_config.scheme}\" does not apply under ZeRO stage 3: the gradient "
                "must land in ZeRO-3's contiguous partitions, so zen pushes the non-zero rows to their "
                "owners (a sparse reduce-scatter). Remove the key (or set it to \"auto\")")

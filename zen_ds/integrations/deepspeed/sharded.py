@@ -31,7 +31,7 @@ from torch import nn
 from zen_ds import ops
 from zen_ds.core.comm import Communicator
 from zen_ds.core.partition import ShardLayout
-from zen_ds.schemes.balanced import _as_bytes, _view_as
+from zen_ds.core.wire import as_bytes, view_as
 from zen_ds.sync.reduce_scatter import shard_rows
 
 logger = logging.getLogger(__name__)
@@ -144,14 +144,14 @@ class ShardedRows:
         ids[:changed.numel()] = self.rows[changed]
         values = torch.zeros((most, flat_new.shape[1]), dtype=param.dtype, device=param.device)
         values[:changed.numel()] = flat_new[changed]
-        send = torch.cat([_as_bytes(ids), _as_bytes(values)], dim=1)
+        send = torch.cat([as_bytes(ids), as_bytes(values)], dim=1)
         received = torch.empty((self.world_size * most, send.shape[1]), dtype=torch.uint8, device=param.device)
         comm.all_gather_into_tensor(received, send, "rows")
         keep = torch.cat([torch.arange(r * most, r * most + c, dtype=torch.int64)
                           for r, c in enumerate(per_rank)]).to(param.device)
         received = received[keep]
-        got_ids = _view_as(received[:, :8], torch.int64).flatten()
-        got_values = _view_as(received[:, 8:], param.dtype).reshape(-1, flat_new.shape[1])
+        got_ids = view_as(received[:, :8], torch.int64).flatten()
+        got_values = view_as(received[:, 8:], param.dtype).reshape(-1, flat_new.shape[1])
         param.data.view(param.shape[0], -1).index_copy_(0, got_ids, got_values)
 
     def _gather_dense(self, comm: Communicator, param: nn.Parameter, new: torch.Tensor) -> None:

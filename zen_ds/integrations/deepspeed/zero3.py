@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -77,9 +76,7 @@ class Zero3Sync:
     def _add(self, name: str, st: SyncStats) -> None:
         """Micro-steps add up: bytes and seconds summed, densities of the last one."""
         old = self._step_stats.get(name)
-        summary = ParamStats()
-        for f in fields(SyncStats):
-            setattr(summary, f.name, getattr(st, f.name))
+        summary = ParamStats().copy_from(st)
         if old is not None:
             for key in ("bytes_sent", "bytes_received", "seconds", "nnz_result"):
                 setattr(summary, key, getattr(old, key) + getattr(summary, key))

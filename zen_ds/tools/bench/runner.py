@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
-from zen_ds.schemes import scheme_names
+from zen_ds.schemes import DEEPSPEED_SPARSE, DENSE, scheme_names
 from zen_ds.sync.allreduce import sparse_allreduce
 from zen_ds.sync.options import HANDSHAKES, default_options
 from zen_ds.sync.step import StepCall, StepPlans, sync_step
@@ -57,7 +57,7 @@ def resolve_schemes(requested: Sequence[str]) -> List[str]:
 
 
 def deepspeed_equivalent(workload: Workload, dense_input: str = "") -> str:
-    return "agsparse" if workload.sparse and not dense_input else "dense"
+    return DEEPSPEED_SPARSE if workload.sparse and not dense_input else DENSE
 
 
 @dataclasses.dataclass
@@ -208,7 +208,7 @@ class _Calls:
             reference: Optional[torch.Tensor]) -> None:
         options = dataclasses.replace(default_options(), handshake=self.handshake,
                                       index_encoding=index_encoding)
-        step = self.plans is not None and scheme != "dense"
+        step = self.plans is not None and scheme != DENSE  # the baseline runs per call
         stats = SyncStats()
         if work is not None:  # in-place syncs overwrite their input: a fresh copy (untimed)
             work.copy_(x)
@@ -334,7 +334,7 @@ def _tolerance(reference: torch.Tensor, n: int) -> float:
 def _add_ratios(rows: List[Dict[str, Any]], ds_equivalent: str) -> None:
     """Speed-ups vs dense all-reduce and vs DeepSpeed's path measured in the same run."""
     by = {r.get("scheme_name", r["scheme"]): r for r in rows}
-    dense = by.get("dense")
+    dense = by.get(DENSE)
     ds = by.get(DEEPSPEED) or by.get(ds_equivalent)
     for r in rows:
         r["speedup_vs_dense"] = dense["time_s"] / r["time_s"] if dense else None

@@ -132,7 +132,7 @@ def zipf_cdf(num_rows: int, s: float) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=2)
-def _log_miss(num_rows: int, s: float) -> torch.Tensor:
+def zipf_log_miss(num_rows: int, s: float) -> torch.Tensor:
     """``log(1 - p_i)`` of the Zipf law, kept between the calls of one calibration (full-size
     DeepFM has 13.4M ids and its bisection evaluates :func:`expected_unique` ~40 times)."""
     p = torch.arange(1, num_rows + 1, dtype=torch.float64).pow_(-s)
@@ -142,7 +142,7 @@ def _log_miss(num_rows: int, s: float) -> torch.Tensor:
 
 def expected_unique(num_rows: int, s: float, tokens: int) -> float:
     """Expected number of distinct ids in ``tokens`` Zipf draws: sum_i 1 - (1 - p_i)^tokens."""
-    return float((-torch.expm1(tokens * _log_miss(num_rows, s))).sum())
+    return float((-torch.expm1(tokens * zipf_log_miss(num_rows, s))).sum())
 
 
 def tokens_for_density(num_rows: int, s: float, density: float) -> int:
@@ -257,7 +257,7 @@ def zipf_workload(name: str, num_rows: int, width: int, *, density: Optional[flo
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
            "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def parse_dtype(text: str) -> torch.dtype:
@@ -318,10 +318,10 @@ def tokens_workload(path: str, vocab: Optional[int] = None, tokens: int = 16384,
     stem = os.path.basename(path)
     for suffix in (".npy", ".bin", ".idx"):
         stem = stem[: -len(suffix)] if stem.endswith(suffix) else stem
-    name = (f"tokens-{stem}-v{_short(vocab)}-t{_short(tokens)}-h{hidden}-{_DTYPE_NAMES[dtype]}"
+    name = (f"tokens-{stem}-v{_short(vocab)}-t{_short(tokens)}-h{hidden}-{DTYPE_NAMES[dtype]}"
             + (f"-s{start}" if start else ""))
     desc = (f"real tokens of {stem} ({len(stream)} ids), {tokens} contiguous tokens/rank from "
-            f"{start}, {vocab} x {hidden} {_DTYPE_NAMES[dtype]}")
+            f"{start}, {vocab} x {hidden} {DTYPE_NAMES[dtype]}")
     return Workload(name, vocab, (hidden,), dtype, desc, make, make_ids=ids)
 
 
@@ -560,7 +560,7 @@ def lm_workload(kv: Dict[str, str]) -> Workload:
         if value != default:
             name += f"-{tag}{_short(value) if isinstance(value, int) else f'{value:g}'}"
     if dtype != torch.float32:
-        name += f"-{_DTYPE_NAMES[dtype]}"
+        name += f"-{DTYPE_NAMES[dtype]}"
     return zipf_workload(name, rows, width, tokens=tokens, s=zipf, dtype=dtype, used=used,
                          shared=shared, draws=draws, imbalance=imbalance)
 

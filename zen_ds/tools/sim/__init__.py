@@ -2,8 +2,8 @@
 planner's cost model on a topology (``python -m zen_ds sim``; see :mod:`zen_ds.tools.sim.cli`).
 
 Pieces: :mod:`~zen_ds.tools.sim.supports` (ids only, and what the handshake derives from them),
-:mod:`~zen_ds.tools.sim.traffic` (per-scheme exact bytes; the registration point for new schemes),
-:mod:`~zen_ds.tools.sim.peers` (the same for sparcml, omnireduce and hierarchical),
+:mod:`~zen_ds.tools.sim.traffic` (the handshake's collectives around each scheme's own exact
+traffic, :meth:`zen_ds.schemes.base.Scheme.traffic`: a new scheme brings its own),
 :mod:`~zen_ds.tools.sim.cost` (the planner's :class:`~zen_ds.costmodel.cost.CostModel` per collective, with
 shared NICs and a compute term), :mod:`~zen_ds.tools.sim.simulate` (all schemes, ``auto``,
 ``deepspeed``), :mod:`~zen_ds.tools.sim.throughput` (training step time),
@@ -27,9 +27,9 @@ from zen_ds.tools.sim.supports import (
                                        handshake_shape,
                                        lossless_bound,
 )
-from zen_ds.tools.sim.traffic import Phase, Traffic, register_traffic, traffic_function
+from zen_ds.tools.sim.traffic import Phase, Traffic, scheme_traffic
 
 __all__ = ["ComputeRates", "SimCost", "Topology", "measure_compute_rates", "AUTO", "DEEPSPEED",
            "SchemeResult", "SimResult", "simulate", "LosslessBound", "Supports",
            "generate_supports", "handshake_shape", "lossless_bound", "Phase", "Traffic",
-           "register_traffic", "traffic_function"]
+           "scheme_traffic"]

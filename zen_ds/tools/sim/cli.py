@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from zen_ds.schemes import DENSE
 from zen_ds.tools.bench.workloads import parse_workload
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
@@ -99,29 +100,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the step compute that is backward (overlap model)")
     p.add_argument("--json", default=None, help="write rows, bounds and context to this file")
     p.add_argument("--plot", default=None, help="PNG: speed-up vs ranks per scheme (log-log)")
-    p.add_argument("--plot-baseline", default="dense", help="speed-up over this scheme")
+    p.add_argument("--plot-baseline", default=DENSE, help="speed-up over this scheme")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 
-def _bytes_per_second(text: str) -> float:
-
+def bytes_per_second(text: str) -> float:
+    """A bandwidth as the CLIs write it (``1gbit``, ``100mbit``) in bytes per second."""
     bits = parse_rate(text)
     if bits is None:
         raise ValueError(f"a bandwidth is needed, got {text!r}")
     return bits / 8
 
 
-def _seconds(text: str) -> float:
-
+def seconds_of(text: str) -> float:
+    """A delay as the CLIs write it (``50us``, ``1ms``) in seconds."""
     return parse_delay_ms(text) / 1e3
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     try:
-        topologies = [Topology(k, _bytes_per_second(args.bandwidth),
-                               _bytes_per_second(args.intra_bandwidth), _seconds(args.latency),
+        topologies = [Topology(k, bytes_per_second(args.bandwidth),
+                               bytes_per_second(args.intra_bandwidth), seconds_of(args.latency),
                                args.duplex, args.all_to_all_duplex, args.all_reduce)
                       for k in args.ranks_per_node]
         if min(args.ranks) < 2:

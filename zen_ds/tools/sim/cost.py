@@ -33,7 +33,7 @@ import torch
 from zen_ds import ops
 from zen_ds.costmodel.cost import ALL_REDUCE_NCCL, COMPUTE_OPS, CostModel
 from zen_ds.sync import calibrate
-from zen_ds.tools.sim.traffic import OP_ALL_TO_ALL, Phase, Traffic
+from zen_ds.costmodel.traffic import OP_ALL_TO_ALL, Phase, Traffic
 
 logger = logging.getLogger(__name__)
 

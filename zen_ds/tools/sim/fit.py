@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from zen_ds.tools.bench.workloads import _DTYPE_NAMES, parse_workload, token_chunk_ids
+from zen_ds.tools.bench.workloads import DTYPE_NAMES, parse_workload, token_chunk_ids
 from zen_ds.tools.data import load_tokens
 from zen_ds.tools.sim.supports import Supports, generate_supports, lossless_bound
 
@@ -192,7 +192,7 @@ class FitResult:
         return (f"lm:rows={num_rows},width={width},tokens={tokens},zipf={self.zipf:.3g},"
                 f"used={self.used},shared={self.shared},draws={self.draws:.3g},"
                 f"imbalance={self.imbalance:.3g}"
-                + ("" if dtype == torch.float32 else f",dtype={_DTYPE_NAMES[dtype]}"))
+                + ("" if dtype == torch.float32 else f",dtype={DTYPE_NAMES[dtype]}"))
 
 
 def fit_stream(real: RealStats) -> FitResult:

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from zen_ds.schemes import DENSE
 from zen_ds.tools.bench.workloads import zipf_workload
 from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology, measure_compute_rates
 from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, simulate
@@ -54,8 +55,8 @@ def predict_embedding(vocab: int, hidden: int, tokens: int, value_bytes: int, sp
     cost = SimCost(topology, rates if rates is not None else measure_compute_rates())
     out = []
     for n in world_sizes:
-        # Only auto and DeepSpeed are reported: simulate no other scheme ("dense" is free).
-        result = simulate(generate_supports(workload, n), cost, ("dense",), sparse=sparse)
+        # Only auto and DeepSpeed are reported: simulate no other scheme (dense is free).
+        result = simulate(generate_supports(workload, n), cost, (DENSE,), sparse=sparse)
         auto, stock = result.row(AUTO), result.row(DEEPSPEED)
         out.append({"world_size": n, "chosen": auto.chosen, "auto_bytes_sent": auto.bytes_sent,
                     "auto_seconds": auto.seconds, "deepspeed_bytes_sent": stock.bytes_sent,

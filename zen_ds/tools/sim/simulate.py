@@ -2,8 +2,9 @@
 
 For each registered scheme the simulator rebuilds the SyncShape ``sparse_allreduce`` would hand
 it (sketch-estimated union and singletons when the call builds a layout), runs the scheme's
-traffic function (:mod:`zen_ds.tools.sim.traffic`) after the handshake, and times the result with the
-planner's cost model on the topology (:mod:`zen_ds.tools.sim.cost`). ``auto`` is
+exact traffic (:meth:`~zen_ds.schemes.base.Scheme.traffic`) after the handshake
+(:mod:`zen_ds.tools.sim.traffic`), and times the result with the planner's cost model on the
+topology (:mod:`zen_ds.tools.sim.cost`). ``auto`` is
 :func:`zen_ds.planner.plan` on the handshake's SyncShape with the network's cost model, then
 simulated exactly like the scheme it chose. ``deepspeed`` is DeepSpeed's own reduction: its
 padded sparse all-gather after a size all-gather (no zen handshake), or a dense all-reduce for
@@ -21,27 +22,19 @@ from zen_ds.costmodel.cost import CostModel
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.costmodel.support import planning_ranks
 from zen_ds.planner import plan_choice
-from zen_ds.schemes import auto_candidates, get_scheme, scheme_names
+from zen_ds.schemes import DEEPSPEED_SPARSE, DENSE, auto_candidates, get_scheme, scheme_names
 from zen_ds.sync.agreement import choose_handshake
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
-from zen_ds.sync.stable import (
-    CHECK_SLOTS,
-    STABLE_SCHEMES,
-    checks_message_bytes,
-    sparse_plans_skip,
-)
-from zen_ds.tools.sim import peers  # noqa: F401  (registers the peer schemes' traffic functions)
+from zen_ds.sync.stable import sparse_plans_skip
 from zen_ds.tools.sim.cost import SimCost
 from zen_ds.tools.sim.supports import LosslessBound, Supports, handshake_shape, lossless_bound
-from zen_ds.tools.sim.traffic import (
+from zen_ds.tools.sim.traffic import (  # noqa: F401  (HANDSHAKES, scheme_traffic: its API too)
+    HANDSHAKES,
     Phase,
     Traffic,
-    agsparse_traffic,
-    dense_traffic,
-    handshake_phase,
-    reduced_handshake_phase,
-    traffic_function,
+    handshake_phases,
+    scheme_traffic,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,9 +114,6 @@ def _result(name: str, method: str, traffic: Traffic, cost: SimCost, row_numel: 
                         phases, traffic=traffic)
 
 
-HANDSHAKES = ("allgather", "reduce", "auto")
-
-
 def resolve_handshake(handshake: str, planning: CostModel, ranks_per_node: int, n: int,
                       gathered: float = 0.5) -> str:
     """``allgather`` or ``reduce``: ``auto`` resolved as :func:`~zen_ds.sync.agreement.
@@ -134,56 +124,17 @@ def resolve_handshake(handshake: str, planning: CostModel, ranks_per_node: int, 
     return choose_handshake(opts, n, 1, gathered)
 
 
-def checked_dense_traffic(supports: Supports, shape: SyncShape, index_encoding: str = "auto"
-                          ) -> Traffic:
-    """A stable ``dense`` plan in the plug-in (:mod:`zen_ds.sync.step`): no handshake, the
-    dense all-reduce carrying :data:`~zen_ds.sync.step.CHECK_SLOTS` more elements."""
-    traffic = dense_traffic(supports, shape, index_encoding)
-    phase = traffic.phases[0]
-    n = supports.world_size
-    extra = CHECK_SLOTS * phase.tensor_bytes // max(supports.num_rows * supports.row_numel, 1)
-    phase.tensor_bytes += extra
-    phase.sent = phase.sent + 2 * (n - 1) * extra // n
-    phase.received = phase.received + 2 * (n - 1) * extra // n
-    return traffic
-
-
-def checked_sparse_traffic(supports: Supports, name: str, shape: SyncShape,
-                           index_encoding: str = "auto") -> Traffic:
-    """A stable ``agsparse`` or ``balanced`` plan in the plug-in: no handshake, the scheme's
-    first message exchanges the counts with the checks (:func:`zen_ds.sync.stable.
-    checks_message_bytes`):
-    agsparse's size all-gather (DeepSpeed's), balanced's count all-to-all or all-gather."""
-    body = traffic_function(name)(supports, shape, index_encoding)
-    n, per_peer = supports.world_size, checks_message_bytes(name, shape)
-    if name == "balanced" and per_peer == 8:
-        head = Phase.all_to_all("balanced.counts", torch.full((n, n), 8, dtype=torch.int64))
-    else:
-        head = Phase.ring(f"{name}.counts" if name == "balanced" else "agsparse.sizes",
-                          "all_gather", torch.full((n,), (n - 1) * per_peer, dtype=torch.int64))
-    return Traffic([head] + body.phases, body.compute)
-
-
-def handshake_phases(n: int, handshake: str, gather: bool) -> List[Phase]:
-    """The handshake's collectives: the record all-gather (``allgather``), or the summary
-    all-reduce then, where the plan needs the records (``gather``), the all-gather too."""
-    if handshake == "allgather":
-        return [handshake_phase(n)]
-    if handshake == "reduce":
-        return [reduced_handshake_phase(n)] + ([handshake_phase(n)] if gather else [])
-    raise ValueError(f"handshake must be one of {HANDSHAKES}, got {handshake!r}")
-
-
-def scheme_traffic(supports: Supports, name: str, shape: SyncShape, index_encoding: str = "auto",
-                   handshake: str = "allgather") -> Optional[Traffic]:
-    """The exact traffic of ``sparse_allreduce(scheme=name)`` (handshake first), or None when
-    the scheme has no traffic function."""
-    fn = traffic_function(name)
-    if fn is None:
+def stable_traffic(supports: Supports, name: str, shape: SyncShape, options: SyncOptions,
+                   index_encoding: str = "auto") -> Optional[Traffic]:
+    """A stable plan in the plug-in (:mod:`zen_ds.sync.stable`): no handshake, the checks in the
+    scheme's dense all-reduce (a whole-tensor scheme) or in its count message, where the step
+    runs it alone (:func:`~zen_ds.sync.stable.sparse_plans_skip`); None where the plan is not
+    kept so (it then runs with the step's agreement, as a plan made afresh)."""
+    scheme = get_scheme(name)
+    if not scheme.whole_tensor and not (scheme.checks_in_counts and sparse_plans_skip(
+            options, supports.world_size, [(name, shape)], 0, 0)):
         return None
-    body = fn(supports, shape, index_encoding)
-    head = handshake_phases(supports.world_size, handshake, name != "dense")
-    return Traffic(head + body.phases, body.compute)
+    return scheme.traffic(supports, shape, index_encoding, checks=True)
 
 
 def _model_traffic(supports: Supports, name: str, shape: SyncShape,
@@ -204,7 +155,7 @@ def _model_traffic(supports: Supports, name: str, shape: SyncShape,
         sent[r], received[r] = int(e.bytes_sent), int(e.bytes_received)
     steps = max(e.latency_steps for e in estimates.values())
     phase = Phase(name, "model", sent, received, steps=steps)
-    return Traffic(handshake_phases(n, handshake, name != "dense") + [phase])
+    return Traffic(handshake_phases(n, handshake, not scheme.whole_tensor) + [phase])
 
 
 def summary_shape(shape: SyncShape) -> SyncShape:
@@ -218,8 +169,8 @@ def summary_shape(shape: SyncShape) -> SyncShape:
 
 def _deepspeed_traffic(supports: Supports, sparse: bool) -> Traffic:
     n = supports.world_size
-    reduction = agsparse_traffic if sparse else dense_traffic
-    body = reduction(supports, handshake_shape(supports, with_layout=False), "auto")
+    reduction = get_scheme(DEEPSPEED_SPARSE if sparse else DENSE)
+    body = reduction.traffic(supports, handshake_shape(supports, with_layout=False), "auto")
     if not sparse:
         return body
     sizes = Phase.ring("deepspeed.sizes", "all_gather",
@@ -240,7 +191,7 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     summary all-reduce, non-dense plans gather the records too, and ``auto`` decides dense from
     the summary as :func:`zen_ds.sync.allreduce.summary_prefers_dense` does. ``per_step``
     with ``reduce`` or ``auto``: the plug-in's steady state, a stable plan of
-    :data:`~zen_ds.sync.step.STABLE_SCHEMES` runs without a handshake (its checks in the dense
+    :func:`~zen_ds.sync.stable.stable_schemes` runs without a handshake (its checks in the dense
     all-reduce, or in the sparse scheme's count message)."""
     n = supports.world_size
     if n < 2:
@@ -257,17 +208,10 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
         shape = replace(handshake_shape(supports, latency_bytes,
                                         with_layout=get_scheme(name).needs_sketch),
                         ranks_per_node=per_node)
-        if stable and name == "dense":
-            rows.append(_result(name, "exact", checked_dense_traffic(supports, shape), cost,
-                                supports.row_numel))
-            continue
-        if stable and name in STABLE_SCHEMES and sparse_plans_skip(options, n, [(name, shape)],
-                                                                   0, 0):
-            rows.append(_result(name, "exact", checked_sparse_traffic(supports, name, shape,
-                                                                      index_encoding),
-                                cost, supports.row_numel))
-            continue
-        traffic = scheme_traffic(supports, name, shape, index_encoding, steady)
+        traffic = stable_traffic(supports, name, shape, options, index_encoding) if stable \
+            else None
+        if traffic is None:
+            traffic = scheme_traffic(supports, name, shape, index_encoding, steady)
         if traffic is None:
             traffic = _model_traffic(supports, name, auto_shape, steady)
             rows.append(_result(name, "model", traffic, cost, supports.row_numel))
@@ -278,14 +222,11 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     first = resolve_handshake(handshake, planning, per_node, n, 0.0 if per_step else 0.5)
     if first == "reduce" and summary_prefers_dense(
             summary_shape(auto_shape), auto_candidates(), SyncOptions(cost_model=planning)):
-        chosen = "dense"
+        chosen = DENSE
     method = "exact"
-    if stable and chosen == "dense":
-        traffic = checked_dense_traffic(supports, auto_shape)
-    elif stable and chosen in STABLE_SCHEMES and sparse_plans_skip(
-            options, n, [(chosen, auto_shape)], 0, 0):
-        traffic = checked_sparse_traffic(supports, chosen, auto_shape, index_encoding)
-    else:
+    traffic = stable_traffic(supports, chosen, auto_shape, options, index_encoding) if stable \
+        else None
+    if traffic is None:
         traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding,
                                  steady if per_step else first)
     if traffic is None:
@@ -296,7 +237,7 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     rows.append(_result(DEEPSPEED, "exact", _deepspeed_traffic(supports, sparse), cost,
                         supports.row_numel))
     nnz = supports.nnz.double()
-    plain = dense_traffic(supports, auto_shape, "auto")
+    plain = get_scheme(DENSE).traffic(supports, auto_shape, "auto")
     library = cost.comm_seconds(plain) + cost.compute_seconds(plain, supports.row_numel)
     return SimResult(supports.name, n, supports.num_rows, supports.row_numel,
                      supports.value_bytes, float(nnz.mean()), lossless_bound(supports), rows,

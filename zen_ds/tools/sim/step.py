@@ -42,13 +42,12 @@ from zen_ds.core.handshake import handshake_bytes, summary_width
 from zen_ds.costmodel.cost import CostModel
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.planner import PlanMemo, plan_choice, price
-from zen_ds.schemes import auto_candidates
-from zen_ds.sync.agreement import choose_handshake
-from zen_ds.sync.agreement import handshake_seconds as step_handshake_seconds
+from zen_ds.schemes import DEEPSPEED_SPARSE, DENSE, auto_candidates, get_scheme
+from zen_ds.sync.agreement import choose_handshake, handshake_seconds as step_handshake_seconds
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
-from zen_ds.sync.stable import CHECK_SLOTS, STABLE_SCHEMES, checks_message_bytes, sparse_plans_skip
-from zen_ds.tools.bench.workloads import _log_miss
+from zen_ds.sync.stable import CHECK_SLOTS, checks_message_bytes, sparse_plans_skip
+from zen_ds.tools.bench.workloads import zipf_log_miss
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, Topology
 
@@ -96,7 +95,7 @@ def topk_tensor(name: str, numel: int, ratio: float, world_size: int, overlap: f
 def zipf_tensor(name: str, rows: int, hidden: int, tokens: int, world_size: int, s: float = 1.1,
                 value_bytes: int = 4) -> StepTensor:
     """An embedding's rows touched by ``tokens`` i.i.d. Zipf(``s``) ids per rank."""
-    held = -torch.expm1(tokens * _log_miss(rows, s))  # P(rank holds row i)
+    held = -torch.expm1(tokens * zipf_log_miss(rows, s))  # P(rank holds row i)
     nnz = float(held.sum())
     log_none = world_size * torch.log1p(-held.clamp(max=1 - 1e-12))
     union = float((-torch.expm1(log_none)).sum())
@@ -226,7 +225,7 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
         pick = plan_choice(shape, (), cost, memo)
         if first == "reduce":
             if summary_prefers_dense(replace(shape, singletons=0), auto_candidates(), opts):
-                pick = "dense"
+                pick = DENSE
             else:
                 gathered += 1
         chosen.append(pick)
@@ -234,25 +233,26 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
     result.first_handshake = step_handshake_seconds(opts, n, first, count, gathered)
     stable = handshake_mode != "allgather"
     sparse = [(c, shape) for c, shape in zip(chosen, shapes)
-              if stable and c in STABLE_SCHEMES and c != "dense"]
-    left = sum(1 for c in chosen if not (stable and c in STABLE_SCHEMES))
+              if stable and get_scheme(c).checks_in_counts]
+    left = sum(1 for c in chosen if not (stable and get_scheme(c).keeps_stable_plan))
     skip = sparse_plans_skip(opts, n, sparse, left, left)  # as zen_ds.sync.step decides
     left += 0 if skip else len(sparse)
     if left:
         result.mode = choose_handshake(opts, n, left, left)
         result.step_handshake = step_handshake_seconds(opts, n, result.mode, left, left)
     for t, shape, pick in zip(tensors, shapes, chosen):
-        names = tuple(dict.fromkeys((pick, "dense", "agsparse")))
+        names = tuple(dict.fromkeys((pick, DENSE, DEEPSPEED_SPARSE)))
         seconds, estimates = price(shape, names, cost)
         own = seconds[pick]
-        if stable and pick == "dense":  # the checks: CHECK_SLOTS more elements in the all-reduce
+        scheme = get_scheme(pick)
+        if stable and scheme.whole_tensor:  # the checks: CHECK_SLOTS more elements to sum
             extra = -(-CHECK_SLOTS // shape.row_numel)
-            own = price(replace(shape, num_rows=shape.num_rows + extra), ("dense",), cost)[0]["dense"]
-        elif stable and skip and pick in STABLE_SCHEMES:  # the checks ride in its counts
+            own = price(replace(shape, num_rows=shape.num_rows + extra), (pick,), cost)[0][pick]
+        elif stable and skip and scheme.checks_in_counts:  # the checks ride in its counts
             own += cost.link_seconds((n - 1) * checks_message_bytes(pick, shape), 0.0, n - 1)
-        algorithm = cost.choose(estimates["dense"]).algorithm
-        result.tensors.append(TensorCost(t.name, pick, own, 0.0, seconds["dense"], algorithm,
-                                         sizes + seconds["agsparse"]))
+        algorithm = cost.choose(estimates[DENSE]).algorithm
+        result.tensors.append(TensorCost(t.name, pick, own, 0.0, seconds[DENSE], algorithm,
+                                         sizes + seconds[DEEPSPEED_SPARSE]))
     return result
 
 
@@ -274,15 +274,15 @@ def _per_tensor_step(tensors: Sequence[StepTensor], n: int, ranks_per_node: int,
             summary = replace(shape, singletons=0)
             options = SyncOptions(cost_model=cost, plan_memo=memo)
             if summary_prefers_dense(summary, auto_candidates(), options):
-                chosen = "dense"
+                chosen = DENSE
             else:
                 handshake += gather
-        names = tuple(dict.fromkeys((chosen, "dense", "agsparse")))
+        names = tuple(dict.fromkeys((chosen, DENSE, DEEPSPEED_SPARSE)))
         seconds, estimates = price(shape, names, cost)
-        algorithm = cost.choose(estimates["dense"]).algorithm
+        algorithm = cost.choose(estimates[DENSE]).algorithm
         result.tensors.append(TensorCost(t.name, chosen, seconds[chosen], handshake,
-                                         seconds["dense"], algorithm,
-                                         sizes + seconds["agsparse"]))
+                                         seconds[DENSE], algorithm,
+                                         sizes + seconds[DEEPSPEED_SPARSE]))
     result.first_handshake = result.handshake_seconds
     return result
 

@@ -11,6 +11,7 @@ import json
 import math
 from typing import Dict, List, Optional, Sequence
 
+from zen_ds.schemes import DEEPSPEED_SPARSE, DENSE
 from zen_ds.tools.optional import optional_import
 from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, SimResult
 from zen_ds.tools.sim.supports import LosslessBound
@@ -24,9 +25,9 @@ def deepspeed_best(result: SimResult) -> Optional[Dict[str, object]]:
     without zen's handshake, priced as NCCL runs it) and its sparse all-gather (``deepspeed``),
     and ``auto``'s time over it. None when a row is missing."""
     names = {r.scheme for r in result.rows}
-    if not {"dense", DEEPSPEED, AUTO} <= names:
+    if not {DENSE, DEEPSPEED, AUTO} <= names:
         return None
-    dense = result.row("dense")
+    dense = result.row(DENSE)
     handshake = sum(float(p["seconds"]) for p in dense.phases if p["name"] == "handshake")
     algorithm = next((p.get("algorithm", "ring") for p in dense.phases if p["op"] == "all_reduce"),
                      "ring")
@@ -62,9 +63,9 @@ def _speedup(base: float, seconds: float) -> float:
 
 def result_rows(result: SimResult) -> List[Dict[str, object]]:
     """JSON rows: one per scheme, plus auto (with ``chosen``) and deepspeed."""
-    dense = result.row("dense").seconds if any(r.scheme == "dense" for r in result.rows) else None
-    agsparse = result.row("agsparse").seconds if any(r.scheme == "agsparse"
-                                                     for r in result.rows) else None
+    names = {r.scheme for r in result.rows}
+    dense = result.row(DENSE).seconds if DENSE in names else None
+    agsparse = result.row(DEEPSPEED_SPARSE).seconds if DEEPSPEED_SPARSE in names else None
     out = []
     for r in result.rows:
         row = {"workload": result.workload, "ranks": result.world_size,
@@ -116,7 +117,7 @@ def write_json(path: str, results: Sequence[SimResult], context: Dict[str, objec
         json.dump(data, f, indent=1)
 
 
-def plot_speedups(path: str, results: Sequence[SimResult], baseline: str = "dense") -> None:
+def plot_speedups(path: str, results: Sequence[SimResult], baseline: str = DENSE) -> None:
     """One panel per workload and ranks per node: each scheme's (and auto's) speed-up over ``baseline`` vs n,
     both axes log-scaled; the bound ratio over the sparse all-gather as a dashed line."""
     matplotlib = optional_import("matplotlib", "bench", "--plot")
@@ -134,7 +135,7 @@ def plot_speedups(path: str, results: Sequence[SimResult], baseline: str = "dens
             style = {"color": "black", "linestyle": "--", "marker": "x"} if scheme == AUTO else \
                 {"linestyle": ":", "marker": "+"} if scheme == DEEPSPEED else {"marker": "o"}
             ax.plot(ranks, ys, label=scheme, **style)
-        if baseline == "agsparse":
+        if baseline == DEEPSPEED_SPARSE:  # the bound is over the sparse all-gather's rows
             ax.plot(ranks, [r.bound.ratio for r in runs], "k--", label="bytes bound")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -44,7 +44,7 @@ from zen_ds.schemes.topology import RANKS_PER_NODE_ENV
 from zen_ds.tools.bench.runner import DEEPSPEED, deepspeed_equivalent
 from zen_ds.tools.bench.sync_args import add_sync_arguments
 from zen_ds.tools.bench.workloads import DEFAULT_WORKLOADS, parse_workload
-from zen_ds.tools.sim.cli import _bytes_per_second, _seconds
+from zen_ds.tools.sim.cli import bytes_per_second, seconds_of
 from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
 from zen_ds.tools.sim.simulate import AUTO, simulate
 from zen_ds.tools.sim.supports import generate_supports
@@ -316,9 +316,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         per_node = args.ranks_per_node or (args.ranks_per_host if args.run else 1)
-        bandwidth = None if args.bandwidth is None else _bytes_per_second(args.bandwidth)
-        intra = None if args.intra_bandwidth is None else _bytes_per_second(args.intra_bandwidth)
-        latency = None if args.latency is None else _seconds(args.latency)
+        bandwidth = None if args.bandwidth is None else bytes_per_second(args.bandwidth)
+        intra = None if args.intra_bandwidth is None else bytes_per_second(args.intra_bandwidth)
+        latency = None if args.latency is None else seconds_of(args.latency)
         rates = None if args.compute == "recorded" else ComputeRates.parse(args.compute)
         files = [_run_cluster(args)] if args.run else list(args.files)
         rows: List[Dict[str, object]] = []
