@@ -1,8 +1,9 @@
 """The maintainer's DeepSpeed compatibility run: DeepSpeed's own engine unit tests, stock and with zen.
 
 Not part of CI: it needs a checkout of DeepSpeed's repository (its ``tests/`` are not in the sdist)
-and fetches nothing itself. It runs a chosen list of DeepSpeed's engine tests on CPU (2 gloo ranks,
-``DS_ACCELERATOR=cpu``), sequentially, once per mode:
+and fetches nothing itself. It runs a chosen list of DeepSpeed's engine tests and of its tests of
+the features beside ZeRO-1/2 (ZeRO-3, offload, ZeRO++, universal checkpoints, MoE, sequence
+parallelism, compile) on CPU (2 gloo ranks, ``DS_ACCELERATOR=cpu``), sequentially, once per mode:
 
 * ``stock``: DeepSpeed as installed, nothing injected;
 * ``zen``: ``zen_ds.enable()`` and ``"zen": {"enabled": true}`` added to every config that reaches
@@ -39,6 +40,7 @@ Running::
     python launch/ds_compat.py --checkout /tmp/ds_checkout --modes stock,zen -k no_sync
     python launch/ds_compat.py --checkout /tmp/ds_checkout --tests unit/runtime/test_no_sync_ctxt.py
     python launch/ds_compat.py --checkout /tmp/ds_checkout --quick   # 22 of them, a busy machine
+    python launch/ds_compat.py --checkout /tmp/ds_checkout --features   # only FEATURE_TESTS
     python launch/ds_compat.py --list          # the default test list
     python launch/ds_compat.py --checkout /tmp/ds_checkout --modes zen,zen-topk \
         --baseline bench_out/ds_compat/ds_compat.json   # reuse the stock results (and any
@@ -82,11 +84,11 @@ import ds_compat_hook as hook  # noqa: E402  (stdlib only: the injection and the
 MODES = tuple(hook.ZEN_BLOCKS)  # ("stock", "zen", "zen-topk")
 FAILING = ("failed", "error", "timeout")
 
-#: The default selection (node ids under ``<checkout>/tests``): DeepSpeed's engine tests for
-#: no_sync, gradient averaging and the all-reduce op, accumulation, clipping, ZeRO-1/2 basics, bf16,
-#: checkpoints and sparse embeddings that run on the CPU accelerator. fp16 cases are left out (the
-#: CPU accelerator has no fp16), and so are ZeRO-3 and offload (zen refuses or does not touch them).
-DEFAULT_TESTS: Tuple[str, ...] = (
+#: DeepSpeed's engine tests (node ids under ``<checkout>/tests``) for no_sync, gradient averaging
+#: and the all-reduce op, accumulation, clipping, ZeRO-1/2 basics, bf16, checkpoints and sparse
+#: embeddings that run on the CPU accelerator. fp16 cases are left out (the CPU accelerator has no
+#: fp16).
+ENGINE_TESTS: Tuple[str, ...] = (
     # no_sync and gradient accumulation boundaries (dtype1 = bf16, dtype2 = fp32)
     "unit/runtime/test_no_sync_ctxt.py::TestNoSyncCtxt::test_zero_stage[0-dtype1]",
     "unit/runtime/test_no_sync_ctxt.py::TestNoSyncCtxt::test_zero_stage[0-dtype2]",
@@ -169,10 +171,78 @@ DEFAULT_TESTS: Tuple[str, ...] = (
     "unit/checkpoint/test_shared_weights.py::TestCheckpointSharedWeights::test_checkpoint_shared_weights",
 )
 
-#: ``--quick``: 22 of the default tests, one or two per behaviour zen wraps (no_sync, the
+#: DeepSpeed's tests of the features beside ZeRO-1/2 (docs/support_matrix.md) that pass stock on
+#: the CPU accelerator with 2 ranks: ZeRO-3, offload, ZeRO++ (hpZ's partitioning; qwZ/qgZ need CUDA
+#: kernels), universal checkpoints (AutoEP's ZeRO-3 round trips; test_universal_checkpoint.py's
+#: tests stop at a FixtureLookupError of their DistributedFixture under pytest 9), MoE, sequence
+#: parallelism and compile. Tests that need 4 ranks, fp16, CUDA or a model download are left out.
+FEATURE_TESTS: Tuple[str, ...] = (
+    # ZeRO-3
+    "unit/v1/zero/test_zero.py::TestZero3ParamPartitioningBase::test_param_persistence_threshold[0]",
+    "unit/v1/zero/test_zero.py::TestZero3ParamPartitioningBase::test_contiguous_gradients[False]",
+    "unit/v1/zero/test_zero.py::TestZero3ParamPartitioningBase::test_zero_grad[True]",
+    "unit/v1/zero/test_zero.py::TestZero3ParamPartitioningBase::test_prefetching[True]",
+    "unit/v1/zero/test_zero.py::TestZero3ParamPartitioningBase::test_reduce_scatter[False]",
+    "unit/v1/zero/test_zero.py::TestZero3ParamPartitioningBase::test_model_class[EltwiseMultiplicationTestNetwork_Dict]",
+    "unit/v1/zero/test_zero.py::TestZero3ParamPartitioningManyParams::test[True]",
+    "unit/v1/zero/test_zero.py::TestZero3SwitchModes::test[0.5]",
+    "unit/v1/zero/test_zero.py::TestZeroToFP32::test_1_param_group[False-3]",
+    "unit/v1/zero/test_zero.py::TestZeroToFP32::test_2_param_groups[False-3]",
+    "unit/v1/zero/test_zero.py::TestZeroAdamOptimizerStepCount::test[3]",
+    "unit/v1/zero/test_zero.py::TestZeroFrozenWeights::test[3]",
+    "unit/v1/zero/test_zero.py::TestZeroUnbalancedGradients::test[3]",
+    "unit/v1/zero/test_zero.py::TestZeroPartitionCache::test_training_partition_cache[True]",
+    "unit/v1/zero/test_zero_activation_checkpoint_lifecycle.py::TestZero3ActivationCheckpointLifecycle::test_checkpoint_external_parameter_lifecycle",
+    "unit/runtime/zero/test_zero_context.py::TestScatterGather::test",
+    "unit/runtime/zero/test_zero_context.py::TestGatherUpdate::test",
+    "unit/checkpoint/test_zero_optimizer.py::TestZeROCheckpoint::test_load_optimizer_state[3-False-Adam]",
+    "unit/checkpoint/test_zero_optimizer.py::TestZeROCheckpoint::test_load_module_only[3]",
+    "unit/checkpoint/test_zero_optimizer.py::TestZeROCheckpointFrozenWeights::test_load_optimizer_state[3]",
+    "unit/checkpoint/test_zero_optimizer.py::TestZeROSaveLoadEdgeCase::test_immediate_save_load[3]",
+    "unit/checkpoint/test_convert_checkpoint.py::TestCheckpointConvert::test_convert_zero_checkpoint_to_fp32_state_dict",
+    # offload of the optimizer and the parameters
+    "unit/v1/zero/test_zero.py::TestZero3ParamPartitioningBase::test_offload_optimizer[True]",
+    "unit/v1/zero/test_zero.py::TestZeroOffloadStage1::test",
+    "unit/v1/zero/test_zero.py::TestZeroOffloadOptim::test[True]",
+    "unit/v1/zero/test_zero_cpu_offload_grad_accum.py::TestZero2CPUOffloadGradAccumNorm::test",
+    "unit/v1/zero/test_zero2_offload_multi_backward.py::TestZeroOffloadMultiBackward::test_multi_backward_matches_no_offload[1]",
+    "unit/v1/zero/test_zero2_offload_multi_backward.py::TestZeroOffloadMultiBackward::test_single_backward_unchanged[2]",
+    "unit/checkpoint/test_zero_optimizer.py::TestZeROCheckpoint::test_load_optimizer_state[3-True-deepspeed_adam]",
+    # ZeRO++ hpZ
+    "unit/runtime/zero/test_zeropp.py::test_zero_hpz_partition_size_config",
+    "unit/runtime/zero/test_zeropp.py::test_zero_hpz_small_param_secondary_shard_without_overlap",
+    "unit/runtime/zero/test_zeropp.py::test_zero_hpz_secondary_shard_padding_is_zeroed",
+    # universal checkpoints
+    "unit/v1/moe/test_autoep_checkpoint.py::TestAutoEPZero3UniversalCheckpoint::test_zero3_partition_native_universal_round_trip_same_topology",
+    "unit/v1/moe/test_autoep_checkpoint.py::TestAutoEPZero3UniversalCheckpoint::test_zero3_universal_load_optimizer_states_false_same_topology",
+    "unit/v1/moe/test_autoep_checkpoint.py::TestAutoEPZero3UniversalCheckpoint::test_zero3_universal_module_only_same_topology",
+    "unit/v1/moe/test_autoep_checkpoint.py::test_zero12_expert_state_consolidation_exact[E+D]",
+    "unit/v1/moe/test_autoep_checkpoint.py::test_zero12_expert_state_consolidation_exact[D+E]",
+    # MoE
+    "unit/v1/moe/test_moe.py::TestTopk::test",
+    "unit/v1/moe/test_moe.py::TestTopkGate::test",
+    "unit/v1/moe/test_moe.py::TestMoESingleton::test_all_to_all[multi]",
+    "unit/v1/moe/test_moe.py::TestExpertWeightGradWithZero::test[0]",
+    "unit/v1/moe/test_moe.py::TestExpertWeightGradWithZero::test[2]",
+    # sequence parallelism
+    "unit/sequence_parallelism/test_ulysses.py::TestUlyssesCheckpointLoad::test_load_non_sequence_parallel_checkpoint",
+    "unit/sequence_parallelism/test_autosp_equivalence.py::TestViTSPEquivalence::test_output_equals_single_device[8-True]",
+    "unit/sequence_parallelism/test_autosp_equivalence.py::TestViTSPEquivalence::test_noneven_patches[False]",
+    # compile
+    "unit/pipe/test_pipe_module.py::TestPipeModuleSequential::test[True-True]",
+    "unit/runtime/test_ds_config_dict.py::test_sum_gradient_allreduce_rejects_deepcompile[1]",
+    "unit/runtime/test_ds_config_dict.py::test_sum_gradient_allreduce_rejects_deepcompile[2]",
+    "unit/compile/test_backend.py::test_launch_compile_passes_clears_owned_compiled_backward_state",
+    "unit/compile/test_zero3_grad_dtype.py::test_zero3_dynamo_config_restores_after_last_overlapping_owner[0]",
+)
+
+#: The default selection: the engine tests, then the feature tests.
+DEFAULT_TESTS: Tuple[str, ...] = ENGINE_TESTS + FEATURE_TESTS
+
+#: ``--quick``: 22 of the engine tests, one or two per behaviour zen wraps (no_sync, the
 #: all-reduce op, clipping, accumulation, ZeRO-1/2, bf16, frozen weights, param groups, JSON
 #: configs, sparse embeddings, checkpoint save/load flags), for a machine too busy for the full list.
-QUICK_TESTS: Tuple[str, ...] = tuple(t for t in DEFAULT_TESTS if any(t.endswith(s) for s in (
+QUICK_TESTS: Tuple[str, ...] = tuple(t for t in ENGINE_TESTS if any(t.endswith(s) for s in (
     "test_zero_stage[0-dtype2]", "test_engine_step[0-dtype1]", "test_engine_step[0-dtype2]",
     "test_sparse_grads.py::TestSparseAdam::test",
     "TestGradientAllreduceOp::test[True-True-False-1.0-sum-2.0-0]",
@@ -597,6 +667,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"comma-separated, from {', '.join(MODES)} (default: all; stock is the baseline)")
     p.add_argument("--tests", nargs="+", metavar="NODEID",
                    help="node ids or files under <checkout>/tests instead of the default list")
+    p.add_argument("--features", action="store_true",
+                   help=f"only the {len(FEATURE_TESTS)} tests of the features beside ZeRO-1/2 (FEATURE_TESTS)")
     p.add_argument("--quick", action="store_true",
                    help=f"the {len(QUICK_TESTS)}-test subset of the default list (QUICK_TESTS)")
     p.add_argument("-k", dest="keyword", help="pytest -k expression applied to the selection")
@@ -611,10 +683,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="take the stock results from an earlier ds_compat.json instead of running "
                         "stock again (stock does not depend on zen's code)")
     p.add_argument("--python", default=sys.executable, help="interpreter that runs pytest")
-    p.add_argument("--list", action="store_true", help="print the default test list and exit")
+    p.add_argument("--list", action="store_true",
+                   help="print the selected test list (default, --quick or --features) and exit")
     p.add_argument("--render", metavar="JSON",
                    help="re-classify an earlier ds_compat.json, write its .md next to it, and exit")
     return p.parse_args(argv)
+
+
+def _selection(args: argparse.Namespace) -> Tuple[str, ...]:
+    """The named list the command line picks (``--quick``, ``--features``, else the default)."""
+    return QUICK_TESTS if args.quick else FEATURE_TESTS if args.features else DEFAULT_TESTS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -627,7 +705,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(text)
         return 0
     if args.list:
-        print("\n".join(QUICK_TESTS if args.quick else DEFAULT_TESTS))
+        print("\n".join(_selection(args)))
         return 0
     try:
         checkout = find_checkout(args.checkout, args.commit)
@@ -642,7 +720,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         print(f"ds_compat: error: {exc}", file=sys.stderr)
         return 2
-    tests = list(args.tests or (QUICK_TESTS if args.quick else DEFAULT_TESTS))
+    tests = list(args.tests or _selection(args))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     command = "python launch/ds_compat.py " + shlex.join(list(argv if argv is not None else sys.argv[1:]))

@@ -20,6 +20,8 @@ install inside 8) runs out:
 7. ``sync_nccl2``: with >= 2 GPUs, 2 NCCL ranks, every scheme against ``dist.all_reduce``.
 8. ``deepspeed``: a few steps of the quick start (``examples/train_embedding.py``) with zen and
    with stock DeepSpeed, ZeRO-0, ZeRO-2 and ZeRO-3; the losses must agree.
+9. ``feature_matrix``: the cells of docs/support_matrix.md stock DeepSpeed cannot run on a CPU
+   (ZeRO++ qwZ / qgZ, DeepCompile), stock and with zen; the parameters must agree.
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` (a table) into ``--out``. Exits 2 at once, printing
 "no CUDA device", when torch sees no GPU; 1 when a step failed; 0 otherwise.
@@ -416,6 +418,30 @@ def step_deepspeed(check: Check) -> Dict[str, Any]:
             "summary": f"loss zen vs stock: max relative difference {worst:.2e}"}
 
 
+# ----------------------------------------------------------------------------- the support matrix's GPU cells
+FEATURE_MATRIX = REPO / "tests" / "multirank" / "integrations" / "deepspeed" / "test_feature_matrix.py"
+
+
+def step_feature_matrix(check: Check) -> Dict[str, Any]:
+    """The cells of docs/support_matrix.md that stock DeepSpeed cannot run on a CPU (ZeRO++ qwZ and
+    qgZ, DeepCompile), stock and with zen on up to 2 GPUs: zen must end with stock's parameters
+    (the feature-matrix test's own check, run by that file's ``main``)."""
+    gpus = min(cuda_devices(), 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus), "--master_port",
+           str(port), str(FEATURE_MATRIX), "--out", str(check.out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(60.0, check.left() - 5))
+    result = check.out / "feature_matrix_gpu.json"
+    if not result.exists():
+        return {"status": "failed", "error": f"exit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"}
+    cells = json.loads(result.read_text())["cells"]
+    passed = [name for name, verdict in cells.items() if verdict == "passed"]
+    return {"status": "passed" if len(passed) == len(cells) else "failed", "gpus": gpus, "cells": cells,
+            "summary": f"{len(passed)}/{len(cells)} cells: zen gives stock's parameters"}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "gpu_check_out"))
@@ -440,6 +466,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     check.step("sync_world1", step_sync_world1, 20)
     check.step("sync_nccl2", lambda: step_sync_nccl2(max(30.0, min(120.0, check.left() - 120))), 40)
     check.step("deepspeed", lambda: step_deepspeed(check), 60)
+    check.step("feature_matrix", lambda: step_feature_matrix(check), 90)
     check.write()
     statuses = [s["status"] for s in check.report["steps"].values()]
     print(table(check.report))

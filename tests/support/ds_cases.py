@@ -255,6 +255,24 @@ def max_rel_err(got: Dict[str, Any], want: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
+#: :func:`assert_same_params`' tolerance per precision, relative to a tensor's largest entry: fp32
+#: runs that sum in another order agree to 2e-4; bf16 keeps 8 significant bits, so a value differs
+#: by at most one rounding step, 2^-7 of the largest entry, where fp32 masters round differently.
+SAME_PARAMS_RTOL = {"fp32": 2e-4, "bf16": 2.0 ** -7}
+
+
+def assert_same_params(got: Dict[str, Any], want: Dict[str, Any], precision: str) -> None:
+    """zen's parameters ``got`` are stock DeepSpeed's ``want`` (``{name: array}``, every param of
+    the model): the one assertion of every cell of the feature matrix, at fp32 or bf16 tolerance
+    (:data:`SAME_PARAMS_RTOL`)."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    errors = max_rel_err(got, want)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= SAME_PARAMS_RTOL[precision], (
+        f"{worst}: {errors[worst]:.3g} of its largest entry apart (> {SAME_PARAMS_RTOL[precision]:.3g} "
+        f"in {precision}); every param: {errors}")
+
+
 def assert_follows_stock_fp16(mine: Dict[str, Any], stock: Dict[str, Any], rtol: float) -> None:
     """An fp16 run with one overflow (``{"params", "skipped", "loss_scale"}``) against stock
     DeepSpeed's: the same skipped step and final loss scale, finite parameters within ``rtol``."""

@@ -227,8 +227,11 @@ def test_unknown_mode_exits_2(tmp_path, capsys):
 
 
 def test_default_list_is_a_fixed_set_of_node_ids(capsys):
-    assert 60 <= len(ds_compat.DEFAULT_TESTS) <= 80
+    assert 60 <= len(ds_compat.ENGINE_TESTS) <= 80 and 40 <= len(ds_compat.FEATURE_TESTS) <= 80
+    assert ds_compat.DEFAULT_TESTS == ds_compat.ENGINE_TESTS + ds_compat.FEATURE_TESTS
     assert len(set(ds_compat.DEFAULT_TESTS)) == len(ds_compat.DEFAULT_TESTS)
     assert all(t.startswith("unit/") and "::" in t for t in ds_compat.DEFAULT_TESTS)
     assert ds_compat.main(["--list"]) == 0
     assert capsys.readouterr().out.split() == list(ds_compat.DEFAULT_TESTS)
+    assert ds_compat.main(["--list", "--features"]) == 0
+    assert capsys.readouterr().out.split() == list(ds_compat.FEATURE_TESTS)
