@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # torchrun instead of the DeepSpeed launcher (the script calls deepspeed.init_distributed, which
 # picks up torchrun's RANK / WORLD_SIZE / MASTER_ADDR). Single node by default; for several nodes
-# set NNODES, NODE_RANK and MASTER_ADDR on each node.
+# run it on each node with NNODES, NODE_RANK (0 .. NNODES-1) and MASTER_ADDR (node 0's address)
+# set: torchrun's static rendezvous at MASTER_ADDR:MASTER_PORT (29500), node ranks as given.
 #
 #   launch/torchrun.sh 4 --tp 2 --pp 2 --tied
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/torchrun.sh 8 --tp 2   # 8 ranks per node
+#   sudo launch/cluster.sh --hosts 4 --per-host -- launch/torchrun.sh 1 --vocab 4096   # emulated hosts
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
@@ -12,6 +14,10 @@ if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 NPROC="$1"; shift
+if [[ "${NNODES:-1}" != 1 && -z "${MASTER_ADDR:-}" ]]; then
+  echo "error: NNODES=${NNODES} needs MASTER_ADDR (node 0's address, the same on every node)" >&2
+  exit 2
+fi
 SCRIPT="${SCRIPT:-${REPO}/examples/train_lm.py}"
 [[ "${SCRIPT}" == *train_lm.py ]] && export ZEN_NEEDS="${ZEN_NEEDS:-megatron.core}"
 # shellcheck source=launch/env.sh

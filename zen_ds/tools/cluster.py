@@ -21,9 +21,11 @@ each host at its rate in each direction, like a full-duplex NIC on a non-blockin
 ``--rate`` for every host, ``--slow HOST:RATE`` for hosts with a slower NIC. Optional ``--delay``
 adds a ``netem`` delay on host links when the kernel has ``sch_netem``.
 
-The module is longer than most (~590 lines) because setup, rank supervision and teardown share
-one run's namespace bookkeeping and signal handling; the self-test lives in
-:mod:`zen_ds.tools.cluster_selftest`.
+With ``--per-host`` the command runs once per host instead, with ``NODE_RANK``, ``NNODES``,
+``NPROC_PER_NODE`` (= ``--ranks-per-host``), ``MASTER_ADDR`` and a DeepSpeed hostfile of the hosts
+(``ZEN_CLUSTER_HOSTFILE``) set: a multi-node launcher (``launch/multi_node.sh``, ``torchrun.sh``)
+starts each host's ranks, as on a real cluster. Processes run under
+:mod:`zen_ds.tools.cluster_launch`; the self-test lives in :mod:`zen_ds.tools.cluster_selftest`.
 
 Every run uses the prefix ``zenc<pid>``; teardown happens in ``finally`` and on SIGINT/SIGTERM, and
 each start removes namespaces left by earlier runs whose pid is gone (a crashed or SIGKILLed run).
@@ -34,6 +36,7 @@ Usage::
     python -m zen_ds cluster --hosts 4 --rate 1gbit --selftest      # per-link rates, all-reduce
     python -m zen_ds cluster --hosts 4 --rate 1gbit --slow 3:250mbit --selftest   # one slow host
     python -m zen_ds cluster --hosts 8 --racks 2 --rack-rate 500mbit --ranks-per-host 2 -- CMD
+    python -m zen_ds cluster --hosts 4 --per-host -- launch/multi_node.sh --steps 3   # DeepSpeed's runner
     python -m zen_ds cluster --cleanup                              # remove stale namespaces only
 """
 from __future__ import annotations
@@ -48,9 +51,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
+
+from zen_ds.schemes.topology import RANKS_PER_NODE_ENV
+from zen_ds.tools.cluster_launch import Job, supervise
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,9 @@ RATE_ENV = "ZEN_CLUSTER_RATE_BPS"  # link rate in bits/s exported to the ranks (
 HOST_RATES_ENV = "ZEN_CLUSTER_HOST_RATES_BPS"  # every host's rate, comma-separated (0 = unshaped)
 RACKS_ENV = "ZEN_CLUSTER_RACKS"  # every host's rack index, comma-separated
 RACK_RATE_ENV = "ZEN_CLUSTER_RACK_RATE_BPS"  # the inter-rack uplink rate (0 = unshaped)
+HOSTFILE_ENV = "ZEN_CLUSTER_HOSTFILE"  # --per-host: a DeepSpeed hostfile of the hosts
+# set per rank by the cluster itself, or by the launcher that --per-host runs on each host
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 _NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)-(sw\d*|core|h\d+)$")
 _RATE_UNITS = {
     "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -369,14 +378,11 @@ class Cluster:
         self.down()
 
     # -- running ranks -----------------------------------------------------------------------
-    def rank_env(self, rank: int) -> Dict[str, str]:
+    def _env(self) -> Dict[str, str]:
+        """What every process of the cluster sees: host 0's address, the interface, the links."""
         s = self.spec
-        host, local = divmod(rank, s.ranks_per_host)
         env = dict(os.environ)
         env.update({
-            "RANK": str(rank), "WORLD_SIZE": str(s.world_size), "LOCAL_RANK": str(local),
-            "LOCAL_WORLD_SIZE": str(s.ranks_per_host), "GROUP_RANK": str(host),
-            "NODE_RANK": str(host),
             "MASTER_ADDR": s.host_ip(0), "MASTER_PORT": str(s.master_port),
             "GLOO_SOCKET_IFNAME": HOST_IFNAME, "NCCL_SOCKET_IFNAME": HOST_IFNAME,
             RATE_ENV: "0" if s.rate_bps is None else str(int(s.rate_bps)),
@@ -389,88 +395,81 @@ class Cluster:
         })
         return env
 
-    def run(self, command: Sequence[str], timeout_s: Optional[float] = None) -> int:
-        """Run ``command`` once per rank; returns 0 if every rank exits 0, else the first failure.
+    def rank_env(self, rank: int) -> Dict[str, str]:
+        s = self.spec
+        host, local = divmod(rank, s.ranks_per_host)
+        env = self._env()
+        env.update({
+            "RANK": str(rank), "WORLD_SIZE": str(s.world_size), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(s.ranks_per_host), "GROUP_RANK": str(host),
+            "NODE_RANK": str(host),
+        })
+        return env
+
+    def host_env(self, host: int, hostfile: str) -> Dict[str, str]:
+        """A host's launcher (``--per-host``): its node rank and the cluster's shape, and no rank
+        variables, which the launcher sets for each rank it starts. zen reads the ranks per node
+        from ``ZEN_DS_RANKS_PER_NODE`` since DeepSpeed's launcher does not set LOCAL_WORLD_SIZE."""
+        s = self.spec
+        env = {k: v for k, v in self._env().items() if k not in RANK_VARIABLES}
+        env.update({"NODE_RANK": str(host), "NNODES": str(s.hosts),
+                    "NPROC_PER_NODE": str(s.ranks_per_host), RANKS_PER_NODE_ENV: str(s.ranks_per_host),
+                    HOSTFILE_ENV: hostfile})
+        return env
+
+    def write_hostfile(self, path: str) -> None:
+        """A DeepSpeed hostfile of the emulated hosts (by address), in node-rank order."""
+        with open(path, "w") as fh:
+            fh.writelines(f"{self.spec.host_ip(h)} slots={self.spec.ranks_per_host}\n"
+                          for h in range(self.spec.hosts))
+
+    def run(self, command: Sequence[str], timeout_s: Optional[float] = None,
+            per_host: bool = False) -> int:
+        """Run ``command`` once per rank (or once per host); 0 if every one exits 0, else the
+        first failure's code.
 
         ``{rank}``, ``{world_size}``, ``{master_addr}``, ``{master_port}`` in the arguments are
-        substituted per host (handy for launchers that take them as flags, e.g. torchrun).
-        Every rank's stdout is forwarded line by line (other ranks' lines prefixed with ``[hN]``),
-        so lines of different ranks never mix; rank 0's stderr (progress bars) goes straight to
-        this terminal, other ranks' stderr is merged into their prefixed stdout.
+        substituted per rank (per host: ``{node_rank}``, ``{nnodes}``, ``{nproc_per_node}``,
+        ``{master_addr}``, ``{master_port}``, ``{hostfile}``), for launchers that take them as
+        flags. Output is forwarded line by line, lines of other hosts (ranks) than the first
+        prefixed with ``[hN]`` (``[hN.L]``); see :func:`~zen_ds.tools.cluster_launch.supervise`.
         """
-        procs: List[subprocess.Popen] = []
-        pumps: List[threading.Thread] = []
+        if not per_host:
+            return supervise(self._rank_jobs(command), timeout_s)
+        workdir = tempfile.mkdtemp(prefix=f"{self.prefix}-")
         try:
-            for rank in range(self.spec.world_size):
-                ns = self.host_ns[rank // self.spec.ranks_per_host]
-                subst = {"rank": rank, "world_size": self.spec.world_size,
-                         "master_addr": self.spec.host_ip(0), "master_port": self.spec.master_port}
-                argv = [a.format(**subst) if "{" in a else a for a in command]
-                p = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=self.rank_env(rank),
-                                     stdout=subprocess.PIPE,
-                                     stderr=None if rank == 0 else subprocess.STDOUT,
-                                     start_new_session=True)
-                procs.append(p)
-                prefix = "" if rank == 0 else f"[h{rank}] " if self.spec.ranks_per_host == 1 \
-                    else f"[h{rank // self.spec.ranks_per_host}.{rank % self.spec.ranks_per_host}] "
-                t = threading.Thread(target=_pump, args=(p, prefix), daemon=True)
-                t.start()
-                pumps.append(t)
-            return _wait_all(procs, timeout_s)
+            hostfile = os.path.join(workdir, "hostfile")
+            self.write_hostfile(hostfile)
+            return supervise(self._host_jobs(command, hostfile), timeout_s)
         finally:
-            _terminate(procs)
-            for t in pumps:
-                t.join(timeout=2.0)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _rank_jobs(self, command: Sequence[str]) -> List[Job]:
+        s = self.spec
+        jobs = []
+        for rank in range(s.world_size):
+            host, local = divmod(rank, s.ranks_per_host)
+            values = {"rank": rank, "world_size": s.world_size, "master_addr": s.host_ip(0),
+                      "master_port": s.master_port}
+            prefix = "" if rank == 0 else f"[h{host}] " if s.ranks_per_host == 1 else f"[h{host}.{local}] "
+            jobs.append(Job(self.host_ns[host], _substitute(command, values), self.rank_env(rank),
+                            prefix, f"rank {rank}"))
+        return jobs
+
+    def _host_jobs(self, command: Sequence[str], hostfile: str) -> List[Job]:
+        s = self.spec
+        jobs = []
+        for host in range(s.hosts):
+            values = {"node_rank": host, "nnodes": s.hosts, "nproc_per_node": s.ranks_per_host,
+                      "master_addr": s.host_ip(0), "master_port": s.master_port, "hostfile": hostfile}
+            jobs.append(Job(self.host_ns[host], _substitute(command, values),
+                            self.host_env(host, hostfile), "" if host == 0 else f"[h{host}] ",
+                            f"host {host}"))
+        return jobs
 
 
-_OUTPUT_LOCK = threading.Lock()
-
-
-def _pump(proc: subprocess.Popen, prefix: str) -> None:
-    """Forward a rank's output one whole line at a time."""
-    assert proc.stdout is not None
-    for raw in iter(proc.stdout.readline, b""):
-        with _OUTPUT_LOCK:
-            sys.stdout.write(prefix + raw.decode(errors="replace"))
-            sys.stdout.flush()
-
-
-def _wait_all(procs: List[subprocess.Popen], timeout_s: Optional[float]) -> int:
-    """Wait for all ranks; if one fails, give the rest a moment, then stop them (no hung gloo)."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            logger.error("rank %d exited with code %d; stopping the other ranks", rank, code)
-            time.sleep(2.0)
-            return code
-        if all(c == 0 for c in codes):
-            return 0
-        if deadline is not None and time.monotonic() > deadline:
-            logger.error("timeout after %.0f s; stopping all ranks", timeout_s)
-            return 124
-        time.sleep(0.05)
-
-
-def _terminate(procs: List[subprocess.Popen], grace_s: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+def _substitute(command: Sequence[str], values: Dict[str, object]) -> List[str]:
+    return [a.format(**values) if "{" in a else a for a in command]
 
 
 def _fmt_rate(bps: Optional[float]) -> str:
@@ -481,8 +480,9 @@ def _fmt_rate(bps: Optional[float]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m zen_ds cluster",
-        description="Emulate N hosts with network namespaces and tc-shaped links, run one rank per "
-                    "host (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK set), tear down.",
+        description="Emulate N hosts with network namespaces and tc-shaped links, run the command "
+                    "once per rank (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK set) or, "
+                    "with --per-host, once per host (a multi-node launcher), tear down.",
         epilog="example: python -m zen_ds cluster --hosts 4 --rate 1gbit -- "
                "python -m zen_ds bench sync --workload lm")
     p.add_argument("--hosts", type=int, default=4, help="number of emulated hosts")
@@ -504,6 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtu", type=int, default=1500)
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--timeout", type=float, default=None, help="stop all ranks after this many s")
+    p.add_argument("--per-host", action="store_true",
+                   help="run the command once per host (a multi-node launcher: NODE_RANK, NNODES, "
+                        "NPROC_PER_NODE=--ranks-per-host, MASTER_ADDR, and ZEN_CLUSTER_HOSTFILE set) "
+                        "instead of once per rank")
     p.add_argument("--selftest", action="store_true",
                    help="measure every host's link (point to point, vs its shaped rate), then a "
                         "dense all-reduce's bus bandwidth; exits 1 if a link is not shaped as asked")
@@ -539,8 +543,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.selftest:
-        if command:
-            print("error: give either --selftest or a command, not both", file=sys.stderr)
+        if command or args.per_host:
+            print("error: give either --selftest or a command, not both (--selftest runs per rank)",
+                  file=sys.stderr)
             return 2
         command = [sys.executable, "-c",
                    "from zen_ds.tools.cluster_selftest import selftest_worker; "
@@ -567,7 +572,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         cluster = Cluster(spec)
         cluster.up()
-        code = cluster.run(command, timeout_s=args.timeout)
+        code = cluster.run(command, timeout_s=args.timeout, per_host=args.per_host)
         if args.keep_up:
             print(f"cluster {cluster.prefix} kept up; Ctrl-C to tear down", flush=True)
             signal.pause()

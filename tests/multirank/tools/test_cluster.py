@@ -131,3 +131,47 @@ def test_racks_slow_host_and_ranks_per_host_env_and_teardown():
     assert lines == [f"{r} 6 {r % 2} 2 {r // 2} {rates} {racks} 100000000" for r in range(6)]
     assert "2 racks joined at 100 Mbit/s" in p.stderr
     assert not _stale_namespaces()
+
+
+def test_per_host_env_hostfile_and_placeholders(monkeypatch, tmp_path):
+    """--per-host: one launcher per host gets its node rank, the cluster's shape and a hostfile,
+    and none of the rank variables a surrounding launch may have left (the launcher sets them)."""
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cluster = C.Cluster(C.ClusterSpec(hosts=3, ranks_per_host=2, subnet="10.213.9", master_port=29555))
+    hostfile = str(tmp_path / "hostfile")
+    cluster.write_hostfile(hostfile)
+    assert open(hostfile).read().splitlines() == [f"10.213.9.{h} slots=2" for h in (1, 2, 3)]
+    env = cluster.host_env(2, hostfile)
+    assert not set(C.RANK_VARIABLES) & set(env)
+    assert {k: env[k] for k in ("NODE_RANK", "NNODES", "NPROC_PER_NODE", "ZEN_DS_RANKS_PER_NODE",
+                                "MASTER_ADDR", "MASTER_PORT", C.HOSTFILE_ENV, "GLOO_SOCKET_IFNAME")} == {
+        "NODE_RANK": "2", "NNODES": "3", "NPROC_PER_NODE": "2", "ZEN_DS_RANKS_PER_NODE": "2",
+        "MASTER_ADDR": "10.213.9.1", "MASTER_PORT": "29555", C.HOSTFILE_ENV: hostfile,
+        "GLOO_SOCKET_IFNAME": C.HOST_IFNAME}
+    assert cluster.rank_env(3)["RANK"] == "3"  # per rank, the cluster sets them itself
+    jobs = cluster._host_jobs(["run", "--node_rank={node_rank}", "{nnodes}x{nproc_per_node}",
+                               "{master_addr}:{master_port}", "{hostfile}"], hostfile)
+    assert [job.argv for job in jobs] == [
+        ["run", f"--node_rank={h}", "3x2", "10.213.9.1:29555", hostfile] for h in range(3)]
+    assert [job.namespace for job in jobs] == cluster.host_ns
+    assert [job.prefix for job in jobs] == ["", "[h1] ", "[h2] "]
+
+
+def test_per_host_refuses_selftest(capsys):
+    assert C.main(["--hosts", "2", "--per-host", "--selftest"]) == 2
+    assert "--selftest runs per rank" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not _namespaces_usable(), reason="needs root and network namespaces")
+def test_per_host_runs_one_process_per_host():
+    code = ("import os; e = os.environ; "
+            "print('host', e['NODE_RANK'], e['NNODES'], e['NPROC_PER_NODE'], 'RANK' in e, "
+            "open(e['ZEN_CLUSTER_HOSTFILE']).read().split(), '{node_rank}')")
+    p = _cli("--hosts", "2", "--ranks-per-host", "3", "--per-host", "--rate", "none", "--subnet", "10.213.6",
+             "--", sys.executable, "-c", code)
+    assert p.returncode == 0, p.stderr
+    hostfile = "['10.213.6.1', 'slots=3', '10.213.6.2', 'slots=3']"
+    assert sorted(line for line in p.stdout.splitlines() if "host " in line) == sorted([
+        f"host 0 2 3 False {hostfile} 0", f"[h1] host 1 2 3 False {hostfile} 1"])
+    assert not _stale_namespaces()
