@@ -17,7 +17,7 @@ balance across nodes.
    slice straight into the caller's dense tensor, as balanced does).
 
 Node membership: see :mod:`zen_ds.schemes.topology` (``ZEN_DS_RANKS_PER_NODE``, else the
-launcher's ``LOCAL_WORLD_SIZE``). One node degenerates to the intra-node phases; one rank per
+launcher's ``LOCAL_WORLD_SIZE`` / ``LOCAL_SIZE``). One node degenerates to the intra-node phases; one rank per
 node to the inner scheme over the whole group.
 
 Why slices rather than a node leader: with a leader, the leader receives ``(k-1) m`` rows inside
@@ -68,7 +68,7 @@ from zen_ds.schemes.streams import (
     rows_from_positions,
 )
 from zen_ds.schemes.topology import (
-    RANKS_PER_NODE_ENV,
+    LOCAL_SIZE_ENVS,
     Part,
     SliceWire,
     Topology,
@@ -98,7 +98,7 @@ class HierarchicalScheme(Scheme):
     needs_support_estimate = True
     # Node groups are made by every rank of the world (:mod:`zen_ds.schemes.topology`).
     needs_whole_world = True
-    model_env = (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE")
+    model_env = LOCAL_SIZE_ENVS
 
     def applies_to(self, shape: SyncShape) -> bool:
         """Several nodes of several ranks: on one node, or with a node per rank, it is its

@@ -2,8 +2,8 @@
 slice payloads its ranks exchange inside a node (:class:`SliceWire`).
 
 Node membership comes from ``ZEN_DS_RANKS_PER_NODE=k`` when set, else from the launcher's
-``LOCAL_WORLD_SIZE`` (torchrun and the ``deepspeed`` launcher set it), else every rank is its own
-node. Global ranks ``[i k, (i + 1) k)`` form node i (launchers number ranks node by node), so the
+``LOCAL_WORLD_SIZE`` (torchrun sets it) or ``LOCAL_SIZE`` (the ``deepspeed`` launcher sets that one),
+else every rank is its own node. Global ranks ``[i k, (i + 1) k)`` form node i (launchers number ranks node by node), so the
 last node may be smaller, and a group that is a subset of the world sees each node's members.
 
 Rows are cut into ``slices`` = the largest node's size (a seeded hash partition, see
@@ -41,10 +41,14 @@ _NOTHING = torch.empty(0, dtype=torch.uint8)
 Part = Tuple[torch.Tensor, torch.Tensor]  # slice offsets (int64), values [rows, row_numel]
 
 
+# Where the ranks-per-node count is read from, first set wins: zen's override, torchrun's, DeepSpeed's.
+LOCAL_SIZE_ENVS = (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
 def ranks_per_node() -> int:
-    """Ranks per node from the environment (``ZEN_DS_RANKS_PER_NODE``, else ``LOCAL_WORLD_SIZE``,
-    else 1)."""
-    for name in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE"):
+    """Ranks per node from the environment (``ZEN_DS_RANKS_PER_NODE``, else torchrun's
+    ``LOCAL_WORLD_SIZE``, else the deepspeed launcher's ``LOCAL_SIZE``, else 1)."""
+    for name in LOCAL_SIZE_ENVS:
         value = positive_int_env(name, "the number of ranks per node")
         if value is not None:
             return value
@@ -112,7 +116,7 @@ def _check_agreement(comm: Communicator, per_node: int, device: torch.device) ->
     if len(set(values)) > 1:
         per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise ValueError(f"hierarchical: ranks disagree on the ranks per node ({per_rank}); set "
-                         f"{RANKS_PER_NODE_ENV} (or LOCAL_WORLD_SIZE) alike on every rank")
+                         f"{RANKS_PER_NODE_ENV} (or LOCAL_WORLD_SIZE / LOCAL_SIZE) alike on every rank")
 
 
 def topology_for(comm: Communicator, device: torch.device, per_node: Optional[int] = None

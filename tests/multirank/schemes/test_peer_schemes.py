@@ -222,8 +222,11 @@ def test_ranks_per_node_from_environment(monkeypatch) -> None:
 
     monkeypatch.delenv(RANKS_PER_NODE, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
     assert ranks_per_node() == 1
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_SIZE", "3")  # the deepspeed launcher's name
+    assert ranks_per_node() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's
     assert ranks_per_node() == 4
     monkeypatch.setenv(RANKS_PER_NODE, "2")  # the override wins
     assert ranks_per_node() == 2
