@@ -85,7 +85,7 @@ PROCESS_STATE = {
     ("zen_ds.integrations.mpu", "_IMPORTED"): "megatron-core's import outcome, once",
     ("zen_ds.integrations.deepspeed.engine", "_REGISTRY"): "engine -> its ZenEngineState (weak keys: "
                                                            "the state lives and dies with its engine)",
-    ("zen_ds.integrations.deepspeed.install", "_ORIGINAL_INITIALIZE"): "deepspeed.initialize is "
+    ("zen_ds.integrations.deepspeed.internals.initialize", "_ORIGINAL_INITIALIZE"): "deepspeed.initialize is "
                                                                        "process-wide, so is enable()",
     ("zen_ds.integrations.deepspeed.overlap", "_HOOKED"): "gradient tensors -> the overlap thread "
                                                           "feeding on them (weak references)",

@@ -119,7 +119,7 @@ def test_engine_and_config_facts_agree():
 def test_every_refusal_message_is_written_once():
     package = Path(__file__).resolve().parents[4] / "zen_ds" / "integrations" / "deepspeed"
     messages = []
-    for path in package.glob("*.py"):
+    for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "refuse" and node.args:
                 messages.append(ast.unparse(node.args[0]))
@@ -129,11 +129,11 @@ def test_every_refusal_message_is_written_once():
 
 def test_deepspeed_version_outside_the_supported_range(monkeypatch, caplog):
     import deepspeed
-    from zen_ds.integrations.deepspeed import facts
-    facts.check_deepspeed_version()  # the installed release is a supported one
+    from zen_ds.integrations.deepspeed.internals import initialize
+    initialize.check_deepspeed_version()  # the installed release is a supported one
     monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
     with pytest.raises(RuntimeError, match=r"supports DeepSpeed >=0\.19,<0\.20.*found 0\.20\.1"):
-        facts.check_deepspeed_version()
+        initialize.check_deepspeed_version()
     monkeypatch.setenv("ZEN_DS_UNTESTED_DEEPSPEED", "1")
-    facts.check_deepspeed_version()
+    initialize.check_deepspeed_version()
     assert "found 0.20.1" in caplog.text
