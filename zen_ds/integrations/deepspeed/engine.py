@@ -22,7 +22,7 @@ from zen_ds.integrations.deepspeed import checkpoint
 from zen_ds.integrations.deepspeed.faults import refuse
 from zen_ds.integrations.deepspeed.internals import engine as ds_engine
 from zen_ds.integrations.deepspeed.internals import initialize as ds_initialize
-from zen_ds.integrations.deepspeed.owned import OwnedPlan, plan_owned
+from zen_ds.integrations.deepspeed.owned import OwnedPlan
 from zen_ds.integrations.deepspeed.route import EngineRoute
 from zen_ds.integrations.deepspeed.routes import DeepSpeedSetup, RouteChoice, ds_config_dict, resolve_route
 from zen_ds.integrations.deepspeed.rowshard_model import shard_model_embeddings
@@ -166,14 +166,11 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     # Build (or load) the C++ ops now, not inside the first step's sync: one process per build
     # directory compiles while the others wait, bounded by ZEN_DS_BUILD_TIMEOUT.
     ops.ensure_built()
-    plan, tables = None, []
+    tables = []
     if zcfg.row_sharded:
         tables = shard_model_embeddings(model, route, zcfg, mpu, args, dist_init_required)
-    if route.owned:
-        plan, kwargs["model_parameters"] = plan_owned(route, model, optimizer, model_parameters, ds_dict, tables)
-    elif tables:  # ZeRO-3: DeepSpeed keeps every other param; zen steps only the tables' rows
-        plan, kwargs["model_parameters"] = plan_owned(RouteChoice(route.route_class, [], route.setup), model,
-                                                      optimizer, model_parameters, ds_dict, tables)
+    plan, kwargs["model_parameters"] = route.route_class.prepare(route, model, optimizer, model_parameters,
+                                                                 ds_dict, tables)
     out = deepspeed_initialize(**kwargs)
     engine = out[0]
     if tables:  # DeepSpeed moved and cast the module's params: the tables follow

@@ -257,6 +257,12 @@ class OwnedRoute(StepsOwnParams, ReducerRoute):
         super().__init__(engine, reducer, OwnedGrads(owned), setup.pipeline)
 
     @classmethod
+    def prepare(cls, choice: "RouteChoice", model: nn.Module, optimizer: Any, model_parameters: Any,
+                ds_config: Mapping[str, Any], tables: Sequence[Tuple[nn.Parameter, RowShardTable]]
+                ) -> Tuple[Optional[OwnedPlan], Any]:
+        return plan_owned(choice, model, optimizer, model_parameters, ds_config, tables)
+
+    @classmethod
     def check(cls, engine: Any, choice: "RouteChoice", plan: Optional[OwnedPlan]) -> None:
         in_ds = ds_engine.params_in_ds_optimizer(engine)
         clash = [name for name, p, _ in choice.synced if id(p) in in_ds]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import weakref
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,16 @@ class EngineRoute(ABC):
         self.reduced_this_step = False
         self.last_norm: Optional[float] = None  # unscaled global norm DeepSpeed clipped with
         self._engine = weakref.ref(engine)
+
+    @classmethod
+    def prepare(cls, choice: "RouteChoice", model: torch.nn.Module, optimizer: Any, model_parameters: Any,
+                ds_config: Mapping[str, Any], tables: Sequence[Tuple[torch.nn.Parameter, RowShardTable]]
+                ) -> Tuple[Optional["OwnedPlan"], Any]:
+        """Before ``deepspeed.initialize`` (inside ``zen_ds.initialize``): what zen keeps out of
+        DeepSpeed's optimizer for the params it will step itself (``tables``: the row-sharded
+        embeddings, ``(the weight the model had, its table)``), and the ``model_parameters`` left
+        for DeepSpeed. Most routes change nothing."""
+        return None, model_parameters
 
     @classmethod
     def check(cls, engine: Any, choice: "RouteChoice", plan: Optional["OwnedPlan"]) -> None:

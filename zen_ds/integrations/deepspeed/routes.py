@@ -147,10 +147,6 @@ class RouteChoice:
         return self.route_class.name
 
     @property
-    def owned(self) -> bool:
-        return self.route_class is OwnedRoute
-
-    @property
     def names(self) -> List[str]:
         return [name for name, _, _ in self.selected]
 

@@ -19,10 +19,11 @@ side; the DeepSpeed internals it plugs into are in :mod:`.internals.zero3`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,10 +34,10 @@ from zen_ds.integrations.deepspeed.internals import checkpoint as ds_checkpoint
 from zen_ds.integrations.deepspeed.internals import engine as ds_engine
 from zen_ds.integrations.deepspeed.internals import zero3 as ds_zero3
 from zen_ds.integrations.deepspeed.overlap import overlap_is_off
-from zen_ds.integrations.deepspeed.owned import StepsOwnParams
+from zen_ds.integrations.deepspeed.owned import StepsOwnParams, plan_owned
 from zen_ds.integrations.deepspeed.owned_params import OwnedParams
 from zen_ds.integrations.deepspeed.route import EngineRoute
-from zen_ds.integrations.deepspeed.rowshard import full_weights
+from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights
 from zen_ds.integrations.params import is_vocab_parallel_embedding
 from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
 from zen_ds.sync.options import SyncOptions, ZenInputError
@@ -77,6 +78,16 @@ class Zero3Route(EngineRoute):
         for table in owned.tables:
             table.next_backward_replaces = ds_zero3.next_backward_replaces(engine.optimizer)
         return Zero3RowShardedRoute(engine, reducer, zero3, owned)
+
+    @classmethod
+    def prepare(cls, choice: "RouteChoice", model: nn.Module, optimizer: Any, model_parameters: Any,
+                ds_config: Mapping[str, Any], tables: Sequence[Tuple[nn.Parameter, RowShardTable]]
+                ) -> Tuple[Optional["OwnedPlan"], Any]:
+        """Row-sharded tables: DeepSpeed keeps every other param; zen steps only the tables' rows."""
+        if not tables:
+            return None, model_parameters
+        return plan_owned(dataclasses.replace(choice, selected=[], compressor=None), model, optimizer,
+                          model_parameters, ds_config, tables)
 
     def attach(self, engine: Any) -> None:
         ds_zero3.take_over_reduce_scatter(engine.optimizer, self.zero3)
