@@ -207,7 +207,7 @@ def train_engine(mode: str, model: torch.nn.Module, args: argparse.Namespace, ra
     return {"mode": mode, **evaluate(model, args, teacher, train_losses), "seconds": seconds,
             "bytes_per_step": sum(compressed) / len(compressed),
             "dense_bytes_per_step": 4 * numel,
-            "union_over_local": None, "route": state.route if state else None,
+            "union_over_local": None, "route": state.route.name if state else None,
             "compressor": state.reducer.compressor.stats() if state else None, "schemes": [], "log": log}
 
 

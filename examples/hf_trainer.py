@@ -276,8 +276,8 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
     summary: Dict[str, Any] = {"model": args.model, "zero": args.zero, "zen": state is not None,
                                "world": world, "steps": args.steps, "mean_loss": float(result.training_loss),
                                "final_loss": float(losses[-1]) if losses else float("nan"), "losses": losses,
-                               "route": state.route if state else None,
-                               "row_sharded": [t.name for t in state.owned.tables] if state and state.owned else [],
+                               "route": state.route.name if state else None,
+                               "row_sharded": [t.name for t in state.route.tables] if state else [],
                                "compressed": [p.name for p in state.reducer.params if p.compressed] if state else [],
                                "params": {}}
     params = dict(engine.module.named_parameters())

@@ -580,8 +580,8 @@ def _row_shard_record(engine: Any) -> Dict[str, Any]:
     """This step's traffic of the row-sharded embeddings (``--row-sharded``), per phase."""
     import zen_ds
     state = zen_ds.state_of(engine)
-    tables = state.owned.tables if state is not None and state.owned is not None else []
-    return {"row_sharded": {t.name: dict(vars(t.last_stats), held=t.memory_bytes(state.owned.optimizer),
+    tables = state.route.tables if state is not None else []
+    return {"row_sharded": {t.name: dict(vars(t.last_stats), held=t.memory_bytes(state.route.owned.optimizer),
                                          table_bytes=t.num_rows * t.row_shape[0] * t.shard.element_size())
                             for t in tables}} if tables else {}
 
@@ -741,9 +741,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.zen:
         import zen_ds
         state = zen_ds.state_of(engine)
-    if state is not None and state.owned is not None:  # ZeRO-1/2: zen steps its params itself
-        summary["zen_optimizer_state"] = state.owned.describe()
-        summary["zen_state_bytes_per_rank"] = sum(state.owned.memory_bytes())
+    owned = getattr(state.route, "owned", None) if state is not None else None
+    if owned is not None:  # ZeRO-1/2: zen steps its params itself
+        summary["zen_optimizer_state"] = owned.describe()
+        summary["zen_state_bytes_per_rank"] = sum(owned.memory_bytes())
         gathers = [p.get("gather_bytes_sent", 0) for z in zen_steps for p in z["params"].values()]
         summary["zen_gather_bytes_sent"] = float(np.sum(gathers)) / max(len(zen_steps), 1)
     if rank == 0:

@@ -204,14 +204,15 @@ def _zen_summary(engine: Any) -> Optional[Dict[str, Any]]:
         state = zen_ds.state_of(engine)
         if state is None:
             return None
-        return {"route": getattr(state, "route", "?"), "params": len(getattr(state, "zen_param_ids", ()))}
+        return {"route": getattr(getattr(state, "route", None), "name", "?"),
+                "params": len(getattr(state, "zen_param_ids", ()))}
     except Exception as exc:  # the record must never change the test's outcome
         return {"route": "?", "params": None, "why": error_line(exc)}
 
 
 def _original_initialize() -> Any:
-    from zen_ds.integrations.deepspeed import install
-    return install.original_initialize()
+    from zen_ds.integrations.deepspeed.internals import initialize
+    return initialize.original_initialize()
 
 
 class _AfterDeepSpeedImport:

@@ -249,7 +249,7 @@ def _example_in_process(rank: int, world: int, script: str, argv: List[str]) -> 
     if script == "train_lm":
         state = zen_ds.state_of(out["engine"])
         return {"losses": out["summary"]["losses"], "zen": state is not None,
-                "row_sharded": [t.name for t in state.owned.tables] if state and state.owned else []}
+                "row_sharded": [t.name for t in state.route.tables] if state else []}
     return {"losses": out["losses"], "zen": out["zen"], "row_sharded": out.get("row_sharded", [])}
 
 

@@ -52,12 +52,6 @@ LONG_MODULES = {
     "zen_ds.tools.cluster": (600, "the emulated cluster: namespaces, links, tc shaping, teardown "
                              "and the launcher share the host table; a tool"),
     "zen_ds.tools.data": (480, "tokenizer loaders, the indexed-dataset writer and its CLI; a tool"),
-    "zen_ds.integrations.deepspeed.install": (480, "with facts.py the only code on DeepSpeed's engine "
-                                              "internals: porting zen to another DeepSpeed release "
-                                              "means re-checking this one file"),
-    "zen_ds.integrations.deepspeed.owned": (420, "the owned route's one optimizer: its plan before "
-                                            "DeepSpeed builds, accumulation, and the replicated, "
-                                            "sharded and row-sharded steps over its masters"),
 }
 
 
@@ -83,7 +77,7 @@ PROCESS_STATE = {
                                        "release_result_buffers() empties it)",
     ("zen_ds.core.buffers", "_SCRATCH"): "syncs' send/receive buffers kept across calls, one per purpose "
                                          "(bounded; release_result_buffers() empties it)",
-    ("zen_ds.core.comm", "_logged_all_gather"): "the all-gather function torch offers, resolved once",
+    ("zen_ds.core.comm", "_logged_all_gather"): "DeepSpeed's comms-logger all-gather, handed over by the plug-in",
     ("zen_ds.core.handshake", "_OFFSETS"): "the record layout, computed at import from FIELDS",
     ("zen_ds.core.handshake", "_AGREED_MASK"): "the record layout, computed at import from FIELDS",
     ("zen_ds.core.stats", "_last"): "last_sync_stats(): the documented process-wide view of the last "
@@ -99,7 +93,7 @@ PROCESS_STATE = {
     ("zen_ds.integrations.mpu", "_IMPORTED"): "megatron-core's import outcome, once",
     ("zen_ds.integrations.deepspeed.engine", "_REGISTRY"): "engine -> its ZenEngineState (weak keys: "
                                                            "the state lives and dies with its engine)",
-    ("zen_ds.integrations.deepspeed.install", "_ORIGINAL_INITIALIZE"): "deepspeed.initialize is "
+    ("zen_ds.integrations.deepspeed.internals.initialize", "_ORIGINAL_INITIALIZE"): "deepspeed.initialize is "
                                                                        "process-wide, so is enable()",
     ("zen_ds.integrations.deepspeed.overlap", "_HOOKED"): "gradient tensors -> the overlap thread "
                                                           "feeding on them (weak references)",

@@ -96,16 +96,18 @@ def _ds_all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor
 
 
 _ds_all_gather_into_tensor.__name__ = "all_gather_into_tensor"  # DeepSpeed logs the op by it
+# The all-gather above timed by DeepSpeed's comms logger: DeepSpeed's timer is one of its
+# internals, so the DeepSpeed plug-in hands it over (:func:`time_all_gathers_with`); without it the
+# all-gather runs untimed.
 _logged_all_gather: Optional[Callable] = None
 
 
-def _ds_logged_all_gather() -> Callable:
+def time_all_gathers_with(timer: Callable[[Callable], Callable]) -> None:
+    """Route zen's all-gathers through ``timer(collective)`` while DeepSpeed's communication
+    backend is up (``timer`` wraps a collective with DeepSpeed's signature: the plug-in passes
+    DeepSpeed's comms-logger timer), so they appear in its comms logger under zen's names."""
     global _logged_all_gather
-    if _logged_all_gather is None:
-        from deepspeed.comm.comm import timed_op
-
-        _logged_all_gather = timed_op(_ds_all_gather_into_tensor)
-    return _logged_all_gather
+    _logged_all_gather = timer(_ds_all_gather_into_tensor)
 
 
 @dataclass
@@ -172,8 +174,8 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(tensor.reshape(output.shape))
             return
-        if _deepspeed_comm() is not None:
-            gather = _ds_logged_all_gather()
+        gather = _logged_all_gather
+        if gather is not None and _deepspeed_comm() is not None:
             self._run(name, lambda: gather(output, tensor, group=self.group, log_name=log_name))
         else:
             self._run(name, lambda: all_gather_single(output, tensor, group=self.group))

@@ -71,7 +71,7 @@ class RowEmbedding:
         reason = unsupported_reason(module)
         if reason:
             raise ValueError(f"{name}: {reason}")
-        self.module, self.name = module, name
+        self.embedding, self.name = module, name
         self.num_rows, self.row_numel = num_rows, row_numel
         self.partition, self.group = partition, group
         self.padding_idx: Optional[int] = module.padding_idx
@@ -79,13 +79,12 @@ class RowEmbedding:
         self.fetch_stats: List[SyncStats] = []
         self._ids: List[torch.Tensor] = []
         self._grads: List[torch.Tensor] = []
-        self._original_forward = module.forward
-
+        
     def install(self) -> None:
-        self.module.forward = self.forward  # an instance attribute: the class is untouched
+        self.embedding.forward = self.forward  # an instance attribute: nn.Embedding is untouched
 
     def uninstall(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        vars(self.embedding).pop("forward", None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
@@ -94,7 +93,7 @@ class RowEmbedding:
             rows = fetch_rows_flat(unique, self.partition(), self.num_rows, self.row_numel, self.group,
                                    stats=stats, log_prefix=f"zen {self.name}")
         self.fetch_stats.append(stats)
-        weight = self.module.weight
+        weight = self.embedding.weight
         if not (torch.is_grad_enabled() and weight.requires_grad):
             return rows.index_select(0, inverse).view(*ids.shape, self.row_numel)
         return _FetchedLookup.apply(weight, rows, inverse.view(ids.shape), self, unique)

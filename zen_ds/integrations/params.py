@@ -1,5 +1,6 @@
 """Which parameters zen syncs: embedding weights (``params: "auto"``) or the configured name
-patterns, and the one definition of the data-parallel group zen reduces over."""
+patterns, which of them are tied to another layer, and the one definition of the data-parallel
+group zen reduces over."""
 from __future__ import annotations
 
 import fnmatch
@@ -11,7 +12,8 @@ from torch import nn
 
 from zen_ds.integrations.config import ZenConfig
 
-__all__ = ["select_params", "embedding_param_names", "is_vocab_parallel_embedding", "data_parallel_group"]
+__all__ = ["select_params", "embedding_param_names", "is_vocab_parallel_embedding", "data_parallel_group",
+           "tied_params"]
 
 
 def is_vocab_parallel_embedding(module: nn.Module) -> bool:
@@ -78,3 +80,15 @@ def select_params(model: nn.Module, config: ZenConfig) -> List[Tuple[str, nn.Par
         if name in wanted and param.requires_grad:
             out.append((name, param, sparse_by_name.get(name, False)))
     return out
+
+
+def tied_params(model: nn.Module) -> Dict[int, List[str]]:
+    """id(param) -> the names of every module that holds it, for params held by more than one
+    module (a GPT-2-style tied embedding: the output layer touches every row)."""
+    holders: Dict[int, List[str]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for p_name, param in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if name not in holders.setdefault(id(param), []):
+                holders[id(param)].append(name)
+    return {key: names for key, names in holders.items() if len(names) > 1}

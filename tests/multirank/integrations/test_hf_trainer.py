@@ -106,7 +106,7 @@ def _trainer_save_run(example: Any, argv: List[str]) -> Dict[str, Any]:
         trainer, summary = example.train(example.parse_args(argv + ["--save-model", target]))
         during_run = list(records.lines)
         engine = trainer.model_wrapped
-        table = zen_ds.state_of(engine).owned.tables[0]
+        table = zen_ds.state_of(engine).route.tables[0]
         # ZeRO-3's params gathered (a no-op under ZeRO-1/2)
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             module = params_of(engine.module)

@@ -1,10 +1,10 @@
 """zen's share of a DeepSpeed checkpoint: one file per rank next to DeepSpeed's own files.
 
-It holds the reducer's step counter and compression residuals, on the owned route zen's
-optimizer state and fp32 master copies (with ``"row_sharded"``: this rank's rows of each
-row-sharded table, which DeepSpeed's module state does not have), and on the shuffle route the
-schedule position with this rank's own model and optimizer state. Resuming checks that the same
-params are synced.
+It holds the reducer's step counter and compression residuals, and the route's own entries
+(:meth:`~.route.EngineRoute.state_dict`): on the owned route zen's optimizer state and fp32
+master copies (with ``"row_sharded"``: this rank's rows of each row-sharded table, which
+DeepSpeed's module state does not have), on the shuffle route the schedule position with this
+rank's own model and optimizer state. Resuming checks that the same params are synced.
 
 Whole weights of row-sharded tables: :func:`full_state_dict` (collective, in a running job); offline,
 from a checkpoint folder, :func:`zen_ds.integrations.deepspeed.offline.fp32_state_dict`.
@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.integrations.deepspeed.rowshard import full_weights, tables_saved_elsewhere
-from zen_ds.integrations.deepspeed.ds_sync import load_shuffle_state_dict, shuffle_state_dict
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zen_ds.integrations.deepspeed.engine import ZenEngineState
+    from zen_ds.integrations.deepspeed.route import EngineRoute
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +30,14 @@ __all__ = ["STATE_FILE", "state_dict", "load_state_dict", "save", "load", "full_
 STATE_FILE = "zen_ds_rank{rank:05d}.pt"
 
 
-def state_dict(state: "ZenEngineState") -> Dict[str, Any]:
-    sd: Dict[str, Any] = {"version": 1, "params": [p.name for p in state.reducer.params],
-                          "reducer": state.reducer.state_dict()}
-    if state.owned is not None:
-        sd["owned"] = state.owned.state_dict()
-    if state.shuffle is not None:
-        sd["shuffle"] = shuffle_state_dict(state.shuffle, state.engine.module, state.engine.optimizer)
+def state_dict(route: "EngineRoute") -> Dict[str, Any]:
+    sd: Dict[str, Any] = {"version": 1, "params": [p.name for p in route.reducer.params],
+                          "reducer": route.reducer.state_dict()}
+    sd.update(route.state_dict())
     return sd
 
 
-def load_state_dict(state: "ZenEngineState", sd: Dict[str, Any], strict: bool = True,
+def load_state_dict(route: "EngineRoute", sd: Dict[str, Any], strict: bool = True,
                     optimizer_states: bool = True, module_only: bool = False) -> None:
     """Restore zen's state, honouring ``deepspeed.load_checkpoint``'s flags as DeepSpeed does.
 
@@ -51,7 +47,7 @@ def load_state_dict(state: "ZenEngineState", sd: Dict[str, Any], strict: bool = 
     params (another model) loads nothing of zen's but the step counter, with one warning; strict,
     that is an error.
     """
-    names = [p.name for p in state.reducer.params]
+    names = [p.name for p in route.reducer.params]
     saved_names = sd.get("params")
     if saved_names != names:
         if strict:
@@ -61,40 +57,23 @@ def load_state_dict(state: "ZenEngineState", sd: Dict[str, Any], strict: bool = 
         _warn_once(f"zen: the checkpoint was saved for params {saved_names}, this engine syncs {names} "
                    "(load_module_strict=False): zen's optimizer state, masters and residuals start fresh")
         if not module_only and "step" in sd.get("reducer", {}):
-            state.reducer.step = int(sd["reducer"]["step"])
-        _fresh_from_module(state)
+            route.reducer.step = int(sd["reducer"]["step"])
+        _fresh_from_module(route)
         return
     if module_only or not optimizer_states:
-        _fresh_from_module(state, sd)
+        _fresh_from_module(route, sd)
         return
-    state.reducer.load_state_dict(sd["reducer"])
-    if state.owned is not None:
-        if "owned" not in sd:
-            raise ValueError("zen checkpoint has no zen-owned optimizer state; it was saved with a "
-                             "different ZeRO stage / precision. Resume with the same ds_config, or "
-                             "pass load_optimizer_states=False to load the weights only")
-        state.owned.load_state_dict(sd["owned"])
-    if state.shuffle is not None:
-        if "shuffle" not in sd:
-            raise ValueError("zen checkpoint has no shuffle (DS-Sync) state; it was saved without "
-                             "\"zen.shuffle\". Resume with the same ds_config")
-        load_shuffle_state_dict(state.shuffle, state.engine.module, state.engine.optimizer, sd["shuffle"])
+    route.reducer.load_state_dict(sd["reducer"])
+    route.load_state_dict(sd)
 
 
-def _fresh_from_module(state: "ZenEngineState", sd: Optional[Dict[str, Any]] = None) -> None:
+def _fresh_from_module(route: "EngineRoute", sd: Optional[Dict[str, Any]] = None) -> None:
     """zen's masters follow the weights DeepSpeed loaded (DeepSpeed does the same for its own
     fp32 masters when it loads no optimizer state). Row-sharded tables are not in DeepSpeed's
     module state: they take their rows from zen's file when it has them for this layout."""
-    if state.owned is None:
-        return
-    state.owned.masters_from_params()
-    saved = {t["layout"]["name"]: t for t in ((sd or {}).get("owned") or {}).get("tables", [])}
-    for table in state.owned.tables:
-        if table.name in saved and saved[table.name]["layout"] == table.layout_key():
-            table.load_state_dict(saved[table.name], masters=False)
-        else:
-            _warn_once(f"zen: the checkpoint has no rows of the row-sharded {table.name} for this layout; "
-                       "it keeps its current values")
+    for name in route.follow_loaded_weights(sd):
+        _warn_once(f"zen: the checkpoint has no rows of the row-sharded {name} for this layout; "
+                   "it keeps its current values")
 
 
 _WARNED: set = set()
@@ -106,16 +85,16 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def save(state: "ZenEngineState", save_dir: str, tag: str, rank: int) -> None:
+def save(route: "EngineRoute", save_dir: str, tag: str, rank: int) -> None:
     """Write this rank's file under ``save_dir/tag`` (after DeepSpeed wrote its own)."""
     path = os.path.join(save_dir, str(tag))
     os.makedirs(path, exist_ok=True)
-    torch.save(state_dict(state), os.path.join(path, STATE_FILE.format(rank=rank)))
+    torch.save(state_dict(route), os.path.join(path, STATE_FILE.format(rank=rank)))
     if dist.is_initialized():
         dist.barrier()
 
 
-def load(state: "ZenEngineState", load_dir: str, tag: Optional[Any], rank: int, strict: bool = True,
+def load(route: "EngineRoute", load_dir: str, tag: Optional[Any], rank: int, strict: bool = True,
          optimizer_states: bool = True, module_only: bool = False) -> None:
     """Read this rank's file; ``tag=None`` follows DeepSpeed's ``latest`` file. The flags are
     ``load_checkpoint``'s (see :func:`load_state_dict`); a checkpoint saved without zen loads
@@ -128,21 +107,21 @@ def load(state: "ZenEngineState", load_dir: str, tag: Optional[Any], rank: int, 
         if module_only or not optimizer_states or not strict:
             _warn_once(f"zen: {path} is missing (saved without zen or with other ranks): zen's optimizer "
                        "state, masters and residuals start fresh from the loaded weights")
-            _fresh_from_module(state)
+            _fresh_from_module(route)
             return
         raise FileNotFoundError(f"zen: {path} is missing; the checkpoint was saved without zen or with "
                                 "a different number of ranks. Resume with the same ds_config and ranks, "
                                 "or pass load_optimizer_states=False to load the weights only")
-    load_state_dict(state, torch.load(path, map_location="cpu", weights_only=False), strict=strict,
+    load_state_dict(route, torch.load(path, map_location="cpu", weights_only=False), strict=strict,
                     optimizer_states=optimizer_states, module_only=module_only)
 
 
-def full_state_dict(state: "ZenEngineState") -> Dict[str, Any]:
+def full_state_dict(route: "EngineRoute") -> Dict[str, Any]:
     """The engine's module state dict with every row-sharded table whole, in the model's dtype
     (collective over the data-parallel group: every rank must call it; each gets the result)."""
-    tables = state.owned.tables if state.owned is not None else []
+    tables = route.tables
     with tables_saved_elsewhere(tables):
-        sd = state.engine.module.state_dict()
+        sd = route.engine.module.state_dict()
     if tables:
         sd.update(full_weights(tables))
     return sd

@@ -1,9 +1,11 @@
-"""DS-Sync on the shuffle route: :class:`zen_ds.features.ds_sync.sync.ShuffleSync` over every param of an engine.
+"""The DS-Sync route (``"zen.shuffle"``): :class:`zen_ds.features.ds_sync.sync.ShuffleSync` over
+every param of an engine.
 
-DeepSpeed reduces nothing on this route (:mod:`.install` skips its fallback); each optimizer step
-zen averages the gradients (or, after the step, the parameters) inside the step's shuffle group.
-DeepSpeed's fp32 clipping then runs on the group-averaged gradients, i.e. on the norm of what each
-rank applies.
+DeepSpeed reduces nothing on this route; each optimizer step zen averages the gradients (or, after
+the step, the parameters) inside the step's shuffle group. DeepSpeed's fp32 clipping then runs on
+the group-averaged gradients, i.e. on the norm of what each rank applies. ZeRO-0 in fp32 only
+(:func:`~.routes.resolve_route` refuses the rest): the other stages and precisions keep gradients
+or master weights where zen cannot average them per group.
 
 Replicas differ between full syncs, so a checkpoint keeps every rank's own model and optimizer
 state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only) next to the schedule position.
@@ -11,7 +13,7 @@ state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only) next to the schedule p
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,13 +21,93 @@ from torch import nn
 
 from zen_ds.features.ds_sync.sync import ShuffleParam, ShuffleSync
 from zen_ds.integrations.config import ShuffleConfig, ZenConfig
-from zen_ds.integrations.deepspeed.routes import Route, refuse
-from zen_ds.integrations.reducer import ScaleRule
+from zen_ds.integrations.deepspeed.faults import during_sync, refuse
+from zen_ds.integrations.deepspeed.internals import engine as ds_engine
+from zen_ds.integrations.deepspeed.overlap import overlap_is_off
+from zen_ds.integrations.deepspeed.route import EngineRoute, clip_fp32, clips_fp32
+from zen_ds.integrations.reducer import ScaleRule, ZenReducer
 from zen_ds.sync.options import SyncOptions
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zen_ds.integrations.deepspeed.owned import OwnedPlan
+    from zen_ds.integrations.deepspeed.routes import RouteChoice
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_shuffle", "rows_stay_local", "shuffle_state_dict", "load_shuffle_state_dict"]
+__all__ = ["DsSyncRoute", "build_shuffle", "rows_stay_local", "shuffle_state_dict", "load_shuffle_state_dict"]
+
+
+class DsSyncRoute(EngineRoute):
+    """zen reduces every param inside the step's shuffle group (:attr:`shuffle`); DeepSpeed none."""
+
+    name = "shuffle"
+    deepspeed_reduces_the_rest = False
+
+    def __init__(self, engine: Any, reducer: ZenReducer, shuffle: ShuffleSync) -> None:
+        super().__init__(engine, reducer)
+        self.shuffle = shuffle
+        self.param_ids |= {id(param) for _, param, _ in shuffle.params}
+
+    @classmethod
+    def build(cls, engine: Any, choice: "RouteChoice", reducer: ZenReducer,
+              plan: Optional["OwnedPlan"]) -> "DsSyncRoute":
+        shuffle = build_shuffle(engine.module, choice, reducer.config, engine.optimizer, reducer.group,
+                                reducer.scale, reducer.options)
+        if reducer.config.overlap:
+            overlap_is_off(engine, "\"shuffle\" syncs every param itself; zen syncs after backward")
+        return cls(engine, reducer, shuffle)
+
+    def attach(self, engine: Any) -> None:
+        ds_engine.take_over_reduction(engine, self)
+        self._attach_checkpointing(engine)
+        if clips_fp32(engine):  # DeepSpeed averages its norm over the DP group: on a group step, each rank's own
+            ds_engine.replace_fp32_clipping(engine, clip_fp32(
+                self, engine, lambda: bool(engine.pipeline_parallelism) or not self.shuffle.gradients_agree))
+
+    def begin_backward(self) -> None:
+        self.reduced_this_step = False
+        self.refresh_scale()
+
+    def end_backward(self) -> None:
+        if not self.reduced_this_step:
+            self.refresh_scale()
+        self.reduce()
+
+    def reduce(self) -> None:
+        if self.reduced_this_step:
+            return
+        self.refresh_scale()
+        during_sync(self.shuffle.reduce_gradients, self.shuffle.step)
+        self.reduced_this_step = True
+
+    def discard(self) -> None:
+        self.reduced_this_step = False
+
+    def refresh_scale(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        rule = ds_engine.scale_rule(engine)
+        if rule != self.reducer.scale:
+            refuse("\"zen.shuffle\" (DS-Sync) averages inside each group and cannot follow a change of "
+                   "engine.gradient_average or the predivide factor after initialize; set them in the "
+                   "ds_config instead")
+        self.reducer.scale = rule
+
+    def log_step(self, rank: int) -> None:
+        stats = during_sync(self.shuffle.after_optimizer_step, self.shuffle.step)
+        interval = self.config.stats_interval
+        if interval and rank == 0 and self.shuffle.step % interval == 0:
+            logger.info("zen %s, schemes %s", stats.line(), stats.schemes)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"shuffle": shuffle_state_dict(self.shuffle, self.engine.module, self.engine.optimizer)}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        if "shuffle" not in sd:
+            raise ValueError("zen checkpoint has no shuffle (DS-Sync) state; it was saved without "
+                             "\"zen.shuffle\". Resume with the same ds_config")
+        load_shuffle_state_dict(self.shuffle, self.engine.module, self.engine.optimizer, sd["shuffle"])
 
 
 def rows_stay_local(optimizer: Any) -> bool:
@@ -46,7 +128,7 @@ def rows_stay_local(optimizer: Any) -> bool:
     return False
 
 
-def build_shuffle(module: nn.Module, route: Route, zen_config: ZenConfig, optimizer: Any,
+def build_shuffle(module: nn.Module, route: "RouteChoice", zen_config: ZenConfig, optimizer: Any,
                   dp_group: Optional[dist.ProcessGroup], scale: ScaleRule,
                   options: Optional[SyncOptions] = None) -> ShuffleSync:
     """The engine's ShuffleSync: every trainable param; zen's selected ones have row-sparse

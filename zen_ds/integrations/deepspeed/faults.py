@@ -1,4 +1,5 @@
-"""How a failure inside zen's reduction reaches every rank instead of hanging the others.
+"""How a failure inside zen's reduction reaches every rank instead of hanging the others, and the
+one error every refusal raises (:func:`refuse`).
 
 A sync has two parts. Before any data moves, each rank reads and checks its gradients; a rank
 whose gradients cannot be synced still joins the param's handshake with its reason
@@ -18,14 +19,19 @@ from typing import Callable, List, Optional, TypeVar
 
 import torch.distributed as dist
 
-from zen_ds.core.errors import ZenInputError, ZenReductionError
+from zen_ds.core.errors import ZenConfigError, ZenInputError, ZenReductionError
 
-__all__ = ["ZenReductionError", "describe", "during_sync"]
+__all__ = ["ZenReductionError", "describe", "during_sync", "refuse"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
+def refuse(message: str) -> None:
+    """Raise the error every refusal uses (a config error: fix the ds_config, then relaunch). Every
+    rank decides alike, so every rank raises it."""
+    raise ZenConfigError("zen: " + message)
 
 
 def _group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:

@@ -1,24 +1,26 @@
 """One interface over the places an engine keeps zen params' gradients between backward and step.
 
 * ``param.grad`` (:class:`ParamGrads`): fp32 ZeRO-0 and DeepSpeed's fp16 wrappers.
-* BF16_Optimizer's fp32 accumulators: implemented in :mod:`.facts` (DeepSpeed internals).
-* zen's own fp32 accumulators on the owned route (:class:`OwnedGrads`).
+* BF16_Optimizer's fp32 accumulators: :class:`~.internals.bf16.Bf16HpGrads` (DeepSpeed internals).
+* zen's own fp32 accumulators on the owned route: :class:`~.owned_params.OwnedGrads`.
 
 The reducer sees only ``read()`` (one gradient or None per zen param, in the reducer's order) and
-``write(synced)``. :func:`check_grads` runs on every rank before any data moves, so a gradient that
-cannot be synced fails the step on every rank alike (see :mod:`.faults`).
+``write(synced)``; the overlapped sync reads one param's as soon as its hook fired
+(:meth:`GradStorage.reader`). :func:`check_grads` runs on every rank before any data moves, so a
+gradient that cannot be synced fails the step on every rank alike (see :mod:`.faults`).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from zen_ds.integrations.deepspeed.owned import OwnedParams
 from zen_ds.integrations.reducer import ZenParam
 
-__all__ = ["GradStorage", "ParamGrads", "OwnedGrads", "check_grads"]
+__all__ = ["GradStorage", "GradReader", "ParamGrads", "check_grads"]
+
+GradReader = Callable[[int], Optional[torch.Tensor]]
 
 
 class GradStorage(ABC):
@@ -35,6 +37,11 @@ class GradStorage(ABC):
     def write(self, synced: Sequence[torch.Tensor]) -> None:
         """Put the synced gradients where the optimizer step will read them."""
 
+    def reader(self) -> Optional[GradReader]:
+        """This rank's gradient of zen param ``i`` (as ``read()[i]``) when its post-accumulate
+        hook fires; None where the gradient is not final then (zen cannot overlap)."""
+        return None
+
 
 class ParamGrads(GradStorage):
     """``param.grad``: dense grads are overwritten in place, sparse ones replaced."""
@@ -49,19 +56,8 @@ class ParamGrads(GradStorage):
             else:
                 p.param.grad = g
 
-
-class OwnedGrads(GradStorage):
-    """zen's fp32 accumulators (owned route); the synced result waits for zen's optimizer step."""
-
-    def __init__(self, owned: OwnedParams) -> None:
-        super().__init__(owned.params)
-        self.owned = owned
-
-    def read(self) -> List[Optional[torch.Tensor]]:
-        return [a.coalesce() if a is not None and a.is_sparse else a for a in self.owned.accum]
-
-    def write(self, synced: Sequence[torch.Tensor]) -> None:
-        self.owned.synced = list(synced)
+    def reader(self) -> Optional[GradReader]:
+        return lambda index: self.params[index].param.grad
 
 
 def check_grads(params: Sequence[ZenParam], grads: Sequence[Optional[torch.Tensor]]) -> None:

@@ -2,7 +2,7 @@
 row-sharded embeddings under ZeRO-1/2.
 
 Accelerate's DeepSpeed path reads the engine's consolidated 16-bit state dict under ZeRO-3 (zen
-adds the whole tables there, :mod:`.install`) but the module's own ``state_dict()`` under ZeRO-1/2,
+adds the whole tables there, :mod:`.internals.checkpoint`) but the module's own ``state_dict()`` under ZeRO-1/2,
 which has no row-sharded table (:class:`~.rowshard_model.RowShardedEmbedding` has no weight, and
 its ``state_dict()`` stays a local call). When ``deepspeed.initialize`` under ``zen_ds.enable()``
 (the Trainer's and Accelerate's path) builds an engine with row-sharded tables at ZeRO-1/2,
@@ -25,6 +25,7 @@ import torch
 
 from zen_ds.integrations.deepspeed import checkpoint
 from zen_ds.integrations.deepspeed.engine import ZenEngineState, state_of
+from zen_ds.integrations.deepspeed.zero3 import Zero3Route
 
 __all__ = ["cover_accelerate", "tables_outside_module"]
 
@@ -32,7 +33,7 @@ __all__ = ["cover_accelerate", "tables_outside_module"]
 def tables_outside_module(state: ZenEngineState) -> bool:
     """Whether the engine's module state dict lacks tables: row-sharded ones at ZeRO-1/2 (under
     ZeRO-3 the consolidated state dict has them)."""
-    return state.owned is not None and bool(state.owned.tables) and state.zero3 is None
+    return bool(state.route.tables) and not isinstance(state.route, Zero3Route)
 
 
 def _with_whole_tables(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,7 +43,7 @@ def _with_whole_tables(original: Callable[..., Any]) -> Callable[..., Any]:
         if state is None or not tables_outside_module(state):
             return original(self, model, *args, **kwargs)
         return {name: value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
-                for name, value in checkpoint.full_state_dict(state).items()}
+                for name, value in checkpoint.full_state_dict(state.route).items()}
 
     get_state_dict.zen_original = original  # type: ignore[attr-defined]
     return get_state_dict

@@ -4,19 +4,31 @@ A replica spans tensor-parallel ranks and pipeline stages. A param counts on ten
 only, unless it is itself split over tensor-parallel ranks; the non-owning copy of a pipeline-tied
 weight (``ds_pipe_replicated``) never counts. The per-rank sums are added over the engine's
 model-parallel group. Data-parallel replicas hold identical synced gradients, so they are not summed.
-Sparse gradients count by their stored values.
+Sparse gradients count by their stored values. Where zen owns params, their norm joins
+DeepSpeed's (:func:`combined_norm`), and both are clipped by DeepSpeed's rule
+(:func:`clip_coefficient`).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Tuple
+import math
+from typing import Any, Iterable, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zen_ds.integrations.deepspeed.facts import is_model_parallel_parameter
+from zen_ds.integrations.deepspeed.internals.engine import is_model_parallel_parameter
 
-__all__ = ["local_sum_of_squares", "model_parallel_sum", "replica_norm"]
+__all__ = ["local_sum_of_squares", "model_parallel_sum", "replica_norm", "combined_norm", "clip_coefficient",
+           "ZenNorm"]
+
+
+class ZenNorm(Protocol):
+    """A route whose params' norm joins DeepSpeed's (zen steps them itself)."""
+
+    last_norm: Optional[float]  # the combined unscaled norm DeepSpeed clipped with
+
+    def zen_norm(self, local: bool = False) -> torch.Tensor: ...
 
 
 def _tensor_parallel_rank(mpu: Any) -> int:
@@ -56,3 +68,19 @@ def replica_norm(params_and_grads: Iterable[Tuple[nn.Parameter, Optional[torch.T
                  mpu: Any) -> torch.Tensor:
     """L2 norm over the whole replica (collective over the model-parallel group)."""
     return model_parallel_sum(local_sum_of_squares(params_and_grads, mpu), mpu).sqrt()
+
+
+def combined_norm(ds_norm: Any, zen: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed's norm and zen's together (fp32, on the CPU); a non-finite or negative (DeepSpeed's
+    overflow mark) DeepSpeed norm passes through as it is."""
+    ds_t = torch.as_tensor(ds_norm, dtype=torch.float32).detach().cpu()
+    if bool(((~torch.isfinite(ds_t)) | (ds_t < 0)).any()):
+        return ds_t
+    return (ds_t.pow(2) + zen.cpu().pow(2)).sqrt()
+
+
+def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:
+    """DeepSpeed's clipping rule, ``min(1, max_norm / (norm + 1e-6))``; 1 when off or unknown."""
+    if max_norm <= 0.0 or norm is None or not math.isfinite(float(norm)):
+        return 1.0
+    return min(1.0, max_norm / (float(norm) + 1e-6))

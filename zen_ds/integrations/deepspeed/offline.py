@@ -16,7 +16,7 @@ import torch
 
 from zen_ds.core.partition import ShardLayout
 from zen_ds.integrations.deepspeed.checkpoint import STATE_FILE
-from zen_ds.integrations.deepspeed.install import zero_checkpoint_fp32
+from zen_ds.integrations.deepspeed.internals.checkpoint import zero_checkpoint_fp32
 from zen_ds.sync.reduce_scatter import shard_rows
 
 logger = logging.getLogger(__name__)

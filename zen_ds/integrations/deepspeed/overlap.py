@@ -1,4 +1,6 @@
-"""zen's sync overlapped with backward (``"zen": {"overlap": true}``).
+"""When a step's sync of zen's params runs: after backward (:class:`SyncAfterBackward`, the default)
+or overlapped with it (:class:`OverlappedSync`, ``"zen": {"overlap": true}``). A route that syncs
+through zen's reducer holds one of the two (:class:`GradientSync`).
 
 In the last backward of an optimizer step, a post-accumulate-grad hook hands each zen param's
 gradient to one comm thread as soon as it is final; the thread syncs the params one after the
@@ -21,20 +23,19 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from zen_ds.integrations.deepspeed.faults import ZenReductionError, describe, during_sync
-from zen_ds.integrations.deepspeed.grads import GradStorage, OwnedGrads, ParamGrads, check_grads
+from zen_ds.integrations.deepspeed.grads import GradReader, GradStorage, check_grads
 from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OverlappedSync", "grad_reader", "mirror_group"]
-
-GradReader = Callable[[int], Optional[torch.Tensor]]
+__all__ = ["GradientSync", "SyncAfterBackward", "OverlappedSync", "mirror_group", "overlap_is_off"]
 
 # id(param) -> (the param, the OverlappedSync whose hook it carries: the newest engine's). Not an
 # attribute on the param: that would travel with torch.save(model) and copy.deepcopy(model).
@@ -50,17 +51,53 @@ def _take_over_hooks(param: torch.Tensor, sync: "OverlappedSync") -> None:
     _HOOKED[id(param)] = (weakref.ref(param), sync)
 
 
-def grad_reader(storage: GradStorage) -> Optional[GradReader]:
-    """This rank's gradient of zen param ``i`` (as ``storage.read()[i]``), or None where the
-    storage's gradients are not final when a param's hook fires (then zen cannot overlap)."""
-    if isinstance(storage, OwnedGrads):
-        def read_owned(index: int) -> Optional[torch.Tensor]:
-            accum = storage.owned.accum[index]
-            return accum.coalesce() if accum is not None and accum.is_sparse else accum
-        return read_owned
-    if isinstance(storage, ParamGrads):
-        return lambda index: storage.params[index].param.grad
-    return None
+class GradientSync(ABC):
+    """How one route's reducer syncs a step's gradients of zen's params (:meth:`collect`)."""
+
+    in_background: ClassVar[bool] = False  # the sync runs during backward, on zen's thread
+
+    @property
+    def active(self) -> bool:
+        """A sync was started for this optimizer step and not yet collected."""
+        return False
+
+    @property
+    def closed(self) -> bool:
+        """Backward has ended for the active sync (it waits for the step to collect it)."""
+        return False
+
+    def close(self) -> None:
+        """Backward has ended: sync what is left without waiting."""
+
+    @abstractmethod
+    def collect(self) -> List[Optional[torch.Tensor]]:
+        """The step's synced gradients in the reducer's order (waits for them); a failure on any
+        rank raises :class:`ZenReductionError` on every rank."""
+
+    def drop(self) -> None:
+        """The step's gradients are dropped (``zero_grad``): end any sync of them."""
+
+
+class SyncAfterBackward(GradientSync):
+    """The whole step's sync at once, after backward: one step agreement over every zen param."""
+
+    def __init__(self, reducer: ZenReducer, storage: GradStorage) -> None:
+        self.reducer = reducer
+        self.storage = storage
+
+    def collect(self) -> List[Optional[torch.Tensor]]:
+        try:
+            grads, failure = self.storage.read(), None
+            check_grads(self.reducer.params, grads)
+        except Exception as exc:  # the peers learn it at the first param's handshake
+            grads, failure = [], describe(exc)
+        return during_sync(lambda: self.reducer.sync(grads, failure), self.reducer.step, self.reducer.group)
+
+
+def overlap_is_off(engine: Any, why: str) -> None:
+    """Log once (rank 0) why ``"overlap"`` does not apply to this engine."""
+    if engine.global_rank == 0:
+        logger.info("zen: \"overlap\" is off for this engine (%s)", why)
 
 
 def mirror_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -99,8 +136,10 @@ class _StepJob:
         self.thread: Optional[threading.Thread] = None
 
 
-class OverlappedSync:
+class OverlappedSync(GradientSync):
     """Hooks on zen's params and the comm thread that syncs them during the last backward."""
+
+    in_background = True
 
     def __init__(self, reducer: ZenReducer, read: GradReader, group: Optional[dist.ProcessGroup],
                  at_boundary: Callable[[], bool]) -> None:
@@ -120,12 +159,10 @@ class OverlappedSync:
 
     @property
     def active(self) -> bool:
-        """A sync was started for this optimizer step and not yet finished."""
         return self._job is not None
 
     @property
     def closed(self) -> bool:
-        """Backward has ended for the active sync (it waits for the step to collect it)."""
         return self._job is not None and self._job.closed
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -186,6 +223,13 @@ class OverlappedSync:
             raise ZenReductionError(f"zen: gradient sync of step {job.step} failed: {job.misuse}")
         self.reducer.end_step({p.name: job.stats[p.name] for p in self.reducer.params})
         return job.results
+
+    def collect(self) -> List[Optional[torch.Tensor]]:
+        return self.finish()
+
+    def drop(self) -> None:
+        if self.active:
+            self.finish()  # results are dropped; the thread must not outlive them
 
     def _run(self, job: _StepJob) -> None:
         """The comm thread: sync the params in ``self.order`` as each is handed over; stop at the

@@ -1,34 +1,41 @@
-"""The owned route's optimizer: zen steps its params itself, outside DeepSpeed's optimizer.
+"""The owned route: zen keeps its params out of DeepSpeed's optimizer and steps them itself.
 
-Under ZeRO-1/2 (and half precision with ``sparse=True`` embeddings) :func:`plan_owned` takes zen's
-params (compressed ones included) out of what DeepSpeed's optimizer will see *before*
-``deepspeed.initialize``, and builds a twin optimizer of the same type for them (fp32 master copies
-when the model trains in half precision). :class:`OwnedParams` then accumulates their grads in fp32
-across micro-steps (DeepSpeed never sees them), holds the synced result and steps them with
-DeepSpeed's clip coefficient, loss scale and learning-rate schedule.
+DeepSpeed's ZeRO-1/2 optimizer cannot leave single params out of its flat buffers and crashes on
+sparse grads, and the half-precision wrappers cannot hold sparse grads either. So under ZeRO-1/2
+(and half precision with ``sparse=True`` embeddings) :func:`plan_owned` takes zen's params
+(compressed ones included) out of what DeepSpeed's optimizer will see *before*
+``deepspeed.initialize`` and builds a twin optimizer of the same type for them (fp32 master copies
+when the model trains in half precision). :class:`OwnedRoute` then syncs their fp32 sums
+(:class:`~.owned_params.OwnedParams`) at the boundary, folds their norm into DeepSpeed's (clipping
+stays global) and steps them after DeepSpeed's step with its clip coefficient, loss scale and
+learning-rate schedule. Inside a PipelineModule (ZeRO-1) each stage owns its own params.
+:class:`StepsOwnParams` is what it shares with ZeRO-3's row-sharded tables
+(:class:`~.zero3.Zero3RowShardedRoute`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from zen_ds.core.sparse import RowSparse
-from zen_ds.integrations.deepspeed.routes import Route, refuse
-from zen_ds.integrations.deepspeed.rowstep import step_rows
-from zen_ds.integrations.deepspeed.sharded import ShardedRows, should_shard, state_bytes_per_element
-from zen_ds.integrations.reducer import ZenParam
+from zen_ds.integrations.deepspeed.faults import refuse
+from zen_ds.integrations.deepspeed.internals import bf16 as ds_bf16
+from zen_ds.integrations.deepspeed.internals import checkpoint as ds_checkpoint
+from zen_ds.integrations.deepspeed.internals import engine as ds_engine
+from zen_ds.integrations.deepspeed.internals import fp16 as ds_fp16
+from zen_ds.integrations.deepspeed.internals import zero12 as ds_zero12
+from zen_ds.integrations.deepspeed.norms import clip_coefficient
+from zen_ds.integrations.deepspeed.owned_params import OwnedGrads, OwnedParams
+from zen_ds.integrations.deepspeed.route import ReducerRoute
+from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights, tables_saved_elsewhere
+from zen_ds.integrations.reducer import ZenReducer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zen_ds.integrations.deepspeed.rowshard import RowShardTable
+    from zen_ds.integrations.deepspeed.routes import DeepSpeedSetup, RouteChoice
 
-__all__ = ["OwnedPlan", "OwnedParams", "plan_owned", "clip_coefficient"]
-
-_EMPTY = torch.empty(0)  # the data of an fp32 shard master between steps
+__all__ = ["OwnedPlan", "plan_owned", "StepsOwnParams", "OwnedRoute"]
 
 # torch optimizers zen builds for its own params from a ds_config "optimizer" block
 _TORCH_OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -99,7 +106,7 @@ def _optimizer_from_ds_block(block: Mapping[str, Any], params: List[Any]) -> tor
     return _TORCH_OPTIMIZERS[kind](params, **hp)
 
 
-def plan_owned(route: Route, model: nn.Module, optimizer: Any, model_parameters: Any,
+def plan_owned(route: "RouteChoice", model: nn.Module, optimizer: Any, model_parameters: Any,
                ds_config: Mapping[str, Any], tables: Sequence[Tuple[nn.Parameter, "RowShardTable"]] = ()
                ) -> "tuple[OwnedPlan, List[Any]]":
     """zen's optimizer for its params, and what is left for DeepSpeed's ``model_parameters``.
@@ -181,232 +188,143 @@ def _refuse_nothing_left(names: Optional[List[str]]) -> None:
            "\"compression.params\"; or train with ZeRO stage 0 in fp32")
 
 
-def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:
-    """DeepSpeed's clipping rule, ``min(1, max_norm / (norm + 1e-6))``; 1 when off or unknown."""
-    if max_norm <= 0.0 or norm is None or not math.isfinite(float(norm)):
-        return 1.0
-    return min(1.0, max_norm / (float(norm) + 1e-6))
+class StepsOwnParams:
+    """A route on which zen's optimizer steps params itself after DeepSpeed's step (:attr:`owned`):
+    their norm joins DeepSpeed's, and zen's checkpoint file keeps their optimizer state."""
 
-
-class OwnedParams:
-    """fp32 accumulation, masters and optimizer for params zen steps itself.
-
-    A param whose optimizer state is sharded (``"optimizer_state"``, see :mod:`.sharded`) has a
-    master of this rank's rows only, a shard-shaped synced gradient, and its updated rows are
-    all-gathered after the step; the others keep a whole master on every rank.
-    """
-
-    def __init__(self, params: Sequence[ZenParam], plan: OwnedPlan, group: Optional[Any] = None,
-                 mode: str = "replicated", shard_min_mb: float = 0.0, seed: int = 0, half: bool = False) -> None:
-        if plan.names != [p.name for p in params]:
-            raise RuntimeError(f"zen: planned params {plan.names} != selected {[p.name for p in params]}")
-        self.params = list(params)
-        self.masters = list(plan.masters)
-        self.optimizer = plan.optimizer
-        self.lr_ratio = plan.lr_ratio
-        self.tables = list(plan.tables)  # row-sharded embeddings, stepped by the same optimizer
-        self.sharded: List[Optional[ShardedRows]] = [None] * len(self.params)
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
-        per_element = state_bytes_per_element(self.optimizer, half)
-        for i, p in enumerate(self.params):
-            if should_shard(mode, p.param, world, per_element, shard_min_mb):
-                self.sharded[i] = ShardedRows(p.param, group, seed)
-                p.shard = self.sharded[i].layout  # the reducer reduce-scatters this param
-                self.masters[i] = self.sharded[i].master_from(self.masters[i])
-                if not half:  # fp32: the param holds the master's values; materialise it per step
-                    self.masters[i].data = _EMPTY
-        if any(s is not None for s in self.sharded):
-            self.optimizer = _rebuild_optimizer(self.optimizer, plan.masters, self.masters)
-        # fp32 bytes zen keeps per rank for each param (a shard's master counts even in fp32)
-        self.state_bytes = [per_element * (s.shard_size * p.param[0].numel() if s is not None
-                                           else p.param.numel())
-                            for p, s in zip(self.params, self.sharded)]
-        self.half = half
-        # --- per optimizer step: fp32 sums over micro-steps, then the synced result
-        self.accum: List[Optional[torch.Tensor]] = [None] * len(self.params)
-        self._carried: Optional[List[Optional[torch.Tensor]]] = None  # synced by an earlier backward
-        self.synced = [None] * len(self.params)
-        self.handles = [p.param.register_post_accumulate_grad_hook(self._hook(i))
-                        for i, p in enumerate(self.params)]
-
-    def memory_bytes(self) -> List[int]:
-        """Bytes zen holds per param on this rank, measured: fp32 master (when it is not the param
-        itself) plus every tensor in the optimizer's state for it (zero before the first step)."""
-        out = []
-        for p, master in zip(self.params, self.masters):
-            held = master.numel() * master.element_size() if master is not p.param else 0
-            for value in self.optimizer.state.get(master, {}).values():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    held += value.numel() * value.element_size()
-            out.append(held)
-        return out
-
-    def describe(self) -> List[str]:
-        """One phrase per param: where its optimizer state lives and its size on this rank
-        (measured once the optimizer has state, else the estimate the decision used)."""
-        out = []
-        for p, s, estimate, held in zip(self.params, self.sharded, self.state_bytes, self.memory_bytes()):
-            where = f"sharded 1/{s.world_size}" if s is not None else "replicated"
-            what = f"{held / 2**20:.2f} MiB" if held else f"~{estimate / 2**20:.2f} MiB (estimate)"
-            out.append(f"{p.name}: optimizer state {where}, {what} on this rank")
-        for t in self.tables:
-            held = t.memory_bytes(self.optimizer)
-            out.append(f"{t.name}: row-sharded 1/{t.world_size} ({t.shard_size} of {t.num_rows} rows here), "
-                       f"{sum(held.values()) / 2**20:.2f} MiB on this rank ({held})")
-        return out
-
-    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def accumulate(param: torch.Tensor) -> None:
-            grad = param.grad
-            if grad is None:
-                return
-            with torch.no_grad():
-                if grad.is_sparse:
-                    piece = grad.coalesce()
-                    piece = torch.sparse_coo_tensor(piece.indices(), piece.values().float(), piece.shape)
-                    self.accum[i] = piece if self.accum[i] is None else self.accum[i] + piece
-                elif self.accum[i] is None:
-                    self.accum[i] = grad.detach().float().clone()
-                else:
-                    self.accum[i].add_(grad.detach().float())
-            param.grad = None  # zen holds it in fp32; DeepSpeed never sees it
-        return accumulate
+    owned: OwnedParams
+    reducer: ZenReducer
+    engine: Any
 
     @property
-    def synced(self) -> List[Optional[torch.Tensor]]:
-        """This step's synced gradients, held until the step (a sharded param's: its rows only)."""
-        return self._synced
+    def tables(self) -> Sequence[RowShardTable]:
+        return self.owned.tables
 
-    @synced.setter
-    def synced(self, synced: Sequence[Optional[torch.Tensor]]) -> None:
-        # A compressed param is synced whole even when its state is sharded (its gradient is
-        # element-sparse, the shards are rows; the sum is the one replicated state gets): keep
-        # this rank's rows of it.
-        # A reduction after a second backward adds to what the first one synced (see
-        # :meth:`carry_synced`), as DeepSpeed's own reductions add up until the step.
-        fresh = [g.view_as(p.param)[s.rows] if g is not None and s is not None and p.compressed
-                 else g for p, g, s in zip(self.params, synced, self.sharded)]
-        carried = self._carried or [None] * len(fresh)
-        self._synced = [_add_grads(c, g) for c, g in zip(carried, fresh)]
-        self._carried = None
+    def describe(self) -> List[str]:
+        return self.owned.describe()
 
-    def carry_synced(self) -> None:
-        """Another backward starts before the step: keep this step's synced gradients for the
-        next reduction to add to, and restart the fp32 sums (they were synced already)."""
-        self._carried = [_add_grads(c, g) for c, g in zip(self._carried or [None] * len(self.params),
-                                                          self._synced)]
-        self._synced = [None] * len(self.params)
-        self.accum = [None] * len(self.params)
+    def zen_norm(self, local: bool = False) -> torch.Tensor:
+        """Norm of zen's synced grads in DeepSpeed's loss-scaled units (``local``: this rank's share
+        only, for optimizers that add the model-parallel ranks themselves)."""
+        return self.owned.grad_norm(self.engine.mpu, local)
 
-    def clear(self) -> None:
-        for t in self.tables:
-            t.clear()
-        self._carried = None
-        self.accum = [None] * len(self.params)
-        self.synced = [None] * len(self.params)
+    def step_owned(self, loss_scale: float, norm: Optional[float], base_lr: Optional[float],
+                   norm_before_scale_update: bool) -> None:
+        """Step zen's own params after DeepSpeed applied its step, clipped by the global ``norm``
+        (``loss_scale``: the scale the gradients were computed with).
 
-    @torch.no_grad()
-    def step(self, loss_scale: float, clip_coef: float, base_lr: Optional[float],
-             stats: Optional[Dict[str, Any]] = None) -> None:
-        """Step zen's params with DeepSpeed's loss scale, clip coefficient and learning rate;
-        sharded params' all-gathers are recorded in ``stats`` (the reducer's per-param stats)."""
-        factor = clip_coef / loss_scale
-        sparse_only = isinstance(self.optimizer, torch.optim.SparseAdam)
-        for p, master, g, shard in zip(self.params, self.masters, self.synced, self.sharded):
-            if shard is not None and not self.half:  # this step's fp32 master: the param's rows
-                master.data = p.param.data[shard.rows]
-            if g is None:
-                master.grad = None
-                continue
-            g = g.float()
-            g = g * factor if factor != 1.0 else g
-            if shard is not None and sparse_only:  # SparseAdam takes COO grads only
-                g = RowSparse.from_dense(g).to_coo()
-            master.grad = g
-        if base_lr is not None:
-            for group, ratio in zip(self.optimizer.param_groups, self.lr_ratio):
-                group["lr"] = base_lr * ratio
-        self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        for t in self.tables:  # in row blocks: no shard-sized gradient (see .rowstep)
-            step_rows(self.optimizer, t.master, t.grad_for_step(factor), t.name)
-            t.after_step()
-        for p, master, shard in zip(self.params, self.masters, self.sharded):
-            if shard is not None:
-                gathered = shard.gather(master, p.param)
-                if not self.half:
-                    master.data = _EMPTY
-                if stats is not None and p.name in stats:
-                    st = stats[p.name]
-                    st.gather, st.gather_bytes_sent = gathered.mode, gathered.bytes_sent
-                    st.gather_bytes_received = gathered.bytes_received
-            elif master is not p.param:
-                p.param.data.copy_(master.data.to(p.param.dtype))
-
-    @torch.no_grad()
-    def masters_from_params(self) -> None:
-        """Set the fp32 masters from the params (after DeepSpeed loaded weights without optimizer
-        state); the optimizer state stays as it is (fresh for a new engine)."""
-        for p, master, shard in zip(self.params, self.masters, self.sharded):
-            if shard is not None:
-                if self.half:
-                    master.data.copy_(p.param.data[shard.rows].float())
-            elif master is not p.param:
-                master.data.copy_(p.param.data.float())
+        zen unscales and clips as DeepSpeed did its own params: its ZeRO-1/2/3 steps update the
+        dynamic fp16 loss scale *before* they unscale and clip, so on a step where the scale grows
+        both use the grown one (ZeRO-3 also divides ``norm`` by it; ZeRO-1/2 hand over the norm
+        over the scale from before the update: ``norm_before_scale_update``)."""
+        applied = ds_engine.loss_scale(self.engine.optimizer)
+        if norm_before_scale_update and norm is not None and applied != loss_scale:
+            norm = norm * loss_scale / applied
+        coef = clip_coefficient(self.engine.gradient_clipping(), norm)
+        self.owned.step(applied, coef, base_lr, self.reducer.last_stats)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(),
-                "masters": [p.param.detach()[s.rows].float().clone() if s is not None and not self.half
-                            else m.detach().clone() for p, m, s in zip(self.params, self.masters, self.sharded)],
-                "shards": [s.layout_key() if s is not None else None for s in self.sharded],
-                "tables": [t.state_dict() for t in self.tables]}
+        return {"owned": self.owned.state_dict()}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        mine = [s.layout_key() if s is not None else None for s in self.sharded]
-        saved = sd.get("shards", [None] * len(self.sharded))
-        if saved != mine:
-            raise ValueError(f"zen checkpoint's optimizer-state layout {saved} does not match this run's "
-                             f"{mine}; resume with the same number of data-parallel ranks, \"zen.seed\" "
-                             "and \"zen.optimizer_state\"")
-        saved_tables = sd.get("tables", [])
-        if [t.get("layout") for t in saved_tables] != [t.layout_key() for t in self.tables]:
-            raise ValueError(f"zen checkpoint's row-sharded tables {[t.get('layout') for t in saved_tables]} do "
-                             f"not match this run's {[t.layout_key() for t in self.tables]}; resume with the same "
-                             "number of data-parallel ranks, \"zen.seed\" and \"zen.row_sharded\"")
-        self.optimizer.load_state_dict(sd["optimizer"])
-        for t, saved in zip(self.tables, saved_tables):
-            t.load_state_dict(saved)
-        with torch.no_grad():
-            for p, m, saved_m, shard in zip(self.params, self.masters, sd["masters"], self.sharded):
-                if shard is not None and not self.half:
-                    p.param.data[shard.rows] = saved_m.to(p.param.dtype)
-                    continue
-                m.data.copy_(saved_m)
-                if shard is not None:
-                    p.param.data[shard.rows] = saved_m.to(p.param.dtype)
-                elif m is not p.param:
-                    p.param.data.copy_(saved_m.to(p.param.dtype))
+        if "owned" not in sd:
+            raise ValueError("zen checkpoint has no zen-owned optimizer state; it was saved with a "
+                             "different ZeRO stage / precision. Resume with the same ds_config, or "
+                             "pass load_optimizer_states=False to load the weights only")
+        self.owned.load_state_dict(sd["owned"])
+
+    def follow_loaded_weights(self, sd: Optional[Dict[str, Any]]) -> List[str]:
+        self.owned.masters_from_params()
+        saved = {t["layout"]["name"]: t for t in ((sd or {}).get("owned") or {}).get("tables", [])}
+        kept = []
+        for table in self.owned.tables:
+            if table.name in saved and saved[table.name]["layout"] == table.layout_key():
+                table.load_state_dict(saved[table.name], masters=False)
+            else:
+                kept.append(table.name)
+        return kept
 
 
-def _add_grads(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The sum of two synced gradients of one param (either may be None, sparse or dense)."""
-    if a is None or b is None:
-        return b if a is None else a
-    if a.is_sparse and b.is_sparse:
-        return (a + b).coalesce()
-    if a.is_sparse or b.is_sparse:
-        return (a.to_dense() if a.is_sparse else a) + (b.to_dense() if b.is_sparse else b)
-    return a + b
+class OwnedRoute(StepsOwnParams, ReducerRoute):
+    """ZeRO-1/2, or half precision with ``sparse=True`` embeddings: zen owns and steps its params."""
 
+    name = "owned"
+    _tied_sums_in_fp32 = True
 
-def _rebuild_optimizer(optimizer: torch.optim.Optimizer, old: Sequence[nn.Parameter],
-                       new: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-    """The same optimizer type and hyper-parameters over ``new`` masters (it has no state yet)."""
-    swap = {id(o): n for o, n in zip(old, new)}
-    groups = [dict({k: v for k, v in g.items() if k != "params"},
-                   params=[swap.get(id(q), q) for q in g["params"]]) for g in optimizer.param_groups]
-    try:
-        return type(optimizer)(groups, **optimizer.defaults)
-    except TypeError:
-        return type(optimizer)(groups)
+    def __init__(self, engine: Any, reducer: ZenReducer, owned: OwnedParams, setup: "DeepSpeedSetup") -> None:
+        self.owned = owned  # before the sync part: its hooks run after the fp32 accumulation's
+        self.zero_stage = setup.zero_stage  # what a second backward before the step means
+        super().__init__(engine, reducer, OwnedGrads(owned), setup.pipeline)
+
+    @classmethod
+    def prepare(cls, choice: "RouteChoice", model: nn.Module, optimizer: Any, model_parameters: Any,
+                ds_config: Mapping[str, Any], tables: Sequence[Tuple[nn.Parameter, RowShardTable]]
+                ) -> Tuple[Optional[OwnedPlan], Any]:
+        return plan_owned(choice, model, optimizer, model_parameters, ds_config, tables)
+
+    @classmethod
+    def check(cls, engine: Any, choice: "RouteChoice", plan: Optional[OwnedPlan]) -> None:
+        in_ds = ds_engine.params_in_ds_optimizer(engine)
+        clash = [name for name, p, _ in choice.synced if id(p) in in_ds]
+        if plan is None or clash:
+            why = (f"ZeRO stage {choice.setup.zero_stage}" if choice.setup.zero_stage
+                   else "fp16/bf16 with sparse=True embeddings")
+            names = clash or [name for name, _, _ in choice.synced]
+            refuse(f"{why}: zen must own its params {names}, but they are already inside "
+                   "DeepSpeed's optimizer. Build the engine with zen_ds.initialize(...) (same arguments as "
+                   "deepspeed.initialize), which keeps them out")
+
+    @classmethod
+    def build(cls, engine: Any, choice: "RouteChoice", reducer: ZenReducer,
+              plan: Optional[OwnedPlan]) -> "OwnedRoute":
+        assert plan is not None  # check() refused an engine without one
+        cfg = reducer.config
+        owned = OwnedParams(reducer.params, plan, reducer.group, cfg.optimizer_state, cfg.shard_min_mb, cfg.seed,
+                            choice.setup.half)
+        return cls(engine, reducer, owned, choice.setup)
+
+    def attach(self, engine: Any) -> None:
+        super().attach(engine)
+        if self.tables:  # save_16bit_model gathers them, so every rank must call it
+            ds_checkpoint.add_tables_to_16bit_model(engine, lambda: full_weights(self.tables),
+                                                    lambda: tables_saved_elsewhere(self.tables))
+        opt = engine.optimizer  # a non-finite zen norm makes DeepSpeed's so: the step is skipped
+        if not any(fold(opt, self) for fold in (ds_zero12.fold_norm, ds_bf16.fold_norm, ds_fp16.fold_norm)):
+            refuse(f"zen cannot fold its gradient norm into {type(opt).__name__}; use ZeRO stage 1/2 or bf16")
+
+    def another_backward(self) -> None:
+        if self.zero_stage in (1, 2, 3):
+            self.owned.clear()  # ZeRO-1/2 keep only the last boundary backward's reduction
+        else:  # zen's fp32 sums restart; the synced ones are kept
+            self.owned.carry_synced()
+
+    def discard(self) -> None:
+        super().discard()
+        self.owned.clear()
+
+    def step(self, deepspeed_step: Callable[[], Any]) -> Any:
+        self.reduce()  # unmanaged accumulation or a manual allreduce: never step unsynced grads
+        engine = self.engine
+        opt = engine.optimizer
+        loss_scale = ds_engine.loss_scale(opt)
+        groups = getattr(opt, "param_groups", None) or []
+        base_lr = groups[0]["lr"] if groups else None
+        self.last_norm = None
+        out = deepspeed_step()
+        applied = engine.was_step_applied()
+        try:
+            if applied:
+                norm = self.last_norm
+                if norm is None and ds_bf16.is_bf16_optimizer(opt):  # BF16_Optimizer: unscaled
+                    norm = engine.get_global_grad_norm()
+                self.step_owned(loss_scale, norm, base_lr, norm_before_scale_update=True)
+        finally:
+            self.owned.clear()
+            self.after_step(applied)
+        return out
+
+    def _tied_grad(self, index: int, ds_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return self.owned.accum[index]  # the grads wait in zen's fp32 sums
+
+    def _keep_tied(self, index: int, weight: nn.Parameter, out: torch.Tensor, bf16: bool) -> None:
+        self.owned.accum[index] = out

@@ -3,26 +3,32 @@
 :func:`resolve_route` is the single decision point. ``zen_ds.initialize`` calls it on the raw
 ds_config before DeepSpeed builds anything, so a refused combination fails before any engine,
 optimizer or process group state exists; ``zen_ds.attach`` calls it on the facts of an engine built
-elsewhere. Both get the same answer and the same messages.
+elsewhere. Both get the same answer and the same messages. The answer (:class:`RouteChoice`)
+names the route's class; ``zen_ds.attach`` builds the route object from it
+(:class:`~.route.EngineRoute`).
 
 Routes:
 
-* **shared**: DeepSpeed's optimizer steps every param; zen only syncs its params' gradients in
-  place (ZeRO-0 in fp32, fp16/bf16 with dense-grad zen params).
-* **owned**: DeepSpeed's ZeRO-1/2 optimizer cannot leave single params out of its flat buffers and
-  crashes on sparse grads, and the half-precision wrappers cannot hold sparse grads either: zen
-  keeps its params out of DeepSpeed's optimizer and steps them itself (see :mod:`.owned`). With
+* **shared** (:class:`~.shared.SharedRoute`): DeepSpeed's optimizer steps every param; zen only
+  syncs its params' gradients in place (ZeRO-0 in fp32, fp16/bf16 with dense-grad zen params).
+* **owned** (:class:`~.owned.OwnedRoute`): ZeRO-1/2, or half precision with ``sparse=True``
+  embeddings: zen keeps its params out of DeepSpeed's optimizer and steps them itself. With
   ``"zen.compression"`` the compressed dense params are owned too: ZeRO would reduce their whole
   gradient densely inside its flat buffers, and zen must sync the compressed one instead. Inside
   a PipelineModule (ZeRO-1; DeepSpeed refuses ZeRO-2 there) each stage owns its own params and
-  syncs them over its data-parallel group.
-* **zero3** (ZeRO stage 3): DeepSpeed keeps every param, its partitions, optimizer and
-  checkpoints; zen only replaces the reduce-scatter of its params' gradients into ZeRO-3's
-  partitions by one that sends the non-zero rows (:mod:`.zero3`). A tied embedding (also the
-  output layer's weight: every row has a gradient) is left to DeepSpeed.
-* **shuffle** (``"zen.shuffle"``, DS-Sync): zen reduces *every* param inside the step's shuffle
-  group (:mod:`.shuffling`) and DeepSpeed reduces nothing; ZeRO-0 in fp32 only, because the other
-  stages and precisions keep gradients or master weights where zen cannot average them per group.
+  syncs them over its data-parallel group. Sharded optimizer state (``"optimizer_state"``) and
+  row-sharded embeddings (``"row_sharded"``) are parts of this route.
+* **zero3** (ZeRO stage 3, :class:`~.zero3.Zero3Route`): DeepSpeed keeps every param, its
+  partitions, optimizer and checkpoints; zen only replaces the reduce-scatter of its params'
+  gradients into ZeRO-3's partitions by one that sends the non-zero rows. A tied embedding (also
+  the output layer's weight: every row has a gradient) is left to DeepSpeed.
+* **shuffle** (``"zen.shuffle"``, DS-Sync, :class:`~.ds_sync.DsSyncRoute`): zen reduces *every*
+  param inside the step's shuffle group and DeepSpeed reduces nothing; ZeRO-0 in fp32 only,
+  because the other stages and precisions keep gradients or master weights where zen cannot
+  average them per group.
+
+A pipeline (a PipelineModule) is not a route of its own: it takes the shared or owned route, and
+zen sums its tied weights across stages.
 """
 from __future__ import annotations
 
@@ -31,25 +37,26 @@ import binascii
 import fnmatch
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zen_ds.features.compression import GradientCompressor
-from zen_ds.integrations.config import ZenConfig, ZenConfigError
-from zen_ds.integrations.params import select_params
+from zen_ds.integrations.config import ZenConfig
+from zen_ds.integrations.deepspeed.ds_sync import DsSyncRoute
+from zen_ds.integrations.deepspeed.faults import refuse
+from zen_ds.integrations.deepspeed.owned import OwnedRoute
+from zen_ds.integrations.deepspeed.route import EngineRoute
+from zen_ds.integrations.deepspeed.shared import SharedRoute
+from zen_ds.integrations.deepspeed.zero3 import Zero3Route
+from zen_ds.integrations.params import select_params, tied_params
 from zen_ds.schemes import get_scheme
 
-__all__ = ["DeepSpeedSetup", "Route", "resolve_route", "ds_config_dict", "read_ds_config", "refuse"]
+__all__ = ["DeepSpeedSetup", "RouteChoice", "resolve_route", "ds_config_dict", "read_ds_config"]
 
 SelectedParam = Tuple[str, nn.Parameter, bool]  # (name, param, natively sparse)
-
-
-def refuse(message: str) -> None:
-    """Raise the error every refusal uses (a config error: fix the ds_config, then relaunch)."""
-    raise ZenConfigError("zen: " + message)
 
 
 def read_ds_config(raw: Any) -> Optional[Dict[str, Any]]:
@@ -124,10 +131,11 @@ class DeepSpeedSetup:
 
 
 @dataclass
-class Route:
-    """The decision for one engine: which params zen syncs and whether zen steps them itself."""
+class RouteChoice:
+    """The decision for one engine: its route's class, which params zen syncs (and on the owned
+    route steps itself)."""
 
-    name: str  # "shared", "owned" or "shuffle"
+    route_class: Type[EngineRoute]
     selected: List[SelectedParam]
     setup: DeepSpeedSetup
     # "zen.compression": the compressor, which chose the dense params it compresses (else None)
@@ -136,8 +144,8 @@ class Route:
     left_to_deepspeed: Dict[str, str] = field(default_factory=dict)
 
     @property
-    def owned(self) -> bool:
-        return self.name == "owned"
+    def name(self) -> str:
+        return self.route_class.name
 
     @property
     def names(self) -> List[str]:
@@ -178,7 +186,7 @@ def _any_rank(*flags: bool) -> List[bool]:
 
 
 def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn.Module,
-                  zen_config: ZenConfig) -> Route:
+                  zen_config: ZenConfig) -> RouteChoice:
     """Pick zen's route for ``model`` under ``ds_config`` (a dict or an engine's
     :class:`DeepSpeedSetup`), or raise :class:`ZenConfigError` saying what to change.
 
@@ -191,7 +199,7 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     compression = zen_config.compression is not None
     if zen_config.shuffle is not None:
         _refuse_for_shuffle(setup, compression)
-        return Route("shuffle", selected, setup)
+        return RouteChoice(DsSyncRoute, selected, setup)
     if zen_config.row_sharded:
         _refuse_for_row_sharded(setup)
 
@@ -228,28 +236,16 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
                "DeepSpeed's ZeRO/BF16 optimizers need at least one. Give each stage a param zen leaves to "
                "DeepSpeed (not an embedding, not compressed: e.g. below \"compression.min_numel\"), or "
                "use ZeRO stage 0 in fp32")
-    route = Route("shared", selected, setup, compressor)
+    route = RouteChoice(SharedRoute, selected, setup, compressor)
     # Every pipeline stage takes the owned route, with or without params of its own: the norm
     # zen folds into DeepSpeed's is summed over the stages, so each stage must join that sum.
     if owned and (route.synced or setup.pipeline):
-        route.name = "owned"
+        route.route_class = OwnedRoute
     return route
 
 
-def tied_params(model: nn.Module) -> Dict[int, List[str]]:
-    """id(param) -> the names of every module that holds it, for params held by more than one
-    module (a GPT-2-style tied embedding: the output layer touches every row)."""
-    holders: Dict[int, List[str]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for p_name, param in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{p_name}" if mod_name else p_name
-            if name not in holders.setdefault(id(param), []):
-                holders[id(param)].append(name)
-    return {key: names for key, names in holders.items() if len(names) > 1}
-
-
 def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
-                 selected: List[SelectedParam]) -> Route:
+                 selected: List[SelectedParam]) -> RouteChoice:
     """ZeRO stage 3: refuse what zen cannot make exact there, naming the key; leave tied params
     to DeepSpeed."""
     if setup.pipeline:
@@ -280,7 +276,7 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
                           "dense (the output layer touches every row), DeepSpeed reduce-scatters it")
         else:
             kept.append((name, param, sparse))
-    return Route("zero3", kept, setup, left_to_deepspeed=left)
+    return RouteChoice(Zero3Route, kept, setup, left_to_deepspeed=left)
 
 
 def _patterns_of_this_stage(model: nn.Module, zen_config: ZenConfig) -> ZenConfig:

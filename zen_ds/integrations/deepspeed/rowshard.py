@@ -29,8 +29,8 @@ anywhere are needed (ZeRO stage 1, 2 or 3):
   owner gets the summed gradient of its shard.
 * **Step.** zen's optimizer steps the shard with DeepSpeed's clip coefficient (the shards' squared
   norms are summed over the ranks once), loss scale and learning-rate schedule, exactly as the
-  sharded route (:class:`~zen_ds.integrations.deepspeed.owned.OwnedParams`) steps its shards
-  (under ZeRO-3 the tables' norm joins ZeRO-3's norm groups, :mod:`.install`). AdamW and friends
+  sharded route (:class:`~zen_ds.integrations.deepspeed.owned_params.OwnedParams`) steps its shards
+  (under ZeRO-3 the tables' norm joins ZeRO-3's norm groups, :mod:`.internals.zero3`). AdamW and friends
   step every row they own, as stock DeepSpeed does. Nothing is gathered after it.
 
 Tied embeddings (the output layer needs every row), embeddings with ``max_norm`` (it rewrites the
@@ -119,7 +119,7 @@ class RowShardTable:
         self._ids: Optional[torch.Tensor] = None
         self._sums: Optional[torch.Tensor] = None
         self.synced: Optional[RowSparse] = None  # the shard's rows some rank pushed, summed (fp32)
-        # ZeRO-3 (facts.next_backward_replaces): seen True by a forward, the next gradient replaces the sum
+        # ZeRO-3 (internals.zero3.next_backward_replaces): seen True by a forward, the next gradient replaces the sum
         self.next_backward_replaces: Optional[Callable[[], bool]] = None
         self.restart = False
         self.stats = RowShardStats()

@@ -9,17 +9,20 @@ flow (fetch, gradient, push, step) is :mod:`.rowshard`'s.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zen_ds.integrations.config import ZenConfig
-from zen_ds.integrations.deepspeed.routes import Route, refuse, tied_params
+from zen_ds.integrations.deepspeed.faults import refuse
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable
 from zen_ds.integrations.deepspeed.sharded import should_shard
-from zen_ds.integrations.params import data_parallel_group, is_vocab_parallel_embedding
+from zen_ds.integrations.params import data_parallel_group, is_vocab_parallel_embedding, tied_params
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zen_ds.integrations.deepspeed.routes import RouteChoice
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +110,7 @@ def _why_not(module: nn.Module, param: nn.Parameter, tied: Dict[int, List[str]],
     return None
 
 
-def shard_embeddings(model: nn.Module, route: Route, seed: int, group: Optional[dist.ProcessGroup],
+def shard_embeddings(model: nn.Module, route: "RouteChoice", seed: int, group: Optional[dist.ProcessGroup],
                      mode: str = "sharded", min_mb: float = 0.0
                      ) -> Tuple[List[Tuple[nn.Parameter, RowShardTable]], Dict[str, str]]:
     """Replace each row-shardable zen embedding of ``model`` by a :class:`RowShardedEmbedding`
@@ -152,8 +155,8 @@ def shard_embeddings(model: nn.Module, route: Route, seed: int, group: Optional[
     return tables, left
 
 
-def shard_model_embeddings(model: nn.Module, route: Route, zcfg: ZenConfig, mpu: Any, args: Any,
-                      dist_init_required: Optional[bool]) -> List[Any]:
+def shard_model_embeddings(model: nn.Module, route: "RouteChoice", zcfg: ZenConfig, mpu: Any, args: Any,
+                           dist_init_required: Optional[bool]) -> List[Any]:
     """``"row_sharded"``: replace the row-shardable embeddings before DeepSpeed sees the model
     (collective over the data-parallel group, which must exist now: DeepSpeed's own
     ``init_distributed`` is called first when it would be called anyway)."""

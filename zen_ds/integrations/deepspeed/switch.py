@@ -2,7 +2,7 @@
 
 While enabled, ``deepspeed.initialize`` (the Hugging Face Trainer, Accelerate and scripts call it)
 goes through :func:`zen_ds.initialize` whenever its config has a ``"zen"`` block; any other call
-reaches DeepSpeed untouched. The patch itself lives in :mod:`.install`; an engine with
+reaches DeepSpeed untouched. The patch itself lives in :mod:`.internals.initialize`; an engine with
 row-sharded tables under ZeRO-1/2 also gets Accelerate's ``get_state_dict`` to save them whole
 (:mod:`.hf_save`).
 """
@@ -12,8 +12,10 @@ import copy
 import inspect
 from typing import Any, Tuple
 
-from zen_ds.integrations.deepspeed import facts, hf_save, install
+from zen_ds.integrations.deepspeed import hf_save
 from zen_ds.integrations.deepspeed.engine import initialize
+from zen_ds.integrations.deepspeed.internals import initialize as ds_initialize
+from zen_ds.integrations.deepspeed.internals.zero3 import preload_for_zero_init
 from zen_ds.integrations.deepspeed.routes import read_ds_config
 
 __all__ = ["enable", "disable"]
@@ -22,7 +24,7 @@ __all__ = ["enable", "disable"]
 def _initialize_with_zen(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize`` while zen is enabled: a config with a ``"zen"`` block goes through
     :func:`initialize` (as a dict, wherever it came from), any other call reaches DeepSpeed untouched."""
-    original = install.original_initialize()
+    original = ds_initialize.original_initialize()
     bound = inspect.signature(original).bind(*args, **kwargs)
     call = dict(bound.arguments)
     given = call.get("config") if call.get("config") is not None else call.get("config_params")
@@ -48,15 +50,15 @@ def enable() -> None:
 
     Code that bound ``from deepspeed import initialize`` before this call keeps the original.
     Call it before building a model under ``deepspeed.zero.Init`` (ZeRO-3, ``from_pretrained``,
-    the Trainer): it also applies :func:`zen_ds.integrations.deepspeed.install.preload_for_zero_init`.
+    the Trainer): it also applies :func:`zen_ds.integrations.deepspeed.internals.zero3.preload_for_zero_init`.
     """
-    facts.require_deepspeed()
-    install.preload_for_zero_init()
-    install.patch_initialize(_initialize_with_zen)
+    ds_initialize.require_deepspeed()
+    preload_for_zero_init()
+    ds_initialize.patch_initialize(_initialize_with_zen)
 
 
 def disable() -> None:
     """Give ``deepspeed.initialize`` back to DeepSpeed (idempotent). Engines built meanwhile
     keep zen (and Accelerate's ``get_state_dict`` keeps saving their whole tables,
     :mod:`.hf_save`)."""
-    install.unpatch_initialize()
+    ds_initialize.unpatch_initialize()

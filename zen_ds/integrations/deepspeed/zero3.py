@@ -13,28 +13,132 @@ checkpoints, ``save_16bit_model``, ``zero_to_fp32.py`` and ``GatheredParameters`
 
 Ownership follows DeepSpeed's layout, so frequent (low) token ids crowd the first ranks' partitions;
 the stats line reports each rank's received rows. A tied embedding (its weight is also the output
-layer's) has a dense gradient: zen leaves it to DeepSpeed and says so. This module holds zen's
-side; the DeepSpeed internals it plugs into are in :mod:`.install`.
+layer's) has a dense gradient: zen leaves it to DeepSpeed and says so. With ``"row_sharded"``
+(:class:`Zero3RowShardedRoute`) zen also steps the tables' rows itself. This module holds zen's
+side; the DeepSpeed internals it plugs into are in :mod:`.internals.zero3`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zen_ds.core.stats import SyncStats
+from zen_ds.integrations.deepspeed.internals import checkpoint as ds_checkpoint
+from zen_ds.integrations.deepspeed.internals import engine as ds_engine
+from zen_ds.integrations.deepspeed.internals import zero3 as ds_zero3
+from zen_ds.integrations.deepspeed.overlap import overlap_is_off
+from zen_ds.integrations.deepspeed.owned import StepsOwnParams, plan_owned
+from zen_ds.integrations.deepspeed.owned_params import OwnedParams
+from zen_ds.integrations.deepspeed.route import EngineRoute
+from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights
 from zen_ds.integrations.params import is_vocab_parallel_embedding
 from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
 from zen_ds.sync.options import SyncOptions, ZenInputError
 from zen_ds.sync.reduce_scatter import sparse_reduce_scatter_flat
 
+if TYPE_CHECKING:  # pragma: no cover
+    from zen_ds.integrations.deepspeed.owned import OwnedPlan
+    from zen_ds.integrations.deepspeed.routes import RouteChoice
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["Zero3Sync", "IdCheck", "install_id_checks"]
+__all__ = ["Zero3Route", "Zero3RowShardedRoute", "Zero3Sync", "IdCheck", "install_id_checks"]
+
+
+class Zero3Route(EngineRoute):
+    """ZeRO stage 3: DeepSpeed keeps every param, its partitions, optimizer and checkpoints; zen's
+    params reach their partitions through :class:`Zero3Sync`, inside DeepSpeed's gradient hooks."""
+
+    name = "zero3"
+
+    def __init__(self, engine: Any, reducer: ZenReducer, zero3: "Zero3Sync") -> None:
+        super().__init__(engine, reducer)
+        self.zero3 = zero3
+
+    @classmethod
+    def build(cls, engine: Any, choice: "RouteChoice", reducer: ZenReducer,
+              plan: Optional["OwnedPlan"]) -> "Zero3Route":
+        """:class:`Zero3RowShardedRoute` where ``zen_ds.initialize`` row-sharded some tables."""
+        zero3 = Zero3Sync(reducer, reducer.options, choice.left_to_deepspeed)
+        install_id_checks(engine.module, reducer.params, reducer.group)
+        if reducer.config.overlap:
+            overlap_is_off(engine, "under ZeRO-3 zen syncs its params inside DeepSpeed's gradient hooks, "
+                                   "during backward already; row-sharded tables push their rows at the step")
+        if plan is None or not plan.tables:
+            return cls(engine, reducer, zero3)
+        cfg = reducer.config
+        owned = OwnedParams([], plan, reducer.group, "sharded", cfg.shard_min_mb, cfg.seed, choice.setup.half)
+        for table in owned.tables:
+            table.next_backward_replaces = ds_zero3.next_backward_replaces(engine.optimizer)
+        return Zero3RowShardedRoute(engine, reducer, zero3, owned)
+
+    @classmethod
+    def prepare(cls, choice: "RouteChoice", model: nn.Module, optimizer: Any, model_parameters: Any,
+                ds_config: Mapping[str, Any], tables: Sequence[Tuple[nn.Parameter, RowShardTable]]
+                ) -> Tuple[Optional["OwnedPlan"], Any]:
+        """Row-sharded tables: DeepSpeed keeps every other param; zen steps only the tables' rows."""
+        if not tables:
+            return None, model_parameters
+        return plan_owned(dataclasses.replace(choice, selected=[], compressor=None), model, optimizer,
+                          model_parameters, ds_config, tables)
+
+    def attach(self, engine: Any) -> None:
+        ds_zero3.take_over_reduce_scatter(engine.optimizer, self.zero3)
+        ds_engine.take_over_model_step(engine, self.step)
+        self._attach_checkpointing(engine)
+
+    def begin_backward(self) -> None:
+        """Nothing waits for the boundary: DeepSpeed's gradient hooks hand zen each param."""
+
+    def end_backward(self) -> None:
+        """Synced inside DeepSpeed's gradient hooks already."""
+
+    def reduce(self) -> None:
+        """Synced inside DeepSpeed's gradient hooks already."""
+
+    def discard(self) -> None:
+        """DeepSpeed's partitions hold the gradients."""
+
+    def log_step(self, rank: int) -> None:
+        self.zero3.end_step()
+        self.zero3.log_left(rank)
+        super().log_step(rank)
+
+
+class Zero3RowShardedRoute(StepsOwnParams, Zero3Route):
+    """ZeRO-3 with row-sharded tables (``"row_sharded"``): DeepSpeed steps every other param; zen
+    pushes the tables' rows at the step, lets DeepSpeed step (its norm includes theirs), then
+    steps their shards with its clip coefficient, loss scale and learning rate."""
+
+    def __init__(self, engine: Any, reducer: ZenReducer, zero3: "Zero3Sync", owned: OwnedParams) -> None:
+        super().__init__(engine, reducer, zero3)
+        self.owned = owned
+
+    def attach(self, engine: Any) -> None:
+        super().attach(engine)
+        ds_zero3.fold_norm_groups(engine.optimizer, self.zen_norm)
+        ds_checkpoint.add_tables_to_consolidated(engine, lambda: full_weights(self.tables))
+
+    def step(self, deepspeed_step: Callable[[], Any]) -> Any:
+        self.push_tables()
+        opt = self.engine.optimizer
+        loss_scale = ds_engine.loss_scale(opt)
+        base_lr = opt.param_groups[0]["lr"] if opt.param_groups else None
+        out = deepspeed_step()
+        applied = self.engine.was_step_applied()
+        try:
+            if applied:
+                self.step_owned(loss_scale, ds_zero3.global_grad_norm(opt), base_lr, norm_before_scale_update=False)
+        finally:
+            self.owned.clear()
+            self.after_step(applied)
+        return out
 
 
 class Zero3Sync:

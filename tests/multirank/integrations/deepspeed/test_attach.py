@@ -85,7 +85,7 @@ def _attach_cases(rank: int, world: int) -> Dict[str, Any]:
     plain = _build(deepspeed.initialize, rank, world, {})
     assert zen_ds.state_of(plain) is None
     state = zen_ds.attach(plain)  # reads engine.config["zen"]
-    out["attach_route"] = (state.route, [p.name for p in state.reducer.params])
+    out["attach_route"] = (state.route.name, [p.name for p in state.reducer.params])
     out["attach"] = _train(plain, rank)
     try:
         zen_ds.attach(plain)
@@ -133,7 +133,7 @@ def _enable_cases(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     def route(engine) -> Any:
         state = zen_ds.state_of(engine)
-        return None if state is None else state.route
+        return None if state is None else state.route.name
 
     engine = _build(deepspeed.initialize, rank, world, {})
     out["dict"], out["dict_params"] = route(engine), _train(engine, rank)
@@ -186,8 +186,8 @@ def _bad_grad_case(rank: int, world: int) -> Dict[str, Any]:
     engine = _build(zen_ds.initialize, rank, world, {})
     state = zen_ds.state_of(engine)
     if rank == 1:
-        read = state.storage.read
-        state.storage.read = lambda: [torch.zeros(2, 2)] + read()[1:]
+        read = state.route.storage.read
+        state.route.storage.read = lambda: [torch.zeros(2, 2)] + read()[1:]
     before = _threads()
     raised = _one_step(engine, rank)
     aligned = torch.ones(1)

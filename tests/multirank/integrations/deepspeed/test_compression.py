@@ -139,7 +139,7 @@ def _fp16(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]:
     res_err = max(float(np.abs(snaps[-1]["residuals"][k] - v.numpy()).max() / np.abs(v.numpy()).max())
                   for k, v in ref.state_dict()["residuals"].items())
     return dict(_check_synced(log, world), sent_err=sent_err, residual_err=res_err, snaps=snaps,
-                scales=sorted(scales), route=state.route,
+                scales=sorted(scales), route=state.route.name,
                 compressed=[p.name for p in state.reducer.params if p.compressed])
 
 
@@ -234,7 +234,7 @@ def _fp32_or_bf16(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]
     log = _record(engine)
     _train(rank, world, case, range(STEPS), engine)
     state = zen_ds.state_of(engine)
-    return dict(_check_synced(log, world), params=dc.params_of(engine.module), route=state.route,
+    return dict(_check_synced(log, world), params=dc.params_of(engine.module), route=state.route.name,
                 compressed=[p.name for p in state.reducer.params if p.compressed],
                 residual_norm=state.reducer.compressor.stats()["residual_norm"])
 

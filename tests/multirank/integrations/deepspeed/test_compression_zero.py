@@ -63,10 +63,10 @@ def _run(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]:
     log = z0._record(engine)
     z0._train(rank, world, case, range(z0.STEPS), engine)
     state = zen_ds.state_of(engine)
-    out = dict(z0._check_synced(log, world), params=dc.params_of(engine.module), route=state.route,
+    out = dict(z0._check_synced(log, world), params=dc.params_of(engine.module), route=state.route.name,
                compressed=[p.name for p in state.reducer.params if p.compressed],
                residual_norm=state.reducer.compressor.stats()["residual_norm"])
-    owned = state.owned
+    owned = getattr(state.route, "owned", None)
     if owned is None:  # ZeRO-0: DeepSpeed's optimizer steps every param
         return out
     return dict(out, sharded={p.name: s is not None for p, s in zip(owned.params, owned.sharded)},
@@ -77,7 +77,7 @@ def _run(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]:
 
 def _owned_state(engine) -> Dict[str, Any]:
     import zen_ds
-    sd = zen_ds.state_of(engine).owned.state_dict()
+    sd = zen_ds.state_of(engine).route.owned.state_dict()
     tensors = {f"master{i}": m.numpy().copy() for i, m in enumerate(sd["masters"])}
     for key, per_param in sd["optimizer"]["state"].items():
         for k, v in per_param.items():
@@ -98,8 +98,8 @@ def _ckpt(rank: int, world: int, case: Dict[str, Any], root: str) -> Dict[str, A
     return {"straight": dc.params_of(eng.module), "resumed": dc.params_of(eng2.module),
             "residuals": [{k: v.numpy() for k, v in r.items()} for r in res],
             "scales": [z0._loss_scale(e) for e in (eng, eng2)] if case.get("dtype") == "fp16" else [],
-            "owned": [_owned_state(e) for e in (eng, eng2)], "route": zen_ds.state_of(eng2).route,
-            "sharded": [s is not None for s in zen_ds.state_of(eng2).owned.sharded]}
+            "owned": [_owned_state(e) for e in (eng, eng2)], "route": zen_ds.state_of(eng2).route.name,
+            "sharded": [s is not None for s in zen_ds.state_of(eng2).route.owned.sharded]}
 
 
 def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[4]
 
 def test_zen_ds_deepspeed_does_not_shadow_deepspeed():
     """Importing the plug-in first does not change what ``import deepspeed`` finds."""
-    code = ("import zen_ds, zen_ds.integrations.deepspeed.engine, zen_ds.integrations.deepspeed.install as p, deepspeed, sys;"
+    code = ("import zen_ds, zen_ds.integrations.deepspeed.engine, zen_ds.integrations.deepspeed.internals.initialize as p, deepspeed, sys;"
             "print(deepspeed.__file__); print(hasattr(deepspeed, 'DeepSpeedEngine'));"
             "print(sys.modules['deepspeed'] is deepspeed)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,

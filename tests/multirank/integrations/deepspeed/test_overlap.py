@@ -28,6 +28,15 @@ CLIP = 0.05  # binds on every step of this model
 STEPS = 4
 THREAD = "zen-overlap-sync"
 
+
+
+def _overlapped(state: Any) -> Any:
+    """The route's overlapped sync (None where the step's sync runs after backward)."""
+    from zen_ds.integrations.deepspeed.overlap import OverlappedSync
+    sync = getattr(state.route, "sync", None)
+    return sync if isinstance(sync, OverlappedSync) else None
+
+
 COMPRESS = {"type": "topk", "density": 0.25, "params": ["mlp.0.weight"], "min_numel": 1}
 CASES = {
     "zero0_gas2_clip": dict(gas=2, clip=CLIP),
@@ -82,12 +91,12 @@ def _train(rank: int, case: Dict[str, Any], overlap: bool) -> Dict[str, Any]:
             loss = dc.loss_fn(engine(a, b), y)
             engine.backward(loss)
             engine.step()
-            hooked += state.overlap.last_by_hooks if state.overlap is not None else 0
+            hooked += _overlapped(state).last_by_hooks if _overlapped(state) is not None else 0
             losses.append(float(loss.detach()))
     alive = [t.name for t in threading.enumerate() if t.name == THREAD]
     return {"params": dc.params_of(engine.module), "losses": losses, "stats": _stats(state.reducer.history),
-            "overlap": state.overlap is not None, "threads": alive, "hooked": hooked,
-            "order": state.overlap.order if state.overlap is not None else None,
+            "overlap": _overlapped(state) is not None, "threads": alive, "hooked": hooked,
+            "order": _overlapped(state).order if _overlapped(state) is not None else None,
             "skipped": engine.skipped_steps, "step": state.reducer.step}
 
 
@@ -124,9 +133,9 @@ def _step_raises(rank: int, engine: Any) -> Dict[str, Any]:
 
 def _bad_tensor_on_one_rank(rank: int) -> Dict[str, Any]:
     engine, state = _fault_engine(rank)
-    read = state.overlap.read
+    read = state.route.sync.read
     if rank == 1:  # an integer "gradient" for the dense-gradient embedding
-        state.overlap.read = lambda i: torch.zeros(state.reducer.params[i].param.shape, dtype=torch.long) \
+        state.route.sync.read = lambda i: torch.zeros(state.reducer.params[i].param.shape, dtype=torch.long) \
             if i == 1 else read(i)
     return _step_raises(rank, engine)
 
@@ -153,10 +162,10 @@ def _model_given_to_a_second_engine(rank: int) -> Dict[str, Any]:
         engine1.module.parameters()), config=config)
     a, b, y = dc.batch(0, 0, rank)
     engine2.backward(dc.loss_fn(engine2(a, b), y))
-    first_started = state1.overlap.active
+    first_started = state1.route.sync.active
     engine2.step()
-    return {"first_started": first_started, "first_hooks": len(state1.overlap.handles),
-            "second_by_hooks": zen_ds.state_of(engine2).overlap.last_by_hooks,
+    return {"first_started": first_started, "first_hooks": len(state1.route.sync.handles),
+            "second_by_hooks": zen_ds.state_of(engine2).route.sync.last_by_hooks,
             "threads": [t.name for t in threading.enumerate() if t.name == THREAD]}
 
 

@@ -193,7 +193,7 @@ def _train(rank: int, case: Dict[str, Any]) -> Dict[str, Any]:
     _steps(engine, case, range(STEPS))
     state = zen_ds.state_of(engine)
     return {"params": dc.params_of(engine.module), "stage": engine.stage_id,
-            "dp": engine.grid.get_data_parallel_id(), "zen": None if state is None else state.route,
+            "dp": engine.grid.get_data_parallel_id(), "zen": None if state is None else state.route.name,
             "zen_params": [] if state is None else [p.name for p in state.reducer.params]}
 
 
@@ -227,7 +227,7 @@ def _ckpt(case: Dict[str, Any]) -> Dict[str, Any]:
     resumed.load_checkpoint(root, tag="t3")
     _steps(resumed, case, range(3, STEPS))
     return {"params": [dc.params_of(e.module) for e in (engine, resumed)],
-            "state": [_zen_state(e) for e in (engine, resumed)], "route": zen_ds.state_of(resumed).route}
+            "state": [_zen_state(e) for e in (engine, resumed)], "route": zen_ds.state_of(resumed).route.name}
 
 
 def _worker(rank: int, world: int, cases: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -68,7 +68,7 @@ def _zen_info(engine) -> Dict[str, Any]:
     state = zen_ds.state_of(engine)
     if state is None:
         return {"zen": None}
-    return {"zen": state.route, "zen_params": [p.name for p in state.reducer.params],
+    return {"zen": state.route.name, "zen_params": [p.name for p in state.reducer.params],
             "schemes": {k: v.scheme for k, v in state.reducer.last_stats.items()}}
 
 

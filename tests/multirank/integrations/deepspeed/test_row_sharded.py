@@ -98,24 +98,27 @@ def _weights(engine) -> Dict[str, Any]:
 def _summary(rank: int, world: int, case: Dict[str, Any]) -> Dict[str, Any]:
     import torch
     import zen_ds
+    from zen_ds.integrations.deepspeed.overlap import OverlappedSync
     engine = _engine(case, world)
     _train(rank, engine, case, case.get("steps", 4))
     out: Dict[str, Any] = {"params": _weights(engine), "skipped": engine.skipped_steps,
                            "loss_scale": float(getattr(engine.optimizer, "loss_scale", 0.0) or 0.0)}
     state = zen_ds.state_of(engine)
-    if state is not None and state.owned is not None and state.owned.tables:
-        tables = state.owned.tables
+    if state is not None and state.route.tables:
+        tables = state.route.tables
+        owned = state.route.owned
         out["module_params"] = [name for name, _ in engine.module.named_parameters()]
-        out["held"] = {t.name: t.memory_bytes(state.owned.optimizer) for t in tables}
+        out["held"] = {t.name: t.memory_bytes(owned.optimizer) for t in tables}
         out["shard_rows"] = {t.name: t.shard_size for t in tables}
         out["stats"] = {t.name: vars(t.last_stats).copy() for t in tables}
         out["lines"] = [t.line(state.reducer.step) for t in tables]
-        out["describe"] = state.owned.describe()
-        out["overlapped"] = [p.name for p in state.reducer.params] if state.overlap is not None else []
+        out["describe"] = state.route.describe()
+        out["overlapped"] = ([p.name for p in state.reducer.params]
+                             if isinstance(getattr(state.route, "sync", None), OverlappedSync) else [])
         out["full_bytes"] = {t.name: t.num_rows * t.row_shape[0] * t.shard.element_size() for t in tables}
         # no tensor zen holds for a table between steps is table-sized
         out["largest_held"] = max(int(v.numel()) for t in tables
-                                  for v in [t.shard, t.master] + [s for s in state.owned.optimizer.state.get(
+                                  for v in [t.shard, t.master] + [s for s in owned.optimizer.state.get(
                                       t.master, {}).values() if torch.is_tensor(s)])
         try:
             engine.module.emb_d.weight
@@ -157,7 +160,7 @@ def _checkpoint(rank: int, world: int, root: str) -> Dict[str, Any]:
     _train(rank, eng, case, 3)
     eng.save_checkpoint(root, tag="t3")
     at_save = _weights(eng)
-    masters_at_save = {t.name: t.master.detach().clone() for t in zen_ds.state_of(eng).owned.tables}
+    masters_at_save = {t.name: t.master.detach().clone() for t in zen_ds.state_of(eng).route.tables}
     eng.save_16bit_model(os.path.join(root, "export"), "model.bin")
     _train(rank, eng, case, 2, start=3)
     straight = _weights(eng)
@@ -178,7 +181,7 @@ def _checkpoint(rank: int, world: int, root: str) -> Dict[str, Any]:
     eng3.load_checkpoint(root, tag="t3", load_module_only=True)
     out = {"straight": straight, "resumed": resumed, "same_state": same_state, "same_tables": same_tables,
            "at_save": at_save, "module_only": _weights(eng3),
-           "fresh_state": not zen_ds.state_of(eng3).owned.optimizer.state}
+           "fresh_state": not zen_ds.state_of(eng3).route.owned.optimizer.state}
     if rank == 0:
         offline = fp32_state_dict(root, "t3")
         exported = torch.load(os.path.join(root, "export", "model.bin"), map_location="cpu", weights_only=False)
@@ -186,7 +189,7 @@ def _checkpoint(rank: int, world: int, root: str) -> Dict[str, Any]:
         out["exported"] = {k: v.float().numpy() for k, v in exported.items()}
     # this rank's fp32 master rows, to compare with the offline consolidation
     out["masters"] = {k: v.float().numpy() for k, v in masters_at_save.items()}
-    out["rows"] = {t.name: t.rows.numpy() for t in zen_ds.state_of(eng).owned.tables}
+    out["rows"] = {t.name: t.rows.numpy() for t in zen_ds.state_of(eng).route.tables}
     logging.getLogger("zen_ds.integrations.deepspeed.rowshard_model").removeHandler(warned)
     out["missing_table_warnings"] = warned.lines
     return out

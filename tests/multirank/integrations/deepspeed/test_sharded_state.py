@@ -80,8 +80,8 @@ def _summary(engine) -> Dict[str, Any]:
     import zen_ds
     out: Dict[str, Any] = {"params": dc.params_of(engine.module)}
     state = zen_ds.state_of(engine)
-    if state is not None and state.owned is not None:
-        owned = state.owned
+    owned = getattr(state.route, "owned", None) if state is not None else None
+    if owned is not None:
         out["sharded"] = [s is not None for s in owned.sharded]
         out["memory"] = owned.memory_bytes()
         out["describe"] = owned.describe()

@@ -83,22 +83,22 @@ def _grad_norm(engine) -> float:
 def _train(rank: int, world: int, case: Dict[str, Any], steps: int = 5) -> Dict[str, Any]:
     engine = _build(case, world)
     state = zen_ds.state_of(engine)
-    out: Dict[str, Any] = {"route": state.route if state else None, "groups": [], "norms": [],
+    out: Dict[str, Any] = {"route": state.route.name if state else None, "groups": [], "norms": [],
                            "bytes": [], "schemes": [], "sparse_flags": None}
-    if state is not None and state.shuffle is not None:
-        out["sparse_flags"] = {spec.name: (spec.sparse_grad, spec.track_rows)
-                               for spec in state.shuffle.specs}
+    shuffle = getattr(state.route, "shuffle", None) if state is not None else None
+    if shuffle is not None:
+        out["sparse_flags"] = {spec.name: (spec.sparse_grad, spec.track_rows) for spec in shuffle.specs}
     for step in range(steps):
         a, b, y = dc.batch(step, 0, rank)
         engine.backward(dc.loss_fn(engine(a, b), y))
         applied = _grad_norm(engine)  # after the boundary reduction: what this rank applies
         engine.step()
-        if state is not None and state.shuffle is not None:
-            stats = state.shuffle.last_step_stats
+        if shuffle is not None:
+            stats = shuffle.last_step_stats
             out["groups"].append(list(stats.group))
             out["bytes"].append((stats.bytes_sent, stats.bytes_received, stats.dense_bytes))
             out["schemes"].append(list(stats.schemes))
-            out["norms"].append((applied, state.last_norm))
+            out["norms"].append((applied, state.route.last_norm))
     out["params"] = dc.params_of(engine.module)
     return out
 
@@ -124,7 +124,7 @@ def _ckpt(rank: int, world: int, root: str) -> Dict[str, Any]:
     run(eng2, range(3, 6))
     return {"saved": saved, "loaded": loaded, "straight": dc.params_of(eng.module),
             "resumed": dc.params_of(eng2.module),
-            "step": (zen_ds.state_of(eng).shuffle.step, zen_ds.state_of(eng2).shuffle.step)}
+            "step": (zen_ds.state_of(eng).route.shuffle.step, zen_ds.state_of(eng2).route.shuffle.step)}
 
 
 def _worker(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
@@ -132,9 +132,9 @@ def _worker(rank: int, world: int, ckpt_root: str) -> Dict[str, Any]:
     warnings.filterwarnings("ignore")
     dc.set_env(rank, world)
     lines = dc.LogLines()
-    engine_logger = logging.getLogger("zen_ds.integrations.deepspeed.engine")
-    engine_logger.addHandler(lines)
-    engine_logger.setLevel(logging.INFO)
+    route_logger = logging.getLogger("zen_ds.integrations.deepspeed.ds_sync")
+    route_logger.addHandler(lines)
+    route_logger.setLevel(logging.INFO)
     jobs = {case["name"]: (lambda case=case: _train(rank, world, case)) for case in CASES}
     jobs["ckpt"] = lambda: _ckpt(rank, world, ckpt_root)
     import deepspeed
@@ -253,9 +253,9 @@ def test_checkpoint_resumes_the_schedule_and_the_replicas(results):
 # --------------------------------------------------------------------------- refusals (no processes)
 @pytest.fixture
 def ds_never_built(monkeypatch):
-    from zen_ds.integrations.deepspeed import install
+    from zen_ds.integrations.deepspeed.internals import initialize
     built: List[Any] = []
-    monkeypatch.setattr(install, "original_initialize", lambda: lambda **kw: built.append(kw))
+    monkeypatch.setattr(initialize, "original_initialize", lambda: lambda **kw: built.append(kw))
     yield built
     assert not built
 

@@ -63,7 +63,7 @@ def _train(rank: int, zero: int, mode: str) -> Dict[str, Any]:
                       for k, s in state.reducer.last_stats.items()})
         stable.append(sorted(state.reducer.plans.stable))
     return {"params": dc.params_of(engine.module), "names": names, "stable": stable,
-            "zen": [p.name for p in state.reducer.params], "route": state.route,
+            "zen": [p.name for p in state.reducer.params], "route": state.route.name,
             "replans": state.reducer.plans.replans}
 
 

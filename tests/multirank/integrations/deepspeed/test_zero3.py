@@ -118,7 +118,7 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
             out[f"{name}_{'zen' if zen else 'stock'}_skipped"] = int(engine.skipped_steps)
             if zen:
                 state = zen_ds.state_of(engine)
-                out[f"{name}_route"] = (state.route, [p.name for p in state.reducer.params])
+                out[f"{name}_route"] = (state.route.name, [p.name for p in state.reducer.params])
 
     def hf_case(tied: bool) -> None:
         name = "gpt2_tied" if tied else "llama_untied"
@@ -127,8 +127,8 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
             out[f"{name}_{'zen' if zen else 'stock'}"] = _gathered(engine)
             if zen:
                 state = zen_ds.state_of(engine)
-                out[f"{name}_route"] = (state.route, [p.name for p in state.reducer.params],
-                                        dict(state.zero3.left))
+                out[f"{name}_route"] = (state.route.name, [p.name for p in state.reducer.params],
+                                        dict(state.route.zero3.left))
 
     def checkpoints() -> None:
         import deepspeed
@@ -235,7 +235,7 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
             engine.step()
             out[f"{name}_{tag}"] = dc.whole_weights(engine)
             state = zen_ds.state_of(engine)
-            out[f"{name}_{tag}_tables"] = [t.name for t in state.owned.tables] if state and state.owned else []
+            out[f"{name}_{tag}_tables"] = [t.name for t in state.route.tables] if state else []
 
     def fp16_case() -> None:
         dc.accept_fp16_on_cpu()  # DeepSpeed's CPU accelerator allows fp16 only with oneDNN's kernels

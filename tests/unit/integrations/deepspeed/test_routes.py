@@ -119,7 +119,7 @@ def test_engine_and_config_facts_agree():
 def test_every_refusal_message_is_written_once():
     package = Path(__file__).resolve().parents[4] / "zen_ds" / "integrations" / "deepspeed"
     messages = []
-    for path in package.glob("*.py"):
+    for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "refuse" and node.args:
                 messages.append(ast.unparse(node.args[0]))
@@ -129,11 +129,56 @@ def test_every_refusal_message_is_written_once():
 
 def test_deepspeed_version_outside_the_supported_range(monkeypatch, caplog):
     import deepspeed
-    from zen_ds.integrations.deepspeed import facts
-    facts.check_deepspeed_version()  # the installed release is a supported one
+    from zen_ds.integrations.deepspeed.internals import initialize
+    initialize.check_deepspeed_version()  # the installed release is a supported one
     monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
     with pytest.raises(RuntimeError, match=r"supports DeepSpeed >=0\.19,<0\.20.*found 0\.20\.1"):
-        facts.check_deepspeed_version()
+        initialize.check_deepspeed_version()
     monkeypatch.setenv("ZEN_DS_UNTESTED_DEEPSPEED", "1")
-    facts.check_deepspeed_version()
+    initialize.check_deepspeed_version()
     assert "found 0.20.1" in caplog.text
+
+
+def test_every_route_is_one_object_with_the_route_interface():
+    """The classes resolve_route chooses among: each implements every method of the interface
+    (none is abstract) and has its name."""
+    import inspect
+    from zen_ds.integrations.deepspeed.route import EngineRoute
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    concrete = [cls for cls in subclasses(EngineRoute) if not inspect.isabstract(cls)]
+    assert {cls.name for cls in concrete} == {"shared", "owned", "zero3", "shuffle"}
+    assert inspect.isabstract(EngineRoute)
+    for case, sparse in (({}, True), ({"zero": 1}, True), ({"zero": 3}, False),
+                         ({"zen_extra": {"shuffle": {"group_size": 2}}}, True)):
+        assert _route(case, sparse).route_class in concrete
+
+
+def optional_members(source: str, cls: str) -> list:
+    """Attributes ``cls.__init__`` sets to None or annotates Optional (a feature that may be off)."""
+    init = next(node for c in ast.walk(ast.parse(source)) if isinstance(c, ast.ClassDef) and c.name == cls
+                for node in c.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    found = []
+    for node in ast.walk(init):
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                       else None)
+        if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"):
+            continue
+        none = isinstance(node.value, ast.Constant) and node.value.value is None
+        optional = isinstance(node, ast.AnnAssign) and "Optional" in ast.unparse(node.annotation)
+        if none or optional:
+            found.append(target.attr)
+    return found
+
+
+def test_the_engine_state_has_no_optional_feature_members():
+    """What a route holds is on the route; the state keeps the route and what every route shares."""
+    engine = Path(__file__).resolve().parents[4] / "zen_ds" / "integrations" / "deepspeed" / "engine.py"
+    assert optional_members(engine.read_text(), "ZenEngineState") == []
+    bad = ("class ZenEngineState:\n    def __init__(self, route):\n        self.route = route\n"
+           "        self.overlap = None\n        self.zero3: Optional[int] = make()\n")
+    assert optional_members(bad, "ZenEngineState") == ["overlap", "zero3"]

@@ -36,7 +36,7 @@ def test_zero_0_refuses_it():
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_1_2_take_the_owned_route(stage):
     route = _route(stage)
-    assert route.owned and route.names == ["0.weight"]
+    assert route.name == "owned" and route.names == ["0.weight"]
 
 
 def test_zero3_accepts_it_and_sharded_state_means_every_table():

@@ -1,0 +1,143 @@
+"""ZeRO-3's embedding at batch cost (zen's default): the table is never gathered and its dense
+gradient never exists, on 2 gloo ranks against stock ZeRO-3 and against zen with the path off
+(``"embedding_rows": false``, the gather-and-scan path), in one spawn.
+
+The model, built inside ``deepspeed.zero.Init``, has two untied ``nn.Embedding`` tables (one with
+``padding_idx``, one with ``scale_grad_by_freq``) and a head; AdamW, accumulation over 2
+micro-batches, clipping. Checked: parameters after 3 steps equal stock's; during a step no torch op
+makes a tensor of a table's ``[V, d]`` size (the off path does: the check can fail); the weight is
+still a partitioned placeholder when the embedding's forward runs (the off path gathers it); the
+forward's fetch and the backward's push are the only embedding traffic, their bytes a small share
+of the table's.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+
+from dist_utils import run_ranks
+
+pytest.importorskip("deepspeed")
+
+import ds_cases as dc  # noqa: E402
+
+WORLD = 2
+VOCAB_A, VOCAB_B, WIDTH = 2048, 1031, 8  # 1031 x 8 elements do not split evenly over 2 ranks
+STEPS, GAS = 3, 2
+MODES = {"stock": None, "zen": {"enabled": True, "stats_interval": 0},
+         "off": {"enabled": True, "stats_interval": 0, "embedding_rows": False}}
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    class TwoTables(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Embedding(VOCAB_A, WIDTH, padding_idx=3)
+            self.b = nn.Embedding(VOCAB_B, WIDTH, scale_grad_by_freq=True)
+            self.head = nn.Linear(WIDTH, 5)
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            h = self.a(ids) + self.b(ids % VOCAB_B)
+            return nn.functional.cross_entropy(self.head(h.mean(dim=1)), labels)
+
+    return TwoTables()
+
+
+class _LargestTensor:
+    """The largest element count of any tensor a torch op returns while active."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+                out = func(*args, **(kwargs or {}))
+                for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(t, torch.Tensor):
+                        outer.largest = max(outer.largest, t.numel())
+                return out
+
+        self.largest = 0
+        self.mode = Mode()
+
+
+def _run(rank: int, mode: str) -> Dict[str, Any]:
+    import deepspeed
+    import torch
+    import zen_ds
+    config = dc.zero3_config(WORLD, MODES[mode], gas=GAS, clip=0.5, adamw=True)
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=dc.zero3_config(WORLD, None, adamw=True)):
+        model = _model()
+    init = deepspeed.initialize if mode == "stock" else zen_ds.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
+    seen: Dict[str, Any] = {}
+
+    def at_forward(module, args) -> None:  # after DeepSpeed's own pre-forward hook (if any)
+        seen.setdefault("status", module.weight.ds_status.name)
+        seen.setdefault("numel", module.weight.numel())
+
+    engine.module.a.register_forward_pre_hook(at_forward)
+    g = torch.Generator().manual_seed(100 + rank)
+    probe = _LargestTensor()
+    for step in range(STEPS):
+        for _ in range(GAS):
+            ids = (torch.rand(4, 6, generator=g).pow(3) * VOCAB_A).long()
+            ids[0, :2] = 3  # the padding row, and a repeated id
+            labels = torch.randint(0, 5, (4,), generator=g)
+            if step == STEPS - 1:
+                with probe.mode:
+                    loss = engine(ids, labels)
+                    engine.backward(loss)
+                    engine.step()
+            else:
+                loss = engine(ids, labels)
+                engine.backward(loss)
+                engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        params = dc.params_of(engine.module)
+    return {"params": params, "largest": probe.largest, **seen}
+
+
+def _worker(rank: int, world: int) -> Dict[str, Any]:
+    import warnings
+    import zen_ds
+    warnings.filterwarnings("ignore")
+    dc.set_env(rank, world)
+    zen_ds.enable()
+    return {mode: _run(rank, mode) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(WORLD, _worker)
+
+
+@pytest.mark.parametrize("mode", ["zen", "off"])
+def test_parameters_equal_stock_zero3(results, mode: str) -> None:
+    for rank in range(WORLD):
+        errors = dc.max_rel_err(results[rank][mode]["params"], results[rank]["stock"]["params"])
+        assert max(errors.values()) <= 2e-4, errors
+
+
+def test_no_table_sized_tensor_during_a_step(results) -> None:
+    table = VOCAB_A * WIDTH
+    for rank in range(WORLD):
+        assert results[rank]["zen"]["largest"] < table, results[rank]["zen"]["largest"]
+        # the gather-and-scan path makes the gathered table and the dense [V, d] gradient
+        assert results[rank]["off"]["largest"] >= table
+        assert results[rank]["stock"]["largest"] >= table
+
+
+def test_the_table_is_never_gathered(results) -> None:
+    for rank in range(WORLD):
+        assert (results[rank]["zen"]["status"], results[rank]["zen"]["numel"]) == ("NOT_AVAILABLE", 0)
+        assert results[rank]["off"]["status"] == "AVAILABLE"
+        assert results[rank]["off"]["numel"] == VOCAB_A * WIDTH

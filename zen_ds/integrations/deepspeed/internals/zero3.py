@@ -1,0 +1,120 @@
+"""The ZeRO-3 optimizer (``DeepSpeedZeroOptimizer_Stage3``) and ``deepspeed.zero.Init``.
+
+Checked against DeepSpeed 0.19.8. Wraps:
+
+* ``reduce_independent_p_g_buckets_and_remove_grads``, the gradient hook's entry to the
+  reduce-scatter bucket (:func:`take_over_reduce_scatter`): zen reduces its own params there and
+  hands the partition to ``partition_grads`` (which also accumulates micro-steps). Reads
+  ``_get_param_partition_group``, ``get_param_comm_dtype``, ``gradient_accumulation_dtype``, a
+  param's ``partition_numel`` and ``ds_grad_is_ready``, and the scaling of
+  ``__avg_scatter_grads``: ``gradient_predivide_factor``, ``postscale_gradients``,
+  ``_gradient_averaging_world_size``;
+* ``_get_norm_groups`` (:func:`fold_norm_groups`): the norm of zen's row-sharded tables joins the
+  optimizer's norm groups.
+
+Reads: ``_global_grad_norm`` (:func:`global_grad_norm`), ``micro_step_id``
+(:func:`next_backward_replaces`). :func:`preload_for_zero_init` works around ``zero.Init``
+replacing ``torch.Tensor.__new__``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from zen_ds.integrations.deepspeed.faults import refuse
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PartitionReducer", "take_over_reduce_scatter", "fold_norm_groups", "global_grad_norm",
+           "next_backward_replaces", "preload_for_zero_init"]
+
+
+class PartitionReducer(Protocol):
+    """zen's side of ZeRO-3's reduce-scatter (:class:`~zen_ds.integrations.deepspeed.zero3.Zero3Sync`)."""
+
+    def owns(self, param: torch.Tensor) -> bool: ...
+
+    def reduce(self, param: torch.Tensor, grad: torch.Tensor, group: Optional[dist.ProcessGroup],
+               partition_numel: int, comm_dtype: torch.dtype, out_dtype: torch.dtype,
+               prescale: float, postscale: float) -> Optional[torch.Tensor]: ...
+
+
+def take_over_reduce_scatter(opt: Any, sync: PartitionReducer) -> None:
+    """zen's params' gradients reach their partitions through ``sync``; the scaling is
+    ``__avg_scatter_grads``'s: ``/ f`` (postscale with a predivide factor ``f != 1``), ``/ n``
+    before the sum, ``* f`` after it unless ``f == n``, then ``* n / averaging world``. Where
+    ``sync`` gives no partition (dense this step, agreed by every rank) DeepSpeed's own path runs."""
+    needed = ("reduce_independent_p_g_buckets_and_remove_grads", "partition_grads",
+              "_get_param_partition_group", "get_param_comm_dtype", "gradient_accumulation_dtype")
+    missing = [name for name in needed if not hasattr(opt, name)]
+    if missing:
+        refuse(f"zen under ZeRO stage 3 needs DeepSpeed's stage-3 optimizer; {type(opt).__name__} lacks "
+               f"{missing} (ZeRO-3 with offload to NVMe or a custom optimizer wrapper?)")
+    orig_reduce = opt.reduce_independent_p_g_buckets_and_remove_grads
+
+    def reduce_independent_p_g_buckets_and_remove_grads(param: Any) -> Any:
+        if not sync.owns(param) or not getattr(param, "ds_grad_is_ready", True) or param.grad is None:
+            return orig_reduce(param)
+        group = opt._get_param_partition_group(param)
+        n = dist.get_world_size(group) if dist.is_initialized() else 1
+        f = float(opt.gradient_predivide_factor)
+        predivide = bool(opt.postscale_gradients) and f != 1.0
+        prescale = (1.0 / f if predivide else 1.0) / n
+        postscale = (f if predivide and f != n else 1.0) * n / float(opt._gradient_averaging_world_size([param], n))
+        partition = sync.reduce(param, param.grad, group, int(param.partition_numel()),
+                                opt.get_param_comm_dtype(param), opt.gradient_accumulation_dtype,
+                                prescale, postscale)
+        if partition is None:
+            return orig_reduce(param)
+        opt.partition_grads([param], [partition])
+        return None
+
+    opt.reduce_independent_p_g_buckets_and_remove_grads = reduce_independent_p_g_buckets_and_remove_grads
+
+
+def fold_norm_groups(opt: Any, zen_norm: Callable[[], torch.Tensor]) -> None:
+    """``zen_norm()`` (loss-scaled, summed over the tables' shards) joins the optimizer's norm
+    groups: clipping stays global, and a non-finite one skips the step on every rank."""
+    orig_norms = opt._get_norm_groups
+
+    def _get_norm_groups() -> List[Any]:
+        norms = orig_norms()
+        device = norms[0].device if norms and torch.is_tensor(norms[0]) else "cpu"
+        return list(norms) + [zen_norm().to(device)]
+
+    opt._get_norm_groups = _get_norm_groups
+
+
+def global_grad_norm(opt: Any) -> float:
+    """The global gradient norm of the step the optimizer just took (unscaled)."""
+    return float(opt._global_grad_norm)
+
+
+def next_backward_replaces(optimizer: Any) -> Callable[[], bool]:
+    """Whether ZeRO-3's next backward overwrites its gradient partitions instead of adding to them.
+
+    DeepSpeed's stage-3 ``partition_grads`` copies at ``micro_step_id == 0`` and adds after it; the
+    counter advances at each forward that follows a backward and restarts at the step and at the
+    optimizer's own ``zero_grad()`` (``engine.zero_grad()`` only drops ``param.grad``). So a second
+    forward+backward before ``step()`` adds, and one after ``optimizer.zero_grad()`` replaces what
+    was there. Row-sharded tables keep their gradient sum outside those partitions and follow the
+    same rule with this (read at each forward)."""
+    return lambda: getattr(optimizer, "micro_step_id", 1) == 0
+
+
+def preload_for_zero_init() -> None:
+    """Import ``torch._dynamo`` now, before any ``deepspeed.zero.Init`` context.
+
+    Inside ``zero.Init`` DeepSpeed replaces ``torch.Tensor.__new__``; a first import of
+    ``torch._dynamo`` there (transformers' ``masking_utils`` does it when a model class is first
+    used, e.g. by ``from_pretrained`` under ZeRO-3) registers dynamo's ``Tensor.__new__`` polyfill
+    against DeepSpeed's replacement and fails with "Signature mismatch between
+    get_new_tensor_fn_for_dtype.<locals>.new_tensor and tensor_pynew" (torch 2.13, DeepSpeed 0.19,
+    transformers 5.x). Imported first, dynamo binds to torch's own ``__new__``."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:  # an optional speed-up path; never fail zen for it
+        logger.debug("torch._dynamo could not be imported (%s); zero.Init models may fail to build", exc)

@@ -1,0 +1,291 @@
+"""What zen holds for the params it steps itself, outside DeepSpeed's optimizer (the owned route;
+under ZeRO-3 the row-sharded tables only).
+
+:func:`~.owned.plan_owned` took zen's params out of DeepSpeed's optimizer before
+``deepspeed.initialize`` and built a twin optimizer of the same type for them (fp32 master copies
+when the model trains in half precision). :class:`OwnedParams` then accumulates their grads in
+fp32 across micro-steps (DeepSpeed never sees them), holds the synced result and steps them with
+DeepSpeed's clip coefficient, loss scale and learning-rate schedule; :class:`OwnedGrads` is where
+the reducer reads and writes their gradients.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zen_ds.core.sparse import RowSparse
+from zen_ds.integrations.deepspeed.grads import GradReader, GradStorage
+from zen_ds.integrations.deepspeed.norms import local_sum_of_squares, model_parallel_sum
+from zen_ds.integrations.deepspeed.rowstep import step_rows
+from zen_ds.integrations.deepspeed.sharded import ShardedRows, should_shard, state_bytes_per_element
+from zen_ds.integrations.reducer import ZenParam
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zen_ds.integrations.deepspeed.owned import OwnedPlan
+
+__all__ = ["OwnedParams", "OwnedGrads"]
+
+_EMPTY = torch.empty(0)  # the data of an fp32 shard master between steps
+
+
+class OwnedParams:
+    """fp32 accumulation, masters and optimizer for params zen steps itself.
+
+    A param whose optimizer state is sharded (``"optimizer_state"``, see :mod:`.sharded`) has a
+    master of this rank's rows only, a shard-shaped synced gradient, and its updated rows are
+    all-gathered after the step; the others keep a whole master on every rank.
+    """
+
+    def __init__(self, params: Sequence[ZenParam], plan: "OwnedPlan", group: Optional[Any] = None,
+                 mode: str = "replicated", shard_min_mb: float = 0.0, seed: int = 0, half: bool = False) -> None:
+        if plan.names != [p.name for p in params]:
+            raise RuntimeError(f"zen: planned params {plan.names} != selected {[p.name for p in params]}")
+        self.params = list(params)
+        self.masters = list(plan.masters)
+        self.optimizer = plan.optimizer
+        self.lr_ratio = plan.lr_ratio
+        self.tables = list(plan.tables)  # row-sharded embeddings, stepped by the same optimizer
+        self.sharded: List[Optional[ShardedRows]] = [None] * len(self.params)
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        per_element = state_bytes_per_element(self.optimizer, half)
+        for i, p in enumerate(self.params):
+            if should_shard(mode, p.param, self.world_size, per_element, shard_min_mb):
+                self.sharded[i] = ShardedRows(p.param, group, seed)
+                p.shard = self.sharded[i].layout  # the reducer reduce-scatters this param
+                self.masters[i] = self.sharded[i].master_from(self.masters[i])
+                if not half:  # fp32: the param holds the master's values; materialise it per step
+                    self.masters[i].data = _EMPTY
+        if any(s is not None for s in self.sharded):
+            self.optimizer = _rebuild_optimizer(self.optimizer, plan.masters, self.masters)
+        # fp32 bytes zen keeps per rank for each param (a shard's master counts even in fp32)
+        self.state_bytes = [per_element * (s.shard_size * p.param[0].numel() if s is not None
+                                           else p.param.numel())
+                            for p, s in zip(self.params, self.sharded)]
+        self.half = half
+        # --- per optimizer step: fp32 sums over micro-steps, then the synced result
+        self.accum: List[Optional[torch.Tensor]] = [None] * len(self.params)
+        self._carried: Optional[List[Optional[torch.Tensor]]] = None  # synced by an earlier backward
+        self.synced = [None] * len(self.params)
+        self.handles = [p.param.register_post_accumulate_grad_hook(self._hook(i))
+                        for i, p in enumerate(self.params)]
+
+    def memory_bytes(self) -> List[int]:
+        """Bytes zen holds per param on this rank, measured: fp32 master (when it is not the param
+        itself) plus every tensor in the optimizer's state for it (zero before the first step)."""
+        out = []
+        for p, master in zip(self.params, self.masters):
+            held = master.numel() * master.element_size() if master is not p.param else 0
+            for value in self.optimizer.state.get(master, {}).values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    held += value.numel() * value.element_size()
+            out.append(held)
+        return out
+
+    def describe(self) -> List[str]:
+        """One phrase per param: where its optimizer state lives and its size on this rank
+        (measured once the optimizer has state, else the estimate the decision used)."""
+        out = []
+        for p, s, estimate, held in zip(self.params, self.sharded, self.state_bytes, self.memory_bytes()):
+            where = f"sharded 1/{s.world_size}" if s is not None else "replicated"
+            what = f"{held / 2**20:.2f} MiB" if held else f"~{estimate / 2**20:.2f} MiB (estimate)"
+            out.append(f"{p.name}: optimizer state {where}, {what} on this rank")
+        for t in self.tables:
+            held = t.memory_bytes(self.optimizer)
+            out.append(f"{t.name}: row-sharded 1/{t.world_size} ({t.shard_size} of {t.num_rows} rows here), "
+                       f"{sum(held.values()) / 2**20:.2f} MiB on this rank ({held})")
+        return out
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def accumulate(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None:
+                return
+            with torch.no_grad():
+                if grad.is_sparse:
+                    piece = grad.coalesce()
+                    piece = torch.sparse_coo_tensor(piece.indices(), piece.values().float(), piece.shape)
+                    self.accum[i] = piece if self.accum[i] is None else self.accum[i] + piece
+                elif self.accum[i] is None:
+                    self.accum[i] = grad.detach().float().clone()
+                else:
+                    self.accum[i].add_(grad.detach().float())
+            param.grad = None  # zen holds it in fp32; DeepSpeed never sees it
+        return accumulate
+
+    @property
+    def synced(self) -> List[Optional[torch.Tensor]]:
+        """This step's synced gradients, held until the step (a sharded param's: its rows only)."""
+        return self._synced
+
+    @synced.setter
+    def synced(self, synced: Sequence[Optional[torch.Tensor]]) -> None:
+        # A compressed param is synced whole even when its state is sharded (its gradient is
+        # element-sparse, the shards are rows; the sum is the one replicated state gets): keep
+        # this rank's rows of it.
+        # A reduction after a second backward adds to what the first one synced (see
+        # :meth:`carry_synced`), as DeepSpeed's own reductions add up until the step.
+        fresh = [g.view_as(p.param)[s.rows] if g is not None and s is not None and p.compressed
+                 else g for p, g, s in zip(self.params, synced, self.sharded)]
+        carried = self._carried or [None] * len(fresh)
+        self._synced = [_add_grads(c, g) for c, g in zip(carried, fresh)]
+        self._carried = None
+
+    def carry_synced(self) -> None:
+        """Another backward starts before the step: keep this step's synced gradients for the
+        next reduction to add to, and restart the fp32 sums (they were synced already)."""
+        self._carried = [_add_grads(c, g) for c, g in zip(self._carried or [None] * len(self.params),
+                                                          self._synced)]
+        self._synced = [None] * len(self.params)
+        self.accum = [None] * len(self.params)
+
+    def clear(self) -> None:
+        for t in self.tables:
+            t.clear()
+        self._carried = None
+        self.accum = [None] * len(self.params)
+        self.synced = [None] * len(self.params)
+
+    def grad_norm(self, mpu: Any, local: bool = False) -> torch.Tensor:
+        """Norm of this step's synced grads, tables included, in DeepSpeed's loss-scaled units;
+        ``local``: this rank's share only, for optimizers that add the model-parallel ranks
+        themselves. Collective over the group when a param is sharded or tables exist."""
+        pairs = list(zip(self.params, self.synced))
+        sum_sq = local_sum_of_squares(((p.param, g) for p, g in pairs if p.shard is None), mpu)
+        if any(p.shard is not None for p, _ in pairs) or self.tables:  # each rank holds its rows' share
+            shards = local_sum_of_squares(((p.param, g) for p, g in pairs if p.shard is not None), mpu)
+            for table in self.tables:  # row-sharded embeddings are never TP-split (refused)
+                shards = shards + table.sum_of_squares()
+            if dist.is_initialized() and self.world_size > 1:
+                dist.all_reduce(shards, group=self.group)
+            sum_sq = sum_sq + shards
+        return (sum_sq if local else model_parallel_sum(sum_sq, mpu)).sqrt()
+
+    @torch.no_grad()
+    def step(self, loss_scale: float, clip_coef: float, base_lr: Optional[float],
+             stats: Optional[Dict[str, Any]] = None) -> None:
+        """Step zen's params with DeepSpeed's loss scale, clip coefficient and learning rate;
+        sharded params' all-gathers are recorded in ``stats`` (the reducer's per-param stats)."""
+        factor = clip_coef / loss_scale
+        sparse_only = isinstance(self.optimizer, torch.optim.SparseAdam)
+        for p, master, g, shard in zip(self.params, self.masters, self.synced, self.sharded):
+            if shard is not None and not self.half:  # this step's fp32 master: the param's rows
+                master.data = p.param.data[shard.rows]
+            if g is None:
+                master.grad = None
+                continue
+            g = g.float()
+            g = g * factor if factor != 1.0 else g
+            if shard is not None and sparse_only:  # SparseAdam takes COO grads only
+                g = RowSparse.from_dense(g).to_coo()
+            master.grad = g
+        if base_lr is not None:
+            for group, ratio in zip(self.optimizer.param_groups, self.lr_ratio):
+                group["lr"] = base_lr * ratio
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        for t in self.tables:  # in row blocks: no shard-sized gradient (see .rowstep)
+            step_rows(self.optimizer, t.master, t.grad_for_step(factor), t.name)
+            t.after_step()
+        for p, master, shard in zip(self.params, self.masters, self.sharded):
+            if shard is not None:
+                gathered = shard.gather(master, p.param)
+                if not self.half:
+                    master.data = _EMPTY
+                if stats is not None and p.name in stats:
+                    st = stats[p.name]
+                    st.gather, st.gather_bytes_sent = gathered.mode, gathered.bytes_sent
+                    st.gather_bytes_received = gathered.bytes_received
+            elif master is not p.param:
+                p.param.data.copy_(master.data.to(p.param.dtype))
+
+    @torch.no_grad()
+    def masters_from_params(self) -> None:
+        """Set the fp32 masters from the params (after DeepSpeed loaded weights without optimizer
+        state); the optimizer state stays as it is (fresh for a new engine)."""
+        for p, master, shard in zip(self.params, self.masters, self.sharded):
+            if shard is not None:
+                if self.half:
+                    master.data.copy_(p.param.data[shard.rows].float())
+            elif master is not p.param:
+                master.data.copy_(p.param.data.float())
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(),
+                "masters": [p.param.detach()[s.rows].float().clone() if s is not None and not self.half
+                            else m.detach().clone() for p, m, s in zip(self.params, self.masters, self.sharded)],
+                "shards": [s.layout_key() if s is not None else None for s in self.sharded],
+                "tables": [t.state_dict() for t in self.tables]}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        mine = [s.layout_key() if s is not None else None for s in self.sharded]
+        saved = sd.get("shards", [None] * len(self.sharded))
+        if saved != mine:
+            raise ValueError(f"zen checkpoint's optimizer-state layout {saved} does not match this run's "
+                             f"{mine}; resume with the same number of data-parallel ranks, \"zen.seed\" "
+                             "and \"zen.optimizer_state\"")
+        saved_tables = sd.get("tables", [])
+        if [t.get("layout") for t in saved_tables] != [t.layout_key() for t in self.tables]:
+            raise ValueError(f"zen checkpoint's row-sharded tables {[t.get('layout') for t in saved_tables]} do "
+                             f"not match this run's {[t.layout_key() for t in self.tables]}; resume with the same "
+                             "number of data-parallel ranks, \"zen.seed\" and \"zen.row_sharded\"")
+        self.optimizer.load_state_dict(sd["optimizer"])
+        for t, saved in zip(self.tables, saved_tables):
+            t.load_state_dict(saved)
+        with torch.no_grad():
+            for p, m, saved_m, shard in zip(self.params, self.masters, sd["masters"], self.sharded):
+                if shard is not None and not self.half:
+                    p.param.data[shard.rows] = saved_m.to(p.param.dtype)
+                    continue
+                m.data.copy_(saved_m)
+                if shard is not None:
+                    p.param.data[shard.rows] = saved_m.to(p.param.dtype)
+                elif m is not p.param:
+                    p.param.data.copy_(saved_m.to(p.param.dtype))
+
+
+class OwnedGrads(GradStorage):
+    """zen's fp32 accumulators (owned route); the synced result waits for zen's optimizer step."""
+
+    def __init__(self, owned: OwnedParams) -> None:
+        super().__init__(owned.params)
+        self.owned = owned
+
+    def read(self) -> List[Optional[torch.Tensor]]:
+        return [a.coalesce() if a is not None and a.is_sparse else a for a in self.owned.accum]
+
+    def write(self, synced: Sequence[torch.Tensor]) -> None:
+        self.owned.synced = list(synced)
+
+    def reader(self) -> Optional[GradReader]:
+        def read_owned(index: int) -> Optional[torch.Tensor]:
+            accum = self.owned.accum[index]
+            return accum.coalesce() if accum is not None and accum.is_sparse else accum
+        return read_owned
+
+
+def _add_grads(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The sum of two synced gradients of one param (either may be None, sparse or dense)."""
+    if a is None or b is None:
+        return b if a is None else a
+    if a.is_sparse and b.is_sparse:
+        return (a + b).coalesce()
+    if a.is_sparse or b.is_sparse:
+        return (a.to_dense() if a.is_sparse else a) + (b.to_dense() if b.is_sparse else b)
+    return a + b
+
+
+def _rebuild_optimizer(optimizer: torch.optim.Optimizer, old: Sequence[nn.Parameter],
+                       new: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+    """The same optimizer type and hyper-parameters over ``new`` masters (it has no state yet)."""
+    swap = {id(o): n for o, n in zip(old, new)}
+    groups = [dict({k: v for k, v in g.items() if k != "params"},
+                   params=[swap.get(id(q), q) for q in g["params"]]) for g in optimizer.param_groups]
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except TypeError:
+        return type(optimizer)(groups)
