@@ -72,11 +72,15 @@ class RowEmbedding:
         if reason:
             raise ValueError(f"{name}: {reason}")
         self.embedding, self.name = module, name
+        # The parameter itself, held here: reading ``module.weight`` inside a forward would go
+        # through ZeRO-3's parameter dict, which gathers a partitioned weight on access.
+        self.weight: nn.Parameter = module.weight
         self.num_rows, self.row_numel = num_rows, row_numel
         self.partition, self.group = partition, group
         self.padding_idx: Optional[int] = module.padding_idx
         self.scale_grad_by_freq = bool(module.scale_grad_by_freq)
         self.fetch_stats: List[SyncStats] = []
+        self.fetch = fetch_rows_flat  # or any function of fetch_rows_flat's signature (two hops)
         self._ids: List[torch.Tensor] = []
         self._grads: List[torch.Tensor] = []
         
@@ -90,10 +94,10 @@ class RowEmbedding:
         unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
         stats = SyncStats()
         with torch.no_grad():
-            rows = fetch_rows_flat(unique, self.partition(), self.num_rows, self.row_numel, self.group,
-                                   stats=stats, log_prefix=f"zen {self.name}")
+            rows = self.fetch(unique, self.partition(), self.num_rows, self.row_numel, self.group,
+                              stats=stats, log_prefix=f"zen {self.name}")
         self.fetch_stats.append(stats)
-        weight = self.embedding.weight
+        weight = self.weight
         if not (torch.is_grad_enabled() and weight.requires_grad):
             return rows.index_select(0, inverse).view(*ids.shape, self.row_numel)
         return _FetchedLookup.apply(weight, rows, inverse.view(ids.shape), self, unique)

@@ -175,6 +175,25 @@ class ZenConfig(_sync_option_keys("")):
     when that saves at least ``shard_min_mb`` of parameters per rank, with ``sharded`` every table
     is. Tied embeddings and other zen params stay on the usual route."""
 
+    embedding_rows: bool = True
+    """ZeRO stage 3: each untied ``nn.Embedding`` whose weight zen syncs costs what the batch
+    touches, not what the table holds (docs/zero.md, "The embedding at batch cost"). Its forward
+    fetches the micro-batch's unique rows from the owners of DeepSpeed's flat partitions instead of
+    gathering the table, and its backward produces those rows' gradient (no dense ``[V, d]``
+    gradient), which goes to the same owners. The table stays a ZeRO-3 parameter: checkpoints,
+    ``save_16bit_model``, ``zero_to_fp32.py`` and ``GatheredParameters`` are DeepSpeed's. ``false``:
+    DeepSpeed gathers the table and zen sends the non-zero rows of its dense gradient. Tables it
+    cannot serve (tied, ``max_norm``, persistent, offloaded, inside a ZeRO-3 leaf module) keep that
+    path; the attach log names them and why. Other stages ignore it."""
+
+    embedding_fetch: Literal["auto", "direct", "two_hop"] = "auto"
+    """How ``embedding_rows`` reaches the partitions: ``direct`` asks each row of the ranks whose
+    partitions hold it (one hop; DeepSpeed's layout keeps rows in id order, so the first ranks hold
+    the frequent tokens and serve every rank); ``two_hop`` goes through each row's hash owner,
+    which fetches a row once per step and serves every asker (balanced at scale, a second hop for
+    every row); ``auto``: ``two_hop`` from 16 data-parallel ranks (BENCHMARKS "ZeRO-3 embedding
+    at batch cost": the busiest rank's bytes at 128 ranks on real tokens)."""
+
     overlap: bool = False
     """Sync each zen param as soon as its gradient is final in the last backward of an optimizer
     step (a post-accumulate-grad hook hands it to one comm thread on a process group of the same

@@ -37,6 +37,7 @@ from zen_ds.integrations.deepspeed.owned import StepsOwnParams, plan_owned
 from zen_ds.integrations.deepspeed.owned_params import OwnedParams
 from zen_ds.integrations.deepspeed.route import EngineRoute
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights
+from zen_ds.integrations.deepspeed.zero3_rows import EmbeddingRows
 from zen_ds.integrations.params import is_vocab_parallel_embedding
 from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
 from zen_ds.sync.options import SyncOptions, ZenInputError
@@ -65,8 +66,10 @@ class Zero3Route(EngineRoute):
     def build(cls, engine: Any, choice: "RouteChoice", reducer: ZenReducer,
               plan: Optional["OwnedPlan"]) -> "Zero3Route":
         """:class:`Zero3RowShardedRoute` where ``zen_ds.initialize`` row-sharded some tables."""
-        zero3 = Zero3Sync(reducer, reducer.options, choice.left_to_deepspeed)
         install_id_checks(engine.module, reducer.params, reducer.group)
+        rows = EmbeddingRows.install(engine, engine.module, reducer.params, reducer.config.embedding_rows,
+                                     reducer.config.embedding_fetch, reducer.options)
+        zero3 = Zero3Sync(reducer, reducer.options, rows, choice.left_to_deepspeed)
         if reducer.config.overlap:
             overlap_is_off(engine, "under ZeRO-3 zen syncs its params inside DeepSpeed's gradient hooks, "
                                    "during backward already; row-sharded tables push their rows at the step")
@@ -144,9 +147,11 @@ class Zero3RowShardedRoute(StepsOwnParams, Zero3Route):
 class Zero3Sync:
     """zen's reduction of its params' gradients into ZeRO-3's partitions, and its per-step stats."""
 
-    def __init__(self, reducer: ZenReducer, options: SyncOptions, left: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, reducer: ZenReducer, options: SyncOptions, rows: EmbeddingRows,
+                 left: Optional[Dict[str, str]] = None) -> None:
         self.reducer = reducer
         self.options = options
+        self.rows = rows  # the tables served at batch cost (their push replaces the scan below)
         self.left = dict(left or {})  # selected params left to DeepSpeed (tied), with the reason
         self.index = {id(p.param): i for i, p in enumerate(reducer.params)}
         self._step_stats: Dict[str, ParamStats] = {}
@@ -162,6 +167,13 @@ class Zero3Sync:
         reduce-scatter moves fewer bytes: the caller hands it to DeepSpeed."""
         p: ZenParam = self.reducer.params[self.index[id(param)]]
         st = SyncStats()
+        if self.rows.serves(param):
+            started = time.perf_counter()
+            out = self.rows.push(param, group, partition_numel, comm_dtype, out_dtype, prescale, postscale, st,
+                                 p.log_prefix)
+            st.seconds = time.perf_counter() - started
+            self._add(p.name, st)
+            return out
         x = grad.coalesce() if grad.is_sparse else grad
         if x.dtype != comm_dtype:
             x = x.to(comm_dtype)

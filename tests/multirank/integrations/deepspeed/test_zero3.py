@@ -119,6 +119,7 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
             if zen:
                 state = zen_ds.state_of(engine)
                 out[f"{name}_route"] = (state.route.name, [p.name for p in state.reducer.params])
+                out[f"{name}_rows"] = sorted(t.name for t in state.route.zero3.rows.tables.values())
 
     def hf_case(tied: bool) -> None:
         name = "gpt2_tied" if tied else "llama_untied"
@@ -129,6 +130,7 @@ def _worker(rank: int, world: int, save_dir: str) -> Dict[str, Any]:
                 state = zen_ds.state_of(engine)
                 out[f"{name}_route"] = (state.route.name, [p.name for p in state.reducer.params],
                                         dict(state.route.zero3.left))
+                out[f"{name}_rows"] = sorted(t.name for t in state.route.zero3.rows.tables.values())
 
     def checkpoints() -> None:
         import deepspeed
@@ -277,6 +279,7 @@ def test_zero3_matches_stock(results, case: str, rtol: float) -> None:
     for res in results:
         _close(res[f"{case}_zen"], res[f"{case}_stock"], rtol)
         assert res[f"{case}_route"] == ("zero3", ["emb_s.weight", "emb_d.weight"])
+        assert res[f"{case}_rows"] == ["emb_d.weight", "emb_s.weight"]  # both at batch cost (the default)
         assert res[f"{case}_zen_skipped"] == res[f"{case}_stock_skipped"]
 
 
@@ -318,6 +321,7 @@ def test_hf_llama_built_under_zero_init(results) -> None:
         _close(res["llama_untied_zen"], res["llama_untied_stock"], 2e-4)
         route, names, left = res["llama_untied_route"]
         assert route == "zero3" and names == ["model.embed_tokens.weight"] and not left
+        assert res["llama_untied_rows"] == ["model.embed_tokens.weight"]  # never gathered
 
 
 def test_hf_gpt2_tied_embedding_left_to_deepspeed(results) -> None:
@@ -327,6 +331,7 @@ def test_hf_gpt2_tied_embedding_left_to_deepspeed(results) -> None:
         route, names, left = res["gpt2_tied_route"]
         assert route == "zero3" and "transformer.wte.weight" in left and "tied" in left["transformer.wte.weight"]
         assert "transformer.wte.weight" not in names
+        assert res["gpt2_tied_rows"] == ["transformer.wpe.weight"]  # the untied position table
 
 
 def test_resume_is_bit_identical(results) -> None:

@@ -12,8 +12,16 @@ Checked against DeepSpeed 0.19.8. Wraps:
 * ``_get_norm_groups`` (:func:`fold_norm_groups`): the norm of zen's row-sharded tables joins the
   optimizer's norm groups.
 
+* the module hooks ``DeepSpeedZeRoOffload._register_deepspeed_module`` puts on a submodule (forward
+  pre/post, and the pre-/post-backward ones), listed in the optimizer's ``parameter_offload``
+  ``forward_hooks`` / ``backward_hooks``: :func:`stop_gathering` removes one module's, so the
+  parameter coordinator never gathers (nor prefetches) that module's params; zen's batch-cost
+  embedding reads their partitions instead.
+
 Reads: ``_global_grad_norm`` (:func:`global_grad_norm`), ``micro_step_id``
-(:func:`next_backward_replaces`). :func:`preload_for_zero_init` works around ``zero.Init``
+(:func:`next_backward_replaces`); a param's ``ds_tensor`` (its flat partition), ``ds_persist``,
+``ds_z3_leaf_module``, ``ds_numel`` and ``_get_param_partition_group`` (:func:`partition_of`,
+:func:`rows_blocker`); a module's ``_forward_pre_hooks`` / ``_forward_hooks`` (torch's). :func:`preload_for_zero_init` works around ``zero.Init``
 replacing ``torch.Tensor.__new__``.
 """
 from __future__ import annotations
@@ -29,7 +37,8 @@ from zen_ds.integrations.deepspeed.faults import refuse
 logger = logging.getLogger(__name__)
 
 __all__ = ["PartitionReducer", "take_over_reduce_scatter", "fold_norm_groups", "global_grad_norm",
-           "next_backward_replaces", "preload_for_zero_init"]
+           "next_backward_replaces", "preload_for_zero_init", "rows_blocker", "partition_of",
+           "stop_gathering"]
 
 
 class PartitionReducer(Protocol):
@@ -118,3 +127,47 @@ def preload_for_zero_init() -> None:
         import torch._dynamo  # noqa: F401
     except Exception as exc:  # an optional speed-up path; never fail zen for it
         logger.debug("torch._dynamo could not be imported (%s); zero.Init models may fail to build", exc)
+
+
+def rows_blocker(engine: Any, param: Any) -> str:
+    """Why ``param``'s table cannot be served row by row from its partitions ("" when it can)."""
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is None or not hasattr(offload, "forward_hooks"):
+        return f"{type(engine.optimizer).__name__} has no parameter coordinator hooks to leave"
+    if getattr(param, "ds_tensor", None) is None:
+        return "not a ZeRO-3 partitioned parameter"
+    if getattr(param, "ds_persist", False):
+        return "persistent (below stage3_param_persistence_threshold): DeepSpeed keeps it whole"
+    if getattr(param, "ds_z3_leaf_module", None) is not None:
+        return "inside a ZeRO-3 leaf module, whose hook gathers all its params"
+    location = getattr(param.ds_tensor, "final_location", None)
+    if location is not None and "nvme" in str(location).lower():
+        return "offloaded to NVMe (offload_param)"
+    if param.ds_tensor.device != param.device:
+        return f"offloaded (partition on {param.ds_tensor.device}, compute on {param.device})"
+    return ""
+
+
+def partition_of(opt: Any, param: Any) -> "tuple[Callable[[], torch.Tensor], Optional[dist.ProcessGroup]]":
+    """A reader of ``param``'s flat partition on this rank (read at each call: the optimizer step
+    writes it in place or replaces it) and the group over which the partitions are spread."""
+    return (lambda: param.ds_tensor), opt._get_param_partition_group(param)
+
+
+def stop_gathering(engine: Any, module: torch.nn.Module) -> int:
+    """Remove the parameter coordinator's hooks from ``module`` (not from its children): its own
+    params are never gathered, prefetched or released by DeepSpeed again. Returns how many hooks
+    were removed (every rank removes the same ones, so the coordinator's traces agree)."""
+    offload = engine.optimizer.parameter_offload
+    mine = (module._forward_pre_hooks, module._forward_hooks)
+    removed = 0
+    for hooks in (offload.forward_hooks, offload.backward_hooks):
+        for handle in list(hooks):
+            if any(handle.hooks_dict_ref() is d for d in mine) and handle.id in handle.hooks_dict_ref():
+                handle.remove()
+                hooks.remove(handle)
+                removed += 1
+    if not removed:
+        refuse(f"zen found none of DeepSpeed's ZeRO-3 hooks on {type(module).__name__}; this DeepSpeed "
+               "release registers them differently: set \"embedding_rows\": false in the \"zen\" block")
+    return removed
