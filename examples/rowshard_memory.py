@@ -1,12 +1,20 @@
-"""Peak memory per rank of a large untied input embedding: row-sharded vs stock ZeRO-3 (measured).
+"""Peak memory and bytes per rank of a large untied input embedding under ZeRO-3 (measured):
+zen's default (the embedding at batch cost), zen's gather-and-scan path, row-sharded, stock.
 
+    deepspeed --num_gpus 4 examples/rowshard_memory.py --mode zen   --json bench_out/rowmem_zen.json
+    deepspeed --num_gpus 4 examples/rowshard_memory.py --mode scan  --json bench_out/rowmem_scan.json
     deepspeed --num_gpus 4 examples/rowshard_memory.py --mode rows  --json bench_out/rowmem_rows.json
     deepspeed --num_gpus 4 examples/rowshard_memory.py --mode stock --json bench_out/rowmem_stock.json
 
 The model is the embedding and little else (``Embedding(vocab, hidden)`` -> mean over the
 sequence -> ``Linear(hidden, 16)``), trained with fp32 AdamW under ZeRO-3, so what a rank
-allocates is the embedding's cost. ``--mode rows`` row-shards it (``"zen": {"row_sharded":
-true}``), ``--mode zen`` syncs it with zen's ZeRO-3 path, ``--mode stock`` is DeepSpeed alone.
+allocates is the embedding's cost. ``--mode zen`` is zen's default under ZeRO-3 (the forward
+fetches the batch's rows, the backward pushes their gradient: the table is never gathered),
+``--mode scan`` zen with ``"embedding_rows": false`` (DeepSpeed gathers the table, zen sends the
+non-zero rows of its dense gradient), ``--mode rows`` row-shards it (``"zen": {"row_sharded":
+true}``), ``--mode stock`` is DeepSpeed alone. For the zen modes the embedding's wire bytes of the
+measured step (fetch + push, this rank's sent and received) are reported beside stock ZeRO-3's for
+the table: two all-gathers and one reduce-scatter, ``(n-1) P`` elements each way for each.
 
 What is measured, per rank: the bytes the process has allocated from the C heap (glibc
 ``mallinfo2``: in-use heap chunks + mmapped chunks, where torch's CPU tensors live), sampled
@@ -86,7 +94,8 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
         "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
     }
     if args.mode != "stock":
-        config["zen"] = {"enabled": True, "row_sharded": args.mode == "rows", "stats_interval": 0}
+        config["zen"] = {"enabled": True, "row_sharded": args.mode == "rows", "stats_interval": 0,
+                         "embedding_rows": args.mode != "scan"}
     return config
 
 
@@ -99,7 +108,7 @@ def zipf_batch(vocab: int, batch: int, seq: int, gen: torch.Generator):
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("rows", "zen", "stock"), default="rows")
+    p.add_argument("--mode", choices=("zen", "scan", "rows", "stock"), default="zen")
     p.add_argument("--vocab", type=int, default=262144)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
@@ -133,11 +142,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             engine.step()
         result = {"rank": rank, "held_bytes": probe.start - before, "step_peak_bytes": probe.peak - probe.start,
                   "unique_ids": int(torch.unique(ids).numel()), "loss": float(loss)}
+        state = zen_ds.state_of(engine)
+        if state is not None and args.mode != "rows":
+            emb = state.reducer.last_stats.get("embed.weight")
+            result["emb_wire_bytes"] = (emb.bytes_sent + emb.bytes_received) if emb is not None else None
     table_bytes = args.vocab * args.hidden * 4
     per_rank: List[Dict[str, Any]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(per_rank, result)
+    partition = -(-args.vocab * args.hidden // world)
     summary = {"mode": args.mode, "world": world, "vocab": args.vocab, "hidden": args.hidden,
                "table_bytes": table_bytes,
+               # stock ZeRO-3 for the table, sent + received per rank: 2 all-gathers + 1 reduce-scatter
+               "zero3_table_wire_bytes": 2 * 3 * (world - 1) * partition * 4,
                # the 1/n shard: fp32 params (their own master) + AdamW's two moments
                "shard_state_bytes": 3 * table_bytes // world, "ranks": per_rank}
     if rank == 0:
@@ -147,6 +163,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                   f"{r['step_peak_bytes'] / mib:8.2f} MiB, total {(r['held_bytes'] + r['step_peak_bytes']) / mib:8.2f}"
                   f" MiB ({r['unique_ids']} unique ids; table {table_bytes / mib:.1f} MiB, shard + AdamW state "
                   f"{summary['shard_state_bytes'] / mib:.1f} MiB)", flush=True)
+            if r.get("emb_wire_bytes") is not None:
+                print(f"{args.mode} rank {r['rank']}: embedding wire {r['emb_wire_bytes'] / 1e6:.3f} MB (sent + received) vs "
+                      f"stock ZeRO-3's {summary['zero3_table_wire_bytes'] / 1e6:.1f} MB for the table "
+                      f"({100 * r['emb_wire_bytes'] / summary['zero3_table_wire_bytes']:.3f}%)", flush=True)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as fh:

@@ -147,6 +147,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
         result = fn(rank, world_size, *args)
+        ForkingPickler.dumps(result)  # an unpicklable result is an error the test names, not a silent exit
         queue.put((0, rank, "ok", result))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((0, rank, "error", traceback.format_exc()))

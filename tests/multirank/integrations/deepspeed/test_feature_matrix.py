@@ -425,7 +425,7 @@ def train_cell(rank: int, world: int, cell: Cell, zen: bool, tmp: str) -> Dict[s
         engine.step()
     out["params"] = _whole_weights(engine)
     state = zen_ds.state_of(engine)
-    out["route"] = state.route if state is not None else None
+    out["route"] = state.route.name if state is not None else None
     out["synced"] = sorted(state.reducer.last_stats) if state is not None else None
     return out
 

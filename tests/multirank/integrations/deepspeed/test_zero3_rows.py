@@ -1,6 +1,8 @@
 """ZeRO-3's embedding at batch cost (zen's default): the table is never gathered and its dense
 gradient never exists, on 2 gloo ranks against stock ZeRO-3 and against zen with the path off
-(``"embedding_rows": false``, the gather-and-scan path), in one spawn.
+(``"embedding_rows": false``, the gather-and-scan path), in one spawn; the rows go directly to
+their partition owners (the default at 2 ranks) or through their hash owners
+(``"embedding_fetch": "two_hop"``).
 
 The model, built inside ``deepspeed.zero.Init``, has two untied ``nn.Embedding`` tables (one with
 ``padding_idx``, one with ``scale_grad_by_freq``) and a head; AdamW, accumulation over 2
@@ -26,6 +28,7 @@ WORLD = 2
 VOCAB_A, VOCAB_B, WIDTH = 2048, 1031, 8  # 1031 x 8 elements do not split evenly over 2 ranks
 STEPS, GAS = 3, 2
 MODES = {"stock": None, "zen": {"enabled": True, "stats_interval": 0},
+         "two_hop": {"enabled": True, "stats_interval": 0, "embedding_fetch": "two_hop"},
          "off": {"enabled": True, "stats_interval": 0, "embedding_rows": False}}
 
 
@@ -132,7 +135,7 @@ def results():
     return run_ranks(WORLD, _worker)
 
 
-@pytest.mark.parametrize("mode", ["zen", "off"])
+@pytest.mark.parametrize("mode", ["zen", "two_hop", "off"])
 def test_parameters_equal_stock_zero3(results, mode: str) -> None:
     for rank in range(WORLD):
         errors = dc.max_rel_err(results[rank][mode]["params"], results[rank]["stock"]["params"])
@@ -142,7 +145,8 @@ def test_parameters_equal_stock_zero3(results, mode: str) -> None:
 def test_no_table_sized_tensor_during_a_step(results) -> None:
     table = VOCAB_A * WIDTH
     for rank in range(WORLD):
-        assert results[rank]["zen"]["largest"] < table, results[rank]["zen"]["largest_op"]
+        for mode in ("zen", "two_hop"):
+            assert results[rank][mode]["largest"] < table, results[rank][mode]["largest_op"]
         # the gather-and-scan path makes the gathered table and the dense [V, d] gradient
         assert results[rank]["off"]["largest"] >= table
         assert results[rank]["stock"]["largest"] >= table
@@ -150,6 +154,7 @@ def test_no_table_sized_tensor_during_a_step(results) -> None:
 
 def test_the_table_is_never_gathered(results) -> None:
     for rank in range(WORLD):
-        assert (results[rank]["zen"]["status"], results[rank]["zen"]["numel"]) == ("NOT_AVAILABLE", 0)
+        for mode in ("zen", "two_hop"):
+            assert (results[rank][mode]["status"], results[rank][mode]["numel"]) == ("NOT_AVAILABLE", 0)
         assert results[rank]["off"]["status"] == "AVAILABLE"
         assert results[rank]["off"]["numel"] == VOCAB_A * WIDTH
