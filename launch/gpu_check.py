@@ -411,28 +411,10 @@ def step_sync_nccl2(timeout: float) -> Dict[str, Any]:
 
     if cuda_devices() < 2:
         return {"status": "skipped", "why": "fewer than 2 GPUs"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_rank, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < 2 and time.monotonic() < deadline:
-        try:
-            rank, results, error = queue.get(timeout=5)
-        except Exception:
-            if not any(p.is_alive() for p in procs):
-                break
-            continue
-        got[rank] = error or results
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    sys.path.insert(0, str(REPO / "launch"))
+    from gpu_multirank_check import run_ranks
+
+    got = run_ranks(mp.get_context("spawn"), _nccl_rank, 2, (), timeout)
     errors = {r: v for r, v in got.items() if isinstance(v, str)}
     if len(got) < 2 or errors:
         return {"status": "failed", "error": str(errors or "a rank did not report")[-3000:]}

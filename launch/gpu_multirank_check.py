@@ -355,12 +355,13 @@ def rank_main(rank: int, world: int, port: int, device_kind: str, parts: List[st
             dist.destroy_process_group()
 
 
-def run_world(ctx, world: int, device_kind: str, parts: List[str], timeout: float) -> Dict[str, Any]:
-    """Spawn ``world`` ranks, collect their results: ``{"ranks": ..., "failed": [...]}``."""
+def run_ranks(ctx, target: Callable, world: int, args: tuple, timeout: float) -> Dict[int, Any]:
+    """Start ``target(rank, world, port, *args, queue)`` for every rank and collect what each puts
+    on the queue, ``(rank, results, error)``: ``{rank: results or the error's text}``; a rank
+    missing from it did not report within ``timeout`` seconds (or died). Stragglers are killed."""
     port = _free_port()
     queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, device_kind, parts, queue))
-             for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     got: Dict[int, Any] = {}
@@ -377,6 +378,12 @@ def run_world(ctx, world: int, device_kind: str, parts: List[str], timeout: floa
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
+    return got
+
+
+def run_world(ctx, world: int, device_kind: str, parts: List[str], timeout: float) -> Dict[str, Any]:
+    """Start ``world`` ranks, collect their results: ``{"ranks": ..., "failed": [...]}``."""
+    got = run_ranks(ctx, rank_main, world, (device_kind, parts), timeout)
     if len(got) < world or any(isinstance(v, str) for v in got.values()):
         errors = {r: v for r, v in got.items() if isinstance(v, str)}
         missing = [r for r in range(world) if r not in got]
