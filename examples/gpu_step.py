@@ -21,12 +21,12 @@ on autograd's threads too, where no event could be placed around its calls witho
 stock run of its stage: step time ratio, peak memory and the losses' largest relative difference
 (one rank: zen's sync is the identity, so the losses should be bit-identical).
 
-Writes ``--out`` (JSON) and prints a markdown table. Needs one process (it sets up a world of one).
+Each run is a process of its own (a world of one), so its peak memory is its own. Writes ``--out``
+(JSON) and prints a markdown table.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -156,8 +156,13 @@ def zen_times(prof: Any, cuda: bool) -> Dict[str, float]:
     (each operation's *self* time: nothing counted twice; on the CPU, the operations' CPU time)."""
     marker = "zen_ds" + os.sep
     events = list(prof.events())
+    # torch records the Python stack either as Python-function events above each operation (the
+    # event tree) or as each operation's ``stack`` (frame strings), depending on its version.
+    python_frames = any(marker in event.name for event in events)
 
     def under_zen(event: Any) -> bool:
+        if any(marker in frame for frame in (event.stack or ())):
+            return True
         parent = event.cpu_parent
         while parent is not None:
             if marker in parent.name:
@@ -173,6 +178,8 @@ def zen_times(prof: Any, cuda: bool) -> Dict[str, float]:
         elif under_zen(event):
             device_us += (getattr(event, "self_device_time_total", None)
                           or getattr(event, "self_cuda_time_total", 0.0)) if cuda else event.self_cpu_time_total
+            if not python_frames:  # no frames to time: the host time of zen's operations
+                host_us += event.self_cpu_time_total
     return {"host_ms": host_us / 1e3, "device_ms": device_us / 1e3}
 
 
@@ -235,14 +242,6 @@ def one_run(name: str, stage: int, zen: Optional[Dict[str, Any]], sizes: Sizes,
         result["zen_ms"] = times_of_zen["device_ms"]
         result["zen_host_ms"] = times_of_zen["host_ms"]
         result["zen_share"] = result["zen_ms"] / result["step_ms"] if result["step_ms"] else None
-        stats = zen_ds.last_sync_stats()
-        result["zen_last_sync"] = {"scheme": stats.scheme, "nnz_local": stats.nnz_local,
-                                   "num_rows": stats.num_rows} if stats is not None else None
-    engine.destroy() if hasattr(engine, "destroy") else None
-    del engine
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return result
 
 
@@ -293,6 +292,46 @@ def _world_of_one() -> None:
         os.environ.setdefault(key, value)
 
 
+def run_in_process(name: str, vocab: int, base: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    """One run in a new process (``--one``): every run starts from an empty device, so its peak
+    memory is its own, and what an engine leaves behind cannot push a later run out of memory."""
+    import subprocess
+    import tempfile
+
+    stage, zen = next((stage, zen) for run, stage, zen in RUNS if run == name)
+    entry = {"run": name, "stage": stage, "zen": zen is not None, "vocab": vocab}
+    with tempfile.TemporaryDirectory(prefix="gpu_step_") as tmp:
+        result = os.path.join(tmp, "run.json")
+        command = [sys.executable, os.path.abspath(__file__), "--one", name, "--vocabs", str(vocab),
+                   "--sizes", json.dumps(base), "--out", result]
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+        try:
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return dict(entry, error=f"timed out after {timeout:.0f} s")
+        if os.path.isfile(result):
+            with open(result) as f:
+                return json.load(f)
+        return dict(entry, error=f"exit status {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}")
+
+
+def _one(name: str, vocab: int, base: Dict[str, Any], out: str) -> int:
+    """``--one``: a single run in this process, its result (or its error) written to ``out``."""
+    stage, zen = next((stage, zen) for run, stage, zen in RUNS if run == name)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    _world_of_one()
+    try:
+        result = one_run(name, stage, zen, Sizes(vocab=vocab, **base), device)
+    except Exception as exc:  # e.g. out of memory: recorded, the other runs go on
+        result = {"run": name, "stage": stage, "zen": zen is not None, "vocab": vocab,
+                  "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    with open(out, "w") as f:
+        json.dump(result, f, default=str)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU run of the same code)")
@@ -304,7 +343,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds: runs that would start after this are skipped")
     parser.add_argument("--out", help="write the JSON report here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # one run, in this process (see run_in_process)
+    parser.add_argument("--sizes", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.one:
+        return _one(args.one, int(args.vocabs), json.loads(args.sizes), args.out)
     base = dict(TINY if args.tiny else FULL)
     for key in ("layers", "seq", "steps"):
         if getattr(args, key) is not None:
@@ -312,33 +355,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     vocabs = [int(v) for v in args.vocabs.split(",")] if args.vocabs else base.pop("vocabs")
     base.pop("vocabs", None)
     wanted = args.runs.split(",") if args.runs else [r[0] for r in RUNS]
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-    elif not args.tiny:
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
         print("gpu_step: no GPU; use --tiny for the CPU run of the same code", file=sys.stderr)
         return 2
-    _world_of_one()
     started = time.monotonic()
-    report: Dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+    report: Dict[str, Any] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
                               "sizes": dict(base, vocabs=vocabs), "runs": []}
     for vocab in vocabs:
-        sizes = Sizes(vocab=vocab, **base)
         for name, stage, zen in RUNS:
             if name not in wanted:
                 continue
-            entry = {"run": name, "stage": stage, "zen": zen is not None, "vocab": vocab}
-            if time.monotonic() - started > args.budget:
-                report["runs"].append(dict(entry, skipped="time budget spent"))
+            left = args.budget - (time.monotonic() - started)
+            if left <= 0:
+                report["runs"].append({"run": name, "stage": stage, "zen": zen is not None,
+                                       "vocab": vocab, "skipped": "time budget spent"})
                 continue
             print(f"[gpu_step] vocab {vocab} {name} ...", flush=True)
-            try:
-                report["runs"].append(one_run(name, stage, zen, sizes, device))
-            except Exception as exc:  # one failed run (e.g. out of memory) does not end the others
-                report["runs"].append(dict(entry, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            report["runs"].append(run_in_process(name, vocab, base, min(left + 120.0, 1800.0)))
     compare_runs(report["runs"])
     report["seconds"] = round(time.monotonic() - started, 1)
     report["table"] = table(report)

@@ -281,10 +281,27 @@ def _op_cases(mb: int) -> List[Dict[str, Any]]:
     ]
 
 
+def _kernel_breakdown(fn: Callable[[], Any], top: int = 10) -> List[Dict[str, Any]]:
+    """The device time of each kernel (and copy) one call of ``fn`` runs, largest first: where an
+    op under its bar spends its time."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if device_us > 0:
+            rows.append({"kernel": event.key[:90], "us": round(device_us, 1), "calls": event.count})
+    return sorted(rows, key=lambda r: -r["us"])[:top]
+
+
 def step_bandwidth(check: Check) -> Dict[str, Any]:
     import torch
 
     rows = []
+    breakdown: Dict[str, Any] = {}
     for mb in SIZES_MB:
         if check.left() < 30:
             break
@@ -296,9 +313,11 @@ def step_bandwidth(check: Check) -> Dict[str, Any]:
             rows.append({"op": case["op"], "mb": round(case["bytes"] / 2**20), "op_ms": op_ms,
                          "copy_ms": copy_ms, "gbps": case["bytes"] / op_ms / 1e6,
                          "pct_of_copy": 100.0 * copy_ms / op_ms, "bar": case.get("bar", 70)})
+            if mb == SIZES_MB[-1] and rows[-1]["pct_of_copy"] < rows[-1]["bar"]:
+                breakdown[case["op"]] = _kernel_breakdown(case["fn"])
             del src, dst
         torch.cuda.empty_cache()
-    return {"ops": rows, "summary": f"{len(rows)} timings"}
+    return {"ops": rows, "kernels_of_ops_under_their_bar": breakdown, "summary": f"{len(rows)} timings"}
 
 
 def _script(command: List[str], timeout: float) -> subprocess.CompletedProcess:

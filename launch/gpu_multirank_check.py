@@ -5,7 +5,7 @@ tensors. Here every rank is a process in one gloo group and all of them put thei
 same device: zen's collectives move CUDA tensors through gloo, and its ops run the CUDA kernels.
 On a machine without a GPU the same script runs with CPU tensors (the multirank test does).
 
-Per world size, on every rank:
+Per world size, on every rank, part by part:
 
 1. ``allreduce``: every registered scheme (``zen_ds.scheme_names()``) on every adversarial input
    of ``tests/support/sync_cases.py`` against ``dist.all_reduce`` of the dense input (the 5e9-row
@@ -16,8 +16,13 @@ Per world size, on every rank:
    ``dist.all_reduce``.
 3. ``zero0``: a small model trained a few steps by ``zen_ds.initialize`` and by stock
    ``deepspeed.initialize`` (ZeRO-0, a ``sparse=True`` embedding): the same parameters.
-4. ``gloo_collectives``: which collectives gloo moves for tensors on the device (all-reduce,
-   all-gather, all-to-all, send/recv): what the parts above need, named when one fails.
+4. ``gloo_*``: which collectives of zen's Communicator gloo moves for tensors on the device
+   (all-reduce, all-gather, all-to-all, send/recv), each on its own: gloo hands the pointers of
+   device tensors it does not stage through the host to its sockets, which kills the process.
+
+Every part runs on ranks of its own (forked from one server that imported torch, DeepSpeed and
+zen_ds once), so a part that kills its ranks costs only its own checks; the report names the
+check each lost rank was running.
 
 Run::
 
@@ -117,14 +122,6 @@ def _same_on_every_rank(y, world: int) -> Optional[str]:
     return None if all(torch.equal(g, mine) for g in gathered) else "ranks' results differ"
 
 
-def _run(results: Dict[str, str], key: str, check: Callable[[], Optional[str]]) -> None:
-    try:
-        problem = check()
-    except Exception:
-        problem = traceback.format_exc(limit=6)[-1500:]
-    results[key] = "ok" if problem is None else problem
-
-
 # ----------------------------------------------------------------------------- parts
 
 
@@ -132,9 +129,20 @@ class Inputs:
     """Each case's input on this rank (on the device) and its ``dist.all_reduce`` sum (float64,
     CPU), built once per case."""
 
-    def __init__(self, rank: int, world: int, device) -> None:
+    def __init__(self, rank: int, world: int, device, progress: Optional[Path] = None) -> None:
         self.rank, self.world, self.device = rank, world, device
+        self.progress = progress  # the check under way is written here: a crash names it
         self._cache: Dict[str, Any] = {}
+
+    def run(self, results: Dict[str, str], key: str, check: Callable[[], Optional[str]]) -> None:
+        """``results[key]``: "ok", or what ``check`` found wrong (or raised)."""
+        if self.progress is not None:
+            self.progress.write_text(key)
+        try:
+            problem = check()
+        except Exception:
+            problem = traceback.format_exc(limit=6)[-1500:]
+        results[key] = "ok" if problem is None else problem
 
     def get(self, case: str):
         if case not in self._cache:
@@ -182,7 +190,7 @@ def check_allreduce(inputs: Inputs, schemes: Sequence[str]) -> Dict[str, str]:
                         return "result rows differ from the union of the ranks' rows"
                     return compare(y.values, values, y.dtype)
                 return compare(_dense(y), reference, y.dtype)
-            _run(results, f"allreduce/{case}/{scheme}", one)
+            inputs.run(results, f"allreduce/{case}/{scheme}", one)
     return results
 
 
@@ -213,8 +221,8 @@ def check_reduce_scatters(inputs: Inputs) -> Dict[str, str]:
             padded = F.pad(reference.flatten(), (0, size * n - reference.numel()))
             return compare(part, padded[rank * size:(rank + 1) * size], part.dtype)
 
-        _run(results, f"reduce_scatter/{case}", sharded)
-        _run(results, f"reduce_scatter_flat/{case}", flat)
+        inputs.run(results, f"reduce_scatter/{case}", sharded)
+        inputs.run(results, f"reduce_scatter_flat/{case}", flat)
     return results
 
 
@@ -259,52 +267,65 @@ def check_zero0(inputs: Inputs) -> Dict[str, str]:
             return f"parameters differ from stock DeepSpeed's: {where} by {worst:.2e} (relative)"
         return None
 
-    _run(results, f"zero0/{ZERO0_STEPS}_steps_zen_vs_stock", one)
+    inputs.run(results, f"zero0/{ZERO0_STEPS}_steps_zen_vs_stock", one)
     return results
 
 
-def check_gloo_collectives(inputs: Inputs) -> Dict[str, str]:
-    """The collectives zen's Communicator uses, on device tensors through gloo."""
+def gloo_all_reduce(inputs: Inputs) -> Optional[str]:
+    import torch
+    import torch.distributed as dist
+
+    n = inputs.world
+    t = torch.full((5,), float(inputs.rank + 1), device=inputs.device)
+    dist.all_reduce(t)
+    return None if torch.equal(t.cpu(), torch.full((5,), n * (n + 1) / 2)) else f"got {t.tolist()}"
+
+
+def gloo_all_gather_into_tensor(inputs: Inputs) -> Optional[str]:
+    import torch
+    import torch.distributed as dist
+
+    out = torch.empty(2 * inputs.world, device=inputs.device)
+    dist.all_gather_into_tensor(out, torch.full((2,), float(inputs.rank), device=inputs.device))
+    want = torch.arange(inputs.world, dtype=torch.float32).repeat_interleave(2)
+    return None if torch.equal(out.cpu(), want) else f"got {out.tolist()}"
+
+
+def gloo_all_to_all_single(inputs: Inputs) -> Optional[str]:
     import torch
     import torch.distributed as dist
 
     n, rank, device = inputs.world, inputs.rank, inputs.device
-    results: Dict[str, str] = {}
+    splits = [r + 1 for r in range(n)]  # uneven splits, as zen's pushes have
+    send = torch.cat([torch.full((c,), float(100 * rank + d), device=device) for d, c in enumerate(splits)])
+    out = torch.empty((rank + 1) * n, device=device)
+    dist.all_to_all_single(out, send, [rank + 1] * n, splits)
+    want = torch.cat([torch.full((rank + 1,), float(100 * r + rank)) for r in range(n)])
+    return None if torch.equal(out.cpu(), want) else f"got {out.tolist()}"
 
-    def all_reduce() -> Optional[str]:
-        t = torch.full((5,), float(rank + 1), device=device)
-        dist.all_reduce(t)
-        return None if torch.equal(t.cpu(), torch.full((5,), n * (n + 1) / 2)) else f"got {t.tolist()}"
 
-    def all_gather_into_tensor() -> Optional[str]:
-        out = torch.empty(2 * n, device=device)
-        dist.all_gather_into_tensor(out, torch.full((2,), float(rank), device=device))
-        want = torch.arange(n, dtype=torch.float32).repeat_interleave(2)
-        return None if torch.equal(out.cpu(), want) else f"got {out.tolist()}"
+def gloo_batch_isend_irecv(inputs: Inputs) -> Optional[str]:
+    import torch
+    import torch.distributed as dist
 
-    def all_to_all_single() -> Optional[str]:
-        splits = [r + 1 for r in range(n)]  # uneven splits, as zen's pushes have
-        send = torch.cat([torch.full((s,), float(100 * rank + d), device=device)
-                          for d, s in enumerate(splits)])
-        out = torch.empty((rank + 1) * n, device=device)
-        dist.all_to_all_single(out, send, [rank + 1] * n, splits)
-        want = torch.cat([torch.full((rank + 1,), float(100 * s + rank)) for s in range(n)])
-        return None if torch.equal(out.cpu(), want) else f"got {out.tolist()}"
+    n, rank, device = inputs.world, inputs.rank, inputs.device
+    got = torch.empty(3, device=device)
+    ops = [dist.P2POp(dist.isend, torch.full((3,), float(rank), device=device), (rank + 1) % n),
+           dist.P2POp(dist.irecv, got, (rank - 1) % n)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return None if torch.equal(got.cpu(), torch.full((3,), float((rank - 1) % n))) else f"got {got.tolist()}"
 
-    def send_recv() -> Optional[str]:
-        peer_to, peer_from = (rank + 1) % n, (rank - 1) % n
-        got = torch.empty(3, device=device)
-        ops = [dist.P2POp(dist.isend, torch.full((3,), float(rank), device=device), peer_to),
-               dist.P2POp(dist.irecv, got, peer_from)]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        return None if torch.equal(got.cpu(), torch.full((3,), float(peer_from))) else f"got {got.tolist()}"
 
-    for name, fn in (("all_reduce", all_reduce), ("all_gather_into_tensor", all_gather_into_tensor),
-                     ("all_to_all_single", all_to_all_single), ("batch_isend_irecv", send_recv)):
-        _run(results, f"gloo_collectives/{name}", fn)
-        dist.barrier()
-    return results
+def gloo_part(collective: Callable[[Inputs], Optional[str]]) -> Callable[[Inputs], Dict[str, str]]:
+    """A part of its own for one collective of zen's Communicator on device tensors: a backend
+    that cannot move them may kill the process (gloo writes device pointers to its sockets)."""
+    def part(inputs: Inputs) -> Dict[str, str]:
+        results: Dict[str, str] = {}
+        inputs.run(results, "gloo_collectives/" + collective.__name__[len("gloo_"):],
+                   lambda: collective(inputs))
+        return results
+    return part
 
 
 def check_every_scheme(inputs: Inputs) -> Dict[str, str]:
@@ -314,7 +335,10 @@ def check_every_scheme(inputs: Inputs) -> Dict[str, str]:
 
 
 PARTS: Dict[str, Callable[[Inputs], Dict[str, str]]] = {
-    "gloo_collectives": check_gloo_collectives,
+    "gloo_all_reduce": gloo_part(gloo_all_reduce),
+    "gloo_all_gather": gloo_part(gloo_all_gather_into_tensor),
+    "gloo_all_to_all": gloo_part(gloo_all_to_all_single),
+    "gloo_send_recv": gloo_part(gloo_batch_isend_irecv),
     "allreduce": check_every_scheme,
     "reduce_scatter": check_reduce_scatters,
     "zero0": check_zero0,
@@ -324,8 +348,10 @@ PARTS: Dict[str, Callable[[Inputs], Dict[str, str]]] = {
 # ----------------------------------------------------------------------------- ranks
 
 
-def rank_main(rank: int, world: int, port: int, device_kind: str, parts: List[str], queue) -> None:
-    """One rank: join the gloo group, run the parts, put ``(rank, results, error)`` on ``queue``."""
+def rank_main(rank: int, world: int, port: int, device_kind: str, parts: List[str], progress: str,
+              queue) -> None:
+    """One rank: join the gloo group, run the parts, put ``(rank, results, error)`` on ``queue``;
+    the check under way is in ``progress``/rank<rank>."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if str(SUPPORT) not in sys.path:
@@ -339,7 +365,7 @@ def rank_main(rank: int, world: int, port: int, device_kind: str, parts: List[st
         device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
-        inputs = Inputs(rank, world, device)
+        inputs = Inputs(rank, world, device, Path(progress) / f"rank{rank}")
         results: Dict[str, str] = {}
         timings: Dict[str, float] = {}
         for part in parts:
@@ -381,18 +407,38 @@ def run_ranks(ctx, target: Callable, world: int, args: tuple, timeout: float) ->
     return got
 
 
-def run_world(ctx, world: int, device_kind: str, parts: List[str], timeout: float) -> Dict[str, Any]:
-    """Start ``world`` ranks, collect their results: ``{"ranks": ..., "failed": [...]}``."""
-    got = run_ranks(ctx, rank_main, world, (device_kind, parts), timeout)
-    if len(got) < world or any(isinstance(v, str) for v in got.values()):
-        errors = {r: v for r, v in got.items() if isinstance(v, str)}
-        missing = [r for r in range(world) if r not in got]
-        return {"failed": [f"ranks {missing} did not report (timeout {timeout:.0f} s or a crash)"]
-                if missing else [], "errors": errors, "ranks": {}}
-    failed = sorted({f"{key}: {value}" for r in got.values() for key, value in r["results"].items()
-                     if value != "ok"})
-    return {"failed": failed, "checks": len(got[0]["results"]),
-            "seconds": got[0]["seconds"], "ranks": {r: v["results"] for r, v in got.items()}}
+def run_world(ctx, world: int, device_kind: str, parts: List[str], deadline: float) -> Dict[str, Any]:
+    """Each part on ``world`` new ranks (a part that kills its ranks costs only its own checks):
+    ``{"ranks": {rank: {check: result}}, "failed": [...], "errors": {...}, "seconds": {...}}``."""
+    import tempfile
+
+    merged: Dict[int, Dict[str, str]] = {r: {} for r in range(world)}
+    failed: List[str] = []
+    errors: Dict[str, str] = {}
+    seconds: Dict[str, float] = {}
+    for part in parts:
+        left = deadline - time.monotonic()
+        if left < 5:
+            failed.append(f"{part}: not run (time budget spent)")
+            continue
+        with tempfile.TemporaryDirectory(prefix="zen_multirank_") as progress:
+            got = run_ranks(ctx, rank_main, world, (device_kind, [part], progress), min(left, 300.0))
+            missing = [r for r in range(world) if r not in got]
+            if missing:
+                doing = {r: (Path(progress) / f"rank{r}").read_text()
+                         for r in missing if (Path(progress) / f"rank{r}").is_file()}
+                failed.append(f"{part}: ranks {missing} did not report (crashed or timed out); "
+                              f"checks under way: {doing or 'none started'}")
+        for rank, value in got.items():
+            if isinstance(value, str):
+                errors[f"{part}/rank{rank}"] = value
+            else:
+                merged[rank].update(value["results"])
+                seconds[part] = max(seconds.get(part, 0.0), value["seconds"].get(part, 0.0))
+    failed += sorted({f"{key}: {value}" for r in merged.values() for key, value in r.items()
+                      if value != "ok"})
+    return {"failed": failed, "errors": errors, "checks": len(merged[0]), "seconds": seconds,
+            "ranks": {r: v for r, v in merged.items() if v}}
 
 
 def summary(report: Dict[str, Any]) -> List[str]:
@@ -434,9 +480,10 @@ def run(device: str = "auto", worlds: Sequence[int] = (2, 4), parts: Sequence[st
     report: Dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                               "device_kind": device, "parts": list(parts), "worlds": {}}
     started = time.monotonic()
-    for world in worlds:
+    for i, world in enumerate(worlds):  # every world size gets its share of what is left
+        share = (started + timeout - time.monotonic()) / (len(worlds) - i)
         report["worlds"][str(world)] = run_world(ctx, world, device, list(parts),
-                                                 max(30.0, timeout - (time.monotonic() - started)))
+                                                 time.monotonic() + share)
     report["seconds"] = round(time.monotonic() - started, 1)
     report["passed"] = all(not w["failed"] and not w.get("errors") for w in report["worlds"].values())
     return report

@@ -96,6 +96,5 @@ def test_the_gpu_step_runs_tiny_on_cpu(tmp_path):
         if run["zen"]:
             # zen's own work was found in the profiled step, and one rank's sync is the identity
             assert run["zen_ms"] > 0 and run["zen_host_ms"] > 0, run
-            assert run["zen_last_sync"]["nnz_local"] > 0
             assert run["loss_max_rel_diff"] == 0.0, run
     assert "| 1000 | zen-zero3 |" in report["table"]
