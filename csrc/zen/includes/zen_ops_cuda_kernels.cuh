@@ -88,6 +88,8 @@ constexpr int64_t kMaxGrid = ZEN_CUDA_MAX_GRID;  // grid-stride kernels never ne
 constexpr int64_t kMaxPartitionWorld = 1024;  // shared-memory histograms: kWarps * n ints
 constexpr int kScanWords = 4;  // bitmap words per thread in a tile (one 16-byte load)
 constexpr int64_t kTileWords = int64_t(kThreads) * kScanWords;
+// Tile counts up to this many are scanned by one block (one launch); more by a device-wide scan.
+constexpr int64_t kMaxOneBlockScan = 4 * kThreads;
 // A destination with at most this many rows has its row list sorted by one thread (insertion
 // sort); with more, aggregate sorts all destinations with one stable radix sort instead.
 constexpr int64_t kMaxListSort = 64;
@@ -490,9 +492,15 @@ at::Tensor scan_tiles(const BitmapView& b, const at::Tensor& like, ZenStream str
     ZEN_LAUNCH(std::min(b.ntiles, kMaxGrid), kThreads, shmem, stream, tile_popcount_kernel)(
         b, counts.data_ptr<int64_t>());
     ZEN_LAUNCH_CHECK();
-    ZEN_LAUNCH(1, kThreads, shmem, stream, exclusive_scan_kernel)(counts.data_ptr<int64_t>(), b.ntiles,
-                                                                 base.data_ptr<int64_t>());
-    ZEN_LAUNCH_CHECK();
+    if (b.ntiles <= kMaxOneBlockScan) {
+        ZEN_LAUNCH(1, kThreads, shmem, stream, exclusive_scan_kernel)(counts.data_ptr<int64_t>(), b.ntiles,
+                                                                     base.data_ptr<int64_t>());
+        ZEN_LAUNCH_CHECK();
+    } else {  // one block would loop over the tiles: the device-wide scan
+        base.narrow(0, 0, 1).zero_();
+        at::Tensor inclusive = base.narrow(0, 1, b.ntiles);
+        at::cumsum_out(inclusive, counts, 0);
+    }
     return base;
 }
 

@@ -407,6 +407,16 @@ def test_bitmap_decode_known_count(emu, universe):
     assert_same(emu.bitmap_decode(empty, universe, 0), torch.empty(0, dtype=torch.int64))
 
 
+def test_bitmap_decode_more_tiles_than_one_block_scans(emu):
+    """Over 4 * 256 tiles their counts are scanned device-wide instead of by one block."""
+    universe = 1030 * 32768 + 9
+    offsets = torch.cat([torch.tensor([0, universe - 1]),
+                         torch.randint(0, universe, (3000,), generator=_gen(1030))]).unique()
+    bitmap = ref.bitmap_encode(offsets, universe)
+    assert_same(emu.bitmap_decode(bitmap, universe), offsets)
+    assert_same(emu.bitmap_decode(bitmap, universe, offsets.numel()), offsets)
+
+
 def test_bitmap_one_word_contention(emu):
     """1024 threads (4 blocks of 256) set bits of one 32-bit word, each bit 32 times."""
     offsets = torch.arange(32).repeat(32)[torch.randperm(1024, generator=_gen(2))]
