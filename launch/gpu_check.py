@@ -328,15 +328,26 @@ def _script(command: List[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 def step_multirank_one_device(out: Path, timeout: float) -> Dict[str, Any]:
+    sys.path.insert(0, str(REPO / "launch"))
+    from gpu_multirank_check import summary
+
     report_path = out / "multirank.json"
-    proc = _script([str(REPO / "launch" / "gpu_multirank_check.py"), "--device", "cuda",
-                    "--out", str(report_path), "--timeout", str(max(30.0, timeout - 20))], timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("world ")]
-    result: Dict[str, Any] = {"status": "passed" if proc.returncode == 0 else "failed",
-                              "lines": lines, "summary": "; ".join(lines)[:300] or proc.stderr[-300:],
-                              "report": str(report_path)}
-    if proc.returncode != 0:
-        result["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    command = [str(REPO / "launch" / "gpu_multirank_check.py"), "--device", "cuda",
+               "--out", str(report_path), "--timeout", str(max(30.0, timeout - 30))]
+    try:
+        proc = _script(command, timeout)
+        returncode, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired as exc:  # the report so far is on disk
+        returncode, tail = -1, f"timed out after {timeout:.0f} s: {str(exc.stderr or '')[-3000:]}"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    lines = summary(report) if report else []
+    failed = [f"world {w}: {line[:300]}" for w, r in (report or {}).get("worlds", {}).items()
+              for line in r["failed"][:10]]
+    result: Dict[str, Any] = {"status": "passed" if returncode == 0 else "failed", "lines": lines,
+                              "summary": "; ".join(lines)[:300] or tail[-300:],
+                              "failed_checks": failed, "report": str(report_path)}
+    if returncode != 0:
+        result["output_tail"] = tail
     return result
 
 

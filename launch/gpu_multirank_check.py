@@ -407,9 +407,14 @@ def run_ranks(ctx, target: Callable, world: int, args: tuple, timeout: float) ->
     return got
 
 
-def run_world(ctx, world: int, device_kind: str, parts: List[str], deadline: float) -> Dict[str, Any]:
+PART_TIMEOUT_S = 120.0  # a part whose ranks hang (a peer died inside a collective) gives up here
+
+
+def run_world(ctx, world: int, device_kind: str, parts: List[str], deadline: float,
+              on_part: Callable[[Dict[str, Any]], None] = lambda world_report: None) -> Dict[str, Any]:
     """Each part on ``world`` new ranks (a part that kills its ranks costs only its own checks):
-    ``{"ranks": {rank: {check: result}}, "failed": [...], "errors": {...}, "seconds": {...}}``."""
+    ``{"ranks": {rank: {check: result}}, "failed": [...], "errors": {...}, "seconds": {...}}``;
+    ``on_part`` gets that report so far after every part."""
     import tempfile
 
     merged: Dict[int, Dict[str, str]] = {r: {} for r in range(world)}
@@ -422,7 +427,8 @@ def run_world(ctx, world: int, device_kind: str, parts: List[str], deadline: flo
             failed.append(f"{part}: not run (time budget spent)")
             continue
         with tempfile.TemporaryDirectory(prefix="zen_multirank_") as progress:
-            got = run_ranks(ctx, rank_main, world, (device_kind, [part], progress), min(left, 300.0))
+            got = run_ranks(ctx, rank_main, world, (device_kind, [part], progress),
+                            min(left, PART_TIMEOUT_S))
             missing = [r for r in range(world) if r not in got]
             if missing:
                 doing = {r: (Path(progress) / f"rank{r}").read_text()
@@ -435,10 +441,15 @@ def run_world(ctx, world: int, device_kind: str, parts: List[str], deadline: flo
             else:
                 merged[rank].update(value["results"])
                 seconds[part] = max(seconds.get(part, 0.0), value["seconds"].get(part, 0.0))
-    failed += sorted({f"{key}: {value}" for r in merged.values() for key, value in r.items()
-                      if value != "ok"})
-    return {"failed": failed, "errors": errors, "checks": len(merged[0]), "seconds": seconds,
-            "ranks": {r: v for r, v in merged.items() if v}}
+        on_part(_world_report(merged, failed, errors, seconds))
+    return _world_report(merged, failed, errors, seconds)
+
+
+def _world_report(merged: Dict[int, Dict[str, str]], failed: List[str], errors: Dict[str, str],
+                  seconds: Dict[str, float]) -> Dict[str, Any]:
+    wrong = sorted({f"{key}: {value}" for r in merged.values() for key, value in r.items() if value != "ok"})
+    return {"failed": failed + wrong, "errors": dict(errors), "checks": len(merged[0]),
+            "seconds": dict(seconds), "ranks": {r: dict(v) for r, v in merged.items() if v}}
 
 
 def summary(report: Dict[str, Any]) -> List[str]:
@@ -461,9 +472,10 @@ def summary(report: Dict[str, Any]) -> List[str]:
 
 
 def run(device: str = "auto", worlds: Sequence[int] = (2, 4), parts: Sequence[str] = tuple(PARTS),
-        timeout: float = 600.0) -> Dict[str, Any]:
+        timeout: float = 600.0, out: Optional[Path] = None) -> Dict[str, Any]:
     """Every world size in turn; ranks fork from one server that imported torch, DeepSpeed and
-    zen_ds once (a rank pays no imports)."""
+    zen_ds once (a rank pays no imports). ``out``: the report so far is written there after every
+    part (a caller that stops this process early still has it)."""
     import torch.multiprocessing as mp
 
     if str(SUPPORT) not in sys.path:
@@ -480,12 +492,18 @@ def run(device: str = "auto", worlds: Sequence[int] = (2, 4), parts: Sequence[st
     report: Dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                               "device_kind": device, "parts": list(parts), "worlds": {}}
     started = time.monotonic()
+    def save(world: int, world_report: Dict[str, Any]) -> None:
+        report["worlds"][str(world)] = world_report
+        report["seconds"] = round(time.monotonic() - started, 1)
+        report["passed"] = all(not w["failed"] and not w.get("errors") for w in report["worlds"].values())
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1, default=str))
+
     for i, world in enumerate(worlds):  # every world size gets its share of what is left
         share = (started + timeout - time.monotonic()) / (len(worlds) - i)
-        report["worlds"][str(world)] = run_world(ctx, world, device, list(parts),
-                                                 time.monotonic() + share)
-    report["seconds"] = round(time.monotonic() - started, 1)
-    report["passed"] = all(not w["failed"] and not w.get("errors") for w in report["worlds"].values())
+        save(world, run_world(ctx, world, device, list(parts), time.monotonic() + share,
+                              lambda so_far, world=world: save(world, so_far)))
     return report
 
 
@@ -502,10 +520,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         parser.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
-    report = run(args.device, [int(w) for w in args.worlds.split(",")], parts, args.timeout)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    report = run(args.device, [int(w) for w in args.worlds.split(",")], parts, args.timeout,
+                 Path(args.out) if args.out else None)
     for line in summary(report):
         print(line, flush=True)
     for world, result in report["worlds"].items():
