@@ -15,16 +15,24 @@ install inside 8) runs out:
 3. ``selfcheck``: every compiled op against the torch op on ``cuda:0``.
 4. ``op_tests``: the CUDA op tests (``tests/unit/ops/test_ops.py -k cuda``).
 5. ``bandwidth``: each op on CUDA tensors of 64 MB and 256 MB against a device-to-device copy of
-   the same bytes (GB/s of the op's input bytes, and % of the copy's time).
-6. ``sync_world1``: ``sparse_allreduce`` with every scheme on CUDA tensors in one process.
-7. ``sync_nccl2``: with >= 2 GPUs, 2 NCCL ranks, every scheme against ``dist.all_reduce``.
-8. ``deepspeed``: a few steps of the quick start (``examples/train_embedding.py``) with zen and
-   with stock DeepSpeed, ZeRO-0, ZeRO-2 and ZeRO-3; the losses must agree.
-9. ``feature_matrix``: the cells of docs/support_matrix.md stock DeepSpeed cannot run on a CPU
-   (ZeRO++ qwZ / qgZ, DeepCompile), stock and with zen; the parameters must agree.
+   the same bytes (GB/s of the op's input bytes, and % of the copy's time; bitmap_decode against
+   a copy of its output bytes), next to the issue's bar (70%, 80% for the scans).
+6. ``multirank_one_device``: ``launch/gpu_multirank_check.py``: 2 and 4 gloo ranks sharing
+   ``cuda:0``: every scheme against ``dist.all_reduce`` on the adversarial inputs, both
+   reduce-scatters, the ZeRO-0 plug-in against stock DeepSpeed.
+7. ``gpu_step``: ``examples/gpu_step.py``: a Llama-shaped bf16 model (vocab 128256 and 262144,
+   hidden 2048, seq 4096) on one GPU, stock vs zen at ZeRO-0/2/3 and row_sharded: step time,
+   zen's own time and share, peak memory (as many runs as its share of the budget allows).
+8. ``sync_world1``: ``sparse_allreduce`` with every scheme on CUDA tensors in one process.
+9. ``sync_nccl2``: with >= 2 GPUs, 2 NCCL ranks, every scheme against ``dist.all_reduce``.
+10. ``deepspeed``: a few steps of the quick start (``examples/train_embedding.py``) with zen and
+    with stock DeepSpeed, ZeRO-0, ZeRO-2 and ZeRO-3; the losses must agree.
+11. ``feature_matrix``: the cells of docs/support_matrix.md stock DeepSpeed cannot run on a CPU
+    (ZeRO++ qwZ / qgZ, DeepCompile), stock and with zen; the parameters must agree.
 
-Writes ``gpu_check.json`` and ``gpu_check.md`` (a table) into ``--out``. Exits 2 at once, printing
-"no CUDA device", when torch sees no GPU; 1 when a step failed; 0 otherwise.
+Writes ``gpu_check.json`` and ``gpu_check.md`` (the tables) into ``--out``, with the scripts' own
+reports (``multirank.json``, ``gpu_step.json``). Exits 2 at once, printing "no CUDA device", when
+torch sees no GPU; 1 when a step failed; 0 otherwise.
 """
 from __future__ import annotations
 
@@ -109,10 +117,17 @@ def table(report: Dict[str, Any]) -> str:
                      f"{str(note).splitlines()[0][:120] if note else ''} |")
     rows = report.get("steps", {}).get("bandwidth", {}).get("ops", [])
     if rows:
-        lines += ["", "| op | MB | op ms | copy ms | op GB/s | % of copy |", "|---|---|---|---|---|---|"]
+        lines += ["", "| op | MB | op ms | copy ms | op GB/s | % of copy | bar % |",
+                  "|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['op']} | {r['mb']} | {r['op_ms']:.3f} | {r['copy_ms']:.3f} | "
-                         f"{r['gbps']:.1f} | {r['pct_of_copy']:.0f} |")
+                         f"{r['gbps']:.1f} | {r['pct_of_copy']:.0f} | {r.get('bar', '')} |")
+    multirank = report.get("steps", {}).get("multirank_one_device", {}).get("lines", [])
+    if multirank:
+        lines += ["", "multi-rank on one device (gloo ranks sharing cuda:0):"] + [f"- {line}" for line in multirank]
+    step_table = report.get("steps", {}).get("gpu_step", {}).get("table")
+    if step_table:
+        lines += ["", step_table.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -196,7 +211,8 @@ def _timed(fn: Callable[[], Any], repeats: int = 21) -> float:
 
 
 def _op_cases(mb: int) -> List[Dict[str, Any]]:
-    """(name, callable, input bytes) for every op at about ``mb`` MB of input on cuda:0."""
+    """(name, callable, input bytes, the copy's bytes when not the input's, the issue's bar in %)
+    for every op at about ``mb`` MB of input on cuda:0."""
     import torch
 
     import zen_ds.ops as ops
@@ -221,50 +237,138 @@ def _op_cases(mb: int) -> List[Dict[str, Any]]:
     shard_offsets = torch.randperm(shard, device=dev, generator=g)[: k // 4].sort().values
     shard_values = values[: k // 4]
     out = torch.zeros(num_rows, width, device=dev)
+    unique = torch.randperm(num_rows, device=dev, generator=g)[:k]
+    shard_bitmap = impl.bitmap_encode(shard_offsets, shard)
+    # a Llama embedding's gradient rows (bf16 x 2048) from 2 ranks, 3/4 of the rows shared
+    wide = 2048
+    k2 = mb * 2**20 // (2 * wide + 8)
+    wide_rows = torch.randperm(4 * k2, device=dev, generator=g)[: k2 // 2 + k2 // 4]
+    wide_dup = torch.cat([wide_rows[: k2 // 2], wide_rows[k2 // 4:]])
+    wide_values = torch.randn(wide_dup.numel(), wide, device=dev, generator=g).to(torch.bfloat16)
+    decoded = offsets.numel()  # one set bit per 16 positions
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     return [
         {"op": "permute", "fn": lambda: impl.permute(ids, num_rows, 7), "bytes": nbytes(ids)},
         {"op": "nonzero_rows (scan)", "fn": lambda: impl.nonzero_rows(dense),
-         "bytes": nbytes(dense)},
+         "bytes": nbytes(dense), "bar": 80},
         {"op": "partition (n=8)",
          "fn": lambda: impl.partition(rows, values, num_rows, 8, 3, torch.int32),
          "bytes": nbytes(rows, values)},
         {"op": "aggregate", "fn": lambda: impl.aggregate(dup, values, torch.float32, 2),
          "bytes": nbytes(dup, values)},
+        {"op": "aggregate (unique rows)",
+         "fn": lambda: impl.aggregate(unique, values, torch.float32, 2), "bytes": nbytes(unique, values)},
+        {"op": "aggregate (bf16 x 2048, 2 ranks)",
+         "fn": lambda: impl.aggregate(wide_dup, wide_values, torch.float32, 2),
+         "bytes": nbytes(wide_dup, wide_values)},
         {"op": "aggregate_bitmap",
          "fn": lambda: impl.aggregate_bitmap(dup, values, torch.float32, k, 2),
          "bytes": nbytes(dup, values)},
         {"op": "bitmap_encode", "fn": lambda: impl.bitmap_encode(offsets, universe),
-         "bytes": nbytes(offsets)},
+         "bytes": nbytes(offsets), "bar": 80},
         {"op": "bitmap_decode", "fn": lambda: impl.bitmap_decode(bitmap, universe),
-         "bytes": nbytes(bitmap)},
+         "bytes": nbytes(bitmap), "copy_bytes": 8 * decoded},
+        {"op": "bitmap_decode (count)", "fn": lambda: impl.bitmap_decode(bitmap, universe, decoded),
+         "bytes": nbytes(bitmap), "copy_bytes": 8 * decoded},
         {"op": "scatter_rows", "fn": lambda: impl.scatter_rows(out, rows, values),
          "bytes": nbytes(rows, values)},
         {"op": "scatter_shard (coo)",
          "fn": lambda: impl.scatter_shard(out, shard_offsets, shard_values, False, shard, 0,
                                           num_rows, 3),
          "bytes": nbytes(shard_offsets, shard_values)},
+        {"op": "scatter_shard (bitmap)",
+         "fn": lambda: impl.scatter_shard(out, shard_bitmap, shard_values, True, shard, 0,
+                                          num_rows, 3),
+         "bytes": nbytes(shard_bitmap, shard_values)},
     ]
+
+
+def _kernel_breakdown(fn: Callable[[], Any], top: int = 10) -> List[Dict[str, Any]]:
+    """The device time of each kernel (and copy) one call of ``fn`` runs, largest first: where an
+    op under its bar spends its time."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if device_us > 0:
+            rows.append({"kernel": event.key[:90], "us": round(device_us, 1), "calls": event.count})
+    return sorted(rows, key=lambda r: -r["us"])[:top]
 
 
 def step_bandwidth(check: Check) -> Dict[str, Any]:
     import torch
 
     rows = []
+    breakdown: Dict[str, Any] = {}
     for mb in SIZES_MB:
         if check.left() < 30:
             break
         for case in _op_cases(mb):
-            src = torch.empty(case["bytes"], dtype=torch.uint8, device="cuda")
+            src = torch.empty(case.get("copy_bytes", case["bytes"]), dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(src)
             copy_ms = _timed(lambda: dst.copy_(src))
             op_ms = _timed(case["fn"])
             rows.append({"op": case["op"], "mb": round(case["bytes"] / 2**20), "op_ms": op_ms,
                          "copy_ms": copy_ms, "gbps": case["bytes"] / op_ms / 1e6,
-                         "pct_of_copy": 100.0 * copy_ms / op_ms})
+                         "pct_of_copy": 100.0 * copy_ms / op_ms, "bar": case.get("bar", 70)})
+            if mb == SIZES_MB[-1] and rows[-1]["pct_of_copy"] < rows[-1]["bar"]:
+                breakdown[case["op"]] = _kernel_breakdown(case["fn"])
             del src, dst
         torch.cuda.empty_cache()
-    return {"ops": rows, "summary": f"{len(rows)} timings"}
+    return {"ops": rows, "kernels_of_ops_under_their_bar": breakdown, "summary": f"{len(rows)} timings"}
+
+
+def _script(command: List[str], timeout: float) -> subprocess.CompletedProcess:
+    """One of the check's scripts as a new process, from the checkout (its zen_ds is the one
+    installed, as for the op tests)."""
+    return subprocess.run([sys.executable] + command, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def step_multirank_one_device(out: Path, timeout: float) -> Dict[str, Any]:
+    sys.path.insert(0, str(REPO / "launch"))
+    from gpu_multirank_check import summary
+
+    report_path = out / "multirank.json"
+    command = [str(REPO / "launch" / "gpu_multirank_check.py"), "--device", "cuda",
+               "--out", str(report_path), "--timeout", str(max(30.0, timeout - 30))]
+    try:
+        proc = _script(command, timeout)
+        returncode, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired as exc:  # the report so far is on disk
+        returncode, tail = -1, f"timed out after {timeout:.0f} s: {str(exc.stderr or '')[-3000:]}"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    lines = summary(report) if report else []
+    failed = [f"world {w}: {line[:300]}" for w, r in (report or {}).get("worlds", {}).items()
+              for line in r["failed"][:10]]
+    result: Dict[str, Any] = {"status": "passed" if returncode == 0 else "failed", "lines": lines,
+                              "summary": "; ".join(lines)[:300] or tail[-300:],
+                              "failed_checks": failed, "report": str(report_path)}
+    if returncode != 0:
+        result["output_tail"] = tail
+    return result
+
+
+def step_gpu_step(out: Path, budget: float) -> Dict[str, Any]:
+    report_path = out / "gpu_step.json"
+    proc = _script([str(REPO / "examples" / "gpu_step.py"), "--out", str(report_path),
+                    "--budget", str(max(10.0, budget - 60))], budget + 60)
+    result: Dict[str, Any] = {"status": "passed" if proc.returncode == 0 else "failed",
+                              "report": str(report_path)}
+    if report_path.is_file():
+        step = json.loads(report_path.read_text())
+        result["table"] = step.get("table", "")
+        done = [r for r in step["runs"] if "step_ms" in r]
+        result["summary"] = (f"{len(done)}/{len(step['runs'])} runs; zen share of the step "
+                             + ", ".join(f"{r['vocab']}/{r['run']} {r['zen_share']:.1%}"
+                                         for r in done if r.get("zen_share") is not None))
+    if proc.returncode != 0:
+        result["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    return result
 
 
 def _sync_inputs(rank: int, device):
@@ -339,28 +443,10 @@ def step_sync_nccl2(timeout: float) -> Dict[str, Any]:
 
     if cuda_devices() < 2:
         return {"status": "skipped", "why": "fewer than 2 GPUs"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_rank, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < 2 and time.monotonic() < deadline:
-        try:
-            rank, results, error = queue.get(timeout=5)
-        except Exception:
-            if not any(p.is_alive() for p in procs):
-                break
-            continue
-        got[rank] = error or results
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    sys.path.insert(0, str(REPO / "launch"))
+    from gpu_multirank_check import run_ranks
+
+    got = run_ranks(mp.get_context("spawn"), _nccl_rank, 2, (), timeout)
     errors = {r: v for r, v in got.items() if isinstance(v, str)}
     if len(got) < 2 or errors:
         return {"status": "failed", "error": str(errors or "a rank did not report")[-3000:]}
@@ -463,6 +549,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         check.step("selfcheck", step_selfcheck, 20)
         check.step("op_tests", lambda: step_op_tests(max(30.0, min(150.0, check.left() - 200))), 60)
         check.step("bandwidth", lambda: step_bandwidth(check), 40)
+    check.step("multirank_one_device",
+               lambda: step_multirank_one_device(check.out, max(60.0, min(180.0, check.left() - 200))), 60)
+    check.step("gpu_step", lambda: step_gpu_step(check.out, max(30.0, check.left() - 110)), 60)
     check.step("sync_world1", step_sync_world1, 20)
     check.step("sync_nccl2", lambda: step_sync_nccl2(max(30.0, min(120.0, check.left() - 120))), 40)
     check.step("deepspeed", lambda: step_deepspeed(check), 60)

@@ -88,9 +88,9 @@ at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe)
     return ZEN_DISPATCH(offsets, bitmap_encode, offsets, universe);
 }
 
-at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe)
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe, int64_t count)
 {
-    return ZEN_DISPATCH(bitmap, bitmap_decode, bitmap, universe);
+    return ZEN_DISPATCH(bitmap, bitmap_decode, bitmap, universe, count);
 }
 
 void scatter_rows(at::Tensor out, const at::Tensor& rows, const at::Tensor& values)
@@ -132,7 +132,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("aggregate_bitmap", &aggregate_bitmap,
           "aggregate + bitmap_encode of the unique offsets over [0, universe), in one pass");
     m.def("bitmap_encode", &bitmap_encode, "little-endian uint8 bitmap of offsets");
-    m.def("bitmap_decode", &bitmap_decode, "set bit positions of a bitmap (int64)");
+    m.def("bitmap_decode", &bitmap_decode, pybind11::arg("bitmap"), pybind11::arg("universe"),
+          pybind11::arg("count") = -1,
+          "set bit positions of a bitmap (int64); count: the number of set bits if known, else -1");
     m.def("scatter_rows", &scatter_rows, "out[rows] = values, in place");
     m.def("scatter_shard", &scatter_shard,
           "out[pi^-1(shard_start + p)] = values for the shard's positions p (bitmap or COO)");

@@ -133,8 +133,12 @@ def bitmap_encode(offsets, universe):
     return backend().bitmap_encode(offsets, universe)
 
 
-def bitmap_decode(bitmap, universe):
-    return backend().bitmap_decode(bitmap, universe)
+def bitmap_decode(bitmap, universe, count=None):
+    """Set bit positions of a bitmap; ``count``: its number of set bits when the caller knows it
+    (the CUDA op then sizes its output without a host read; another count is an error)."""
+    if count is None:
+        return backend().bitmap_decode(bitmap, universe)
+    return backend().bitmap_decode(bitmap, universe, count)
 
 
 def scatter_rows(out, rows, values):

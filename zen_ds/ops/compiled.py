@@ -218,11 +218,17 @@ class CompiledOps:
         return self.module.bitmap_encode(_ids(offsets), int(universe))
 
     @_self_checked
-    def bitmap_decode(self, bitmap: torch.Tensor, universe: int) -> torch.Tensor:
+    def bitmap_decode(self, bitmap: torch.Tensor, universe: int, count: Optional[int] = None
+                      ) -> torch.Tensor:
         if bitmap.dtype != torch.uint8 or not self.native(bitmap):
-            return torch_ops.bitmap_decode(bitmap, universe)
+            return torch_ops.bitmap_decode(bitmap, universe, count)
         torch_ops.check_bitmap_size("bitmap_decode", bitmap, universe)
-        return self.module.bitmap_decode(bitmap.reshape(-1).contiguous(), int(universe))
+        flat = bitmap.reshape(-1).contiguous()
+        if count is None:
+            return self.module.bitmap_decode(flat, int(universe))
+        if count < 0:
+            raise ValueError(f"bitmap_decode: count must be >= 0, got {count}")
+        return self.module.bitmap_decode(flat, int(universe), int(count))
 
     @_self_checked
     def scatter_rows(self, out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor

@@ -75,7 +75,12 @@ def _offsets(universe: int, salt: int) -> List[torch.Tensor]:
 def _aggregate_cases(with_universe: bool) -> List[Case]:
     cases: List[Case] = []
     universe = 77
-    for i, offsets in enumerate(_offsets(universe, 5)):
+    offset_sets = _offsets(universe, 5)
+    # one offset 70 times (more rows per destination than the CUDA kernel sorts per destination)
+    offset_sets.append(torch.full((70,), universe // 2, dtype=torch.int64))
+    if not with_universe:  # offsets spread far wider than their number (the CUDA sort path)
+        offset_sets.append(torch.tensor([2**40 + 7, 0, 5, 2**40 + 7, 2**33]))
+    for i, offsets in enumerate(offset_sets):
         for dtype, accum in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                              (torch.float64, torch.float64)):
             values = _values(offsets.numel(), 6 + i, dtype=dtype)

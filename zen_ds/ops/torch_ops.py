@@ -10,7 +10,7 @@ intermediate values stay below 2**63 so int64 torch arithmetic and C++ arithmeti
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -209,11 +209,13 @@ def check_bitmap_size(op: str, bitmap: torch.Tensor, universe: int) -> None:
                          f"bytes, got {bitmap.numel()} (truncated or corrupted payload)")
 
 
-def bitmap_decode(bitmap: torch.Tensor, universe: int) -> torch.Tensor:
+def bitmap_decode(bitmap: torch.Tensor, universe: int, count: Optional[int] = None) -> torch.Tensor:
     """Set bit positions (int64, ascending) of a bitmap made by :func:`bitmap_encode`.
 
     The bitmap must have exactly ``ceil(universe / 8)`` bytes (a truncated or padded buffer is an
-    error); bits past ``universe`` in its last byte are ignored.
+    error); bits past ``universe`` in its last byte are ignored. ``count``: the number of set bits
+    when the caller knows it (e.g. from the handshake), which lets the CUDA op size its output
+    without reading the device; a bitmap with another number of set bits is an error.
     """
     check_bitmap_size("bitmap_decode", bitmap, universe)
     byte_index = bitmap.nonzero().flatten()
@@ -221,7 +223,11 @@ def bitmap_decode(bitmap: torch.Tensor, universe: int) -> torch.Tensor:
     bits = (bitmap[byte_index].view(-1, 1) >> shifts) & 1
     nz = bits.nonzero()
     positions = byte_index[nz[:, 0]] * 8 + nz[:, 1]
-    return positions[positions < universe]
+    positions = positions[positions < universe]
+    if count is not None and positions.numel() != count:
+        raise ValueError(f"bitmap_decode: the bitmap has {positions.numel()} set bits but count is "
+                         f"{count}: a truncated or corrupted payload")
+    return positions
 
 
 def scatter_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

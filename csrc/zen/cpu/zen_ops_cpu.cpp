@@ -865,7 +865,7 @@ std::vector<int64_t> set_bits_before_chunks(const BitmapWords& word, int64_t chu
     return start;
 }
 
-at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe)
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe, int64_t count)
 {
     TORCH_CHECK(bitmap.device().is_cpu() && bitmap.scalar_type() == at::kByte && bitmap.is_contiguous(),
                 "zen_ds bitmap_decode: bitmap must be a contiguous uint8 CPU tensor");
@@ -875,6 +875,8 @@ at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe)
     const int64_t nwords = word.nwords;
     const int64_t chunks = num_chunks(nwords, 1 << 12);
     const std::vector<int64_t> start = set_bits_before_chunks(word, chunks);
+    TORCH_CHECK(count < 0 || start[chunks] == count, "zen_ds bitmap_decode: the bitmap has ",
+                start[chunks], " set bits but count is ", count, ": a truncated or corrupted payload");
     at::Tensor out = at::empty({start[chunks]}, bitmap.options().dtype(at::kLong));
     int64_t* dst = out.data_ptr<int64_t>();
     for_each_chunk(chunks, nwords, [&](int64_t c, int64_t b, int64_t e) {

@@ -5,8 +5,8 @@
 // fiber runs until it waits in __syncthreads or a warp collective, or returns, then the next ready
 // one runs. __syncthreads is a barrier over the block's live threads (a thread that returned no
 // longer counts, as on the GPU), a warp collective (__any_sync, __ballot_sync, __match_any_sync,
-// __syncwarp) waits for every lane its mask names, dynamic shared memory is one buffer per block
-// filled with garbage at block start, atomics are std::atomic_ref operations.
+// __shfl_up_sync, __syncwarp) waits for every lane its mask names, dynamic shared memory is one
+// buffer per block filled with garbage at block start, atomics are std::atomic_ref operations.
 //
 // Since fibers take turns, the code between two barriers of one thread runs without interleaving
 // with other threads: a race shows as a dependence on the order the threads run in. That order
@@ -30,8 +30,9 @@
 // thread order:
 // the schedule a warp executing a plain read-then-write in lockstep produces. A test proves with it
 // that its inputs contend, i.e. that a kernel missing an atomic would be caught.
-// set_fault("warp_prefix_skips_warp0") turns on the kernels' one mutation point (an off-by-one in
-// the partition's per-warp prefix; see ZEN_MUTATION_WARP_PREFIX_FIRST) without a second build.
+// set_fault("warp_prefix_skips_warp0") and set_fault("scan_off_by_one") turn on the kernels'
+// mutation points (an off-by-one in the partition's per-warp prefix, one in the block scan's first
+// shuffle step; see ZEN_MUTATION_* in the kernels header) without a second build.
 //
 // Several OS threads may launch at once: each has its own fibers; only the launch counts, the
 // fault and the count of blocks run (which picks each block's order) are shared, under a mutex.
@@ -86,7 +87,7 @@ namespace zen_emu {
 constexpr size_t kMaxSharedBytes = 48 * 1024;  // dynamic shared memory without an opt-in
 constexpr int kMaxBlockThreads = 1024;
 
-enum class Fault { none, nonatomic, warp_prefix_skips_warp0 };
+enum class Fault { none, nonatomic, warp_prefix_skips_warp0, scan_off_by_one };
 
 // Unwinds a thread whose block was aborted by another thread's error.
 struct Aborted {
@@ -706,8 +707,9 @@ inline void set_fault(const std::string& name)
     if (name == "none") registry().fault = Fault::none;
     else if (name == "nonatomic") registry().fault = Fault::nonatomic;
     else if (name == "warp_prefix_skips_warp0") registry().fault = Fault::warp_prefix_skips_warp0;
+    else if (name == "scan_off_by_one") registry().fault = Fault::scan_off_by_one;
     else throw std::invalid_argument("zen_ds emulation: unknown fault '" + name +
-                                     "' (none, nonatomic, warp_prefix_skips_warp0)");
+                                     "' (none, nonatomic, warp_prefix_skips_warp0, scan_off_by_one)");
 }
 
 inline std::map<std::string, int64_t> launch_counts()
@@ -838,6 +840,24 @@ unsigned int __match_any_sync(unsigned int mask, T value)
     return peers;
 }
 
+// var of lane (lane - delta) within each group of `width` lanes; a lane below that keeps its own.
+template <typename T>
+T __shfl_up_sync(unsigned int mask, T var, unsigned int delta, int width = 32)
+{
+    static_assert(std::is_trivially_copyable<T>::value && sizeof(T) <= 8, "__shfl_up_sync takes up to 8 bytes");
+    uint64_t values[32];
+    uint64_t mine = 0;
+    std::memcpy(&mine, &var, sizeof(T));
+    zen_emu::block_of_caller().warp_exchange(zen_emu::current_thread, "__shfl_up_sync", mask, mine,
+                                             values);
+    const int lane = zen_emu::current_thread % 32;
+    const int source = lane - static_cast<int>(delta);
+    if (source < lane / width * width) return var;
+    T out;
+    std::memcpy(&out, &values[source], sizeof(T));
+    return out;
+}
+
 inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
@@ -855,9 +875,11 @@ T rmw(T* address, Op op, Atomic atomic)
 
 }  // namespace zen_emu
 
-// The kernels' mutation point (zen_ops_cuda_kernels.cuh): wrong only under that fault.
+// The kernels' mutation points (zen_ops_cuda_kernels.cuh): wrong only under their faults.
 #define ZEN_MUTATION_WARP_PREFIX_FIRST \
     (zen_emu::block_of_caller().fault() == zen_emu::Fault::warp_prefix_skips_warp0 ? 1 : 0)
+#define ZEN_MUTATION_SCAN_FIRST_LANE \
+    (zen_emu::block_of_caller().fault() == zen_emu::Fault::scan_off_by_one ? 1 : 0)
 
 template <typename T, typename V>
 T atomicAdd(T* address, V value)

@@ -171,6 +171,7 @@ void bind(pybind11::module_& m)
     m.def("emu_set_fault", &zen_emu::set_fault,
           "'nonatomic': atomics become plain read-modify-writes under the worst lockstep schedule; "
           "'warp_prefix_skips_warp0': the partition's per-warp prefix skips warp 0 (an off-by-one); "
+          "'scan_off_by_one': the block scan's first shuffle step leaves out lane 0; "
           "'none': correct again");
     m.def("emu_launch_counts", &zen_emu::launch_counts, "kernel name -> launches since the reset");
     m.def("emu_reset_launch_counts", &zen_emu::reset_launch_counts);

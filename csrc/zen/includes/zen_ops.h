@@ -2,6 +2,8 @@
 //
 // Callers (zen_ds/ops/compiled.py) pass contiguous tensors: ids as int64, values viewed as
 // [k, row_numel]. Every size and index is 64-bit. Semantics are those of zen_ds/ops/torch_ops.py.
+// bitmap_decode's `count`: the number of set bits when the caller knows it (the output is then
+// sized without reading the device), else -1.
 #pragma once
 
 // ATen/core/Tensor.h, not ATen/ATen.h: every source includes just the operator headers it calls
@@ -37,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor
                                                                 at::ScalarType accum_dtype,
                                                                 int64_t universe, int64_t terms);
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
-at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe, int64_t count);
 void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
 void scatter_shard(at::Tensor& out, const at::Tensor& index, const at::Tensor& values, bool bitmap,
                    int64_t universe, int64_t shard_start, const PermArgs& perm);
@@ -61,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_bitmap(const at::Tensor
                                                                 at::ScalarType accum_dtype,
                                                                 int64_t universe, int64_t terms);
 at::Tensor bitmap_encode(const at::Tensor& offsets, int64_t universe);
-at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe);
+at::Tensor bitmap_decode(const at::Tensor& bitmap, int64_t universe, int64_t count);
 void scatter_rows(at::Tensor& out, const at::Tensor& rows, const at::Tensor& values);
 void scatter_shard(at::Tensor& out, const at::Tensor& index, const at::Tensor& values, bool bitmap,
                    int64_t universe, int64_t shard_start, const PermArgs& perm);

@@ -280,6 +280,70 @@ def test_aggregate(emu, dtype, universe):
     assert_close_sums(got[1], want[1])
 
 
+def input_order_sums(offsets: torch.Tensor, values: torch.Tensor, accum: torch.dtype,
+                     terms: int = 0):
+    """(unique offsets, sums) with every sum adding its rows in input order, one rounding per
+    addition: the order the kernels promise. Built level by level: level r adds every
+    destination's r-th row (in input order), so no index repeats inside one index_add_."""
+    offsets = offsets.to(torch.int64)
+    unique, inverse, counts = torch.unique(offsets, sorted=True, return_inverse=True,
+                                           return_counts=True)
+    shape = tuple(values.shape[1:])
+    first = torch.where(counts < terms, 0.0, -0.0).to(accum) if terms > 1 else \
+        torch.full(counts.shape, -0.0, dtype=accum)
+    sums = first.view((-1,) + (1,) * len(shape)).expand((unique.numel(),) + shape).clone()
+    order = torch.argsort(inverse, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    level = torch.empty_like(inverse)
+    level[order] = torch.arange(inverse.numel()) - starts.repeat_interleave(counts)
+    widened = values.to(accum)
+    for r in range(int(counts.max()) if counts.numel() else 0):
+        at = (level == r).nonzero().flatten()
+        sums.index_add_(0, inverse[at], widened[at])
+    return unique, sums
+
+
+def _order_sensitive(k: int, shape: tuple, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Values whose float sums depend on the order of addition (magnitudes 1e6, 1, 1e-3)."""
+    scale = torch.tensor([1e6, 1.0, 1e-3]).repeat(k // 3 + 1)[:k].view((k,) + (1,) * len(shape))
+    return (torch.randn((k,) + shape, generator=gen) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_aggregate_sums_in_input_order(emu, dtype):
+    """Order-sensitive random values, bit for bit against the input-order sums (and so against
+    the CPU kernels and today's torch reference on the CPU): every destination kind of the
+    counted scatter (one row: plain store; 2..64 rows: per-destination lists; more: the radix
+    sort), the sort path (offsets far sparser than their range) and bitmaps of several tiles."""
+    gen = _gen(17)
+    accums = [torch.float64] if dtype == torch.float64 else [torch.float32, torch.float64]
+    last = 200_003  # > 6 tiles of 32768 bits: the grid-stride loops over tiles wrap
+    unique_rows = torch.randperm(last + 1, generator=gen)[:900]
+    cases = {
+        "all unique": unique_rows,
+        "pairs": torch.cat([unique_rows[:400], unique_rows[:400].flip(0)]),
+        "64 of one": torch.cat([torch.full((64,), last), unique_rows[:50]])[torch.randperm(114, generator=gen)],
+        "65 of one": torch.cat([torch.full((65,), 0), unique_rows[:50]]),
+        "600 of one": torch.cat([torch.full((600,), last // 2), unique_rows[:100]]),
+        "row 0 and last": torch.tensor([last, 0, last, 0, last, 0]),
+        "sparse range": torch.tensor([2**40, 3, 2**40, 2**35 + 1, 3, 0] * 50),
+    }
+    for name, offsets in cases.items():
+        for i, accum in enumerate(accums):
+            shape = () if i % 2 else (5,)
+            values = _order_sensitive(offsets.numel(), shape, dtype, gen)
+            for terms in (0, 2):
+                got = emu.aggregate(offsets, values, accum, terms)
+                want = input_order_sums(offsets, values, accum, terms)
+                assert_same(got, want, f"aggregate {name} {dtype} -> {accum} terms={terms}")
+                torch.testing.assert_close(got[1], ref.aggregate(offsets, values, accum, terms)[1],
+                                           equal_nan=True)
+                if offsets.max() <= last:
+                    got = emu.aggregate_bitmap(offsets, values, accum, last + 1, terms)
+                    assert_same(got[:2], want, f"aggregate_bitmap {name}")
+                    assert_same(got[2], ref.bitmap_encode(offsets, last + 1))
+
+
 def test_aggregate_rejects_negative_offsets(emu):
     with pytest.raises(RuntimeError, match=">= 0"):
         emu.aggregate(torch.tensor([3, -1]), torch.ones(2), torch.float32)
@@ -317,6 +381,40 @@ def test_bitmap_encode_decode(emu, universe):
         assert_same(emu.bitmap_decode(full, universe), ref.bitmap_decode(full, universe))
     with pytest.raises(RuntimeError, match="universe"):
         emu.bitmap_encode(torch.tensor([universe]), universe)
+
+
+@pytest.mark.parametrize("universe", [1, 33, 32768, 32769, 7 * 32768 + 5])
+def test_bitmap_decode_known_count(emu, universe):
+    """With the caller's count the output is sized without a host read; a wrong count raises.
+    Tile borders (32768 bits), more tiles than blocks, and bitmaps at every byte alignment."""
+    gen = _gen(universe)
+    for offsets in (torch.randint(0, universe, (universe // 5 + 1,), generator=gen).unique(),
+                    torch.tensor([0, universe - 1]).unique(), torch.arange(universe)):
+        bitmap = ref.bitmap_encode(offsets, universe)
+        want = ref.bitmap_decode(bitmap, universe)
+        assert_same(emu.bitmap_decode(bitmap, universe, offsets.numel()), want)
+        for shift in (1, 2, 3, 5):  # the same bytes at an odd address (a view into a buffer)
+            buffer = torch.zeros(bitmap.numel() + 16, dtype=torch.uint8)
+            view = buffer[shift: shift + bitmap.numel()]
+            view.copy_(bitmap)
+            assert_same(emu.bitmap_decode(view, universe), want)
+            assert_same(emu.bitmap_decode(view, universe, want.numel()), want)
+        for wrong in (want.numel() + 1, max(0, want.numel() - 1)):
+            if wrong != want.numel():
+                with pytest.raises(RuntimeError, match="set bits"):
+                    emu.bitmap_decode(bitmap, universe, wrong)
+    empty = torch.zeros((universe + 7) // 8, dtype=torch.uint8)
+    assert_same(emu.bitmap_decode(empty, universe, 0), torch.empty(0, dtype=torch.int64))
+
+
+def test_bitmap_decode_more_tiles_than_one_block_scans(emu):
+    """Over 4 * 256 tiles their counts are scanned device-wide instead of by one block."""
+    universe = 1030 * 32768 + 9
+    offsets = torch.cat([torch.tensor([0, universe - 1]),
+                         torch.randint(0, universe, (3000,), generator=_gen(1030))]).unique()
+    bitmap = ref.bitmap_encode(offsets, universe)
+    assert_same(emu.bitmap_decode(bitmap, universe), offsets)
+    assert_same(emu.bitmap_decode(bitmap, universe, offsets.numel()), offsets)
 
 
 def test_bitmap_one_word_contention(emu):
@@ -417,7 +515,7 @@ def test_every_kernel_runs_the_selfcheck_cases(emu):
                          values)
     launched = emu.module.emu_launch_counts()
     names = _kernel_names()
-    assert len(names) == 15, names
+    assert len(names) == 19, names
     missing = [k for k in names if not any(n.split("<")[0] == k for n in launched)]
     assert not missing, f"kernels never launched: {missing} (launched: {sorted(launched)})"
     for unit in ("uint8_t", "uint16_t", "uint32_t", "uint2", "uint4"):
@@ -438,22 +536,82 @@ def contention_differences(impl) -> List[str]:
     values = torch.arange(700, dtype=torch.float32)
     diff = _check_partition(impl, rows, values, 50_021, 8, 3, torch.int64)
     found += [diff + " (700 rows on one histogram bin)"] if diff else []
+    # the counted scatter: 40 rows on one destination (per-destination list), 900 on another
+    # (radix-sort fallback), among unique ones (plain stores); small integers: exact sums. One
+    # offset per bitmap word, so only the per-destination counts contend, not the bitmap's bits.
+    gen = _gen(4)
+    offsets = 32 * torch.cat([torch.full((40,), 7), torch.full((900,), 1000), torch.arange(10, 300)])
+    offsets = offsets[torch.randperm(offsets.numel(), generator=gen)]
+    values = torch.randint(-3, 4, (offsets.numel(), 2), generator=gen).to(torch.float32)
+    diff = difference(impl.aggregate(offsets, values, torch.float32, 2),
+                      ref.aggregate(offsets, values, torch.float32, 2),
+                      "aggregate (40 and 900 rows on one destination)")
+    found += [diff] if diff else []
+    return found
+
+
+def differences_under_fault(emu, fault: str, differences) -> List[str]:
+    """``differences(emu)`` with the emulation's ``fault`` switched on, after checking that the
+    same cases pass without it (and again after)."""
+    assert differences(emu) == []
+    emu.module.emu_set_fault(fault)
+    try:
+        found = differences(emu)
+    finally:
+        emu.module.emu_set_fault("none")
+    print("\n".join(found))
+    assert differences(emu) == []
     return found
 
 
 def test_a_missing_atomic_is_caught(emu):
     """With atomics made plain read-modify-writes (the lockstep race a warp gives them), the
-    contention cases differ from the torch ops: bitmap words lose bits, histogram bins counts."""
-    assert contention_differences(emu) == []
-    emu.module.emu_set_fault("nonatomic")
-    try:
-        found = contention_differences(emu)
-    finally:
-        emu.module.emu_set_fault("none")
-    print("\n".join(found))
-    assert len(found) == 2, found
-    assert "bitmap_encode" in found[0] and "partition" in found[1]
-    assert contention_differences(emu) == []
+    contention cases differ from the torch ops: bitmap words lose bits, histogram bins counts,
+    the counted scatter its per-destination counts and arrival numbers."""
+    found = differences_under_fault(emu, "nonatomic", contention_differences)
+    assert len(found) == 3, found
+    assert "bitmap_encode" in found[0] and "partition" in found[1] and "aggregate" in found[2]
+
+
+def scan_differences(impl) -> List[str]:
+    """Every op built on the bitmap scan, on bitmaps of several tiles; what differs from the
+    torch ops (an exception counts as a difference)."""
+    found = []
+    gen = _gen(8)
+    universe = 5 * 32768 + 77
+    offsets = torch.randint(0, universe, (4000,), generator=gen)
+    bitmap = ref.bitmap_encode(offsets, universe)
+    values = torch.randint(-3, 4, (offsets.numel(), 3), generator=gen).to(torch.float32)
+    unique = offsets.unique()
+    checks = {
+        "bitmap_decode": lambda: (impl.bitmap_decode(bitmap, universe),
+                                  ref.bitmap_decode(bitmap, universe)),
+        "bitmap_decode(count)": lambda: (impl.bitmap_decode(bitmap, universe, unique.numel()),
+                                         ref.bitmap_decode(bitmap, universe)),
+        "aggregate_bitmap": lambda: (impl.aggregate_bitmap(offsets, values, torch.float32, universe),
+                                     ref.aggregate_bitmap(offsets, values, torch.float32, universe)),
+        "aggregate": lambda: (impl.aggregate(offsets, values, torch.float32),
+                              ref.aggregate(offsets, values, torch.float32)),
+        "scatter_shard": lambda: tuple(
+            op.scatter_shard(torch.zeros(universe + 10, 3), bitmap, values[: unique.numel()], True,
+                             universe, 10, universe + 10, 5) for op in (impl, ref)),
+    }
+    for name, run in checks.items():
+        try:
+            got, want = run()
+            diff = difference(got, want, name)
+        except RuntimeError as exc:
+            diff = f"{name}: {exc}"
+        if diff:
+            found.append(diff)
+    return found
+
+
+def test_an_off_by_one_in_the_block_scan_is_caught(emu):
+    """The block scan's mutation point switched on (its first shuffle step leaves out lane 0)
+    breaks every op that ranks or decodes bitmaps, on the very cases that pass without it."""
+    found = differences_under_fault(emu, "scan_off_by_one", scan_differences)
+    assert len(found) == 5, found
 
 
 def partition_differences(impl) -> List[str]:

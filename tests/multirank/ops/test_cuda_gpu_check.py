@@ -45,9 +45,13 @@ def test_the_report_table_lists_steps_and_timings(tmp_path):
     check.report["steps"]["bandwidth"] = {"status": "passed", "ops": [
         {"op": "partition (n=8)", "mb": 64, "op_ms": 1.0, "copy_ms": 0.5, "gbps": 67.1,
          "pct_of_copy": 50.0}]}
+    check.report["steps"]["multirank_one_device"] = {
+        "status": "passed", "lines": ["world 2 on GPU: allreduce 144/144, zero0 1/1"]}
+    check.report["steps"]["gpu_step"] = {"status": "passed", "table": "| vocab | run |\n| 128256 | zen-zero0 |\n"}
     check.write()
     text = (tmp_path / "gpu_check.md").read_text()
     assert "| env | passed |" in text and "| broken | failed |" in text
+    assert "- world 2 on GPU: allreduce 144/144, zero0 1/1" in text and "| 128256 | zen-zero0 |" in text
     assert "ZeroDivisionError" in text and "| partition (n=8) | 64 | 1.000 | 0.500 | 67.1 | 50 |" in text
     assert (tmp_path / "gpu_check.json").is_file()
     spent = gpu_check.Check(tmp_path, budget_s=0)

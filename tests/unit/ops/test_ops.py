@@ -436,6 +436,23 @@ def test_bitmap_unsorted_duplicates_and_padding(compiled):
         compiled.bitmap_encode(torch.tensor([13]), 13)
 
 
+@pytest.mark.parametrize("universe", [0, 1, 65, 123_457])
+def test_bitmap_decode_known_count(compiled, universe):
+    """The caller's count (from the handshake) gives the same result; another count is an error
+    (a truncated or corrupted payload), in both implementations."""
+    offsets = torch.unique(torch.randint(0, max(universe, 1), (universe // 7,), generator=_gen(3)))
+    bitmap = ref.bitmap_encode(offsets, universe)
+    _assert_same(compiled.bitmap_decode(bitmap, universe, offsets.numel()), offsets)
+    _assert_same(ref.bitmap_decode(bitmap, universe, offsets.numel()), offsets)
+    with pytest.raises(RuntimeError, match="set bits"):
+        compiled.bitmap_decode(bitmap, universe, offsets.numel() + 1)
+    with pytest.raises(ValueError, match="set bits"):
+        ref.bitmap_decode(bitmap, universe, offsets.numel() + 1)
+    with pytest.raises(ValueError, match="count"):
+        compiled.bitmap_decode(bitmap, universe, -1)
+    _assert_same(ops.bitmap_decode(bitmap, universe, offsets.numel()), offsets)
+
+
 def test_bitmap_universe_beyond_2_pow_32(compiled):
     universe = 2**32 + 77  # 512 MiB bitmap: positions past int32 and uint32
     offsets = torch.tensor([0, 2**31, 2**32 - 1, 2**32, universe - 1])
@@ -633,6 +650,8 @@ def test_cuda_ops_match_reference(compiled, dtype):
     want = ref.aggregate(offsets, values, torch.float32)
     _assert_same(got[0].cpu(), want[0])
     torch.testing.assert_close(got[1].cpu(), want[1])
+    # every sum adds its rows in input order, as the CPU kernels do: bit for bit
+    _assert_same_values(got[1].cpu(), compiled.aggregate(offsets, values, torch.float32)[1])
     for universe in (1, 13, 64, 1001):
         offs = torch.unique(torch.randint(0, universe, (universe // 3 + 1,), generator=gen))
         dup = torch.cat([offs, offs.flip(0)])
@@ -672,3 +691,53 @@ def test_cuda_scatter_shard_matches_reference(compiled, dtype):
                     compiled.scatter_shard(out, index.to(dev), values.to(dev), is_bitmap, universe,
                                            start, num_rows, 6)
                     _assert_same_values(out.cpu(), want)
+
+
+@CUDA
+def test_cuda_counted_scatter_and_bitmap_scans(compiled):
+    """The CUDA aggregation's destination kinds (one row, 2..64 rows, more: radix sort; the sort
+    path) bit for bit against the CPU kernels, which add in input order; bitmap scans over many
+    tiles, at odd byte addresses, with and without the caller's count; scatter_shard of a large
+    shard; positions past 2**32."""
+    if not compiled.with_cuda:
+        pytest.fail("CUDA is available but the CUDA kernels were not compiled in")
+    dev = torch.device("cuda")
+    gen = _gen(33)
+    last = 3_000_017
+    base = torch.randperm(last + 1, generator=gen)[:50_000]
+    for offsets in (base, torch.cat([base[:20_000], base[:20_000].flip(0)]),
+                    torch.cat([torch.full((64,), last), base]), torch.cat([torch.full((5000,), 0), base]),
+                    torch.tensor([2**40, 3, 2**40, 2**35 + 1, 3, 0] * 100)):
+        for dtype, width in ((torch.bfloat16, 64), (torch.float32, 1), (torch.float16, 3)):
+            values = (torch.randn(offsets.numel(), width, generator=gen) * 1e3).to(dtype)
+            got = compiled.aggregate(offsets.to(dev), values.to(dev), torch.float32, 2)
+            want = compiled.aggregate(offsets, values, torch.float32, 2)
+            _assert_same(got[0].cpu(), want[0])
+            _assert_same_values(got[1].cpu(), want[1])
+            if int(offsets.max()) <= last:
+                fused = compiled.aggregate_bitmap(offsets.to(dev), values.to(dev), torch.float32,
+                                                  last + 1, 2)
+                _assert_same_values(fused[1].cpu(), want[1])
+                _assert_same(fused[2].cpu(), ref.bitmap_encode(offsets, last + 1))
+    for universe in (1, 32_768, 32_769, 10 * 32_768 + 5, 2**32 + 77):
+        offsets = torch.unique(torch.cat([torch.tensor([0, universe - 1]),
+                                          torch.randint(0, universe, (min(universe, 100_000),),
+                                                        generator=gen)]))
+        bitmap = ref.bitmap_encode(offsets, universe).to(dev)
+        for shift in (0, 1, 3):
+            view = torch.zeros(bitmap.numel() + 8, dtype=torch.uint8, device=dev)[shift: shift + bitmap.numel()]
+            view.copy_(bitmap)
+            _assert_same(compiled.bitmap_decode(view, universe).cpu(), offsets)
+            _assert_same(compiled.bitmap_decode(view, universe, offsets.numel()).cpu(), offsets)
+        del bitmap, view
+    num_rows, start = 4_000_037, 1_000
+    universe = num_rows - 2 * start
+    offsets = torch.unique(torch.randint(0, universe, (200_000,), generator=gen))
+    values = torch.randn(offsets.numel(), 4, generator=gen)
+    want = ref.scatter_shard(torch.zeros(num_rows, 4), offsets, values, False, universe, start,
+                             num_rows, 3)
+    for index, is_bitmap in ((ref.bitmap_encode(offsets, universe), True), (offsets, False)):
+        out = torch.zeros(num_rows, 4, device=dev)
+        compiled.scatter_shard(out, index.to(dev), values.to(dev), is_bitmap, universe, start,
+                               num_rows, 3)
+        _assert_same_values(out.cpu(), want)
