@@ -288,9 +288,13 @@ class SampledSoftmaxHead(torch.nn.Module):
         h = hidden.reshape(-1, hidden.shape[-1])              # [s*b, h], token order (s, b)
         target = labels.t().reshape(-1)                       # same order
         candidates = self.draw()
-        weight = self.weight
-        true_logit = (h * F.embedding(target, weight)).sum(-1) - self.log_expected_count(target)
-        sampled = h @ F.embedding(candidates, weight).t() - self.log_expected_count(candidates)
+        # One lookup through the module (under ZeRO-3 zen then fetches just these rows instead of
+        # DeepSpeed gathering the table): the true tokens' rows, then the candidates'.
+        ids = torch.cat([target, candidates])
+        rows = F.embedding(ids, self.weight) if self.output_embeddings is None else self.output_embeddings(ids)
+        true_rows, candidate_rows = rows[: target.numel()], rows[target.numel():]
+        true_logit = (h * true_rows).sum(-1) - self.log_expected_count(target)
+        sampled = h @ candidate_rows.t() - self.log_expected_count(candidates)
         # A candidate equal to the token's own label is not a negative for that token.
         sampled = sampled.masked_fill(candidates.unsqueeze(0) == target.unsqueeze(1), float("-inf"))
         logits = torch.cat([true_logit.unsqueeze(1), sampled], dim=1).float()

@@ -59,7 +59,9 @@ class _FetchedLookup(torch.autograd.Function):
 
 
 class RowEmbedding:
-    """Batch-cost forward/backward for one ``nn.Embedding`` whose weight is partitioned.
+    """Batch-cost forward/backward for one ``nn.Embedding`` whose weight is partitioned (the caller
+    checks :func:`unsupported_reason` first), or any module whose forward is a plain lookup of its
+    ``weight``'s rows.
 
     ``partition()`` returns this rank's flat partition of the weight (read at every forward, so
     optimizer steps are seen), ``group`` the ranks that hold the partitions. After a backward,
@@ -68,17 +70,16 @@ class RowEmbedding:
 
     def __init__(self, module: nn.Module, name: str, num_rows: int, row_numel: int,
                  partition: Callable[[], torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
-        reason = unsupported_reason(module)
-        if reason:
-            raise ValueError(f"{name}: {reason}")
         self.embedding, self.name = module, name
         # The parameter itself, held here: reading ``module.weight`` inside a forward would go
         # through ZeRO-3's parameter dict, which gathers a partitioned weight on access.
         self.weight: nn.Parameter = module.weight
         self.num_rows, self.row_numel = num_rows, row_numel
         self.partition, self.group = partition, group
-        self.padding_idx: Optional[int] = module.padding_idx
-        self.scale_grad_by_freq = bool(module.scale_grad_by_freq)
+        # nn.Embedding's options (a megatron-core VocabParallelEmbedding at tensor-parallel size 1 has
+        # none of them: a plain lookup)
+        self.padding_idx: Optional[int] = getattr(module, "padding_idx", None)
+        self.scale_grad_by_freq = bool(getattr(module, "scale_grad_by_freq", False))
         self.fetch_stats: List[SyncStats] = []
         self.fetch = fetch_rows_flat  # or any function of fetch_rows_flat's signature (two hops)
         self._ids: List[torch.Tensor] = []

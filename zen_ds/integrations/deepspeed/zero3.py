@@ -167,13 +167,23 @@ class Zero3Sync:
         reduce-scatter moves fewer bytes: the caller hands it to DeepSpeed."""
         p: ZenParam = self.reducer.params[self.index[id(param)]]
         st = SyncStats()
+        started = time.perf_counter()
         if self.rows.serves(param):
-            started = time.perf_counter()
-            out = self.rows.push(param, group, partition_numel, comm_dtype, out_dtype, prescale, postscale, st,
-                                 p.log_prefix)
-            st.seconds = time.perf_counter() - started
-            self._add(p.name, st)
-            return out
+            rows = self.rows.take(param, comm_dtype)
+            self.rows.add_fetch_bytes(param, st)
+            if grad.numel() == 0:  # only the batch-cost forward used the table: its rows are the gradient
+                if rows is None:
+                    raise RuntimeError(f"zen: DeepSpeed handed over {p.name}'s gradient, but no backward went "
+                                       "through its embedding's forward")
+                out = self.rows.push(rows, group, partition_numel, out_dtype, prescale, postscale, st,
+                                     p.log_prefix)
+                st.seconds = time.perf_counter() - started
+                self._add(p.name, st)
+                return out
+            self.rows.warn_gathered(param)
+            if rows is not None:  # the batch-cost forward's rows as well: add them in
+                grad = grad + torch.sparse_coo_tensor(rows.indices.unsqueeze(0), rows.values.to(grad.dtype),
+                                                      grad.shape)
         x = grad.coalesce() if grad.is_sparse else grad
         if x.dtype != comm_dtype:
             x = x.to(comm_dtype)
@@ -181,7 +191,6 @@ class Zero3Sync:
             x = x.view(-1, 1)
         elif not x.is_sparse and x.dim() > 2:
             x = x.reshape(x.shape[0], -1)
-        started = time.perf_counter()
         out = sparse_reduce_scatter_flat(x, group, partition_numel=partition_numel, prescale=prescale,
                                          postscale=postscale, out_dtype=out_dtype, options=self.options,
                                          stats=st, log_prefix=p.log_prefix, dense_fallback=True)

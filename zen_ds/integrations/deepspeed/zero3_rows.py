@@ -27,6 +27,7 @@ from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
 from zen_ds.features.row_embedding import RowEmbedding, unsupported_reason
 from zen_ds.integrations.deepspeed.internals import zero3 as ds_zero3
+from zen_ds.integrations.params import is_vocab_parallel_embedding
 from zen_ds.integrations.reducer import ZenParam
 from zen_ds.sync.fetch import fetch_rows_flat, fetch_rows_two_hop
 from zen_ds.sync.options import SyncOptions
@@ -51,6 +52,7 @@ class EmbeddingRows:
         self.left = left  # zen params kept on the gather-and-scan path, with the reason
         self.two_hop = two_hop
         self.options = options
+        self.warned: set = set()
 
     @classmethod
     def install(cls, engine: Any, model: nn.Module, params: Sequence[ZenParam], enabled: bool,
@@ -64,11 +66,11 @@ class EmbeddingRows:
         if not enabled:
             return cls(tables, {p.name: '"embedding_rows": false' for p in params}, False, options)
         for module in model.modules():
-            weight = getattr(module, "weight", None)
+            weight = dict(module.named_parameters(recurse=False)).get("weight")  # its own, not a property
             if id(weight) not in wanted:
                 continue
             p = wanted.pop(id(weight))
-            reason = unsupported_reason(module) or ds_zero3.rows_blocker(engine, weight)
+            reason = _lookup_blocker(module) or ds_zero3.rows_blocker(engine, weight)
             if reason:
                 left[p.name] = reason
                 continue
@@ -93,17 +95,31 @@ class EmbeddingRows:
     def serves(self, param: torch.Tensor) -> bool:
         return id(param) in self.tables
 
-    def push(self, param: torch.Tensor, group: Optional[dist.ProcessGroup], partition_numel: int,
-             comm_dtype: torch.dtype, out_dtype: torch.dtype, prescale: float, postscale: float,
-             stats: SyncStats, log_prefix: str) -> torch.Tensor:
-        """This rank's partition of the scaled sum of the rows' gradients since the last push;
-        ``stats`` gets the push's bytes plus those of the forwards' fetches."""
+    def take(self, param: torch.Tensor, dtype: torch.dtype) -> Optional[RowSparse]:
+        """The rows' gradient of ``param``'s table since the last take (None: no backward went
+        through its batch-cost forward)."""
+        return self.tables[id(param)].take_rows(dtype)
+
+    def add_fetch_bytes(self, param: torch.Tensor, stats: SyncStats) -> None:
+        """Add the bytes of the table's forward fetches since the last call to ``stats``."""
+        for fetched in self.tables[id(param)].take_fetch_stats():
+            _add_bytes(stats, fetched)
+
+    def warn_gathered(self, param: torch.Tensor) -> None:
+        """The table reached DeepSpeed's gradient hook with a dense gradient: something read its
+        weight outside the embedding's forward (``F.embedding(ids, module.weight)``, a tied use),
+        so DeepSpeed gathered it there. Said once; the dense gradient is synced as before."""
         table = self.tables[id(param)]
-        rows = table.take_rows(comm_dtype)
-        if rows is None:
-            raise RuntimeError(f"zen: DeepSpeed handed over {table.name}'s gradient, but no backward went "
-                               "through its embedding's forward; a table read outside its nn.Embedding "
-                               'needs "embedding_rows": false in the "zen" block')
+        if table.name not in self.warned:
+            self.warned.add(table.name)
+            logger.warning("zen: %s was read outside its nn.Embedding's forward, so DeepSpeed gathered it "
+                           "and its gradient is dense; zen syncs that gradient's non-zero rows (set "
+                           '"embedding_rows": false to skip the batch-cost path for it)', table.name)
+
+    def push(self, rows: RowSparse, group: Optional[dist.ProcessGroup], partition_numel: int,
+             out_dtype: torch.dtype, prescale: float, postscale: float, stats: SyncStats,
+             log_prefix: str) -> torch.Tensor:
+        """This rank's partition of the scaled sum over ``group`` of the rows' gradients."""
         if self.two_hop:
             mid = sparse_reduce_scatter(rows, group, prescale=prescale, options=self.options, stats=stats,
                                         log_prefix=log_prefix, as_rows=True)
@@ -113,13 +129,23 @@ class EmbeddingRows:
                                              out_dtype=out_dtype, options=self.options, stats=hop,
                                              log_prefix=log_prefix)
             _add_bytes(stats, hop)
-        else:
-            out = sparse_reduce_scatter_flat(rows, group, partition_numel=partition_numel, prescale=prescale,
-                                             postscale=postscale, out_dtype=out_dtype, options=self.options,
-                                             stats=stats, log_prefix=log_prefix)
-        for fetched in table.take_fetch_stats():
-            _add_bytes(stats, fetched)
-        return out
+            return out
+        return sparse_reduce_scatter_flat(rows, group, partition_numel=partition_numel, prescale=prescale,
+                                          postscale=postscale, out_dtype=out_dtype, options=self.options,
+                                          stats=stats, log_prefix=log_prefix)
+
+
+def _lookup_blocker(module: nn.Module) -> str:
+    """Why ``module``'s forward is not a lookup :class:`RowEmbedding` can take over ("" if it is):
+    an ``nn.Embedding`` (see :func:`unsupported_reason`), or a megatron-core
+    ``VocabParallelEmbedding`` without tensor parallelism (then a plain lookup)."""
+    if is_vocab_parallel_embedding(module):
+        if module.tp_group.size() != 1:
+            return "a VocabParallelEmbedding sharded over tensor-parallel ranks"
+        if module.reduce_scatter_embeddings:
+            return "a VocabParallelEmbedding that reduce-scatters its output (sequence parallelism)"
+        return ""
+    return unsupported_reason(module)
 
 
 def _add_bytes(stats: SyncStats, more: SyncStats) -> None:
