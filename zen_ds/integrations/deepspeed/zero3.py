@@ -170,13 +170,13 @@ class Zero3Sync:
         started = time.perf_counter()
         if self.rows.serves(param):
             rows = self.rows.take(param, comm_dtype)
-            self.rows.add_fetch_bytes(param, st)
             if grad.numel() == 0:  # only the batch-cost forward used the table: its rows are the gradient
                 if rows is None:
                     raise RuntimeError(f"zen: DeepSpeed handed over {p.name}'s gradient, but no backward went "
                                        "through its embedding's forward")
                 out = self.rows.push(rows, group, partition_numel, out_dtype, prescale, postscale, st,
                                      p.log_prefix)
+                self.rows.add_fetch_bytes(param, st)  # the forwards' fetches, after the push's own count
                 st.seconds = time.perf_counter() - started
                 self._add(p.name, st)
                 return out
@@ -194,6 +194,8 @@ class Zero3Sync:
         out = sparse_reduce_scatter_flat(x, group, partition_numel=partition_numel, prescale=prescale,
                                          postscale=postscale, out_dtype=out_dtype, options=self.options,
                                          stats=st, log_prefix=p.log_prefix, dense_fallback=True)
+        if self.rows.serves(param):
+            self.rows.add_fetch_bytes(param, st)
         st.seconds = time.perf_counter() - started
         self._add(p.name, st)
         return out
