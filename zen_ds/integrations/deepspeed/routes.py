@@ -334,7 +334,7 @@ def _refuse_for_row_sharded(setup: DeepSpeedSetup) -> None:
 def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool, any_sparse: bool) -> None:
     """DS-Sync keeps one model replica per rank, averaged only inside the step's group: only setups
     where every rank holds its own whole replica (params, gradients, optimizer state and, in bf16,
-    fp32 masters) can run it: ZeRO-0 in fp32 or bf16 (docs/ds_sync.md, "ZeRO stages")."""
+    fp32 masters) can run it: ZeRO-0 in fp32 or bf16 (docs/ds_sync.md, "ZeRO stages and precisions")."""
     if setup.zero_stage:
         held = "parameters, gradients and optimizer state" if setup.zero_stage == 3 else \
             "optimizer state and fp32 masters" + (" and gradients" if setup.zero_stage == 2 else "")
@@ -342,8 +342,8 @@ def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool, any_sparse: bo
                "(groups average only among themselves, so the ranks' parameters and optimizer state differ "
                f"until mixed), while ZeRO stage {setup.zero_stage} keeps one copy of the {held} sharded over "
                "all data-parallel ranks and hands every rank the same parameters after each step. Every "
-               "rank's own replica state takes ZeRO-0's memory (docs/ds_sync.md, \"ZeRO stages\"). Set "
-               "zero_optimization.stage to 0 or remove the \"shuffle\" block")
+               "rank's own replica state takes ZeRO-0's memory (docs/ds_sync.md, \"ZeRO stages and "
+               "precisions\"). Set zero_optimization.stage to 0 or remove the \"shuffle\" block")
     if setup.pipeline:
         refuse("\"zen.shuffle\" (DS-Sync) with a DeepSpeed PipelineModule is not supported; train without "
                "pipeline parallelism or remove the \"shuffle\" block")

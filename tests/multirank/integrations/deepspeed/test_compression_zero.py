@@ -18,7 +18,8 @@ ranks, accumulation 2, binding clipping, warmup 2 then compressed steps:
     halved; checkpoint resume bit-identical (params, residuals, zen's optimizer state, scale);
 (f) ZeRO-3 (zen pushes each rank's compressed gradient to the partitions' owners, the residual
     whole on every rank): fp32 params equal the ZeRO-2 run with the same compression block and the
-    manual reference within 1e-5, bf16 the ZeRO-2 bf16 run within 1e-2; the compressor runs once
+    manual reference within 1e-5 (a model built inside ``deepspeed.zero.Init`` too), bf16 the
+    ZeRO-2 bf16 run within 1e-2; the compressor runs once
     per optimizer step after the warmup (micro-steps add up first); checkpoint resume is exact;
     fp16: an Inf on one rank skips the step everywhere with params and residuals untouched;
 (e) PipelineModule PP=2 x DP=2 (each stage compresses over its own DP group; tied weights), at
@@ -133,7 +134,9 @@ def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 # ----------------------------------------------------------------------------- ZeRO-3
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-ZERO3_CASES = {"z3_fp32": ("fp32", "z2_fp32_sharded"), "z3_bf16": ("bf16", "z2_bf16")}  # name: (dtype, ZeRO-2 run)
+# name: (dtype, the ZeRO-2 run it equals); "init": the model built inside deepspeed.zero.Init
+ZERO3_CASES = {"z3_fp32": ("fp32", "z2_fp32_sharded"), "z3_init_fp32": ("fp32", "z2_fp32_sharded"),
+               "z3_bf16": ("bf16", "z2_bf16")}
 
 
 def _zero3_case(name: str, dtype: str) -> Dict[str, Any]:
@@ -148,8 +151,13 @@ def _zero3_case(name: str, dtype: str) -> Dict[str, Any]:
 def _zero3(rank: int, world: int, case: Dict[str, Any], root: str = "") -> Dict[str, Any]:
     """A ZeRO-3 run: when the compressor ran, the whole params (and, with ``root``, a resume from
     step 3 next to the straight run); per step snapshots of params, residuals and loss scale."""
+    import deepspeed
     import zen_ds
-    model = dc.make_model(case.get("sparse", True))
+    if "init" in case["name"]:  # partitioned as it is built: the compressor sees numel() == 0
+        with deepspeed.zero.Init(config_dict_or_path=dc.ds_config(case, world)):
+            model = dc.make_model(case.get("sparse", True))
+    else:
+        model = dc.make_model(case.get("sparse", True))
     engine, *_ = zen_ds.initialize(model=model, optimizer=dc.make_optimizer(model.parameters()),
                                    config=dc.ds_config(case, world))
     state = zen_ds.state_of(engine)
