@@ -20,12 +20,12 @@ Routes:
   row-sharded embeddings (``"row_sharded"``) are parts of this route.
 * **zero3** (ZeRO stage 3, :class:`~.zero3.Zero3Route`): DeepSpeed keeps every param, its
   partitions, optimizer and checkpoints; zen only replaces the reduce-scatter of its params'
-  gradients into ZeRO-3's partitions by one that sends the non-zero rows. A tied embedding (also
-  the output layer's weight: every row has a gradient) is left to DeepSpeed.
+  gradients into ZeRO-3's partitions by one that sends the non-zero rows (with
+  ``"zen.compression"``, also the compressed dense params' selected entries). A tied embedding
+  (also the output layer's weight: every row has a gradient) is left to DeepSpeed.
 * **shuffle** (``"zen.shuffle"``, DS-Sync, :class:`~.ds_sync.DsSyncRoute`): zen reduces *every*
-  param inside the step's shuffle group and DeepSpeed reduces nothing; ZeRO-0 in fp32 only,
-  because the other stages and precisions keep gradients or master weights where zen cannot
-  average them per group.
+  param inside the step's shuffle group and DeepSpeed reduces nothing; ZeRO-0 in fp32 or bf16,
+  because ZeRO-1/2/3 keep one sharded copy of the state DS-Sync needs once per rank.
 
 A pipeline (a PipelineModule) is not a route of its own: it takes the shared or owned route, and
 zen sums its tied weights across stages.
@@ -198,7 +198,7 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
     selected = select_params(model, zen_config)
     compression = zen_config.compression is not None
     if zen_config.shuffle is not None:
-        _refuse_for_shuffle(setup, compression)
+        _refuse_for_shuffle(setup, compression, any(sparse for _, _, sparse in selected))
         return RouteChoice(DsSyncRoute, selected, setup)
     if zen_config.row_sharded:
         _refuse_for_row_sharded(setup)
@@ -251,11 +251,6 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
     if setup.pipeline:
         refuse("DeepSpeed's PipelineEngine does not run a PipelineModule under ZeRO stage 3 (\"ZeRO-2 and "
                "ZeRO-3 are incompatible with pipeline parallelism\"); set zero_optimization.stage to 0 or 1")
-    if zen_config.compression is not None:
-        refuse("\"zen.compression\" is not supported under ZeRO stage 3: ZeRO-3 reduce-scatters dense params "
-               "inside its own buckets and steps them from fp32 partitions, where zen's compressed sync "
-               "and its error-feedback residual do not fit yet. Remove \"zen.compression\" or use ZeRO "
-               "stage 0-2")
     if zen_config.optimizer_state == "sharded" and not zen_config.row_sharded:
         refuse("\"zen.optimizer_state\": \"sharded\" is for ZeRO stage 1/2 (and, with \"row_sharded\", row-shards "
                "every table); ZeRO-3 already partitions the optimizer state of every param. Remove the key "
@@ -276,7 +271,11 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
                           "dense (the output layer touches every row), DeepSpeed reduce-scatters it")
         else:
             kept.append((name, param, sparse))
-    return RouteChoice(Zero3Route, kept, setup, left_to_deepspeed=left)
+    # fp16: the compressor keeps its residuals unscaled and undoes a step DeepSpeed skips. Every
+    # selected param, a tied one left to DeepSpeed too, stays uncompressed, as at ZeRO-1/2.
+    compressor = (_compressor(model, zen_config, selected, undo=setup.fp16)
+                  if zen_config.compression is not None else None)
+    return RouteChoice(Zero3Route, kept, setup, compressor, left_to_deepspeed=left)
 
 
 def _patterns_of_this_stage(model: nn.Module, zen_config: ZenConfig) -> ZenConfig:
@@ -332,20 +331,30 @@ def _refuse_for_row_sharded(setup: DeepSpeedSetup) -> None:
             refuse(f"\"zen.row_sharded\" with {what} is not supported; remove \"row_sharded\"")
 
 
-def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool) -> None:
-    """DS-Sync averages each rank's own gradients and parameters inside small groups: only a
-    setup where both live in plain fp32 ``param.grad`` / ``param.data`` on every rank works."""
+def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool, any_sparse: bool) -> None:
+    """DS-Sync keeps one model replica per rank, averaged only inside the step's group: only setups
+    where every rank holds its own whole replica (params, gradients, optimizer state and, in bf16,
+    fp32 masters) can run it: ZeRO-0 in fp32 or bf16 (docs/ds_sync.md, "ZeRO stages and precisions")."""
     if setup.zero_stage:
-        refuse(f"\"zen.shuffle\" (DS-Sync) needs ZeRO stage 0: ZeRO stage {setup.zero_stage} partitions "
-               "gradients or optimizer state over the whole data-parallel group, which shuffle groups "
-               "cannot average. Set zero_optimization.stage to 0 or remove the \"shuffle\" block")
+        held = "parameters, gradients and optimizer state" if setup.zero_stage == 3 else \
+            "optimizer state and fp32 masters" + (" and gradients" if setup.zero_stage == 2 else "")
+        refuse(f"\"zen.shuffle\" (DS-Sync) needs ZeRO stage 0: DS-Sync keeps one model replica per rank "
+               "(groups average only among themselves, so the ranks' parameters and optimizer state differ "
+               f"until mixed), while ZeRO stage {setup.zero_stage} keeps one copy of the {held} sharded over "
+               "all data-parallel ranks and hands every rank the same parameters after each step. Every "
+               "rank's own replica state takes ZeRO-0's memory (docs/ds_sync.md, \"ZeRO stages and "
+               "precisions\"). Set zero_optimization.stage to 0 or remove the \"shuffle\" block")
     if setup.pipeline:
         refuse("\"zen.shuffle\" (DS-Sync) with a DeepSpeed PipelineModule is not supported; train without "
                "pipeline parallelism or remove the \"shuffle\" block")
-    if setup.fp16 or setup.bf16:
-        refuse("\"zen.shuffle\" (DS-Sync) needs fp32 training: DeepSpeed's fp16/bf16 optimizers keep "
-               "gradients and master weights in flat buffers that shuffle groups cannot average. Disable "
-               "fp16/bf16 or remove the \"shuffle\" block")
+    if setup.fp16:
+        refuse("\"zen.shuffle\" (DS-Sync) does not run in fp16: each rank's dynamic loss scale follows its "
+               "own overflows, so after an overflow in one group two ranks would average gradients scaled "
+               "by different factors. Use bf16 or fp32, or remove the \"shuffle\" block")
+    if setup.bf16 and any_sparse:
+        refuse("\"zen.shuffle\" (DS-Sync) in bf16 needs dense-gradient embeddings: DeepSpeed's bf16 optimizer "
+               "at ZeRO stage 0 flattens every gradient. Build the embeddings with sparse=False, or train "
+               "in fp32")
     if compression:
         refuse("\"zen.shuffle\" with \"zen.compression\" is not supported yet (the error-feedback residual "
                "would be per group); remove one of the two blocks")

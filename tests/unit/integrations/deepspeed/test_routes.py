@@ -36,6 +36,9 @@ def _route(case, sparse=True, **setup):
     ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, "shared"),
     ({"zero": 1, "dtype": "fp16", "zen_extra": COMPRESSION}, True, "owned"),
     ({"zero": 2, "dtype": "fp16", "zen_extra": COMPRESSION}, False, "owned"),
+    # ZeRO-3 keeps every param; zen pushes the compressed params' selected entries to the partitions
+    ({"zero": 3, "zen_extra": COMPRESSION}, False, "zero3"),
+    ({"zero": 3, "dtype": "bf16", "zen_extra": COMPRESSION}, False, "zero3"),
 ])
 def test_routes_from_the_config(case, sparse, route):
     got = _route(case, sparse)
@@ -58,7 +61,6 @@ def test_compression_alone_makes_zero_params_owned():
 
 
 @pytest.mark.parametrize("case, sparse, setup, words", [
-    ({"zero": 3, "zen_extra": COMPRESSION}, False, {}, "\"zen.compression\" is not supported under ZeRO stage 3"),
     ({"zero": 3, "zen_extra": {"scheme": "agsparse"}}, False, {}, "\"zen.scheme\": \"agsparse\""),
     ({"zero": 3, "zen_extra": {"optimizer_state": "sharded"}}, False, {}, "\"zen.optimizer_state\""),
     # DeepSpeed's own restriction: its PipelineEngine asserts ZeRO stage < 2
@@ -69,6 +71,9 @@ def test_compression_alone_makes_zero_params_owned():
      {"pipeline": True}, "a pipeline stage whose every"),
     ({"zen_extra": dict(COMPRESSION, shuffle={"group_size": 2})}, False, {},
      "\"zen.shuffle\" with \"zen.compression\""),
+    ({"zero": 1, "zen_extra": {"shuffle": {"group_size": 2}}}, False, {}, "keeps one model replica per rank"),
+    ({"dtype": "fp16", "zen_extra": {"shuffle": {"group_size": 2}}}, False, {}, "does not run in fp16"),
+    ({"dtype": "bf16", "zen_extra": {"shuffle": {"group_size": 2}}}, True, {}, "needs dense-gradient embeddings"),
     ({"dtype": "fp16"}, True, {}, "fp16 with sparse=True embeddings under ZeRO stage 0"),
     ({"ds_extra": {"sequence_parallel_size": 2}}, True, {}, "sequence parallelism"),
     ({"ds_extra": {"zero_optimization": {"stage": 1, "zenflow": {}}}}, True, {}, "ZenFlow"),
@@ -101,6 +106,23 @@ def test_zero3_route_leaves_tied_embeddings_to_deepspeed():
     got = resolve_route(cfg, model, load_zen_config(cfg))
     assert got.name == "zero3" and got.names == ["emb_s.weight"]
     assert "tied to head.weight" in got.left_to_deepspeed["emb_d.weight"]
+
+
+def test_zero3_compression_leaves_every_selected_param_uncompressed():
+    """A tied embedding left to DeepSpeed under ZeRO-3 is not compressed either (ZeRO-1/2 sync it
+    exactly); the fp16 compressor undoes skipped steps there too."""
+    from torch import nn
+    model = dc.make_model(False)
+    model.head = nn.Linear(dc.HIDDEN, dc.VOCAB_D, bias=False)
+    model.head.weight = model.emb_d.weight
+    cfg = dc.ds_config({"zero": 3, "dtype": "fp16", "zen_extra": COMPRESSION}, world=2)
+    got = resolve_route(cfg, model, load_zen_config(cfg))
+    assert got.name == "zero3" and got.names == ["emb_s.weight"] and got.compressor.undo
+    assert got.compressor.selected_names() == COMPRESSED
+
+
+def test_shuffle_runs_in_bf16_at_zero0():
+    assert _route({"dtype": "bf16", "zen_extra": {"shuffle": {"group_size": 2}}}, False).name == "shuffle"
 
 
 def test_fp16_compressor_undoes_skipped_steps():
