@@ -31,14 +31,7 @@ class ZenNorm(Protocol):
     def zen_norm(self, local: bool = False) -> torch.Tensor: ...
 
 
-def _model_parallel(mpu: Any) -> Any:
-    """``mpu`` where it declares model parallelism, else None. As DeepSpeed's ZeRO optimizers, an
-    mpu with ``initialize_sequence_parallel`` (Ulysses' ``parallel_state_sp``) has none."""
-    return None if mpu is None or hasattr(mpu, "initialize_sequence_parallel") else mpu
-
-
 def _tensor_parallel_rank(mpu: Any) -> int:
-    mpu = _model_parallel(mpu)
     if mpu is None:
         return 0
     get = getattr(mpu, "get_tensor_model_parallel_rank", None) or getattr(mpu, "get_model_parallel_rank")
@@ -62,7 +55,6 @@ def local_sum_of_squares(params_and_grads: Iterable[Tuple[nn.Parameter, Optional
 
 def model_parallel_sum(sum_sq: torch.Tensor, mpu: Any) -> torch.Tensor:
     """``sum_sq`` added over the model-parallel group (a no-op without model parallelism)."""
-    mpu = _model_parallel(mpu)
     if mpu is None:
         return sum_sq
     group = mpu.get_model_parallel_group()

@@ -41,6 +41,7 @@ import ds_cases as dc  # noqa: E402
 WORLD = 2
 VOCAB, HIDDEN, SEQ, MICRO, STEPS = 96, 8, 6, 2, 2
 LORA_RANK = 2
+CLIP = 0.02  # a gradient_clipping that binds (the global norm is larger)
 
 
 # ----------------------------------------------------------------------------- the matrix's data
@@ -163,9 +164,11 @@ FEATURES: Dict[str, Feature] = {
                          top={"communication_data_type": "fp32"}),
     "comm_bf16": Feature("`communication_data_type: bf16` in fp32 training", '`communication_data_type: "bf16"`',
                          top={"communication_data_type": "bf16"}),
-    "moe": Feature("DeepSpeed-MoE layer", "`deepspeed.moe.layer.MoE` (2 experts, `ep_size: 2`) as the block",
+    "moe": Feature("DeepSpeed-MoE layer", f"`deepspeed.moe.layer.MoE` (2 experts, `ep_size: 2`) as the block, "
+                   f"`gradient_clipping: {CLIP}` (the global norm: the experts' and the block's from DeepSpeed, "
+                   "the embedding's from zen)",
                    (1, 2), "DeepSpeed refuses its own MoE layer under ZeRO-3 (\"Native DeepSpeed MoE is not "
-                   "supported with ZeRO Stage 3\")", model="moe"),
+                   "supported with ZeRO Stage 3\")", top={"gradient_clipping": CLIP}, model="moe"),
     "ulysses": Feature(
         "Ulysses sequence parallelism (ds_config mesh)",
         "`sequence_parallel_size: 2, data_parallel_size: 1`, `deepspeed.sequence.layer.DistributedAttention` "
@@ -180,7 +183,9 @@ FEATURES: Dict[str, Feature] = {
         "Hugging Face integration passes it), `DistributedAttention` in the block. DeepSpeed reduces dense "
         "gradients over the sequence-data-parallel group (both ranks), dividing the sum by the data-parallel "
         "ranks at ZeRO-1/2 and by the group's ranks at ZeRO-3; zen syncs the embedding over that group, "
-        "scaled alike, and ZeRO-3's embedding fetches its rows from the partitions over it", model="ulysses", sequence_parallel=WORLD, mpu="sequence_parallel"),
+        "scaled alike, and ZeRO-3's embedding fetches its rows from the partitions over it; "
+        f"`gradient_clipping: {CLIP}`", top={"gradient_clipping": CLIP}, model="ulysses", sequence_parallel=WORLD,
+        mpu="sequence_parallel"),
     "ulysses_mpu_no_reduce_scatter": Feature(
         "Ulysses (sequence-parallel mpu) without `reduce_scatter`, with a predivide factor",
         "as above, with `reduce_scatter: false` and `gradient_predivide_factor: 2`: DeepSpeed then averages "
@@ -254,7 +259,7 @@ CELLS: List[Cell] = [
 #: rest (experts over their groups): checked as working cells in the same spawn; the docs list them
 #: below the table (its columns are the ZeRO-1/2/3 partitioning stages).
 ZERO0_CELLS: List[Cell] = [Cell("moe", 0, "fp32", Works()), Cell("moe", 0, "bf16", Works()),
-                           Cell("ulysses_mpu", 0, "fp32", Works())]
+                           Cell("ulysses_mpu", 0, "fp32", Works()), Cell("ulysses_mpu", 0, "bf16", Works())]
 
 
 # ----------------------------------------------------------------------------- the model
