@@ -15,8 +15,9 @@ zen does there (:data:`CELLS`, the data ``docs/generate_matrix.py`` turns into
   error (or, where stock's failure is a build that takes minutes, DeepSpeed's own check of what the
   feature needs), and ``launch/gpu_check.py`` runs the CUDA ones on a GPU (:func:`main`).
 
-One spawn of 2 ranks runs every cell (:func:`run_cells`) and returns the results; each cell is then
-one small test. The whole matrix takes well under a minute of the suite.
+The MoE and Ulysses features also run at ZeRO stage 0 (:data:`ZERO0_CELLS`, working cells listed
+below the docs' table). One spawn of 2 ranks runs every cell (:func:`run_cells`) and returns the
+results; each cell is then one small test. The whole matrix takes well under a minute of the suite.
 """
 from __future__ import annotations
 
@@ -250,7 +251,6 @@ CELLS: List[Cell] = [
     *_cells("small_buckets", (1, 2, 3)), *_cells("small_buckets", _ZERO3, precisions=("bf16",)),
     *_cells("comm_fp32", (1, 2, 3), precisions=("bf16",)), *_cells("comm_bf16", (1, 2, 3)),
     *_cells("moe", (1, 2)), *_cells("moe", (2,), precisions=("bf16",)),
-    # last: DeepSpeed keeps a run's sequence-parallel groups in module globals (:func:`train_cell`)
     *_cells("ulysses", (1, 2, 3)), *_cells("ulysses_mpu", (1, 2, 3)), *_cells("ulysses_mpu", (2,), precisions=("bf16",)),
     *_cells("ulysses_mpu_no_reduce_scatter", (1, 2, 3)),
 ]
@@ -579,7 +579,7 @@ CHECKS = {Works: check_works, Refused: check_refused, NotOnCpu: check_not_on_cpu
 # ----------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def results() -> List[Dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp:  # ZeRO-0 first: the matrix ends with Ulysses
+    with tempfile.TemporaryDirectory() as tmp:
         return run_ranks(WORLD, _worker, ZERO0_CELLS + CELLS, tmp, fresh=True)
 
 
