@@ -51,7 +51,7 @@ from zen_ds.integrations.deepspeed.owned import OwnedRoute
 from zen_ds.integrations.deepspeed.route import EngineRoute
 from zen_ds.integrations.deepspeed.shared import SharedRoute
 from zen_ds.integrations.deepspeed.zero3 import Zero3Route
-from zen_ds.integrations.params import select_params, tied_params
+from zen_ds.integrations.params import is_expert_param, select_params, tied_params
 from zen_ds.schemes import get_scheme
 
 __all__ = ["DeepSpeedSetup", "RouteChoice", "resolve_route", "ds_config_dict", "read_ds_config"]
@@ -105,14 +105,18 @@ class DeepSpeedSetup:
     zenflow: bool = False
 
     @classmethod
-    def from_config(cls, ds_config: Mapping[str, Any], model: nn.Module) -> "DeepSpeedSetup":
+    def from_config(cls, ds_config: Mapping[str, Any], model: nn.Module, mpu: Any = None) -> "DeepSpeedSetup":
+        """``mpu``: the one passed to ``deepspeed.initialize``; Ulysses sequence parallelism comes
+        from the ds_config's ``sequence_parallel_size`` or from an mpu with sequence-parallel
+        groups (DeepSpeed's ``parallel_state_sp``, Megatron-DeepSpeed's)."""
         zero = ds_config.get("zero_optimization") or {}
         stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
         return cls(zero_stage=int(stage) if str(stage).isdigit() else 0,
                    fp16=_enabled(ds_config, "fp16"),
                    bf16=_enabled(ds_config, "bf16") or _enabled(ds_config, "bfloat16"),
                    pipeline=_is_pipeline_module(model), moe=_has_moe(model),
-                   sequence_parallel=int(ds_config.get("sequence_parallel_size", 1) or 1) > 1,
+                   sequence_parallel=int(ds_config.get("sequence_parallel_size", 1) or 1) > 1
+                   or _mpu_sequence_parallel(mpu) > 1,
                    zenflow=isinstance(zero, Mapping) and isinstance(zero.get("zenflow"), Mapping))
 
     @classmethod
@@ -175,6 +179,12 @@ def _has_moe(model: nn.Module) -> bool:
     return any(isinstance(module, MoE) for module in model.modules())
 
 
+def _mpu_sequence_parallel(mpu: Any) -> int:
+    """The sequence-parallel ranks an mpu declares (1 without an mpu or sequence parallelism)."""
+    get = getattr(mpu, "get_sequence_parallel_world_size", None)
+    return int(get()) if callable(get) else 1
+
+
 def _any_rank(*flags: bool) -> List[bool]:
     """Each flag OR-ed over all ranks: pipeline stages hold different params, so a decision that
     depends on them must be the same on every stage (else a refusal on one stage hangs the rest)."""
@@ -186,13 +196,20 @@ def _any_rank(*flags: bool) -> List[bool]:
 
 
 def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn.Module,
-                  zen_config: ZenConfig) -> RouteChoice:
+                  zen_config: ZenConfig, mpu: Any = None) -> RouteChoice:
     """Pick zen's route for ``model`` under ``ds_config`` (a dict or an engine's
-    :class:`DeepSpeedSetup`), or raise :class:`ZenConfigError` saying what to change.
+    :class:`DeepSpeedSetup`; ``mpu``: the one ``deepspeed.initialize`` gets), or raise
+    :class:`ZenConfigError` saying what to change.
+
+    MoE layers and Ulysses sequence parallelism take the route they would take without them: expert
+    params are never zen's (:func:`~zen_ds.integrations.params.select_params`: DeepSpeed reduces
+    them over their expert-data-parallel groups), and zen reduces its params over the group
+    DeepSpeed reduces the other dense params over (the data-parallel group; with Ulysses the
+    sequence-data-parallel one), scaled as DeepSpeed scales them.
 
     Collective for a PipelineModule (every rank must call it); raises the same error on every rank.
     """
-    setup = ds_config if isinstance(ds_config, DeepSpeedSetup) else DeepSpeedSetup.from_config(ds_config, model)
+    setup = ds_config if isinstance(ds_config, DeepSpeedSetup) else DeepSpeedSetup.from_config(ds_config, model, mpu)
     if setup.pipeline:
         zen_config = _patterns_of_this_stage(model, zen_config)
     selected = select_params(model, zen_config)
@@ -209,12 +226,8 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
         refuse("DeepSpeed's PipelineEngine does not run a PipelineModule under ZeRO stage 2 (it asserts "
                "\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", "
                "deepspeed/runtime/pipe/engine.py). Set zero_optimization.stage to 0 or 1")
-    if setup.moe:
-        refuse("MoE layers (expert-parallel groups) are not supported with zen; disable zen for this model")
-    if setup.sequence_parallel:
-        refuse("sequence parallelism (sequence_parallel_size > 1) is not supported with zen")
     if setup.zenflow:
-        refuse("DeepSpeed's ZenFlow and zen_ds both take over the optimizer/reduction; enable one of them")
+        _refuse_zenflow()
     # fp16: the compressor keeps its residuals unscaled and undoes a step DeepSpeed skips
     compressor = _compressor(model, zen_config, selected, undo=setup.fp16) if compression else None
     any_sparse = any(sparse for _, _, sparse in selected)
@@ -259,10 +272,13 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
         refuse(f"\"zen.scheme\": \"{zen_config.scheme}\" does not apply under ZeRO stage 3: the gradient "
                "must land in ZeRO-3's contiguous partitions, so zen pushes the non-zero rows to their "
                "owners (a sparse reduce-scatter). Remove the key (or set it to \"auto\")")
-    for flag, what in ((setup.moe, "MoE layers"), (setup.sequence_parallel, "sequence parallelism"),
-                       (setup.zenflow, "DeepSpeed's ZenFlow")):
-        if flag:
-            refuse(f"{what} with zen under ZeRO stage 3 is not supported; disable zen for this model")
+    if setup.moe:
+        refuse("MoE layers under ZeRO stage 3 are not supported with zen: DeepSpeed runs its MoE layer at "
+               "ZeRO stage 1 and 2 only (at stage 3 only AutoEP layers, which zen is not tested with). Set "
+               "zero_optimization.stage to 1 or 2 (DeepSpeed keeps reducing the experts, zen syncs the "
+               "embedding), or set \"zen\": {\"enabled\": false}")
+    if setup.zenflow:
+        _refuse_zenflow()
     tied = tied_params(model)
     kept, left = [], {}
     for name, param, sparse in selected:
@@ -276,6 +292,12 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
     compressor = (_compressor(model, zen_config, selected, undo=setup.fp16)
                   if zen_config.compression is not None else None)
     return RouteChoice(Zero3Route, kept, setup, compressor, left_to_deepspeed=left)
+
+
+def _refuse_zenflow() -> None:
+    refuse("DeepSpeed's ZenFlow (zero_optimization.zenflow) and zen both take over the optimizer step and "
+           "the gradient reduction; remove the \"zenflow\" block from zero_optimization, or set "
+           "\"zen\": {\"enabled\": false}")
 
 
 def _patterns_of_this_stage(model: nn.Module, zen_config: ZenConfig) -> ZenConfig:
@@ -312,9 +334,10 @@ def _synced_params(selected: List[SelectedParam], compressor: Optional[Any]) -> 
 
 
 def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[SelectedParam], undo: bool) -> Any:
-    """The gradient compressor; it picks the dense params it compresses (never zen's selected ones)."""
-    return GradientCompressor(zen_config.compression, list(model.named_parameters()),
-                              {name for name, _, _ in selected}, undo=undo)
+    """The gradient compressor; it picks the dense params it compresses (never zen's selected ones,
+    never a MoE expert's: DeepSpeed reduces those over their expert-data-parallel groups)."""
+    candidates = [(name, param) for name, param in model.named_parameters() if not is_expert_param(param)]
+    return GradientCompressor(zen_config.compression, candidates, {name for name, _, _ in selected}, undo=undo)
 
 
 def _refuse_for_row_sharded(setup: DeepSpeedSetup) -> None:
