@@ -26,15 +26,15 @@ equal chunks); ``tests/multirank/core/test_nccl_collectives.py`` records every c
 reduce-scatter, DS-Sync and the plug-in's overlap thread and checks them.
 
 Host synchronisations of one ``sparse_allreduce`` on CUDA, outside the schemes (each scheme's
-module docstring lists its own): the input check reads the row ids' min and max
-(:mod:`zen_ds.core.inputs`; a dense input's non-zero rows are found by an op that reads their count);
-the handshake copies the row ids to the host when a scheme needs the support sketch and owner
-counts, sends its record up and reads the gathered table back (the plan is made on the host, from
-it; the owner counts stay there, so the balanced push's splits cost no further sync); an error
-report (only when a rank failed) is an ``all_gather_object``; after a dense all-reduce the stats
-count the result's non-zero rows; writing a result into the caller's dense tensor in place finds
-the stale rows. Splits and receive sizes must be host integers (NCCL's API), so the size reads
-in the schemes cannot be deferred, only batched.
+module docstring lists its own; every read goes through :mod:`zen_ds.core.host`, which counts
+them): the input check reads the row ids' min and max in one read (:mod:`zen_ds.core.inputs`; a
+dense input's non-zero rows are found by an op that reads their count); the handshake copies the
+row ids to the host when a scheme needs the support sketch and owner counts, sends its record up
+and reads the gathered table back (the plan is made on the host, from it; the owner counts stay
+there, so the balanced push's splits cost no further sync); an error report (only when a rank
+failed) is an ``all_gather_object``; after a dense all-reduce the stats count the result's
+non-zero rows (an op). Splits and receive sizes must be host integers (NCCL's API), so the size
+reads in the schemes cannot be deferred, only batched.
 """
 from __future__ import annotations
 

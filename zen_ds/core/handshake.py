@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from zen_ds.core.host import host_values, to_host
 from zen_ds.core.option_fields import OPTION_SLOTS
 
 __all__ = ["FIELDS", "AGREED_FIELDS", "FLOAT_FIELDS", "MAX_ROW_DIMS", "SKETCH_SIZE", "DTYPE_CODES",
@@ -136,7 +137,7 @@ class HandshakeTable:
         start, stop = _OFFSETS[name]
         if stop - start != 1:
             raise KeyError(f"handshake field {name!r} has {stop - start} slots; use slots()")
-        values = self.table[:, start].tolist()
+        values = host_values(self.table[:, start])
         return [bits_float(v) for v in values] if name in FLOAT_FIELDS else values
 
     def slots(self, name: str) -> torch.Tensor:
@@ -149,7 +150,7 @@ class HandshakeTable:
 
     def row_shape(self, rank: int) -> Tuple[int, ...]:
         ndim = int(self.column("row_ndim")[rank])
-        dims = self.slots("row_dims")[rank, : min(ndim, MAX_ROW_DIMS)].tolist()
+        dims = host_values(self.slots("row_dims")[rank, : min(ndim, MAX_ROW_DIMS)])
         return tuple(dims)
 
     @property
@@ -172,7 +173,7 @@ class HandshakeTable:
             if bool((part != part[0]).any()):
                 if name in _ROW_SHAPE_FIELDS:
                     return "row shape", [self.row_shape(r) for r in range(self.world_size)]
-                return name, self.column(name) if stop - start == 1 else part.tolist()
+                return name, self.column(name) if stop - start == 1 else host_values(part)
         return None
 
 
@@ -202,7 +203,7 @@ def bucket_minima(positions: torch.Tensor, num_rows: int) -> torch.Tensor:
     num_rows)`` (int64, CPU; ``num_rows`` for an empty bucket)."""
     minima = torch.full((BUCKETS,), int(num_rows), dtype=torch.int64)
     if positions.numel() and num_rows > 0:
-        positions = positions.to(torch.int64).cpu()
+        positions = positions.to(torch.int64)  # on the host: the handshake's copy
         buckets = positions * BUCKETS // num_rows
         minima.scatter_reduce_(0, buckets, positions, reduce="amin")
     return minima
@@ -228,7 +229,7 @@ class HandshakeSummary:
     """The reduced summaries (the element-wise MAX over the group), read by field name."""
 
     def __init__(self, reduced: torch.Tensor, world_size: int) -> None:
-        reduced = reduced.cpu()
+        reduced = to_host(reduced, "agreement.summary")
         self.world_size = world_size
         self.largest = reduced[:FIXED_WIDTH]
         self.smallest = -reduced[FIXED_WIDTH: 2 * FIXED_WIDTH]
@@ -304,8 +305,7 @@ def pack_checks(counts: torch.Tensor, flags: int) -> torch.Tensor:
 
 def unpack_checks(words: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """(the counts, the OR of every word's flags) of :func:`pack_checks` words (CPU)."""
-    words = words.cpu()
     flags = 0
-    for value in torch.unique(words >> _CHECK_SHIFT).tolist():
+    for value in host_values(torch.unique(words >> _CHECK_SHIFT)):
         flags |= int(value)
     return words & _COUNT_MASK, flags

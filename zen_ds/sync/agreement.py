@@ -26,6 +26,7 @@ from zen_ds.core.handshake import (
     row_dims_slots,
     summary_width,
 )
+from zen_ds.core.host import to_host
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.option_fields import OPTION_SLOTS, record_slots
 from zen_ds.core.partition import ShardLayout
@@ -138,7 +139,7 @@ def _record(comm: Communicator, local: LocalInput, scheme: str, average: bool,
         scheme == "auto" or get_scheme(scheme).needs_sketch)
     if needs_layout and local.nnz:
         layout = ShardLayout(local.num_rows, n, opts.seed)
-        positions = layout.positions(local.rows.cpu())
+        positions = layout.positions(to_host(local.rows, "agreement.sketch_rows"))
         if with_layout:
             sketch = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
             owner_counts = torch.bincount(layout.owner_of_positions(positions), minlength=n)
@@ -162,7 +163,7 @@ def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool
     record_ = record_.to(device)
     gathered = torch.empty(n * record_.numel(), dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(gathered, record_, "handshake")
-    return HandshakeTable(gathered.view(n, -1).cpu())
+    return HandshakeTable(to_host(gathered.view(n, -1), "agreement.records"))
 
 
 def _raise_on_errors(table: HandshakeTable, comm: Communicator, problems: List[str]) -> None:

@@ -131,14 +131,13 @@ def _scaled_copy(rs: RowSparse, scale: Optional[float]) -> RowSparse:
 def _into_dense(result: RowSparse, target: torch.Tensor, local: LocalInput, in_place: bool
                 ) -> None:
     """Scatter a scheme's rows into the caller's dense tensor. In place, this rank's own rows
-    must all be overwritten: any the result lacks are zeroed."""
+    must all be overwritten: they are zeroed first (no host read to find those the result
+    lacks), then the result's rows written."""
     view = target.view((result.num_rows,) + result.row_shape)
+    if in_place and local.nnz:
+        view.index_fill_(0, local.rows, 0)
     if result.nnz:
         ops.scatter_rows(view, result.indices, result.values)
-    if in_place and local.nnz:
-        stale = local.rows[~torch.isin(local.rows, result.indices)]
-        if stale.numel():
-            view.index_fill_(0, stale, 0)
 
 
 def _sketched(scheme: str) -> bool:

@@ -52,6 +52,7 @@ from zen_ds.core.handshake import (
     CHECK_PROBLEM,
     same_agreed_fields,
 )
+from zen_ds.core.host import host_list
 from zen_ds.core.inputs import inspect_input
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
@@ -254,7 +255,7 @@ def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
                                   dtype=buffer.dtype)
     comm.scheme = plan.scheme
     comm.all_reduce(buffer, plan.scheme)
-    flags = buffer[numel:].tolist()
+    flags = host_list(buffer[numel:], "stable.dense_checks")
     if flags[0] > 0 or flags[1] > 0:
         _drop(plans, call.name)
         return None
