@@ -16,7 +16,10 @@ call.
 ``--tree LABEL=PATH`` (repeatable) runs the probe with the ``zen_ds`` of each source tree (a
 checkout, or ``git archive`` of a commit unpacked somewhere), interleaved: every round runs each
 tree once, in alternating order, and the table shows each tree's median over rounds, so trees
-compared in one table saw the same machine load. Where the tree has
+compared in one table saw the same machine load. ``--check`` instead compares what the trees
+compute: every rank's result (its bytes) and every :class:`~zen_ds.SyncStats` field but the
+times, per scheme, input (the four above, a dense gradient synced in place, and one whose rows
+most ranks share), sum and mean, first and second call; it prints every difference. Where the tree has
 :mod:`zen_ds.core.host`, the probe also reports each scheme's device-to-host reads per call
 (the same count on CPU as on a GPU: see that module). ``--profile PATH``: cProfile of rank 0's
 timed calls (one tree, one world size; thread CPU time, as the figures), saved to PATH and
@@ -63,6 +66,47 @@ def _inputs(rank: int):
     return {"dense37": small, "dense4000": large, "rowsparse": sparse, "coo": sparse.to_coo()}
 
 
+def _outcomes(schemes: List[str], rank: int) -> Dict[str, object]:
+    """What each call computed: its result's bytes (a hash) and its stats but the times."""
+    import hashlib
+
+    import torch
+
+    import zen_ds
+
+    inputs = _inputs(rank)
+    # 3000 rows every rank holds and 200 of its own: balanced exchanges its pull's sizes and
+    # leaves single holders out
+    gen = torch.Generator().manual_seed(rank)
+    rows = torch.cat([torch.randperm(20000, generator=torch.Generator().manual_seed(5))[:3000],
+                      torch.randint(0, 20000, (200,), generator=gen)]).unique()
+    shared = torch.zeros(20000, 8)
+    shared[rows] = torch.randn(rows.numel(), 8, generator=gen)
+    cases = [(name, lambda name=name: (inputs[name], None)) for name in INPUTS]
+    cases += [("inplace", lambda: (lambda x: (x, x))(inputs["dense4000"].clone())),
+              ("shared", lambda: (shared, None))]
+    seen: Dict[str, object] = {}
+    for scheme in schemes:
+        for name, make in cases:
+            for average in (False, True):
+                for call in range(2):
+                    x, out = make()
+                    stats = zen_ds.SyncStats()
+                    y = zen_ds.sparse_allreduce(x, scheme=scheme, average=average, out=out,
+                                                stats=stats)
+                    dense = y.to_dense() if hasattr(y, "to_dense") and not (
+                        isinstance(y, torch.Tensor) and not y.is_sparse) else y
+                    digest = hashlib.sha256(dense.contiguous().view(torch.uint8).numpy()
+                                            .tobytes()).hexdigest()[:16]
+                    fields = stats.as_dict()
+                    fields.pop("seconds")
+                    for record in fields["collectives"]:
+                        record.pop("seconds")
+                    seen[f"{scheme}/{name}/{'mean' if average else 'sum'}/{call}"] = [digest,
+                                                                                      fields]
+    return seen
+
+
 def _rank(rank: int, n: int, port: int, schemes: List[str], calls: int, warmup: int,
           profile: Optional[str], out: str) -> None:
     import torch
@@ -77,6 +121,11 @@ def _rank(rank: int, n: int, port: int, schemes: List[str], calls: int, warmup: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=n)
+    if calls == 0:  # --check
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(_outcomes(schemes, rank), f)
+        dist.destroy_process_group()
+        return
     inputs = _inputs(rank)
     profiler = None
     if profile and rank == 0:
@@ -135,8 +184,9 @@ def _run_tree(path: str, world: int, args: argparse.Namespace) -> List[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         result = tmp.name
     env = dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_NUM_THREADS="1")
+    calls = 0 if args.check else args.calls
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--world", str(world),
-               "--result", result, "--calls", str(args.calls), "--warmup", str(args.warmup),
+               "--result", result, "--calls", str(calls), "--warmup", str(args.warmup),
                "--schemes", ",".join(args.schemes)]
     if args.profile:
         command += ["--profile", os.path.abspath(args.profile)]
@@ -163,6 +213,23 @@ def _reads(per_rank: List[dict], scheme: str) -> str:
     return " / ".join(str(sum(counted[name].values())) for name in INPUTS)
 
 
+def _check(trees: List[List[str]], worlds: List[int], args: argparse.Namespace) -> None:
+    """Run every tree once per world size and print where their outcomes differ."""
+    differences = 0
+    for world in worlds:
+        outcomes = {label: _run_tree(path, world, args) for label, path in trees}
+        (first, reference), *others = outcomes.items()
+        for label, per_rank in others:
+            for rank, (want, got) in enumerate(zip(reference, per_rank)):
+                for key in sorted(set(want) | set(got)):
+                    if want.get(key) != got.get(key):
+                        differences += 1
+                        print(f"n={world} rank {rank} {key}: {first} {want.get(key)} != "
+                              f"{label} {got.get(key)}")
+        print(f"n={world}: {len(reference[0])} calls per rank compared", file=sys.stderr)
+    print("identical" if not differences else f"{differences} differences")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, action="append", help="world sizes (default: 4)")
@@ -175,6 +242,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--profile", help="cProfile rank 0's timed calls into this file")
     parser.add_argument("--nice", type=int, default=0, help="run the ranks at this niceness")
     parser.add_argument("--json", help="write every run's per-rank figures here")
+    parser.add_argument("--check", action="store_true",
+                        help="compare the trees' results and stats instead of timing them")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -187,6 +256,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         os.path.dirname(os.path.abspath(__file__)))]]
     if args.profile and (len(trees) > 1 or len(worlds) > 1 or args.rounds > 1):
         parser.error("--profile takes one tree, one world size and one round")
+    if args.check:
+        _check(trees, worlds, args)
+        return
     runs: Dict[str, Dict[int, List[List[dict]]]] = {label: {w: [] for w in worlds}
                                                      for label, _ in trees}
     for round_ in range(args.rounds):

@@ -83,6 +83,8 @@ SIZED_WRAPPERS = {"sized", "host_values"}
 # (module, function) -> why its raw reads touch no device: the simulator's exact traffic
 # replays row ids on the host (zen_ds.costmodel.supports), never a sync's tensors.
 HOST_ONLY_FUNCTIONS = {
+    ("zen_ds.core.handshake", "HandshakeTable.column"): "a numpy view of the gathered table, "
+                                                         "read to the host once already",
     ("zen_ds.schemes.balanced", "_index_areas"): "traffic(): the simulator's host supports",
     ("zen_ds.schemes.hierarchical", "HierarchicalScheme.traffic"): "the simulator's host supports",
     ("zen_ds.schemes.omnireduce", "OmniReduceScheme.traffic"): "the simulator's host supports",
@@ -106,6 +108,8 @@ PROCESS_STATE = {
                                          "(bounded; release_result_buffers() empties it)",
     ("zen_ds.core.host", "_OPEN"): "the open count_host_reads() scopes: reads on any thread "
                                    "(the plug-in's communication thread) count in them",
+    ("zen_ds.core.comm", "_GROUPS"): "each process group's size, rank and backend, fixed for its "
+                                     "life (weak keys: forgotten with the group)",
     ("zen_ds.core.comm", "_logged_all_gather"): "the all-gather function torch offers, resolved once",
     ("zen_ds.core.handshake", "_OFFSETS"): "the record layout, computed at import from FIELDS",
     ("zen_ds.core.handshake", "_AGREED_MASK"): "the record layout, computed at import from FIELDS",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -48,7 +49,8 @@ import torch.distributed as dist
 
 from zen_ds.core.errors import ZenSyncError
 
-__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "all_gather_single"]
+__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "group_facts",
+           "all_gather_single"]
 
 # torch >= 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -66,13 +68,39 @@ class CommRecord:
     seconds: float = 0.0  # wall time of the call on this rank (waiting for peers included)
 
 
+# process group -> (world size, this process's rank, backend name, whether it is the whole
+# world): fixed for a group's life, and looked up by every sync (torch's lookups cost more than
+# a small sync's own arithmetic)
+_GROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Tuple[int, int, str, bool]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def group_facts(group: Optional[dist.ProcessGroup]) -> Tuple[int, int, str, bool]:
+    """``(world_size, rank, backend, whole_world)`` of ``group`` (None: the default group),
+    torch.distributed initialised. The backend is ``""`` where torch cannot name it;
+    ``whole_world``: the group holds every rank of the default group, in order."""
+    key = dist.group.WORLD if group is None else group
+    facts = _GROUPS.get(key)
+    if facts is None:
+        try:
+            backend = str(dist.get_backend(group)).lower()
+        except Exception:  # a backend torch cannot name: its users leave the device unchecked
+            backend = ""
+        whole = group is None or list(dist.get_process_group_ranks(group)) == list(
+            range(dist.get_world_size()))
+        facts = (dist.get_world_size(group), dist.get_rank(group), backend, whole)
+        _GROUPS[key] = facts
+    return facts
+
+
 def resolve_group(group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
     """``(group, world_size, rank)``; the default group is used only when ``group`` is None."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise RuntimeError("a process group was passed but torch.distributed is not initialised")
         return None, 1, 0
-    return group, dist.get_world_size(group), dist.get_rank(group)
+    world_size, rank, _, _ = group_facts(group)
+    return group, world_size, rank
 
 
 def _deepspeed_comm():
