@@ -308,7 +308,8 @@ class HandshakeSummary:
 def same_agreed_fields(record: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether two records (:func:`encode_record`) carry the same agreed fields: a sync whose
     plan was kept from an earlier step checks its record against the one that was agreed."""
-    return bool(((record[:FIXED_WIDTH] == other[:FIXED_WIDTH]) | ~_AGREED_MASK).all())
+    mine, theirs = record.numpy(force=True), other.numpy(force=True)
+    return bool(((mine[:FIXED_WIDTH] == theirs[:FIXED_WIDTH]) | ~_AGREED_NUMPY).all())
 
 
 # ------------------------------------------------------------- a stable plan's checks

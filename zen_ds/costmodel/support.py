@@ -21,16 +21,15 @@ def _complete_sample(sketches: torch.Tensor) -> Tuple[int, int, int]:
     values = sketches.numpy()
     full = values.min(axis=1) >= 0 if values.size else np.zeros(0, dtype=bool)
     threshold = int(values[full].max(axis=1).min()) if full.any() else -1
-    kept = values[(values >= 0) & (values <= threshold)] if threshold >= 0 else values[values >= 0]
+    # Positions are >= 0 and the padding is -1: as unsigned, the padding is above any threshold.
+    unsigned = values.view(np.uint64)
+    kept = unsigned[unsigned <= threshold] if threshold >= 0 else unsigned[values >= 0]
     if not kept.size:
         return 0, 0, threshold
     kept.sort()
-    change = kept[1:] != kept[:-1]  # where a run of one position ends
-    first = np.ones(kept.size, dtype=bool)
-    first[1:] = change
-    last = np.ones(kept.size, dtype=bool)
-    last[:-1] = change
-    return int(np.count_nonzero(first)), int(np.count_nonzero(first & last)), threshold
+    edges = np.concatenate(([True], kept[1:] != kept[:-1], [True]))  # where a run starts / ends
+    return (int(np.count_nonzero(edges[:-1])), int(np.count_nonzero(edges[:-1] & edges[1:])),
+            threshold)
 
 
 def estimate_support(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int

@@ -266,14 +266,15 @@ def _prepare(x: object, out: object, group: object, scheme: object, opts: object
 @dataclass
 class Prepared:
     """One sync's local part of a step's agreement (:mod:`zen_ds.sync.step`): the local checks'
-    outcome, this rank's record (with sketch and owner counts) and its summary vector."""
+    outcome, this rank's record (with sketch and owner counts) and its summary vector (None for
+    a plan kept from an earlier step, which takes part in no agreement)."""
 
     comm: Communicator
     local: LocalInput
     problems: List[str]
     device: torch.device
     record: torch.Tensor
-    summary: torch.Tensor
+    summary: Optional[torch.Tensor]
 
     def raise_on_errors(self, table: HandshakeTable) -> None:
         """The same :class:`ZenInputError` on every rank when the gathered ``table`` shows a
@@ -292,6 +293,8 @@ def prepare(x: object, out: object, group: object, scheme: object, average: bool
                                              log_prefix, local_error)
     record_, positions = _record(comm, local, scheme, average, opts, prescale, postscale,
                                  problems, fields_only=fields_only)
+    if fields_only:  # a kept plan: never agreed on in this step's collectives
+        return Prepared(comm, local, problems, device, record_, None)
     minima = bucket_minima(positions, local.num_rows) if positions is not None else None
     return Prepared(comm, local, problems, device, record_, encode_summary(record_, minima))
 

@@ -186,16 +186,20 @@ def sparse_plans_skip(opts: SyncOptions, n: int, sparse: Sequence[Tuple[str, Syn
     if not sparse:
         return True
     cost = opts.cost_model
+    messages = tuple(checks_message_bytes(scheme, shape) for scheme, shape in sparse)
 
     def agreement(syncs: int, gathered: int) -> float:
         mode = choose_handshake(opts, n, syncs, gathered) if syncs else "allgather"
         return handshake_seconds(opts, n, mode, syncs, gathered)
 
-    alone = sum(cost.link_seconds((n - 1) * checks_message_bytes(scheme, shape), 0.0, n - 1)
-                for scheme, shape in sparse)
-    joined = len(sparse)
-    return agreement(others, others_gathered) + alone <= agreement(others + joined,
-                                                                  others_gathered + joined)
+    def skip() -> bool:
+        alone = sum(cost.link_seconds((n - 1) * message, 0.0, n - 1) for message in messages)
+        joined = len(sparse)
+        return agreement(others, others_gathered) + alone <= agreement(others + joined,
+                                                                      others_gathered + joined)
+
+    # The same answer for the same counts: a steady training loop asks it every step.
+    return opts.derived(("sparse plans skip", n, messages, others, others_gathered), skip)
 
 
 def _drop(plans: StepPlans, name: str) -> None:

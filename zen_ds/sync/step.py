@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from zen_ds.core.comm import Communicator
+from zen_ds.core.comm import Communicator, group_facts
 from zen_ds.core.handshake import HandshakeSummary, HandshakeTable
 from zen_ds.core.host import to_host
 from zen_ds.core.stats import SyncStats
@@ -62,7 +62,7 @@ def _group_size(group: Optional[dist.ProcessGroup]) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 1
     try:
-        return dist.get_world_size(group)
+        return group_facts(group)[0]
     except Exception:  # an unusable group: each call's own handshake reports it
         return 0
 
