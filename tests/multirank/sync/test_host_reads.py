@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from input_kinds import KINDS as INPUTS, as_kind
 
 WORLD = 4
 NUM_ROWS = 20_000
 WIDTH = 8  # 32-byte fp32 rows: balanced's exchanged pull skips single holders (the widest path)
-INPUTS = ("dense", "inplace", "rows", "coo")
 SUPPORTS = ("own", "shared")  # few duplicates (balanced pads its pull) / many (exchanged sizes)
 SPLIT = "sparcml/split_allgather"  # sparcml with its split-allgather variant pinned
 
@@ -77,18 +77,6 @@ def _grad(rank: int, support: str) -> torch.Tensor:
     return x
 
 
-def _args(x: torch.Tensor, kind: str) -> Tuple[object, Dict[str, object]]:
-    import zen_ds
-
-    if kind == "inplace":
-        return x, {"out": x}
-    if kind == "rows":
-        return zen_ds.RowSparse.from_dense(x), {}
-    if kind == "coo":
-        return zen_ds.RowSparse.from_dense(x).to_coo(), {}
-    return x, {}
-
-
 def _agreement_reads(scheme: str, kind: str) -> Dict[str, int]:
     from zen_ds.schemes import get_scheme
 
@@ -107,7 +95,7 @@ def _count(scheme: str, support: str, kind: str, rank: int) -> Tuple[Dict[str, i
     from zen_ds.core.host import count_host_reads
 
     for _ in range(2):
-        x, kwargs = _args(_grad(rank, support).clone(), kind)
+        x, kwargs = as_kind(_grad(rank, support).clone(), kind)
         stats = zen_ds.SyncStats()
         with count_host_reads() as reads:
             zen_ds.sparse_allreduce(x, scheme=scheme, stats=stats, **kwargs)
@@ -146,7 +134,7 @@ def _count_stable(rank: int, world: int) -> Dict[str, object]:
         for kind in ("inplace", "rows"):
             plans, opts = StepPlans(), zen_ds.SyncOptions(handshake="auto")
             for step in range(3):
-                x, kwargs = _args(_grad(rank, support).clone(), kind)
+                x, kwargs = as_kind(_grad(rank, support).clone(), kind)
                 with count_host_reads() as reads:
                     sync_step([StepCall(x, scheme=scheme, key="emb", **kwargs)], options=opts,
                               plans=plans)

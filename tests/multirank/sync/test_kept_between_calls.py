@@ -17,17 +17,15 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from input_kinds import KINDS, as_kind
 
 WORLD = 4
 NUM_ROWS = 6000
-KINDS = ("dense", "inplace", "rows", "coo")
 
 
 def _input(rank: int, kind: str, shared: bool) -> Tuple[object, Dict[str, object]]:
     """A gradient of 300 rows of this rank's own, or (``shared``) 1500 rows every rank holds and
     100 of its own; as a dense tensor (a new result, or synced in place), rows or COO."""
-    import zen_ds
-
     gen = torch.Generator().manual_seed(11 + rank)
     own = rank + WORLD * torch.randperm(NUM_ROWS // WORLD, generator=gen)
     ids = own[:300]
@@ -36,13 +34,7 @@ def _input(rank: int, kind: str, shared: bool) -> Tuple[object, Dict[str, object
         ids = torch.unique(torch.cat([common, own[:100]]))
     x = torch.zeros(NUM_ROWS, 8)
     x[ids] = torch.randn(ids.numel(), 8, generator=gen)
-    if kind == "inplace":
-        return x, {"out": x}
-    if kind == "rows":
-        return zen_ds.RowSparse.from_dense(x), {}
-    if kind == "coo":
-        return zen_ds.RowSparse.from_dense(x).to_coo(), {}
-    return x, {}
+    return as_kind(x, kind)
 
 
 def _outcome(scheme: str, kind: str, shared: bool, average: bool, options, rank: int):
