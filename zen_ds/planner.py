@@ -179,9 +179,13 @@ def model_settings(names: Tuple[str, ...]) -> Tuple[Hashable, ...]:
     """The candidates' scheme objects and what their byte models read besides the shape (a
     pinned sparcml variant, the environment settings of ``model_env``): part of every memo
     key, so a change is priced afresh."""
-    return tuple((scheme, scheme.model_settings(),
-                  tuple(os.environ.get(name) for name in scheme.model_env))
-                 for scheme in map(get_scheme, names))
+    environ = os.environ
+    settings = []
+    for name in names:  # a loop, not nested generators: asked on every sync
+        scheme = get_scheme(name)
+        settings.append((scheme, scheme.model_settings(),
+                         tuple([environ.get(variable) for variable in scheme.model_env])))
+    return tuple(settings)
 
 
 def _bucket(count: int) -> int:
