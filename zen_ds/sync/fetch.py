@@ -31,6 +31,8 @@ def row_owners(ids: torch.Tensor, row_numel: int, partition_numel: int
     boundary, the index into ``ids`` of each piece (None: one piece per row, ``dest[i]`` owns row
     ``ids[i]`` whole). Pieces come in the order of ``ids``, owners ascending within a row."""
     first = torch.div(ids * row_numel, partition_numel, rounding_mode="floor")
+    if row_numel and partition_numel % row_numel == 0:  # no row straddles: nothing to read
+        return first, None
     last = torch.div((ids + 1) * row_numel - 1, partition_numel, rounding_mode="floor")
     spans = last - first + 1
     if host_bool((spans == 1).all(), "row_owners.spans"):
@@ -58,13 +60,17 @@ def _held(ids: torch.Tensor, row_numel: int, base: int, partition_numel: int
     return positions, (positions >= 0) & (positions < partition_numel)
 
 
-def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: int, base: int) -> torch.Tensor:
+def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: int, base: int,
+                       overlapping: bool = False) -> torch.Tensor:
     """``[len(ids), row_numel]``: the requested rows as far as this partition holds them (zero
-    elsewhere). Rows held whole are read through a sliding-window view, with no index per element."""
+    elsewhere). Rows held whole are read through a sliding-window view, with no index per element.
+    ``overlapping``: every row overlaps the partition (it was asked of this rank), so where the
+    partition's bounds are whole rows every row is held whole, known without a read."""
     part = partition.numel()
     starts = ids * row_numel - base
-    if ids.numel() and part >= row_numel and host_bool(
-            ((starts >= 0) & (starts + row_numel <= part)).all(), "fetch.whole_rows"):
+    aligned = overlapping and part % row_numel == 0 and base % row_numel == 0
+    if ids.numel() and part >= row_numel and (aligned or host_bool(
+            ((starts >= 0) & (starts + row_numel <= part)).all(), "fetch.whole_rows")):
         windows = partition.as_strided((part - row_numel + 1, row_numel), (1, 1))
         return windows.index_select(0, starts)
     positions, held = _held(ids, row_numel, base, part)
@@ -78,7 +84,8 @@ def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: in
 def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, row_numel: int,
                     group: Optional[dist.ProcessGroup] = None, *, stats: Optional[SyncStats] = None,
                     log_prefix: str = "zen") -> torch.Tensor:
-    """The rows ``ids`` (int64, unique) of the table whose flat partition this rank holds in
+    """The rows ``ids`` (int64, unique, ascending: as ``torch.unique`` gives them; the owners'
+    requests go out in that order) of the table whose flat partition this rank holds in
     ``partition`` (1-D, ``P`` elements, the same ``P`` on every rank), as a new
     ``[len(ids), row_numel]`` tensor of the partition's dtype. Every rank of ``group`` calls it
     (with its own ids; an empty request is fine). Values are copied bit for bit, signed zeros
@@ -104,7 +111,7 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
     send_splits, recv_splits = host_list(torch.stack([send_counts, recv_counts]), "fetch.counts")
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
     comm.all_to_all_single(requested, asked, recv_splits, send_splits, "fetch_rows_flat.ids")
-    answer = _rows_of_partition(partition, requested, row_numel, rank * part)
+    answer = _rows_of_partition(partition, requested, row_numel, rank * part, overlapping=True)
     got = torch.empty((asked.numel(), row_numel), dtype=partition.dtype, device=partition.device)
     comm.all_to_all_single(got, answer, send_splits, recv_splits, "fetch_rows_flat.rows")
     if pick is None:

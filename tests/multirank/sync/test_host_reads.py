@@ -144,10 +144,40 @@ def _count_stable(rank: int, world: int) -> Dict[str, object]:
     return seen
 
 
+def _count_flat(rank: int, world: int) -> Dict[str, object]:
+    """ZeRO-3's layout (:func:`zen_ds.sparse_reduce_scatter_flat`, :func:`zen_ds.sync.fetch.
+    fetch_rows_flat`) where each partition is whole rows (``num_rows`` a multiple of the
+    group): every row has one owner, known without a read."""
+    import zen_ds
+    from zen_ds.core.host import count_host_reads
+    from zen_ds.sync.fetch import fetch_rows_flat
+
+    seen: Dict[str, object] = {}
+    grad = _grad(rank, "own")
+    for _ in range(2):
+        with count_host_reads() as reads:
+            part = zen_ds.sparse_reduce_scatter_flat(grad)
+    seen["reduce_scatter_flat"] = (dict(reads.by_reason), reads.describe())
+    ids = torch.randperm(NUM_ROWS, generator=torch.Generator().manual_seed(rank))[:500].sort().values
+    for _ in range(2):
+        with count_host_reads() as reads:
+            fetch_rows_flat(ids, part, NUM_ROWS, WIDTH)
+    seen["fetch_rows_flat"] = (dict(reads.by_reason), reads.describe())
+    return seen
+
+
+# ZeRO-3's reduce-scatter and fetch on row-aligned partitions: the handshake's records and one
+# count exchange; the fetch, its count exchange.
+FLAT_READS = {"reduce_scatter_flat": {"agreement.records": 1, "reduce_scatter_flat.counts": 1},
+              "fetch_rows_flat": {"fetch.counts": 1}}
+
+
 @lru_cache(maxsize=None)
 def _counted(job: str) -> Tuple[Dict[str, object], ...]:
     if job == "syncs":
         return tuple(run_ranks(WORLD, _count_syncs, _schemes()))
+    if job == "flat":
+        return tuple(run_ranks(WORLD, _count_flat))
     return tuple(run_ranks(WORLD, _count_stable))
 
 
@@ -194,3 +224,11 @@ def test_reads_of_a_stable_plan_are_pinned(scheme: str, support: str) -> None:
                 expected["input.row_range"] = 1
             assert reads == expected, (f"rank {rank}: a stable {scheme} plan on {kind}/{support} "
                                        f"read the device for: {described}; pinned: {expected}")
+
+
+@pytest.mark.parametrize("call", list(FLAT_READS))
+def test_reads_of_zero3_layout_calls_are_pinned(call: str) -> None:
+    for rank, seen in enumerate(_counted("flat")):
+        reads, described = seen[call]
+        assert reads == FLAT_READS[call], (f"rank {rank}: {call} read the device for: "
+                                           f"{described}; pinned: {FLAT_READS[call]}")
