@@ -35,6 +35,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from zen_ds.core.option_fields import HANDSHAKES, OPTION
 from zen_ds.schemes import DENSE
 from zen_ds.tools.bench.workloads import parse_workload
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
@@ -52,6 +53,7 @@ from zen_ds.tools.sim.throughput import format_throughput, throughput_rows
 logger = logging.getLogger(__name__)
 
 DEFAULT_WORKLOADS = ("lstm", "deepfm", "nmt", "topk1")
+DEFAULT_HANDSHAKE = OPTION["handshake"].default
 THROUGHPUT_RANKS = (16, 64, 128, 512)
 
 
@@ -81,10 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-reduce", default=None, choices=("nccl", "ring"),
                    help="how the library all-reduce runs: 'nccl' (the cheaper of ring and tree, as "
                         "NCCL's tuner picks; the default) or 'ring' (gloo)")
-    p.add_argument("--handshake", default="allgather", choices=("allgather", "reduce", "auto"),
-                   help="SyncOptions.handshake: 'allgather' (the default), 'reduce' (a "
-                        "fixed-size all-reduce first, records gathered for non-dense plans) or "
-                        "'auto' (the cheaper of the two under the cost model)")
+    p.add_argument("--handshake", default=DEFAULT_HANDSHAKE, choices=HANDSHAKES,
+                   help="SyncOptions.handshake: 'allgather', 'reduce' (a fixed-size all-reduce "
+                        "first, records gathered for non-dense plans) or 'auto' (the cheaper of "
+                        f"the two under the cost model); default {DEFAULT_HANDSHAKE!r}, the "
+                        "option's")
     p.add_argument("--per-step", action="store_true",
                    help="price the plug-in's steady state (the tensor synced once per training "
                         "step): with 'reduce' or 'auto' a dense, agsparse or balanced plan is "
