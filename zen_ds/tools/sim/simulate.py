@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from zen_ds.core.option_fields import OPTION
 from zen_ds.costmodel.cost import CostModel
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.costmodel.support import planning_ranks
@@ -49,6 +50,7 @@ __all__ = ["SchemeResult", "SimResult", "simulate", "DEEPSPEED", "AUTO"]
 
 AUTO = "auto"
 DEEPSPEED = "deepspeed"
+DEFAULT_HANDSHAKE = OPTION["handshake"].default  # SyncOptions.handshake's default
 
 
 @dataclass
@@ -189,7 +191,7 @@ def _deepspeed_traffic(supports: Supports, sparse: bool) -> Traffic:
 
 def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
              index_encoding: str = "auto", sparse: bool = True,
-             planning: Optional[CostModel] = None, handshake: str = "allgather",
+             planning: Optional[CostModel] = None, handshake: str = DEFAULT_HANDSHAKE,
              per_step: bool = False) -> SimResult:
     """Every scheme (default: all registered), ``auto`` and ``deepspeed`` on ``supports``.
 

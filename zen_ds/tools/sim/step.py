@@ -199,7 +199,8 @@ class StepResult:
 
 def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node: int,
                   cost: CostModel, memo: Optional[PlanMemo] = None,
-                  handshake_mode: str = "allgather", per_tensor: bool = False) -> StepResult:
+                  handshake_mode: str = OPTION["handshake"].default, per_tensor: bool = False
+                  ) -> StepResult:
     """The step's syncs as the plug-in runs them (:mod:`zen_ds.sync.step`), at steady state:
     one step agreement (``handshake_mode``) for the tensors without a stable plan, stable
     plans (``reduce``, ``auto``; :mod:`zen_ds.sync.stable`) without one; the first step's
