@@ -20,6 +20,12 @@ A collective that fails (a peer died, or stalled past the process group's timeou
 :class:`ZenSyncError`, which names the scheme and the phase (the collective's name) and chains
 the backend's error, on every rank that sees the failure.
 
+gloo moves host memory only (its all-to-all hands a CUDA pointer to a socket: "writev ... Bad
+address"). On a gloo-only group, CUDA tensors are staged through the host: each collective copies
+its inputs to the CPU (one counted read, :mod:`zen_ds.core.host`), runs there and copies its
+outputs back. This is how several ranks share one GPU in the one-device check
+(``launch/gpu_multirank_check.py``); a real GPU cluster runs NCCL and stages nothing.
+
 NCCL: every collective here is one NCCL runs with the arguments zen passes (uint8, int64 and float
 payloads, never bool or int16; ``all_to_all_single`` with uneven host-side splits; all-gathers of
 equal chunks); ``tests/multirank/core/test_nccl_collectives.py`` records every call of every scheme, the
@@ -48,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.core.errors import ZenSyncError
+from zen_ds.core.host import to_host
 
 __all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "group_facts",
            "all_gather_single"]
@@ -151,6 +158,10 @@ class Communicator:
     log_prefix: str = "zen"
     records: List[CommRecord] = field(default_factory=list)
     scheme: str = "auto"
+    # stage tensors through host memory: None, device tensors where the group's backend is gloo
+    # alone; True, every tensor (how CPU tests run the staged path); False, never
+    host_staging: Optional[bool] = None
+    _gloo_only: Optional[bool] = field(default=None, repr=False)
 
     @classmethod
     def for_group(cls, group: Optional[dist.ProcessGroup], log_prefix: str = "zen") -> "Communicator":
@@ -185,6 +196,27 @@ class Communicator:
         if timed:
             self.records[-1].seconds = time.perf_counter() - started
 
+    # ------------------------------------------------------------------ host staging
+    def _stages(self, *tensors: torch.Tensor) -> bool:
+        """Whether these tensors go through the host (see :attr:`host_staging`)."""
+        if self.host_staging is not None:
+            return self.host_staging
+        if not any(t.device.type != "cpu" for t in tensors):
+            return False
+        if self._gloo_only is None:
+            backend = group_facts(self.group)[2] if dist.is_initialized() else ""
+            self._gloo_only = "gloo" in backend and "nccl" not in backend
+        return self._gloo_only
+
+    @staticmethod
+    def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+        return to_host(tensor, "comm.gloo_staging").clone() if tensor.device.type == "cpu" \
+            else to_host(tensor, "comm.gloo_staging")
+
+    @staticmethod
+    def _host_empty(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
     # ------------------------------------------------------------------ collectives
     def all_gather_object(self, obj: object, name: str) -> List[object]:
         """Every rank's ``obj`` (pickled; error reports only, not counted as sync bytes)."""
@@ -202,6 +234,14 @@ class Communicator:
         if self.world_size == 1:
             output.copy_(tensor.reshape(output.shape))
             return
+        if self._stages(output, tensor):
+            staged = self._host_empty(output)
+            self._gather(staged, self._host_copy(tensor), name, log_name)
+            output.copy_(staged)
+        else:
+            self._gather(output, tensor, name, log_name)
+
+    def _gather(self, output: torch.Tensor, tensor: torch.Tensor, name: str, log_name: str) -> None:
         gather = _logged_all_gather
         if gather is not None and _deepspeed_comm() is not None:
             self._run(name, lambda: gather(output, tensor, group=self.group, log_name=log_name))
@@ -219,6 +259,15 @@ class Communicator:
             output.copy_(tensor)
             return
         out_splits, in_splits = list(map(int, output_splits)), list(map(int, input_splits))
+        if self._stages(output, tensor):
+            staged = self._host_empty(output)
+            self._exchange(staged, self._host_copy(tensor), out_splits, in_splits, name, log_name)
+            output.copy_(staged)
+        else:
+            self._exchange(output, tensor, out_splits, in_splits, name, log_name)
+
+    def _exchange(self, output: torch.Tensor, tensor: torch.Tensor, out_splits: List[int],
+                  in_splits: List[int], name: str, log_name: str) -> None:
         ds_comm = _deepspeed_comm()
         if ds_comm is not None:
             self._run(name, lambda: ds_comm.all_to_all_single(
@@ -238,6 +287,17 @@ class Communicator:
             return sum(t.numel() * t.element_size() for p, t in buffers.items() if p != self.rank)
 
         self._record("send_recv", name, nbytes(sends), nbytes(recvs))
+        staged = self._stages(*sends.values(), *recvs.values())
+        if staged:
+            host_recvs = {peer: self._host_empty(t) for peer, t in recvs.items()}
+            self._send_recv({peer: self._host_copy(t) for peer, t in sends.items()}, host_recvs, name)
+            for peer, t in recvs.items():
+                t.copy_(host_recvs[peer])
+        else:
+            self._send_recv(sends, recvs, name)
+
+    def _send_recv(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
+                   name: str) -> None:
         ops = [dist.P2POp(op, t, self._global_rank(peer), self.group)
                for op, buffers in ((dist.isend, sends), (dist.irecv, recvs))
                for peer, t in buffers.items() if peer != self.rank and t.numel()]
@@ -264,6 +324,14 @@ class Communicator:
         log_name = self._record("all_reduce", name, ring, ring)
         if self.world_size == 1:
             return
+        if self._stages(tensor):
+            staged = self._host_copy(tensor)
+            self._reduce(staged, name, log_name, op)
+            tensor.copy_(staged)
+        else:
+            self._reduce(tensor, name, log_name, op)
+
+    def _reduce(self, tensor: torch.Tensor, name: str, log_name: str, op: str) -> None:
         ds_comm = _deepspeed_comm()
         if ds_comm is not None:
             ds_op = ds_comm.ReduceOp.SUM if op == "sum" else ds_comm.ReduceOp.MAX

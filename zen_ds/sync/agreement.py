@@ -56,8 +56,9 @@ def _expected_device_types(comm: Communicator) -> Optional[Tuple[str, ...]]:
     if comm.world_size == 1:
         return None
     backend = group_facts(comm.group)[2]  # "": a backend torch cannot name, left to itself
-    types = tuple(t for t, name in (("cpu", "gloo"), ("cuda", "nccl")) if name in backend)
-    return types or None
+    if "gloo" in backend:  # host memory; the communicator stages device tensors through it
+        return ("cpu", "cuda")
+    return ("cuda",) if "nccl" in backend else None
 
 
 def _fallback_device(types: Optional[Tuple[str, ...]]) -> torch.device:
