@@ -445,7 +445,7 @@ class BalancedScheme(Scheme):
         parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for j, is_bitmap, index, values_j in shards:
             if is_bitmap:
-                offsets_j = ops.bitmap_decode(index, layout.shard_size(j))
+                offsets_j = ops.bitmap_decode(index, layout.shard_size(j), values_j.shape[0])
             else:
                 offsets_j = index.to(torch.int64)
             parts.append((offsets_j + layout.starts[j], values_j))
