@@ -93,17 +93,32 @@ def settings(module: Any) -> List[str]:
 
 
 def refusals(module: Any) -> List[str]:
-    lines = ["## Refusals", "",
-             "The message of each refusal contains these words (the test asserts them):", ""]
+    lines = ["## Refusals", ""]
     seen: Dict[Tuple[str, Any], List[str]] = {}
     for cell in module.CELLS:
         if cell.expected.kind == "refused":
             seen.setdefault((cell.feature, cell.expected), []).append(f"ZeRO-{cell.stage} {cell.precision}")
+    if not seen:
+        return lines + ["No cell of the matrix is refused. What zen refuses elsewhere (each message naming the "
+                        "key and what to change) is listed in [ZeRO with zen](zero.md)."]
+    lines += ["The message of each refusal contains these words (the test asserts them):", ""]
     for (name, expected), where in seen.items():
-        change = f", and what to change: \"{expected.change}\"" if expected.change else \
-            " (today's message does not say what to change)"
         mark = " *To make work.*" if expected.to_make_work else ""
-        lines.append(f"- {module.FEATURES[name].title} ({', '.join(where)}): names \"{expected.names}\"{change}.{mark}")
+        lines.append(f"- {module.FEATURES[name].title} ({', '.join(where)}): names \"{expected.names}\", and "
+                     f"what to change: \"{expected.change}\".{mark}")
+    return lines
+
+
+def zero0(module: Any) -> List[str]:
+    """The features the test also runs at ZeRO stage 0 (zen's shared route)."""
+    lines = ["## Also at ZeRO stage 0", "",
+             "These features also run without ZeRO partitioning, in the same test (zen syncs its params in "
+             "place, DeepSpeed reduces the rest):", ""]
+    by_feature: Dict[str, List[str]] = {}
+    for cell in module.ZERO0_CELLS:
+        by_feature.setdefault(cell.feature, []).append(cell.precision)
+    for name, precisions in by_feature.items():
+        lines.append(f"- {module.FEATURES[name].title}: **works** ({', '.join(precisions)})")
     return lines
 
 
@@ -131,8 +146,9 @@ def not_on_cpu(module: Any) -> List[str]:
 def summary(module: Any) -> List[str]:
     kinds = [cell.expected.kind for cell in module.CELLS]
     to_make_work = sum(1 for cell in module.CELLS if getattr(cell.expected, "to_make_work", False))
-    return [f"{len(kinds)} cells: {kinds.count('works')} work, {kinds.count('refused')} refused "
-            f"({to_make_work} to make work), {kinds.count('not on CPU')} not runnable on CPU."]
+    pending = f" ({to_make_work} to make work)" if to_make_work else ""
+    return [f"{len(kinds)} cells: {kinds.count('works')} work, {kinds.count('refused')} refused{pending}, "
+            f"{kinds.count('not on CPU')} not runnable on CPU."]
 
 
 def generate() -> str:
@@ -141,7 +157,7 @@ def generate() -> str:
     head = HEADER.format(steps=module.STEPS, world=module.WORLD, fp32=f"{rtol['fp32']:g}",
                          bf16=f"2^{round(math.log2(rtol['bf16']))}")
     lines = head.splitlines() + [""] + table(module) + [""] + summary(module) + [""]
-    lines += settings(module) + [""] + refusals(module) + [""] + not_on_cpu(module)
+    lines += zero0(module) + [""] + settings(module) + [""] + refusals(module) + [""] + not_on_cpu(module)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -122,7 +122,9 @@ def ds_config(zero: int, zen: bool, stats_interval: int, compress: float = 0.0,
         "steps_per_print": 10 ** 6,
     }
     if zen:
-        config["zen"] = {"enabled": True, "stats_interval": stats_interval}
+        # density_threshold 0.5 as in configs/*.json: a gradient with more than half its rows (a
+        # tied embedding's) goes dense without pricing the sparse schemes
+        config["zen"] = {"enabled": True, "stats_interval": stats_interval, "density_threshold": 0.5}
         if row_sharded:  # every untied table, whatever its size ("optimizer_state": "auto" skips small ones)
             config["zen"].update(row_sharded=True, optimizer_state="sharded")
         if compress > 0:

@@ -14,7 +14,7 @@ DeepSpeed plug-in::
     zen_ds.attach(engine)  # for engines built elsewhere
 
 Tools: ``python -m zen_ds <bench|sim|cluster|report|data> ...`` (``zen-ds``). The package's layers
-(ops, core, model, schemes, planner, sync, features, integrations, tools; imports only go down)
+(ops, core, costmodel, schemes, planner, sync, features, integrations, tools; imports only go down)
 are drawn in docs/architecture.md.
 """
 from __future__ import annotations

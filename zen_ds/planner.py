@@ -27,7 +27,7 @@ from zen_ds.schemes import auto_candidates, get_scheme
 logger = logging.getLogger(__name__)
 
 __all__ = ["plan", "plan_and_price", "price", "plan_choice", "representative_shape", "PlanMemo",
-           "DEFAULT_PLAN_MEMO"]
+           "DEFAULT_PLAN_MEMO", "model_settings"]
 
 
 def price(shape: SyncShape, names: Iterable[str], cost: CostModel, prune: bool = False
@@ -84,7 +84,7 @@ def plan_and_price(shape: SyncShape, candidates: Iterable[str] = (),
         key = (names, cost, shape.world_size, tuple(shape.nnz_per_rank), shape.union_nnz,
                shape.num_rows, shape.row_numel, shape.value_bytes, shape.rank,
                shape.latency_bytes, shape.singletons, shape.ranks_per_node,
-               _model_settings(names))
+               model_settings(names))
         kept = memo.prices(key)
         if kept is not None:
             return kept[0], dict(kept[1]), dict(kept[2])
@@ -133,13 +133,23 @@ Priced = Tuple[str, Dict[str, float], Dict[str, ByteEstimate]]
 class PlanMemo:
     """Choices :func:`plan_choice` already priced, and :func:`plan_and_price`'s results for
     exact inputs (no bucketing: the stats' predicted figures stay what pricing these inputs
-    gives), most recent last (at most ``size`` of each). Whoever syncs holds one: each engine's
-    :class:`~zen_ds.sync.options.SyncOptions` carries its own; calls without one share
-    :data:`DEFAULT_PLAN_MEMO`, this process's documented default."""
+    gives), most recent last (at most ``size`` of each); and what the sync layer derives from a
+    call's options and tensor shape alone (:meth:`kept`: the option checks, the handshake
+    record's named fields), asked again by every step of a training loop. Whoever syncs holds
+    one: each engine's :class:`~zen_ds.sync.options.SyncOptions` carries its own; calls
+    without one share :data:`DEFAULT_PLAN_MEMO`, this process's documented default."""
 
     def __init__(self, size: int = PLAN_MEMO_SIZE) -> None:
         self._choices = _Recent(size)
         self._prices = _Recent(size)
+        self._kept = _Recent(size)
+
+    def kept(self, key: Hashable) -> Any:
+        """What :meth:`keep` stored under ``key`` (a pure function of it), or None."""
+        return self._kept.get(key)
+
+    def keep(self, key: Hashable, value: Any) -> None:
+        self._kept.put(key, value)
 
     def get(self, key: Hashable) -> Optional[str]:
         return self._choices.get(key)
@@ -156,6 +166,7 @@ class PlanMemo:
     def clear(self) -> None:
         self._choices.clear()
         self._prices.clear()
+        self._kept.clear()
 
     def __len__(self) -> int:
         return len(self._choices)
@@ -164,13 +175,17 @@ class PlanMemo:
 DEFAULT_PLAN_MEMO = PlanMemo()
 
 
-def _model_settings(names: Tuple[str, ...]) -> Tuple[Hashable, ...]:
+def model_settings(names: Tuple[str, ...]) -> Tuple[Hashable, ...]:
     """The candidates' scheme objects and what their byte models read besides the shape (a
     pinned sparcml variant, the environment settings of ``model_env``): part of every memo
     key, so a change is priced afresh."""
-    return tuple((scheme, scheme.model_settings(),
-                  tuple(os.environ.get(name) for name in scheme.model_env))
-                 for scheme in map(get_scheme, names))
+    environ = os.environ
+    settings = []
+    for name in names:  # a loop, not nested generators: asked on every sync
+        scheme = get_scheme(name)
+        settings.append((scheme, scheme.model_settings(),
+                         tuple([environ.get(variable) for variable in scheme.model_env])))
+    return tuple(settings)
 
 
 def _bucket(count: int) -> int:
@@ -210,7 +225,7 @@ def plan_choice(shape: SyncShape, candidates: Iterable[str] = (), cost: CostMode
     counts rank lower (``tests/plan_memo_table.py`` measures how often and by how much)."""
     names = tuple(candidates) or auto_candidates()
     key = (names, cost, shape.world_size, shape.num_rows, shape.row_numel, shape.value_bytes,
-           shape.latency_bytes, shape.ranks_per_node, _model_settings(names),
+           shape.latency_bytes, shape.ranks_per_node, model_settings(names),
            tuple(_bucket(m) for m in shape.nnz_per_rank), _bucket(shape.union_nnz),
            _bucket(shape.singletons))
     memo = DEFAULT_PLAN_MEMO if memo is None else memo

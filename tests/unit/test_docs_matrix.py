@@ -22,15 +22,18 @@ def test_support_matrix_md_is_the_generated_text():
 
 
 def test_a_changed_cell_changes_the_page(monkeypatch):
-    """The freshness check can fail: one cell flipped from refused to works changes the text."""
+    """The freshness check can fail: one cell flipped from works to refused changes the text, and
+    the page then lists the refusal's words."""
     cells = GENERATOR["load_cells"]()
     before = GENERATOR["generate"]()
-    index = next(i for i, cell in enumerate(cells.CELLS) if cell.expected.kind == "refused")
+    index = next(i for i, cell in enumerate(cells.CELLS) if cell.expected.kind == "works")
     flipped = list(cells.CELLS)
-    flipped[index] = dataclasses.replace(flipped[index], expected=cells.Works())
+    flipped[index] = dataclasses.replace(flipped[index], expected=cells.Refused("some_key", "set some_key"))
     monkeypatch.setattr(cells, "CELLS", flipped)
-    assert GENERATOR["generate"]() != before
-    assert f"refused** ({flipped[index].precision})" in before
+    after = GENERATOR["generate"]()
+    assert after != before
+    assert f"refused** ({flipped[index].precision})" in after
+    assert 'names "some_key", and what to change: "set some_key"' in after
 
 
 def test_every_feature_has_a_row_and_every_refusal_its_words():

@@ -10,8 +10,10 @@ deprecated ``python -m zen_ds.<tool>`` spellings) sits on top and may import any
 no module imports a ``zen_ds`` module inside a function unless the import is a documented
 optional dependency (:data:`OPTIONAL_LOCAL_IMPORTS`), no module is over 400 lines without a
 stated reason (:data:`LONG_MODULES`), no module imports another module's private (``_``) name,
-and no module outside ``zen_ds/schemes/`` decides anything by a scheme's name (a scheme's rules
-are attributes of its :class:`~zen_ds.schemes.base.Scheme`, so a new scheme is one module). Each check is shown to fail on a small bad example, so a
+no module outside ``zen_ds/schemes/`` decides anything by a scheme's name (a scheme's rules
+are attributes of its :class:`~zen_ds.schemes.base.Scheme`, so a new scheme is one module), and
+no module of ``core``, ``schemes`` or ``sync`` reads device data on the host but through
+:mod:`zen_ds.core.host` (:func:`raw_host_reads`). Each check is shown to fail on a small bad example, so a
 passing check is not a vacuous one. ``if TYPE_CHECKING:`` imports are annotations only and are
 not edges.
 """
@@ -42,7 +44,7 @@ LONG_MODULES = {
     "zen_ds.schemes.sparcml": (470, "SparCML's two variants (split all-gather, recursive doubling) and "
                                "the byte model that picks between them (their codec and traffic are "
                                "in sparcml_streams)"),
-    "zen_ds.schemes.balanced": (530, "ZEN's scheme: the push, both pull encodings (COO, bitmap), "
+    "zen_ds.schemes.balanced": (560, "ZEN's scheme: the push, both pull encodings (COO, bitmap), "
                                 "their byte model, their exact traffic and their buffers, which must "
                                 "change together"),
     "zen_ds.features.compression": (490, "three compressors (top-k, DGC, threshold) over one "
@@ -64,6 +66,27 @@ NOT_SCHEME_NAMES = {
 }
 SCHEMES_PACKAGE = "zen_ds.schemes"
 
+# Device-to-host reads go through zen_ds.core.host (counted, named) in these layers.
+HOST_READ_LAYERS = ("zen_ds.core", "zen_ds.schemes", "zen_ds.sync")
+HOST_READ_HELPER = "zen_ds.core.host"
+RAW_READS = {"item", "tolist", "cpu"}  # methods that copy device data to the host
+SIZED_OPS = {"nonzero", "unique", "unique_consecutive", "equal"}  # sizes/answers read back
+# Helpers a data-dependent op may be the argument of: the read is counted (sized) or the
+# tensor is on the host by construction (host_values).
+SIZED_WRAPPERS = {"sized", "host_values"}
+# (module, function) -> why its raw reads touch no device: the simulator's exact traffic
+# replays row ids on the host (zen_ds.costmodel.supports), never a sync's tensors.
+HOST_ONLY_FUNCTIONS = {
+    ("zen_ds.core.handshake", "HandshakeTable.column"): "a numpy view of the gathered table, "
+                                                         "read to the host once already",
+    ("zen_ds.schemes.balanced", "_index_areas"): "traffic(): the simulator's host supports",
+    ("zen_ds.schemes.hierarchical", "HierarchicalScheme.traffic"): "the simulator's host supports",
+    ("zen_ds.schemes.omnireduce", "OmniReduceScheme.traffic"): "the simulator's host supports",
+    ("zen_ds.schemes.sparcml_streams", "_part_bytes"): "split_traffic(): the simulator's host "
+                                                       "supports",
+    ("zen_ds.schemes.sparcml_streams", "split_traffic"): "the simulator's host supports",
+}
+
 
 # Module-level state that code changes after import: (module, name) -> what it holds and why it is
 # per process. Everything else a sync or an engine keeps lives in objects the caller holds
@@ -77,6 +100,10 @@ PROCESS_STATE = {
                                        "release_result_buffers() empties it)",
     ("zen_ds.core.buffers", "_SCRATCH"): "syncs' send/receive buffers kept across calls, one per purpose "
                                          "(bounded; release_result_buffers() empties it)",
+    ("zen_ds.core.host", "_OPEN"): "the open count_host_reads() scopes: reads on any thread "
+                                   "(the plug-in's communication thread) count in them",
+    ("zen_ds.core.comm", "_GROUPS"): "each process group's size, rank and backend, fixed for its "
+                                     "life (weak keys: forgotten with the group)",
     ("zen_ds.core.comm", "_logged_all_gather"): "DeepSpeed's comms-logger all-gather, handed over by the plug-in",
     ("zen_ds.core.handshake", "_OFFSETS"): "the record layout, computed at import from FIELDS",
     ("zen_ds.core.handshake", "_AGREED_MASK"): "the record layout, computed at import from FIELDS",
@@ -287,6 +314,32 @@ def private_imports(source: str, module: str) -> List[str]:
             if alias.name.startswith("_") and not alias.name.endswith("__")]
 
 
+def raw_host_reads(source: str, module: str) -> List[str]:
+    """Device-to-host reads that bypass :mod:`zen_ds.core.host`: ``.item()``, ``.tolist()``,
+    ``.cpu()``, and ``nonzero`` / ``unique`` / ``torch.equal`` (whose result size or answer
+    the device reports) unless passed straight to :func:`~zen_ds.core.host.sized` or
+    :func:`~zen_ds.core.host.host_values`. Functions in :data:`HOST_ONLY_FUNCTIONS` are
+    exempt."""
+    found: List[str] = []
+
+    def visit(node: ast.AST, scope: Tuple[str, ...], wrapped: bool) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scope = scope + (node.name,)
+            if (module, ".".join(scope)) in HOST_ONLY_FUNCTIONS:
+                return
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = node.func.attr
+            if name in RAW_READS or (name in SIZED_OPS and not wrapped):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node.func)}(...)")
+        helper = isinstance(node, ast.Call) and getattr(node.func, "id", getattr(
+            node.func, "attr", "")) in SIZED_WRAPPERS
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope, helper and node.args and child is node.args[0])
+
+    visit(ast.parse(source), (), False)
+    return found
+
+
 def _package_sources() -> Dict[str, str]:
     return {module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
 
@@ -357,6 +410,43 @@ def test_no_module_outside_the_schemes_decides_by_a_scheme_name(package) -> None
             for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
             for o in [node.left] + node.comparators}
     assert set(NOT_SCHEME_NAMES) <= used, f"stale NOT_SCHEME_NAMES: {set(NOT_SCHEME_NAMES) - used}"
+
+
+def test_host_reads_go_through_the_counting_helper(package) -> None:
+    sources, _, _ = package
+    assert HOST_READ_HELPER in sources, "the host-read helper moved: update HOST_READ_HELPER"
+    found = [read for module, source in sources.items()
+             if module.startswith(HOST_READ_LAYERS) and module != HOST_READ_HELPER
+             for read in raw_host_reads(source, module)]
+    assert not found, ("read device data through zen_ds.core.host (to_host, host_list, "
+                       "host_int, sized, ...: counted and named), host_values for a tensor on "
+                       "the host by construction, or list a host-only function in "
+                       "HOST_ONLY_FUNCTIONS:\n" + "\n".join(found))
+    functions = {(m, ".".join(n)) for m, source in sources.items()
+                 for n in _qualified_functions(ast.parse(source))}
+    assert set(HOST_ONLY_FUNCTIONS) <= functions, (
+        f"stale HOST_ONLY_FUNCTIONS: {set(HOST_ONLY_FUNCTIONS) - functions}")
+
+
+def _qualified_functions(tree: ast.AST, scope: Tuple[str, ...] = ()) -> List[Tuple[str, ...]]:
+    names: List[Tuple[str, ...]] = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(scope + (node.name,))
+            names += _qualified_functions(node, scope + (node.name,))
+    return names
+
+
+def test_a_raw_host_read_is_caught() -> None:
+    source = ("def f(t, m):\n    a = t.tolist()\n    b = t.sum().item()\n    c = t.cpu()\n"
+              "    d = torch.nonzero(m)\n    e = sized(torch.nonzero(m), 'f.rows')\n"
+              "    g = host_list(t, 'f.values')\n    h = host_values(torch.unique(t))\n"
+              "    k = host.sized(t[m].unique(), 'f.k')\n    return torch.equal(t, m)\n"
+              "class OmniReduceScheme:\n    def traffic(self, s):\n        return s.ids.tolist()\n")
+    found = raw_host_reads(source, "zen_ds.schemes.omnireduce")
+    assert [line.split(":")[1] for line in found] == ["2", "3", "4", "5", "10"], found
+    elsewhere = raw_host_reads(source, "zen_ds.schemes.other")  # the exemption is per module
+    assert [line.split(":")[1] for line in elsewhere] == ["2", "3", "4", "5", "10", "13"]
 
 
 def test_no_module_imports_a_private_name(package) -> None:

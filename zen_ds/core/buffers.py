@@ -84,10 +84,11 @@ def result_buffer(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.devi
     any more, or a new allocation that the cache keeps for later calls."""
     shape = tuple(int(s) for s in shape)
     device = torch.device(device)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if device.type != "cpu" or nbytes < MIN_BYTES or _storage_use_count is None:
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
     limit = _cache_bytes_limit()
-    if (device.type != "cpu" or nbytes < MIN_BYTES or nbytes > limit
-            or _storage_use_count is None):
+    if nbytes > limit:
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
     key: _Key = (shape, dtype, device)
     with _LOCK:
@@ -116,8 +117,10 @@ def scratch(nbytes: int, device: torch.device, purpose: str) -> torch.Tensor:
     thread's sync still holding it gets a new allocation). Bounded like the result cache: no
     more than 1/8 of ``ZEN_DS_RESULT_CACHE_MB`` per buffer, none when that is 0."""
     device = torch.device(device)
+    if device.type != "cpu" or nbytes < MIN_SCRATCH_BYTES or _storage_use_count is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     limit = _cache_bytes_limit() // 8
-    if device.type != "cpu" or nbytes < MIN_SCRATCH_BYTES or nbytes > limit or _storage_use_count is None:
+    if nbytes > limit:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     key = (purpose, device)
     with _LOCK:
@@ -138,7 +141,7 @@ def zeroed_in_background(shape: Tuple[int, ...], dtype: torch.dtype, device: tor
     and a function that waits for the zeros (idempotent; it re-raises a failure of the pass);
     None when the tensor came back zeroed already (not a large CPU tensor)."""
     device = torch.device(device)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES:
         return result_buffer(shape, dtype, device), None
     tensor = result_buffer(shape, dtype, device, zero=False)

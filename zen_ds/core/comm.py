@@ -26,20 +26,21 @@ equal chunks); ``tests/multirank/core/test_nccl_collectives.py`` records every c
 reduce-scatter, DS-Sync and the plug-in's overlap thread and checks them.
 
 Host synchronisations of one ``sparse_allreduce`` on CUDA, outside the schemes (each scheme's
-module docstring lists its own): the input check reads the row ids' min and max
-(:mod:`zen_ds.core.inputs`; a dense input's non-zero rows are found by an op that reads their count);
-the handshake copies the row ids to the host when a scheme needs the support sketch and owner
-counts, sends its record up and reads the gathered table back (the plan is made on the host, from
-it; the owner counts stay there, so the balanced push's splits cost no further sync); an error
-report (only when a rank failed) is an ``all_gather_object``; after a dense all-reduce the stats
-count the result's non-zero rows; writing a result into the caller's dense tensor in place finds
-the stale rows. Splits and receive sizes must be host integers (NCCL's API), so the size reads
-in the schemes cannot be deferred, only batched.
+module docstring lists its own; every read goes through :mod:`zen_ds.core.host`, which counts
+them): the input check reads the row ids' min and max in one read (:mod:`zen_ds.core.inputs`; a
+dense input's non-zero rows are found by an op that reads their count); the handshake copies the
+row ids to the host when a scheme needs the support sketch and owner counts, sends its record up
+and reads the gathered table back (the plan is made on the host, from it; the owner counts stay
+there, so the balanced push's splits cost no further sync); an error report (only when a rank
+failed) is an ``all_gather_object``; after a dense all-reduce the stats count the result's
+non-zero rows (an op). Splits and receive sizes must be host integers (NCCL's API), so the size
+reads in the schemes cannot be deferred, only batched.
 """
 from __future__ import annotations
 
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -48,7 +49,8 @@ import torch.distributed as dist
 
 from zen_ds.core.errors import ZenSyncError
 
-__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "all_gather_single"]
+__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "group_facts",
+           "all_gather_single"]
 
 # torch >= 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -66,13 +68,39 @@ class CommRecord:
     seconds: float = 0.0  # wall time of the call on this rank (waiting for peers included)
 
 
+# process group -> (world size, this process's rank, backend name, whether it is the whole
+# world): fixed for a group's life, and looked up by every sync (torch's lookups cost more than
+# a small sync's own arithmetic)
+_GROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Tuple[int, int, str, bool]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def group_facts(group: Optional[dist.ProcessGroup]) -> Tuple[int, int, str, bool]:
+    """``(world_size, rank, backend, whole_world)`` of ``group`` (None: the default group),
+    torch.distributed initialised. The backend is ``""`` where torch cannot name it;
+    ``whole_world``: the group holds every rank of the default group, in order."""
+    key = dist.group.WORLD if group is None else group
+    facts = _GROUPS.get(key)
+    if facts is None:
+        try:
+            backend = str(dist.get_backend(group)).lower()
+        except Exception:  # a backend torch cannot name: its users leave the device unchecked
+            backend = ""
+        whole = group is None or list(dist.get_process_group_ranks(group)) == list(
+            range(dist.get_world_size()))
+        facts = (dist.get_world_size(group), dist.get_rank(group), backend, whole)
+        _GROUPS[key] = facts
+    return facts
+
+
 def resolve_group(group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
     """``(group, world_size, rank)``; the default group is used only when ``group`` is None."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise RuntimeError("a process group was passed but torch.distributed is not initialised")
         return None, 1, 0
-    return group, dist.get_world_size(group), dist.get_rank(group)
+    world_size, rank, _, _ = group_facts(group)
+    return group, world_size, rank
 
 
 def _deepspeed_comm():

@@ -17,12 +17,15 @@ import math
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
+from zen_ds.core.host import host_values, to_host
 from zen_ds.core.option_fields import OPTION_SLOTS
 
 __all__ = ["FIELDS", "AGREED_FIELDS", "FLOAT_FIELDS", "MAX_ROW_DIMS", "SKETCH_SIZE", "DTYPE_CODES",
-           "HandshakeTable", "encode_record", "record_width", "handshake_bytes",
+           "HandshakeTable", "encode_record", "fixed_fields", "record_from", "NNZ_SLOT",
+           "record_width", "handshake_bytes",
            "float_bits", "bits_float", "BUCKETS", "bucket_minima", "encode_summary",
            "summary_width", "HandshakeSummary", "same_agreed_fields", "CHECK_PROBLEM",
            "CHECK_MISMATCH", "CHECK_CHANGED", "CHECK_ABORT", "pack_checks", "unpack_checks"]
@@ -64,7 +67,7 @@ for _name, _width, _ in FIELDS:
 FIXED_WIDTH = _at
 # (name, slots, travels as float bits) per field, for encode_record
 _LAYOUT = tuple((name, width, name in FLOAT_FIELDS) for name, width, _ in FIELDS)
-_EMPTY_SKETCH = (-1,) * SKETCH_SIZE
+NNZ_SLOT = _OFFSETS["nnz"][0]
 
 
 def record_width(world_size: int) -> int:
@@ -97,11 +100,10 @@ def row_dims_slots(row_shape: Sequence[int]) -> List[int]:
     return dims + [-1] * (MAX_ROW_DIMS - len(dims))
 
 
-def encode_record(values: Dict[str, object], sketch: Optional[torch.Tensor] = None,
-                  owner_counts: Optional[torch.Tensor] = None, world_size: int = 1) -> torch.Tensor:
-    """One rank's record (int64, CPU) from ``{field name: value}``; absent fields are 0."""
-    # One list, one tensor: the record is built on every sync (a few torch ops per area
-    # cost more than the whole sync's arithmetic on a small tensor).
+def fixed_fields(values: Dict[str, object]) -> np.ndarray:
+    """The named fields of a record (int64 ``[FIXED_WIDTH]``) from ``{field name: value}``;
+    absent fields are 0. A caller that syncs the same tensor again keeps this and changes
+    only its ``nnz`` (:func:`record_from`)."""
     fixed: List[int] = []
     for name, width, is_float in _LAYOUT:
         value = values.get(name, 0 if width == 1 else [0] * width)
@@ -111,21 +113,43 @@ def encode_record(values: Dict[str, object], sketch: Optional[torch.Tensor] = No
             fixed.append(int(value))
         else:
             fixed.extend(int(v) for v in value)
-    fixed.extend(_EMPTY_SKETCH)
-    fixed.extend([0] * world_size)
-    record = torch.tensor(fixed, dtype=torch.int64)
+    return np.array(fixed, dtype=np.int64)
+
+
+def record_from(fixed: np.ndarray, sketch: Optional[Sequence[int]] = None,
+                owner_counts: Optional[Sequence[int]] = None, world_size: int = 1,
+                nnz: Optional[int] = None) -> torch.Tensor:
+    """One rank's record (int64, CPU): the named fields of :func:`fixed_fields` (``nnz`` in
+    place of theirs when given), the sketch (-1 padded) and the owner counts (0 when None).
+    Built in numpy: the record is made on every sync, and torch's per-op cost on a few hundred
+    integers is more than the whole sync's arithmetic on a small tensor."""
+    record = np.empty(FIXED_WIDTH + SKETCH_SIZE + world_size, dtype=np.int64)
+    record[:FIXED_WIDTH] = fixed
+    if nnz is not None:
+        record[NNZ_SLOT] = nnz
+    record[FIXED_WIDTH: FIXED_WIDTH + SKETCH_SIZE] = -1
     if sketch is not None:
-        record[FIXED_WIDTH: FIXED_WIDTH + sketch.numel()] = sketch
-    if owner_counts is not None:
-        record[FIXED_WIDTH + SKETCH_SIZE:] = owner_counts
-    return record
+        record[FIXED_WIDTH: FIXED_WIDTH + len(sketch)] = sketch
+    record[FIXED_WIDTH + SKETCH_SIZE:] = 0 if owner_counts is None else owner_counts
+    return torch.from_numpy(record)
+
+
+def encode_record(values: Dict[str, object], sketch: Optional[torch.Tensor] = None,
+                  owner_counts: Optional[torch.Tensor] = None, world_size: int = 1) -> torch.Tensor:
+    """One rank's record (int64, CPU) from ``{field name: value}``; absent fields are 0."""
+    return record_from(fixed_fields(values),
+                       None if sketch is None else sketch.numpy(force=True),
+                       None if owner_counts is None else owner_counts.numpy(force=True),
+                       world_size)
 
 
 class HandshakeTable:
-    """The gathered records, ``[n, record]`` int64 on the CPU, read by field name."""
+    """The gathered records, ``[n, record]`` int64 on the CPU, read by field name (through
+    numpy: a few small reads per sync, each cheaper there than a torch op)."""
 
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table
+        self._values = table.numpy(force=True)
 
     @property
     def world_size(self) -> int:
@@ -136,7 +160,7 @@ class HandshakeTable:
         start, stop = _OFFSETS[name]
         if stop - start != 1:
             raise KeyError(f"handshake field {name!r} has {stop - start} slots; use slots()")
-        values = self.table[:, start].tolist()
+        values = self._values[:, start].tolist()
         return [bits_float(v) for v in values] if name in FLOAT_FIELDS else values
 
     def slots(self, name: str) -> torch.Tensor:
@@ -145,11 +169,13 @@ class HandshakeTable:
 
     def value(self, name: str):
         """The field's value on rank 0 (for agreed fields: on every rank)."""
-        return self.column(name)[0]
+        start, _ = _OFFSETS[name]
+        value = int(self._values[0, start])
+        return bits_float(value) if name in FLOAT_FIELDS else value
 
     def row_shape(self, rank: int) -> Tuple[int, ...]:
         ndim = int(self.column("row_ndim")[rank])
-        dims = self.slots("row_dims")[rank, : min(ndim, MAX_ROW_DIMS)].tolist()
+        dims = host_values(self.slots("row_dims")[rank, : min(ndim, MAX_ROW_DIMS)])
         return tuple(dims)
 
     @property
@@ -163,8 +189,8 @@ class HandshakeTable:
 
     def disagreement(self) -> Optional[Tuple[str, List[object]]]:
         """``(field, per-rank values)`` of the first agreed field that differs, else None."""
-        fixed = self.table[:, :FIXED_WIDTH]
-        if not bool(((fixed != fixed[0]) & _AGREED_MASK).any()):  # one check on the usual path
+        fixed = self._values[:, :FIXED_WIDTH]
+        if not ((fixed != fixed[0]) & _AGREED_NUMPY).any():  # one check on the usual path
             return None
         for name in AGREED_FIELDS:
             start, stop = _OFFSETS[name]
@@ -172,7 +198,7 @@ class HandshakeTable:
             if bool((part != part[0]).any()):
                 if name in _ROW_SHAPE_FIELDS:
                     return "row shape", [self.row_shape(r) for r in range(self.world_size)]
-                return name, self.column(name) if stop - start == 1 else part.tolist()
+                return name, self.column(name) if stop - start == 1 else host_values(part)
         return None
 
 
@@ -180,6 +206,7 @@ _ROW_SHAPE_FIELDS = ("row_numel", "row_ndim", "row_dims")
 _AGREED_MASK = torch.zeros(FIXED_WIDTH, dtype=torch.bool)
 for _name in AGREED_FIELDS:
     _AGREED_MASK[_OFFSETS[_name][0]:_OFFSETS[_name][1]] = True
+_AGREED_NUMPY = _AGREED_MASK.numpy()
 
 
 # ------------------------------------------------------------------ the reduced handshake
@@ -202,7 +229,7 @@ def bucket_minima(positions: torch.Tensor, num_rows: int) -> torch.Tensor:
     num_rows)`` (int64, CPU; ``num_rows`` for an empty bucket)."""
     minima = torch.full((BUCKETS,), int(num_rows), dtype=torch.int64)
     if positions.numel() and num_rows > 0:
-        positions = positions.to(torch.int64).cpu()
+        positions = positions.to(torch.int64)  # on the host: the handshake's copy
         buckets = positions * BUCKETS // num_rows
         minima.scatter_reduce_(0, buckets, positions, reduce="amin")
     return minima
@@ -228,7 +255,7 @@ class HandshakeSummary:
     """The reduced summaries (the element-wise MAX over the group), read by field name."""
 
     def __init__(self, reduced: torch.Tensor, world_size: int) -> None:
-        reduced = reduced.cpu()
+        reduced = to_host(reduced, "agreement.summary")
         self.world_size = world_size
         self.largest = reduced[:FIXED_WIDTH]
         self.smallest = -reduced[FIXED_WIDTH: 2 * FIXED_WIDTH]
@@ -281,7 +308,8 @@ class HandshakeSummary:
 def same_agreed_fields(record: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether two records (:func:`encode_record`) carry the same agreed fields: a sync whose
     plan was kept from an earlier step checks its record against the one that was agreed."""
-    return bool(((record[:FIXED_WIDTH] == other[:FIXED_WIDTH]) | ~_AGREED_MASK).all())
+    mine, theirs = record.numpy(force=True), other.numpy(force=True)
+    return bool(((mine[:FIXED_WIDTH] == theirs[:FIXED_WIDTH]) | ~_AGREED_NUMPY).all())
 
 
 # ------------------------------------------------------------- a stable plan's checks
@@ -304,8 +332,7 @@ def pack_checks(counts: torch.Tensor, flags: int) -> torch.Tensor:
 
 def unpack_checks(words: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """(the counts, the OR of every word's flags) of :func:`pack_checks` words (CPU)."""
-    words = words.cpu()
     flags = 0
-    for value in torch.unique(words >> _CHECK_SHIFT).tolist():
+    for value in host_values(torch.unique(words >> _CHECK_SHIFT)):
         flags |= int(value)
     return words & _COUNT_MASK, flags

@@ -16,6 +16,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.handshake import DTYPE_CODES
+from zen_ds.core.host import host_list
 from zen_ds.core.sparse import RowSparse
 
 __all__ = ["LocalInput", "inspect_input", "MAX_NUM_ROWS"]
@@ -113,7 +114,7 @@ def _inspect(x: object, out: object, device_types: Optional[Tuple[str, ...]]) ->
     if not 0 <= num_rows <= MAX_NUM_ROWS:
         return LocalInput(error=f"num_rows must be in [0, 2**48], got {num_rows}")
     if ids is not None and ids.numel():
-        low, high = int(ids.min()), int(ids.max())
+        low, high = host_list(torch.stack(torch.aminmax(ids)), "input.row_range")  # one read
         if low < 0 or high >= num_rows:
             return LocalInput(error=f"row ids outside [0, num_rows) (min {low}, max {high}, "
                                     f"num_rows {num_rows})")

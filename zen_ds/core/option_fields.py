@@ -131,12 +131,14 @@ OPTIONS: Tuple[OptionField, ...] = (
         cheaper. The ready configs in ``configs/`` set ``0.5`` (dense above half the rows,
         whatever the scheme)."""),
     OptionField(
-        "handshake", str, "allgather", choices=HANDSHAKES, config="handshake",
+        "handshake", str, "auto", choices=HANDSHAKES, config="handshake",
         doc="""How the ranks agree on a sync before any data moves: ``allgather`` (every rank's
         record to every rank: ``n - 1`` latency steps, growing with the group size),
         ``reduce`` (one fixed-size MAX all-reduce of a summary first, ``log n`` latency under
         NCCL's tree; the records are gathered only when the plan is not ``dense`` or a rank
-        reports a problem) or ``auto`` (the cheaper of the two under the cost model). A
+        reports a problem) or ``auto`` (the default: the cheaper of the two under the cost
+        model, which is ``allgather`` for small groups and under gloo's ring all-reduce, and
+        ``reduce`` at hundreds of ranks under NCCL's tree where plans turn ``dense``). A
         training step (``zen_ds.sync.step``, which the plug-in uses) agrees on all its syncs
         in one collective; with ``reduce`` and ``auto`` a sync whose agreed plan is ``dense``
         keeps it without a handshake until a rank's row count or the summed rows change

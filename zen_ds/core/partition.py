@@ -29,24 +29,24 @@ class ShardLayout:
     world_size: int
     seed: int = 0
     starts: List[int] = field(init=False, repr=False)
+    #: the largest shard's rows
+    max_shard_size: int = field(init=False, repr=False, compare=False)
+    #: int32 shard-relative ids on the wire whenever every shard fits, else int64
+    id_dtype: torch.dtype = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         ops.permutation_params(max(self.num_rows, 1), self.seed)  # validates num_rows range
-        object.__setattr__(self, "starts", ops.shard_starts(self.num_rows, self.world_size))
+        starts = ops.shard_starts(self.num_rows, self.world_size)
+        largest = max(b - a for a, b in zip(starts, starts[1:]))
+        # Derived once: every phase of every sync asks for them.
+        object.__setattr__(self, "starts", starts)
+        object.__setattr__(self, "max_shard_size", largest)
+        object.__setattr__(self, "id_dtype", torch.int32 if largest <= _INT32_MAX else torch.int64)
 
     def shard_size(self, rank: int) -> int:
         return self.starts[rank + 1] - self.starts[rank]
-
-    @property
-    def max_shard_size(self) -> int:
-        return max(self.shard_size(r) for r in range(self.world_size))
-
-    @property
-    def id_dtype(self) -> torch.dtype:
-        """int32 shard-relative ids on the wire whenever every shard fits, else int64."""
-        return torch.int32 if self.max_shard_size <= _INT32_MAX else torch.int64
 
     def positions(self, rows: torch.Tensor) -> torch.Tensor:
         return ops.permute(rows, self.num_rows, self.seed)

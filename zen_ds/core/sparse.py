@@ -25,6 +25,7 @@ from typing import Tuple
 import torch
 
 from zen_ds import ops
+from zen_ds.core.host import sized
 
 __all__ = ["RowSparse"]
 
@@ -128,7 +129,8 @@ class RowSparse:
             return result.coalesce()
         # Fully sparse N-D: scatter each entry into its row's dense block.
         row_shape = tuple(tensor.shape[1:tensor.sparse_dim()]) + tuple(values.shape[1:])
-        rows, inverse = torch.unique(indices[0], sorted=True, return_inverse=True)
+        rows, inverse = sized(torch.unique(indices[0], sorted=True, return_inverse=True),
+                              "input.coo_rows")
         accum = _accum_dtype(values.dtype)
         # From -0.0 (the additive identity, so a -0.0 entry stays -0.0); elements no entry
         # names are +0.0.

@@ -57,8 +57,8 @@ class SyncStats:
     def copy_from(self, other: "SyncStats") -> "SyncStats":
         """Every :class:`SyncStats` field of ``other`` into this record (a subclass keeps its
         own fields): how a caller's ``stats=`` is filled. Returns ``self``."""
-        for f in fields(SyncStats):
-            setattr(self, f.name, getattr(other, f.name))
+        for name in _FIELD_NAMES:
+            setattr(self, name, getattr(other, name))
         return self
 
     @property
@@ -76,6 +76,7 @@ class SyncStats:
         return out
 
 
+_FIELD_NAMES = tuple(f.name for f in fields(SyncStats))  # what copy_from copies
 _last: Optional[SyncStats] = None
 
 

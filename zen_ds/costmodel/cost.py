@@ -61,6 +61,7 @@ class CostModel:
     all_to_all_duplex: float = 1.0  # all-to-all over one-way ring time, same bytes, 1..2
     all_reduce: str = ALL_REDUCE_NCCL  # "nccl": ring or tree, the cheaper; "ring": gloo's
     tree_efficiency: float = TREE_BUS_EFFICIENCY  # tree's bus bandwidth over the ring's, (0, 1]
+    fused_reduction: bool = False  # a library all-reduce's reduction runs inside its transfer
 
     def __post_init__(self) -> None:
         if not (self.alpha >= 0 and self.bandwidth > 0 and self.intra_bandwidth >= 0):
@@ -117,7 +118,15 @@ class CostModel:
         if estimate.algorithm == TREE_ALGORITHM:  # its bytes move at a lower bus bandwidth
             latency = estimate.latency_steps * self.alpha
             link = latency + (link - latency) / self.tree_efficiency
-        return link + self.compute_seconds(estimate.compute)
+        return link + self.compute_seconds(self.local_work(estimate.compute,
+                                                           bool(estimate.algorithm)))
+
+    def local_work(self, elements: Mapping[str, float], library_all_reduce: bool) -> Mapping[str, float]:
+        """``elements`` less what a library all-reduce does inside its collective where the
+        reduction is fused into the transfer (``fused_reduction``): its ``aggregate``."""
+        if not (library_all_reduce and self.fused_reduction):
+            return elements
+        return {op: count for op, count in elements.items() if op != "aggregate"}
 
     def all_reduce_seconds(self, tensor_bytes: float, world_size: int, ranks_per_node: int = 1
                            ) -> Tuple[float, str]:
@@ -130,7 +139,7 @@ class CostModel:
         compares it), or they could choose different schemes and deadlock."""
         values = (self.alpha, self.bandwidth, self.intra_bandwidth, self.duplex,
                   self.all_to_all_duplex, float(ALL_REDUCE_MODES.index(self.all_reduce)),
-                  self.tree_efficiency) + tuple(
+                  self.tree_efficiency, float(self.fused_reduction)) + tuple(
             v for pair in sorted(self.compute) for v in (COMPUTE_OPS.index(pair[0]), pair[1]))
         data = struct.pack(f"<{len(values)}d", *values)
         return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)

@@ -10,19 +10,26 @@ import torch
 from zen_ds.costmodel.shape import SyncShape
 
 
-def _complete_sample(sketches: torch.Tensor) -> Tuple[np.ndarray, np.ndarray, int]:
-    """``(positions, holder counts, threshold)``: every union position up to the threshold,
-    with how many ranks hold it, exactly. A full sketch (no -1 padding) lists its rank's k
-    smallest positions, so it is complete up to its largest; a padded one lists its whole
-    support. Up to the smallest of the full sketches' largest values every rank's positions are
-    therefore all present: a sample of the union of up to n k positions, rather than the k
-    smallest of the merged sketch. Threshold -1: no sketch is full, the sample is the union."""
+def _complete_sample(sketches: torch.Tensor) -> Tuple[int, int, int]:
+    """``(distinct positions, positions held by one rank, threshold)`` of every union position
+    up to the threshold, exactly. A full sketch (no -1 padding) lists its rank's k smallest
+    positions, so it is complete up to its largest; a padded one lists its whole support. Up to
+    the smallest of the full sketches' largest values every rank's positions are therefore all
+    present: a sample of the union of up to n k positions, rather than the k smallest of the
+    merged sketch. Threshold -1: no sketch is full, the sample is the union. (One sort and
+    its runs: the planner asks on every sync.)"""
     values = sketches.numpy()
     full = values.min(axis=1) >= 0 if values.size else np.zeros(0, dtype=bool)
     threshold = int(values[full].max(axis=1).min()) if full.any() else -1
-    kept = values[(values >= 0) & (values <= threshold)] if threshold >= 0 else values[values >= 0]
-    positions, holders = np.unique(kept, return_counts=True)
-    return positions, holders, threshold
+    # Positions are >= 0 and the padding is -1: as unsigned, the padding is above any threshold.
+    unsigned = values.view(np.uint64)
+    kept = unsigned[unsigned <= threshold] if threshold >= 0 else unsigned[values >= 0]
+    if not kept.size:
+        return 0, 0, threshold
+    kept.sort()
+    edges = np.concatenate(([True], kept[1:] != kept[:-1], [True]))  # where a run starts / ends
+    return (int(np.count_nonzero(edges[:-1])), int(np.count_nonzero(edges[:-1] & edges[1:])),
+            threshold)
 
 
 def estimate_support(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int
@@ -36,12 +43,12 @@ def estimate_support(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_ro
     singletons. Positions are uniform (the seeded permutation), so the sample is unbiased, and
     with n ranks it holds up to n k positions: the error falls with the group's overlap, not
     only with k (numpy: a few hundred values, where torch's per-op overhead dominates)."""
-    positions, holders, threshold = _complete_sample(sketches)
+    distinct, single, threshold = _complete_sample(sketches)
     lower, upper = max(nnz_per_rank, default=0), min(sum(nnz_per_rank), num_rows)
     if threshold < 0:
-        return int(positions.size), int((holders == 1).sum())
-    union = min(max(int(round(positions.size * num_rows / (threshold + 1))), lower), upper)
-    return union, _singletons_from(holders, union)
+        return distinct, single
+    union = min(max(int(round(distinct * num_rows / (threshold + 1))), lower), upper)
+    return union, _singletons_from(distinct, single, union)
 
 
 def estimate_union(sketches: torch.Tensor, nnz_per_rank: Sequence[int], num_rows: int) -> int:
@@ -55,14 +62,14 @@ def estimate_singletons(sketches: torch.Tensor, union: int) -> int:
     Up to the threshold of :func:`_complete_sample` every rank lists every position it holds,
     so the holder counts of that sample are exact, and the fraction held once scales to the
     union."""
-    _, holders, _ = _complete_sample(sketches)
-    return _singletons_from(holders, union)
+    distinct, single, _ = _complete_sample(sketches)
+    return _singletons_from(distinct, single, union)
 
 
-def _singletons_from(holders: np.ndarray, union: int) -> int:
-    if holders.size == 0:
+def _singletons_from(distinct: int, single: int, union: int) -> int:
+    if distinct == 0:
         return 0
-    return int(round(union * int((holders == 1).sum()) / holders.size))
+    return int(round(union * single / distinct))
 
 
 EVERY_RANK_UP_TO = 8

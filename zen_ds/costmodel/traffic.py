@@ -98,16 +98,14 @@ class Traffic:
         return sum((p.received for p in self.phases), torch.zeros_like(self.phases[0].received))
 
 
-def _as_matrix(phase: Phase, group: Sequence[int], n: int) -> torch.Tensor:
-    """A group's collective as global [src, dst] bytes: an all-to-all as is, a ring as each
-    member sending its share to the next member (what a ring puts on each link)."""
+def _add_as_matrix(matrix: torch.Tensor, phase: Phase, group: Sequence[int]) -> None:
+    """Add a group's collective to the global [src, dst] bytes in place: an all-to-all as is, a
+    ring as each member sending its share to the next member (what a ring puts on each link)."""
     index = torch.tensor(group, dtype=torch.int64)
-    matrix = pairs(n)
     if phase.op == OP_ALL_TO_ALL:
-        matrix[index[:, None], index[None, :]] = phase.matrix
+        matrix[index[:, None], index[None, :]] += phase.matrix
     else:
         matrix[index, index.roll(-1)] += phase.sent
-    return matrix
 
 
 class SideBySide:
@@ -128,7 +126,7 @@ class SideBySide:
         step = self.steps[position]
         if name not in step["names"]:
             step["names"].append(name)
-        step["matrix"] += _as_matrix(phase, group, self.n)
+        _add_as_matrix(step["matrix"], phase, group)
         step["steps"] = max(step["steps"], phase.latency_steps)
         step["members"][list(group)] = True
 

@@ -1,3 +1,3 @@
 """Layer 6, features built on the sync: gradient compression (top-k, DGC, threshold) with error
-feedback (:mod:`.compression`), and DS-Sync's shuffled parameter sync (:mod:`.shuffle`,
-:mod:`.shuffle_sync`)."""
+feedback (:mod:`.compression`), DS-Sync's shuffled parameter sync (:mod:`.ds_sync`), and the
+batch-cost embedding lookup for partitioned tables (:mod:`.row_embedding`)."""

@@ -231,12 +231,13 @@ class GradientCompressor:
             if config.params is not None and not any(fnmatch.fnmatchcase(name, pat)
                                                      for pat in config.params):
                 continue
-            if param.numel() < config.min_numel:
+            numel = int(getattr(param, "ds_numel", param.numel()))  # ZeRO-3 partitioned: the whole param
+            if numel < config.min_numel:
                 skipped_small += 1
                 continue
             if name in self._states:
                 raise ValueError(f"duplicate parameter name {name!r} passed to GradientCompressor")
-            self._states[name] = _ParamState(param.numel(), tuple(param.shape))
+            self._states[name] = _ParamState(numel, tuple(getattr(param, "ds_shape", param.shape)))
             self._params[name] = param
         self._last_step: Optional[int] = None
         self._last_compressed_step: Optional[int] = None
@@ -264,6 +265,10 @@ class GradientCompressor:
         """``(name, param)`` of the compressed parameters, in :meth:`selected_names` order."""
         return list(self._params.items())
 
+    def compresses_at(self, step: int) -> bool:
+        """Whether :meth:`compress` sparsifies at optimizer step ``step`` (False in warmup)."""
+        return step >= self.config.warmup_steps
+
     # ------------------------------------------------------------------ the per-step work
     def compress(self, name: str, grad: torch.Tensor, step: int, scale: float = 1.0) -> Optional[RowSparse]:
         """Sparsify ``grad`` of parameter ``name`` at optimizer step ``step`` (0-based).
@@ -287,7 +292,7 @@ class GradientCompressor:
             raise ValueError(f"compress({name!r}): gradient has {grad.numel()} elements, the parameter "
                              f"{state.numel}")
         self._last_step = step
-        if step < self.config.warmup_steps:
+        if not self.compresses_at(step):
             return None
         cfg = self.config
         if not scale > 0.0 or not math.isfinite(scale):
@@ -374,13 +379,16 @@ class GradientCompressor:
         The optimizer will see the non-finite synced gradient and skip the step, as with dense
         sync; folding it into the residual instead would poison every later step.
         """
-        bad = torch.nonzero(~torch.isfinite(flat)).squeeze(1)
-        k = max(1, math.ceil(self.config.density * flat.numel()))
-        logger.warning("zen compression: non-finite gradient for %s (%d entries); sending them so the "
-                       "step is skipped, residual unchanged", name, bad.numel())
+        rows_mode = self.config.per_row and len(state.shape) >= 2  # the layout every other rank sends
+        view = flat.view(state.shape[0], -1) if rows_mode else flat.view(-1, 1)
+        bad = torch.nonzero(~torch.isfinite(view).all(dim=1)).squeeze(1)
+        k = max(1, math.ceil(self.config.density * view.shape[0]))
+        logger.warning("zen compression: non-finite gradient for %s (%d %s); sending them so the "
+                       "step is skipped, residual unchanged", name, bad.numel(), "rows" if rows_mode else "entries")
         state.sent_elements = 0
         bad = bad[:k]
-        return RowSparse(bad, flat[bad].to(dtype), flat.numel(), coalesced=True)
+        values = view.index_select(0, bad).reshape((bad.numel(),) + (tuple(state.shape[1:]) if rows_mode else ()))
+        return RowSparse(bad, values.to(dtype), view.shape[0], coalesced=True)
 
     def _select(self, name: str, view: torch.Tensor, rows: int, step: int, rows_mode: bool
                 ) -> torch.Tensor:

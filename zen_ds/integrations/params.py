@@ -1,9 +1,10 @@
 """Which parameters zen syncs: embedding weights (``params: "auto"``) or the configured name
-patterns, which of them are tied to another layer, and the one definition of the data-parallel
-group zen reduces over."""
+patterns, never a MoE expert's, which of them are tied to another layer, and the one definition of
+the data-parallel group zen reduces over."""
 from __future__ import annotations
 
 import fnmatch
+import logging
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -12,8 +13,10 @@ from torch import nn
 
 from zen_ds.integrations.config import ZenConfig
 
-__all__ = ["select_params", "embedding_param_names", "is_vocab_parallel_embedding", "data_parallel_group",
-           "tied_params"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["select_params", "embedding_param_names", "is_vocab_parallel_embedding", "is_expert_param",
+           "data_parallel_group", "tied_params"]
 
 
 def is_vocab_parallel_embedding(module: nn.Module) -> bool:
@@ -26,6 +29,13 @@ def is_vocab_parallel_embedding(module: nn.Module) -> bool:
     layers = sys.modules.get("megatron.core.tensor_parallel.layers")
     cls = getattr(layers, "VocabParallelEmbedding", None)
     return cls is not None and isinstance(module, cls)
+
+
+def is_expert_param(param: nn.Parameter) -> bool:
+    """A MoE expert's param: DeepSpeed-MoE (``deepspeed.moe.utils.is_moe_param``) and megatron-core
+    mark them ``allreduce = False``. Its gradient is reduced over its expert-data-parallel group,
+    by DeepSpeed (or Megatron), never by zen."""
+    return getattr(param, "allreduce", True) is False
 
 
 def data_parallel_group(mpu: Any = None) -> Optional[dist.ProcessGroup]:
@@ -56,8 +66,9 @@ def embedding_param_names(model: nn.Module) -> Dict[str, bool]:
 def select_params(model: nn.Module, config: ZenConfig) -> List[Tuple[str, nn.Parameter, bool]]:
     """``[(name, param, natively_sparse)]`` that zen syncs, in ``named_parameters`` order.
 
-    Shared (tied) params appear once, under their first name. A pattern list that selects nothing
-    is an error: a silent no-op would look like a working zen.
+    Shared (tied) params appear once, under their first name. MoE expert params
+    (:func:`is_expert_param`) are never selected. A pattern list that selects nothing is an error:
+    a silent no-op would look like a working zen.
     """
     sparse_by_name = embedding_param_names(model)
     for mod_name, module in model.named_modules():  # sparse=True anywhere counts as native
@@ -75,9 +86,19 @@ def select_params(model: nn.Module, config: ZenConfig) -> List[Tuple[str, nn.Par
         sample = ", ".join(n for n, _ in named[:8]) + (", ..." if len(named) > 8 else "")
         raise ValueError(f'zen: "params" pattern(s) {unmatched} match no parameter of the model; '
                          f"names look like: {sample}")
+    experts = {name for name, param in named if is_expert_param(param)}
+    if config.params != "auto" and wanted & experts:
+        only_experts = [p for p in config.params if not any(fnmatch.fnmatchcase(n, p) for n, _ in named
+                                                             if n not in experts)]
+        if only_experts:
+            raise ValueError(f'zen: "params" pattern(s) {only_experts} match only MoE expert params, which '
+                             "DeepSpeed reduces over their expert-data-parallel groups; remove them or name "
+                             "non-expert params")
+        logger.info("zen: \"params\" leaves the MoE expert params it matched to DeepSpeed (reduced over their "
+                    "expert-data-parallel groups): %s", sorted(wanted & experts))
     out = []
     for name, param in named:
-        if name in wanted and param.requires_grad:
+        if name in wanted and param.requires_grad and name not in experts:
             out.append((name, param, sparse_by_name.get(name, False)))
     return out
 

@@ -43,21 +43,27 @@ class ScaleRule:
 
     ``mean`` with ``prescale``: x/n then sum. ``mean`` without it (postscale, the default): x/f, sum,
     then *f/n (f = ``gradient_predivide_factor``). ``sum``: plain sum.
+
+    n is the group's size over ``sequence_parallel``: where Ulysses sequence-parallel ranks each
+    hold a different chunk of the same samples, DeepSpeed sums their gradients and averages over
+    the data-parallel replicas only.
     """
 
     average: bool = True
     prescale: bool = False
     predivide_factor: float = 1.0
     comm_dtype: Optional[torch.dtype] = None  # None: the gradient's own dtype
+    sequence_parallel: int = 1  # sequence-parallel ranks per sample, all inside the group
 
     def factors(self, world_size: int) -> Tuple[float, float]:
-        """(before, after) multipliers around the sum."""
+        """(before, after) multipliers around the sum over ``world_size`` ranks."""
         if not self.average:
             return 1.0, 1.0
+        n = world_size / float(self.sequence_parallel)
         if self.prescale:
-            return 1.0 / world_size, 1.0
+            return 1.0 / n, 1.0
         f = float(self.predivide_factor)
-        return 1.0 / f, f / world_size
+        return 1.0 / f, f / n
 
 
 def _reduce_scattered(p: "ZenParam") -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from zen_ds import ops
+from zen_ds.core.host import host_values
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.costmodel.shape import RING, ByteEstimate, SyncShape, on_links
 from zen_ds.costmodel.supports import Supports
@@ -39,7 +40,8 @@ class AllGatherSparseScheme(Scheme):
         n = ctx.world_size
         if ctx.checks is not None:  # a stable plan, no handshake: DeepSpeed's size all-gather
             mine = torch.tensor([x.nnz], dtype=torch.int64, device=x.device)
-            ctx.nnz_per_rank = ctx.exchange_counts(mine, True, "agsparse.sizes").flatten().tolist()
+            sizes, _ = ctx.exchange_counts(mine, True, "agsparse.sizes")
+            ctx.nnz_per_rank = host_values(sizes.flatten())
         max_nnz = max(ctx.nnz_per_rank)
         row_bytes = x.row_numel * x.values.element_size()
         # One record per row: its int64 id, then its values as raw bytes of their own dtype (any

@@ -25,15 +25,12 @@ the pull's two size modes, the single-holder skip and the dense scatter share th
 and the shard's layout, and the exact traffic (:meth:`BalancedScheme.traffic`) replays the same
 size decisions; splitting them would pass that state across modules.
 
-Host synchronisations on CUDA (each waits for the work queued before it; all are needed because
-NCCL's ``all_to_all_single`` takes its splits, and the receive buffers their sizes, on the host):
-the push's send splits (``counts.tolist()``, after :func:`zen_ds.ops.partition`, whose CUDA op
-also reads its error flag); the receive splits come from the handshake's owner counts, a host
-tensor (no sync); the aggregation (:func:`zen_ds.ops.aggregate`: the smallest offset and the
-number of unique rows; the bitmap variant reads its error flag); ``bound`` pull: one read of all
-peers' row-count headers after the all-to-all; ``exchange`` pull: one ``bool(any)`` per peer on
-the single-holder mask, the gathered metadata (``tolist``), one bitmap decode per masked peer;
-decoding the shards (:func:`zen_ds.ops.bitmap_decode` / ``scatter_shard`` count set bits).
+Host reads (:mod:`zen_ds.core.host`; NCCL takes splits and receive sizes on the host): after a
+handshake the push's splits are its owner counts, on the host already; the pull reads once,
+its peers' row-count headers (``bound``) or every payload's size, computed where the data is
+and all-gathered (``exchange``). A stable plan reads its count message once (its own counts
+ride along). Inside :mod:`zen_ds.ops` on CUDA: the error flags of ``partition``, the bitmap
+ops and ``scatter_shard``, the unique count of ``aggregate``, the set bits of a bitmap decode.
 """
 from __future__ import annotations
 
@@ -45,6 +42,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.buffers import scratch
+from zen_ds.core.host import host_bool, host_list, host_values, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import as_bytes, round8, view_as
@@ -66,6 +64,19 @@ def choose_encoding(unique_rows: int, shard_size: int, id_bytes: int, preference
     if preference == "bitmap":
         return ENCODING_BITMAP
     return ENCODING_BITMAP if (shard_size + 7) // 8 < unique_rows * id_bytes else ENCODING_COO
+
+
+def encodings(rows: torch.Tensor, shard_size: int, id_bytes: int, preference: str
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`choose_encoding` and ``round8`` of :func:`index_bytes` for int64 row counts of one
+    shard, element-wise, where the counts are (no host read)."""
+    bitmap = (shard_size + 7) // 8
+    coo = rows * id_bytes
+    if preference in ("coo", "bitmap"):
+        chosen = torch.full_like(rows, ENCODING_COO if preference == "coo" else ENCODING_BITMAP)
+    else:
+        chosen = (coo > bitmap).to(torch.int64)  # ENCODING_BITMAP where the bitmap is smaller
+    return chosen, round8(torch.where(chosen == ENCODING_BITMAP, bitmap, coo))
 
 
 def index_bytes(encoding: int, rows: int, shard_size: int, id_bytes: int) -> int:
@@ -209,14 +220,33 @@ class _Pull:
         shards = self._own()
         chunks = list(self._peer_chunks(pulled, sizes))
         # Every peer's row-count header in one read (one host synchronisation, not one per peer).
-        headers = torch.stack([chunk[:8] for _, chunk in chunks]).view(torch.int64).flatten(
-        ).tolist() if chunks else []
+        headers = host_list(torch.stack([chunk[:8] for _, chunk in chunks]).view(torch.int64)
+                            .flatten(), "balanced.pull_headers") if chunks else []
         for (j, chunk), rows in zip(chunks, headers):
             if rows:
                 is_bitmap = encodings[j] == ENCODING_BITMAP
                 shards.append((j, is_bitmap, self._index(chunk[8:], j, rows, is_bitmap),
                                self._values(chunk[8 + index_areas[j]:], rows)))
         return shards
+
+    def _meta(self, sole: Optional[Tuple[torch.Tensor, torch.Tensor]], recv_at: List[int]
+              ) -> torch.Tensor:
+        """``[n, 3]`` int64 where the data is: (rows, encoding, index area) of my payload to each
+        rank (zeros to myself). A rank gets my shard's rows less those it alone pushed
+        (``sole``: their count per sender is a difference of the mask's running count)."""
+        total = self.shard_rows.numel()
+        device = self.shard_rows.device
+        if sole is None:
+            rows = torch.full((self.n,), total, dtype=torch.int64, device=device)
+        else:
+            running = torch.zeros(sole[1].numel() + 1, dtype=torch.int64, device=device)
+            torch.cumsum(sole[1], 0, out=running[1:])
+            at = torch.tensor(recv_at, dtype=torch.int64).to(device)
+            rows = total - (running[at[1:]] - running[at[:-1]])
+        encoding, area = encodings(rows, self.universe, self.id_bytes, self.ctx.index_encoding)
+        meta = torch.stack([rows, encoding, area], dim=1)
+        meta[self.rank] = 0
+        return meta
 
     def exchanged(self, sole: Optional[Tuple[torch.Tensor, torch.Tensor]], send_counts: List[int],
                   recv_counts: List[int], my_offsets: torch.Tensor, my_values: torch.Tensor
@@ -229,32 +259,33 @@ class _Pull:
         ``send_counts`` / ``recv_counts``: rows I pushed to / received from each rank;
         ``my_offsets`` / ``my_values``: my push buffer (grouped by owner)."""
         n, rank, ctx = self.n, self.rank, self.ctx
-        pref = ctx.index_encoding
         recv_at = [0, *itertools.accumulate(recv_counts)]
+        # Every payload's size is computed where the data is, gathered, and read in one go: what
+        # I send each rank and what each owner sends me (one host read, not one per peer).
+        all_meta = torch.empty((n, n, _PULL_META_FIELDS), dtype=torch.int64, device=self.x.device)
+        ctx.comm.all_gather_into_tensor(all_meta.view(-1), self._meta(sole, recv_at).flatten(),
+                                        "balanced.pull_meta")
+        meta, from_owner = host_list(torch.stack([all_meta[rank], all_meta[:, rank]]),
+                                     "balanced.pull_meta")  # [destination], [owner] -> meta
         no_mask, whole = torch.empty(0, dtype=torch.uint8), None  # whole: the unfiltered index
-        plans, meta = {}, [[0] * _PULL_META_FIELDS for _ in range(n)]  # all sizes before any bytes
+        plans = {}
         for d in range(n):
             if d == rank:
                 continue
+            rows_d, encoding, _ = meta[d]
             single_d = None if sole is None else sole[1][recv_at[d]: recv_at[d + 1]]
             slots = None  # the rows of my shard that d gets: all, or these
-            if single_d is not None and bool(single_d.any()):
+            if rows_d < self.shard_rows.numel():  # d was the only contributor of some rows
                 keep = torch.ones_like(self.shard_rows, dtype=torch.bool)
-                keep[sole[0][recv_at[d]: recv_at[d + 1]][single_d]] = False
-                slots = torch.nonzero(keep).flatten()
+                keep[sole[0][recv_at[d]: recv_at[d + 1]]] = ~single_d
+                slots = torch.nonzero_static(keep, size=rows_d).flatten()
             rows = self.shard_rows if slots is None else self.shard_rows.index_select(0, slots)
-            encoding = choose_encoding(rows.numel(), self.universe, self.id_bytes, pref)
             if slots is None and whole is None:  # built once, for every peer that gets it
                 whole = self._index_payload(rows, encoding, self.bitmap)
             index = whole if slots is None else self._index_payload(rows, encoding, None)
-            mask = no_mask if single_d is None else ops.bitmap_encode(
-                torch.nonzero(single_d).flatten(), recv_counts[d])
+            mask = no_mask if single_d is None else ops.bitmap_encode(torch.nonzero_static(
+                single_d, size=self.shard_rows.numel() - rows_d).flatten(), recv_counts[d])
             plans[d] = (mask, index, slots)
-            meta[d] = [rows.numel(), encoding, round8(index.numel())]
-        all_meta = torch.empty(n * n * _PULL_META_FIELDS, dtype=torch.int64, device=self.x.device)
-        ctx.comm.all_gather_into_tensor(all_meta, torch.tensor(meta).flatten().to(self.x.device),
-                                        "balanced.pull_meta")
-        from_owner = all_meta.view(n, n, _PULL_META_FIELDS)[:, rank].tolist()  # [owner] -> meta
 
         masked = sole is not None  # the same on every rank: it depends on the row width only
 
@@ -331,16 +362,16 @@ def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balan
     n, rank = ctx.world_size, ctx.rank
     counts, offsets, values = ops.partition(x.indices, x.values_2d(), x.num_rows, n, ctx.seed,
                                             layout.id_dtype)
-    send_splits = counts.tolist()
-    if ctx.checks is None and ctx.owner_counts is not None:
-        recv_splits = ctx.owner_counts[:, rank].tolist()
+    if ctx.checks is None and ctx.owner_counts is not None:  # the handshake's: no read
+        send_splits = host_values(ctx.owner_counts[rank])
+        recv_splits = host_values(ctx.owner_counts[:, rank])
     else:
         gather = ctx.checks is not None and ctx.shape is not None and pads_pull(
             ctx.shape, layout.id_dtype.itemsize + x.row_numel * x.values.element_size())
-        received = ctx.exchange_counts(counts, gather, f"{name}.counts")
+        received, sent = ctx.exchange_counts(counts, gather, f"{name}.counts")
         if gather:
             ctx.owner_counts, received = received, received[:, rank]
-        recv_splits = received.tolist()
+        send_splits, recv_splits = host_values(sent), host_values(received)
     ids, rows = as_bytes(offsets), as_bytes(values)  # a row on the wire: its id, its values
     width = ids.shape[1] + rows.shape[1]
     send = scratch(ids.shape[0] * width, x.device, "balanced.push_send").view(-1, width)
@@ -398,7 +429,7 @@ class BalancedScheme(Scheme):
 
         pull = _Pull(ctx, layout, x, shard_rows, shard_values, bitmap)
         if bound_mode:
-            shards = pull.padded([int(b) for b in ctx.owner_counts.sum(dim=0).tolist()])
+            shards = pull.padded(host_values(ctx.owner_counts.sum(dim=0)))
         else:
             shards = pull.exchanged(sole, pushed.send_splits, pushed.recv_splits, pushed.sent_offsets,
                                     pushed.sent_values)
@@ -524,5 +555,5 @@ def _index_areas(rows: torch.Tensor, shard_sizes: torch.Tensor, id_bytes: int,
     pairs = torch.stack([rows.flatten(), shard_sizes.expand_as(rows).flatten()], dim=1)
     distinct, where = torch.unique(pairs, dim=0, return_inverse=True)
     areas = [round8(index_bytes(choose_encoding(r, u, id_bytes, preference), r, u, id_bytes))
-             for r, u in distinct.tolist()]
+             for r, u in host_values(distinct)]
     return torch.tensor(areas, dtype=torch.int64)[where].reshape(rows.shape)

@@ -19,6 +19,7 @@ import torch
 
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import CHECK_ABORT, HandshakeTable, pack_checks, unpack_checks
+from zen_ds.core.host import to_host
 from zen_ds.core.sparse import RowSparse
 from zen_ds.costmodel.shape import ByteEstimate, SyncShape
 from zen_ds.costmodel.supports import Supports
@@ -71,26 +72,31 @@ class SyncContext:
     def checked_counts(self, words: torch.Tensor) -> torch.Tensor:
         """The counts of a metadata message whose words carried :func:`pack_checks` flags
         (every rank's, so every rank reaches the same verdict): raises :class:`StalePlan` when
-        some rank found a problem or a mismatch. Counts on the host."""
+        some rank found a problem or a mismatch. ``words`` and the counts on the host."""
         counts, self.checks_seen = unpack_checks(words)
         if self.checks_seen & CHECK_ABORT:
             raise StalePlan(f"a stable plan's checks failed (flags {self.checks_seen})")
         return counts
 
-    def exchange_counts(self, counts: torch.Tensor, gather: bool, name: str) -> torch.Tensor:
+    def exchange_counts(self, counts: torch.Tensor, gather: bool, name: str
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
         """One small message of int64 counts, carrying this rank's check flags when a stable
         plan runs (:attr:`checks`; then :meth:`checked_counts`). ``gather``: every rank's
         counts, ``[n, len(counts)]`` (an all-gather); else one count to each rank, and what each
-        rank sent to this one, ``[n]`` (an all-to-all). On the host."""
+        rank sent to this one, ``[n]`` (an all-to-all). Returns those and ``counts``, on the
+        host from one read."""
         n = self.world_size
         sent = counts.to(torch.int64) if self.checks is None else pack_checks(counts, self.checks)
         if gather:
             words = torch.empty((n, sent.numel()), dtype=torch.int64, device=sent.device)
             self.comm.all_gather_into_tensor(words.view(-1), sent, name)
-        else:
-            words = torch.empty_like(sent)
-            self.comm.all_to_all_single(words, sent, [1] * n, [1] * n, name)
-        return words.cpu() if self.checks is None else self.checked_counts(words)
+        else:  # my own counts ride along in the read (their flags are in what I received too)
+            words = torch.empty(2 * n, dtype=torch.int64, device=sent.device)
+            self.comm.all_to_all_single(words[:n], sent, [1] * n, [1] * n, name)
+            words[n:] = sent
+        words = to_host(words, name)
+        values = words if self.checks is None else self.checked_counts(words)
+        return (values, values[self.rank]) if gather else (values[:n], values[n:])
 
     def dense_out_ready(self) -> Optional[torch.Tensor]:
         """``dense_out`` once it may be written (its zeroing finished)."""

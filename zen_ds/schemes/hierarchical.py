@@ -51,6 +51,7 @@ import torch
 from zen_ds import ops
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import SKETCH_SIZE
+from zen_ds.core.host import host_list, host_values, to_host
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8
@@ -117,7 +118,7 @@ class HierarchicalScheme(Scheme):
         counts, offsets, values = ops.partition(x.indices, x.values_2d(), x.num_rows,
                                                 topology.slices, ctx.seed, layout.id_dtype)
         mine = {s: (offsets[a: b].to(torch.int64), values[a: b])
-                for s, (a, b) in enumerate(_spans(counts.tolist()))}
+                for s, (a, b) in enumerate(_spans(host_list(counts, "hierarchical.slice_counts")))}
         handled = self._handled(topology, node)
 
         # 1. Intra-node: every slice to its handler, summed there.
@@ -188,8 +189,8 @@ class HierarchicalScheme(Scheme):
         record = torch.cat([torch.tensor([rows.numel()], device=rows.device), sketch, owners])
         table = torch.empty(g * record.numel(), dtype=torch.int64, device=rows.device)
         comm.all_gather_into_tensor(table, record, "hierarchical.handshake")
-        table = table.view(g, -1).cpu()
-        nnz = table[:, 0].tolist()
+        table = to_host(table.view(g, -1), "hierarchical.handshake")
+        nnz = host_values(table[:, 0])
         sketches = table[:, 1: 1 + SKETCH_SIZE]
         union, singletons = estimate_support(sketches, nnz, slice_size)
         latency = ctx.shape.latency_bytes if ctx.shape is not None else DEFAULT_LATENCY_BYTES
@@ -307,7 +308,7 @@ class HierarchicalScheme(Scheme):
             owner = layout.owner_of_positions(positions)
             order = torch.argsort(owner, stable=True)
             positions, owner = positions[order], owner[order]
-            cuts = torch.searchsorted(owner, torch.arange(slices + 1)).tolist()
+            cuts = host_values(torch.searchsorted(owner, torch.arange(slices + 1)))
             node_rows.append([(positions[cuts[j]: cuts[j + 1]] - layout.starts[j]).sort().values
                               for j in range(slices)])
         handled = {r: topology.slices_of(r) for r in range(n)}

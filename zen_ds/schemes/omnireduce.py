@@ -47,6 +47,7 @@ from typing import List, Tuple
 import torch
 
 from zen_ds import ops
+from zen_ds.core.host import host_list, host_values, sized, to_host
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
@@ -112,14 +113,15 @@ class OmniReduceScheme(Scheme):
         block_bytes = block_numel * x.values.element_size()
 
         # My non-zero blocks, grouped by aggregator (block id mod n).
-        ids, slots = torch.unique_consecutive(x.indices // block_rows, return_inverse=True)
+        ids, slots = sized(torch.unique_consecutive(x.indices // block_rows, return_inverse=True),
+                           "omnireduce.blocks")
         blocks = torch.zeros((ids.numel(), block_rows, row_numel), dtype=x.dtype, device=x.device)
         blocks[slots, x.indices - ids[slots] * block_rows] = x.values_2d()
         blocks = blocks.reshape(ids.numel(), block_numel)
         aggregator = ids % n
         order = torch.argsort(aggregator, stable=True)
         ids, blocks = ids[order], blocks[order]
-        counts = torch.bincount(aggregator, minlength=n).tolist()
+        counts = host_list(torch.bincount(aggregator, minlength=n), "omnireduce.block_counts")
         at = [0]
         for c in counts:
             at.append(at[-1] + c)
@@ -128,8 +130,8 @@ class OmniReduceScheme(Scheme):
         table = torch.empty(n * (n + 1), dtype=torch.int64, device=x.device)
         ctx.comm.all_gather_into_tensor(table, torch.tensor([size] + counts, device=x.device),
                                         "omnireduce.counts")
-        table = table.view(n, n + 1).cpu()
-        sizes = table[:, 0].tolist()
+        table = to_host(table.view(n, n + 1), "omnireduce.counts")
+        sizes = host_values(table[:, 0])
         if len(set(sizes)) > 1:
             per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))
             raise ValueError(f"omnireduce: ranks disagree on {BLOCK_SIZE_ENV} ({per_rank}); set "
@@ -163,7 +165,7 @@ class OmniReduceScheme(Scheme):
         held = torch.empty(n, dtype=torch.int64, device=x.device)
         ctx.comm.all_gather_into_tensor(held, torch.tensor([mine.numel()], device=x.device),
                                         "omnireduce.sizes")
-        held = held.tolist()
+        held = host_list(held, "omnireduce.sizes")
         payload = pack([mine.to(id_dtype), sums])
         got = exchange(ctx.comm, {j: payload for j in range(n) if j != rank},
                        {j: payload_bytes(held[j]) for j in range(n) if j != rank},
@@ -183,7 +185,8 @@ class OmniReduceScheme(Scheme):
         rows = (ids.unsqueeze(1) * block_rows
                 + torch.arange(block_rows, device=ids.device)).reshape(-1)
         inside = rows < x.num_rows  # the last block's padding
-        rows, values = rows[inside], values[inside]
+        rows = sized(rows[inside], "omnireduce.padding")
+        values = sized(values[inside], "omnireduce.padding")
         keep = ops.nonzero_rows(values)
         return RowSparse(rows[keep], values[keep].reshape((keep.numel(),) + x.row_shape),
                          x.num_rows, coalesced=True)

@@ -58,6 +58,7 @@ from typing import Callable, ClassVar, Dict, Hashable, List, Optional, Sequence,
 import torch
 
 from zen_ds import ops
+from zen_ds.core.host import host_list
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
@@ -237,7 +238,7 @@ class SparCMLScheme(Scheme):
         gathered = torch.empty(ctx.world_size, dtype=torch.int64, device=x.device)
         ctx.comm.all_gather_into_tensor(gathered, torch.tensor([x.nnz], device=x.device),
                                         "sparcml.sizes")
-        return gathered.tolist()
+        return host_list(gathered, "sparcml.sizes")
 
     def _recursive_doubling(self, x: RowSparse, ctx: SyncContext, nnz: Sequence[int]
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -305,7 +306,8 @@ class SparCMLScheme(Scheme):
         wires = [Wire(starts[j + 1] - starts[j], row_numel * x.values.element_size())
                  for j in range(n)]
         id_dtype = row_id_dtype(max(w.num_rows for w in wires))
-        cuts = torch.searchsorted(x.indices, torch.tensor(starts, device=x.device)).tolist()
+        cuts = host_list(torch.searchsorted(x.indices, torch.tensor(starts, device=x.device)),
+                         "sparcml.range_cuts")
         counts = [cuts[j + 1] - cuts[j] for j in range(n)]
         values = x.values_2d()
 
@@ -332,7 +334,7 @@ class SparCMLScheme(Scheme):
         recv_counts = torch.empty(n, dtype=torch.int64, device=x.device)
         ctx.comm.all_to_all_single(recv_counts, torch.tensor(counts, device=x.device), [1] * n,
                                    [1] * n, "sparcml.counts")
-        recv_counts = recv_counts.tolist()
+        recv_counts = host_list(recv_counts, "sparcml.counts")
         mine = wires[rank]
         got = exchange(ctx.comm, {j: encode(part(j), wires[j]) for j in range(n) if j != rank},
                        {i: size(mine, recv_counts[i]) for i in range(n) if i != rank},
@@ -365,7 +367,7 @@ class SparCMLScheme(Scheme):
         ctx.comm.all_gather_into_tensor(reduced_counts, torch.tensor([rows.numel()],
                                                                       device=x.device),
                                         "sparcml.range_sizes")
-        reduced_counts = reduced_counts.tolist()
+        reduced_counts = host_list(reduced_counts, "sparcml.range_sizes")
         payload = encode(Stream(rows, final), mine)
         got = exchange(ctx.comm, {j: payload for j in range(n) if j != rank},
                        {j: size(wires[j], reduced_counts[j]) for j in range(n) if j != rank},

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from zen_ds import ops
+from zen_ds.core.host import host_int, host_values
 from zen_ds.core.wire import round8, view_as
 from zen_ds.costmodel.supports import Supports
 from zen_ds.costmodel.traffic import Phase, Traffic, pairs, per_rank
@@ -93,7 +94,7 @@ def decode_stream(buffer: torch.Tensor, bound: int, wire: Wire, dtype: torch.dty
     if wire.is_dense(bound):
         dense = view_as(buffer.reshape(1, -1), dtype)
         return Stream(dense=dense.reshape(wire.num_rows, row_numel))
-    count = int(view_as(buffer[:8].reshape(1, -1), torch.int64)[0, 0])
+    count = host_int(view_as(buffer[:8].reshape(1, -1), torch.int64)[0, 0], "sparcml.message_rows")
     id_area = round8(bound * wire.id_dtype.itemsize)
     ids, values = unpack(buffer[8:], [(wire.id_dtype, count, id_area),
                                       (dtype, count * row_numel, 0)])
@@ -126,7 +127,7 @@ def doubling_traffic(s: Supports) -> Traffic:
     bound the handshake gives (dense once the bound passes the break-even), one latency step
     each."""
     n, num_rows = s.world_size, s.num_rows
-    nnz = s.nnz.tolist()
+    nnz = host_values(s.nnz)
     wire = Wire(num_rows, s.row_numel * accum_bytes(s.value_bytes))
     p = 1 << (n.bit_length() - 1)
     extras = n - p
@@ -168,7 +169,8 @@ def _part_bytes(counts: torch.Tensor, wires: Sequence[Wire], id_dtype: torch.dty
     both = torch.stack([counts.flatten(), sizes.expand_as(counts).flatten()], dim=1)
     distinct, where = torch.unique(both, dim=0, return_inverse=True)
     by_size = {w.num_rows: w for w in wires}
-    out = [range_part_bytes(by_size[size], count, id_dtype) for count, size in distinct.tolist()]
+    out = [range_part_bytes(by_size[size], count, id_dtype)
+           for count, size in host_values(distinct)]
     return torch.tensor(out, dtype=torch.int64)[where].reshape(counts.shape)
 
 

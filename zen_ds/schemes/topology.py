@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.core.comm import Communicator
+from zen_ds.core.host import host_list
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.wire import round8
 from zen_ds.schemes.streams import exchange, pack, positive_int_env, unpack
@@ -112,7 +113,7 @@ def _check_agreement(comm: Communicator, per_node: int, device: torch.device) ->
     gathered = torch.empty(comm.world_size, dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(gathered, torch.tensor([per_node], device=device),
                                 "hierarchical.topology")
-    values = gathered.tolist()
+    values = host_list(gathered, "hierarchical.topology")
     if len(set(values)) > 1:
         per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise ValueError(f"hierarchical: ranks disagree on the ranks per node ({per_rank}); set "
@@ -180,7 +181,7 @@ class SliceWire:
         n, rank = node.world_size, node.rank
         table = torch.empty(n * counts.numel(), dtype=torch.int64, device=counts.device)
         node.all_gather_into_tensor(table, counts, f"{name}_counts")
-        table = table.view(n, -1).tolist()
+        table = host_list(table.view(n, -1), f"{name}_counts")
         row_bytes = self.row_numel * dtype.itemsize
 
         def payload(slices: Sequence[int]) -> torch.Tensor:

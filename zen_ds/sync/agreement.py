@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from zen_ds.core.comm import Communicator
+from zen_ds.core.comm import Communicator, group_facts
 from zen_ds.core.handshake import (
     DTYPE_CODES,
     SKETCH_SIZE,
@@ -22,10 +23,13 @@ from zen_ds.core.handshake import (
     bucket_minima,
     encode_record,
     encode_summary,
+    fixed_fields,
     handshake_bytes,
+    record_from,
     row_dims_slots,
     summary_width,
 )
+from zen_ds.core.host import to_host
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.option_fields import OPTION_SLOTS, record_slots
 from zen_ds.core.partition import ShardLayout
@@ -51,10 +55,7 @@ def _expected_device_types(comm: Communicator) -> Optional[Tuple[str, ...]]:
     """Device types the group's backend moves (None: unknown backend, not checked)."""
     if comm.world_size == 1:
         return None
-    try:
-        backend = str(dist.get_backend(comm.group)).lower()
-    except Exception:  # a backend torch cannot name: leave the device to the backend
-        return None
+    backend = group_facts(comm.group)[2]  # "": a backend torch cannot name, left to itself
     types = tuple(t for t, name in (("cpu", "gloo"), ("cuda", "nccl")) if name in backend)
     return types or None
 
@@ -138,19 +139,45 @@ def _record(comm: Communicator, local: LocalInput, scheme: str, average: bool,
         scheme == "auto" or get_scheme(scheme).needs_sketch)
     if needs_layout and local.nnz:
         layout = ShardLayout(local.num_rows, n, opts.seed)
-        positions = layout.positions(local.rows.cpu())
-        if with_layout:
-            sketch = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
-            owner_counts = torch.bincount(layout.owner_of_positions(positions), minlength=n)
-    record_ = encode_record({
-        "num_rows": local.num_rows, "row_numel": local.row_numel,
-        "row_ndim": len(local.row_shape), "row_dims": row_dims_slots(local.row_shape),
-        "dtype": DTYPE_CODES[local.dtype], "nnz": local.nnz,
-        "scheme": 0 if scheme == "auto" else 1 + scheme_names().index(scheme),
-        "average": int(bool(average)), "prescale": prescale, "postscale": postscale,
-        **record_slots(opts, {"ranks_per_node": effective_ranks_per_node(opts)}),
-    }, sketch, owner_counts, n)
-    return record_, positions
+        positions = layout.positions(to_host(local.rows, "agreement.sketch_rows"))
+        if with_layout:  # numpy: a few hundred host integers, where torch's per-op cost rules
+            values = positions.numpy()
+            k = min(SKETCH_SIZE, values.size)
+            sketch = np.sort(np.partition(values, k - 1)[:k] if k < values.size else values)
+            owner_counts = np.bincount(layout.owner_of_positions(values), minlength=n)
+    return record_from(_named_fields(local, scheme, average, opts, prescale, postscale), sketch,
+                       owner_counts, n, nnz=local.nnz), positions
+
+
+def _named_fields(local: LocalInput, scheme: str, average: bool, opts: SyncOptions,
+                  prescale: float, postscale: float) -> np.ndarray:
+    """The record's named fields but ``nnz`` (:func:`zen_ds.core.handshake.fixed_fields`), kept
+    in the options' memo: a training loop syncs the same tensor with the same options every
+    step, and encoding the options costs more than the rest of the record."""
+    per_node = effective_ranks_per_node(opts)
+    names = scheme_names()
+    return opts.derived(("record", scheme, bool(average), prescale, postscale, local.num_rows,
+                         local.row_shape, local.dtype, per_node, names), lambda: fixed_fields({
+                            "num_rows": local.num_rows, "row_numel": local.row_numel,
+                            "row_ndim": len(local.row_shape),
+                            "row_dims": row_dims_slots(local.row_shape),
+                            "dtype": DTYPE_CODES[local.dtype],
+                            "scheme": 0 if scheme == "auto" else 1 + names.index(scheme),
+                            "average": int(bool(average)), "prescale": prescale,
+                            "postscale": postscale,
+                            **record_slots(opts, {"ranks_per_node": per_node})}))
+
+
+def _option_problems(scheme: object, opts: object, prescale: object, postscale: object
+                     ) -> List[str]:
+    """:func:`option_problems`, kept in the options' memo for valid options and scales (the
+    options are frozen: the same ones give the same answer, and a training loop asks every
+    step)."""
+    if not isinstance(opts, SyncOptions) or not isinstance(scheme, str) or not all(
+            type(v) in (int, float) for v in (prescale, postscale)):
+        return option_problems(scheme, opts, prescale, postscale)
+    return list(opts.derived(("option problems", scheme, prescale, postscale, scheme_names()),
+                             lambda: tuple(option_problems(scheme, opts, prescale, postscale))))
 
 
 def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool,
@@ -162,7 +189,7 @@ def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool
     record_ = record_.to(device)
     gathered = torch.empty(n * record_.numel(), dtype=torch.int64, device=device)
     comm.all_gather_into_tensor(gathered, record_, "handshake")
-    return HandshakeTable(gathered.view(n, -1).cpu())
+    return HandshakeTable(to_host(gathered.view(n, -1), "agreement.records"))
 
 
 def _raise_on_errors(table: HandshakeTable, comm: Communicator, problems: List[str]) -> None:
@@ -225,7 +252,7 @@ def _prepare(x: object, out: object, group: object, scheme: object, opts: object
     group, problems = _usable_group(group)
     comm = Communicator.for_group(group, log_prefix)
     comm.scheme = scheme if isinstance(scheme, str) else "auto"
-    problems += option_problems(scheme, opts, prescale, postscale)
+    problems += _option_problems(scheme, opts, prescale, postscale)
     device_types = _expected_device_types(comm)
     local = inspect_input(x, out, device_types)
     if local_error is not None:  # the caller's reason; its input is not looked at
@@ -239,14 +266,15 @@ def _prepare(x: object, out: object, group: object, scheme: object, opts: object
 @dataclass
 class Prepared:
     """One sync's local part of a step's agreement (:mod:`zen_ds.sync.step`): the local checks'
-    outcome, this rank's record (with sketch and owner counts) and its summary vector."""
+    outcome, this rank's record (with sketch and owner counts) and its summary vector (None for
+    a plan kept from an earlier step, which takes part in no agreement)."""
 
     comm: Communicator
     local: LocalInput
     problems: List[str]
     device: torch.device
     record: torch.Tensor
-    summary: torch.Tensor
+    summary: Optional[torch.Tensor]
 
     def raise_on_errors(self, table: HandshakeTable) -> None:
         """The same :class:`ZenInputError` on every rank when the gathered ``table`` shows a
@@ -265,6 +293,8 @@ def prepare(x: object, out: object, group: object, scheme: object, average: bool
                                              log_prefix, local_error)
     record_, positions = _record(comm, local, scheme, average, opts, prescale, postscale,
                                  problems, fields_only=fields_only)
+    if fields_only:  # a kept plan: never agreed on in this step's collectives
+        return Prepared(comm, local, problems, device, record_, None)
     minima = bucket_minima(positions, local.num_rows) if positions is not None else None
     return Prepared(comm, local, problems, device, record_, encode_summary(record_, minima))
 

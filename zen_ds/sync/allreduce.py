@@ -34,14 +34,14 @@ import torch.distributed as dist
 
 from zen_ds import ops
 from zen_ds.core.buffers import result_buffer, zeroed_in_background
-from zen_ds.core.comm import Communicator
+from zen_ds.core.comm import Communicator, group_facts
 from zen_ds.core.handshake import HandshakeSummary, HandshakeTable, handshake_bytes, summary_width
 from zen_ds.core.inputs import LocalInput
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.costmodel.support import estimate_support
-from zen_ds.planner import plan_and_price, plan_choice, price
+from zen_ds.planner import model_settings, plan_and_price, plan_choice, price
 from zen_ds.schemes import DENSE, auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncContext
 from zen_ds.sync.agreement import Agreement, agree, agree_reduced, reduced_handshake
@@ -131,14 +131,13 @@ def _scaled_copy(rs: RowSparse, scale: Optional[float]) -> RowSparse:
 def _into_dense(result: RowSparse, target: torch.Tensor, local: LocalInput, in_place: bool
                 ) -> None:
     """Scatter a scheme's rows into the caller's dense tensor. In place, this rank's own rows
-    must all be overwritten: any the result lacks are zeroed."""
+    must all be overwritten: they are zeroed first (no host read to find those the result
+    lacks), then the result's rows written."""
     view = target.view((result.num_rows,) + result.row_shape)
+    if in_place and local.nnz:
+        view.index_fill_(0, local.rows, 0)
     if result.nnz:
         ops.scatter_rows(view, result.indices, result.values)
-    if in_place and local.nnz:
-        stale = local.rows[~torch.isin(local.rows, result.indices)]
-        if stale.numel():
-            view.index_fill_(0, stale, 0)
 
 
 def _sketched(scheme: str) -> bool:
@@ -146,13 +145,13 @@ def _sketched(scheme: str) -> bool:
     return scheme == "auto" or get_scheme(scheme).needs_sketch
 
 
-def auto_candidates_for(comm: Communicator, shape: SyncShape) -> Tuple[str, ...]:
+def auto_candidates_for(comm: Communicator, shape: Optional[SyncShape] = None
+                        ) -> Tuple[str, ...]:
     """The schemes ``auto`` may pick for this group: those that build groups from every rank
     of the world (``needs_whole_world``) only on the default group (the planner further keeps
     each to the shapes it ``applies_to``)."""
     names = auto_candidates()
-    whole_world = comm.group is None or not dist.is_initialized() or \
-        list(dist.get_process_group_ranks(comm.group)) == list(range(dist.get_world_size()))
+    whole_world = comm.group is None or not dist.is_initialized() or group_facts(comm.group)[3]
     return names if whole_world else tuple(
         name for name in names if not get_scheme(name).needs_whole_world)
 
@@ -160,28 +159,37 @@ def auto_candidates_for(comm: Communicator, shape: SyncShape) -> Tuple[str, ...]
 def plan_sync(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncOptions,
           comm: Communicator) -> Tuple[str, SyncShape, Tuple[float, float, float]]:
     """(scheme to run, what the planner knew, predicted bytes sent/received and the model's
-    seconds on the slowest rank)."""
+    seconds on the slowest rank). A pure function of the handshake's counts and estimates, the
+    candidates and the options: kept in the options' memo for the counts a step repeats."""
     n, num_rows = comm.world_size, local.num_rows
     nnz_per_rank = table.column("nnz")
     if _sketched(scheme):
         union, singletons = estimate_support(table.sketches, nnz_per_rank, num_rows)
     else:
         union, singletons = min(sum(nnz_per_rank), num_rows), 0
-    shape = SyncShape(n, nnz_per_rank, union, num_rows, local.row_numel, local.element_size,
-                      comm.rank, opts.cost_model.latency_bytes, singletons,
-                      table.column("ranks_per_node")[0])
-    if max(nnz_per_rank) > opts.density_threshold * num_rows:
-        names: Tuple[str, ...] = (DENSE,)
-    elif scheme == "auto":  # memoised on bucketed counts: priced afresh only when they move
-        names = (plan_choice(shape, auto_candidates_for(comm, shape), opts.cost_model, opts.memo()),)
-    else:
-        names = (scheme,)
-    chosen, slowest, estimates = plan_and_price(shape, names, opts.cost_model, opts.memo())
-    estimate = estimates[chosen]
-    handshake = (n - 1) * handshake_bytes(n)
-    seconds = slowest[chosen] + opts.cost_model.link_seconds(handshake, 0.0, n - 1)
-    return chosen, shape, (estimate.bytes_sent + handshake, estimate.bytes_received + handshake,
-                           seconds)
+    candidates = auto_candidates_for(comm) if scheme == "auto" else (scheme,)
+
+    def make() -> Tuple[str, SyncShape, Tuple[float, float, float]]:
+        shape = SyncShape(n, nnz_per_rank, union, num_rows, local.row_numel,
+                          local.element_size, comm.rank, opts.cost_model.latency_bytes,
+                          singletons, table.value("ranks_per_node"))
+        if max(nnz_per_rank) > opts.density_threshold * num_rows:
+            names: Tuple[str, ...] = (DENSE,)
+        elif scheme == "auto":  # memoised on bucketed counts: priced afresh when they move
+            names = (plan_choice(shape, candidates, opts.cost_model, opts.memo()),)
+        else:
+            names = (scheme,)
+        chosen, slowest, estimates = plan_and_price(shape, names, opts.cost_model, opts.memo())
+        estimate = estimates[chosen]
+        handshake = (n - 1) * handshake_bytes(n)
+        seconds = slowest[chosen] + opts.cost_model.link_seconds(handshake, 0.0, n - 1)
+        return chosen, shape, (estimate.bytes_sent + handshake,
+                               estimate.bytes_received + handshake, seconds)
+
+    names = candidates if scheme == "auto" else (scheme, DENSE)
+    return opts.derived(("plan", scheme, n, comm.rank, tuple(nnz_per_rank), union, singletons,
+                         num_rows, local.row_numel, local.element_size,
+                         table.value("ranks_per_node"), candidates, model_settings(names)), make)
 
 
 def _reduced_seconds(opts: SyncOptions, n: int, ranks_per_node: int) -> float:

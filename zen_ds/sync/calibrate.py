@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from zen_ds import ops
 from zen_ds.core.comm import all_gather_single
+from zen_ds.core.host import host_list
 from zen_ds.core.option_fields import config_values
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
@@ -77,7 +78,7 @@ def _reduced_over_group(values: List[float], group: Optional[dist.ProcessGroup] 
     """Each value reduced with ``op`` over ``group``, on the device its backend moves."""
     tensor = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(tensor, op=op, group=group)
-    return tensor.tolist()
+    return host_list(tensor, "calibrate.reduced_values")
 
 
 _MEASURED: Dict[Tuple[int, int, int, str, str], Dict[str, float]] = {}

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.core.comm import Communicator
+from zen_ds.core.host import host_bool, host_int, host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.stats import SyncStats
 
@@ -30,13 +31,20 @@ def row_owners(ids: torch.Tensor, row_numel: int, partition_numel: int
     boundary, the index into ``ids`` of each piece (None: one piece per row, ``dest[i]`` owns row
     ``ids[i]`` whole). Pieces come in the order of ``ids``, owners ascending within a row."""
     first = torch.div(ids * row_numel, partition_numel, rounding_mode="floor")
+    if row_numel and partition_numel % row_numel == 0:  # no row straddles: nothing to read
+        return first, None
     last = torch.div((ids + 1) * row_numel - 1, partition_numel, rounding_mode="floor")
     spans = last - first + 1
-    if bool((spans == 1).all()):
+    if host_bool((spans == 1).all(), "row_owners.spans"):
         return first, None
-    pick = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), spans)
-    dest = torch.repeat_interleave(first, spans) + (
-        torch.arange(pick.numel(), device=ids.device) - torch.repeat_interleave(torch.cumsum(spans, 0) - spans, spans))
+    pieces = host_int(spans.sum(), "row_owners.pieces")  # the size of every repeat below
+
+    def repeat(values: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(values, spans, output_size=pieces)
+
+    pick = repeat(torch.arange(ids.numel(), device=ids.device))
+    dest = repeat(first) + (torch.arange(pieces, device=ids.device)
+                            - repeat(torch.cumsum(spans, 0) - spans))
     return dest, pick
 
 
@@ -47,17 +55,22 @@ def _held(ids: torch.Tensor, row_numel: int, base: int, partition_numel: int
     starts = ids * row_numel - base
     whole = (starts >= 0) & (starts + row_numel <= partition_numel)
     positions = starts.unsqueeze(1) + torch.arange(row_numel, device=ids.device)
-    if bool(whole.all()):
+    if host_bool(whole.all(), "fetch.whole_rows"):
         return positions, None
     return positions, (positions >= 0) & (positions < partition_numel)
 
 
-def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: int, base: int) -> torch.Tensor:
+def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: int, base: int,
+                       overlapping: bool = False) -> torch.Tensor:
     """``[len(ids), row_numel]``: the requested rows as far as this partition holds them (zero
-    elsewhere). Rows held whole are read through a sliding-window view, with no index per element."""
+    elsewhere). Rows held whole are read through a sliding-window view, with no index per element.
+    ``overlapping``: every row overlaps the partition (it was asked of this rank), so where the
+    partition's bounds are whole rows every row is held whole, known without a read."""
     part = partition.numel()
     starts = ids * row_numel - base
-    if ids.numel() and part >= row_numel and bool(((starts >= 0) & (starts + row_numel <= part)).all()):
+    aligned = overlapping and part % row_numel == 0 and base % row_numel == 0
+    if ids.numel() and part >= row_numel and (aligned or host_bool(
+            ((starts >= 0) & (starts + row_numel <= part)).all(), "fetch.whole_rows")):
         windows = partition.as_strided((part - row_numel + 1, row_numel), (1, 1))
         return windows.index_select(0, starts)
     positions, held = _held(ids, row_numel, base, part)
@@ -71,7 +84,8 @@ def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: in
 def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, row_numel: int,
                     group: Optional[dist.ProcessGroup] = None, *, stats: Optional[SyncStats] = None,
                     log_prefix: str = "zen") -> torch.Tensor:
-    """The rows ``ids`` (int64, unique) of the table whose flat partition this rank holds in
+    """The rows ``ids`` (int64, unique, ascending: as ``torch.unique`` gives them; the owners'
+    requests go out in that order) of the table whose flat partition this rank holds in
     ``partition`` (1-D, ``P`` elements, the same ``P`` on every rank), as a new
     ``[len(ids), row_numel]`` tensor of the partition's dtype. Every rank of ``group`` calls it
     (with its own ids; an empty request is fine). Values are copied bit for bit, signed zeros
@@ -94,10 +108,10 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
     send_counts = torch.bincount(dest, minlength=n).to(torch.int64)
     recv_counts = torch.empty_like(send_counts)
     comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "fetch_rows_flat.counts")
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    send_splits, recv_splits = host_list(torch.stack([send_counts, recv_counts]), "fetch.counts")
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
     comm.all_to_all_single(requested, asked, recv_splits, send_splits, "fetch_rows_flat.ids")
-    answer = _rows_of_partition(partition, requested, row_numel, rank * part)
+    answer = _rows_of_partition(partition, requested, row_numel, rank * part, overlapping=True)
     got = torch.empty((asked.numel(), row_numel), dtype=partition.dtype, device=partition.device)
     comm.all_to_all_single(got, answer, send_splits, recv_splits, "fetch_rows_flat.rows")
     if pick is None:
@@ -107,7 +121,8 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
         flat = asked.unsqueeze(1) * row_numel + column  # each piece's row, as table elements
         inside = (flat >= (dest * part).unsqueeze(1)) & (flat < ((dest + 1) * part).unsqueeze(1))
         element = pick.unsqueeze(1) * row_numel + column
-        out.view(-1)[element[inside]] = got[inside]
+        out.view(-1)[sized(element[inside], "fetch.piece_elements")] = sized(
+            got[inside], "fetch.piece_values")
     _record(stats, comm, ids, row_numel, partition, int(requested.numel()))
     return out
 
@@ -134,10 +149,11 @@ def fetch_rows_two_hop(ids: torch.Tensor, partition: torch.Tensor, num_rows: int
     send_counts = torch.bincount(hash_owner, minlength=n).to(torch.int64)
     recv_counts = torch.empty_like(send_counts)
     comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "fetch_rows_two_hop.counts")
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    send_splits, recv_splits = host_list(torch.stack([send_counts, recv_counts]), "fetch.counts")
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
     comm.all_to_all_single(requested, asked, recv_splits, send_splits, "fetch_rows_two_hop.ids")
-    distinct, inverse = torch.unique(requested, sorted=True, return_inverse=True)
+    distinct, inverse = sized(torch.unique(requested, sorted=True, return_inverse=True),
+                              "fetch.distinct_rows")
     hop = SyncStats()
     rows = fetch_rows_flat(distinct, partition, num_rows, row_numel, group, stats=hop, log_prefix=log_prefix)
     answer = rows.index_select(0, inverse)

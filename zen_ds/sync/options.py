@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import textwrap
 from dataclasses import dataclass, field, make_dataclass, replace
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, TypeVar, Union
 
 import torch
 
@@ -21,6 +21,7 @@ __all__ = ["SyncOptions", "INDEX_ENCODINGS", "HANDSHAKES", "ZenInputError", "def
 
 
 TensorLike = Union[RowSparse, torch.Tensor]
+T = TypeVar("T")
 
 
 def _docstring() -> str:
@@ -53,6 +54,21 @@ class SyncOptions(_DeclaredOptions):
     def memo(self) -> PlanMemo:
         """``plan_memo``, or the process default where it is None."""
         return DEFAULT_PLAN_MEMO if self.plan_memo is None else self.plan_memo
+
+    def derived(self, key: tuple, make: Callable[[], T]) -> T:
+        """``make()``, a pure function of ``key`` and these options, kept in :meth:`memo`
+        under ``key`` and the options' identity: a training loop asks the same of the same
+        options every step (the option checks, the record's named fields, a plan), and
+        hashing every option on every call would cost much of what keeping saves. The
+        options are frozen, so the same object gives the same answer."""
+        memo = self.memo()
+        key = key + (id(self),)
+        entry = memo.kept(key)
+        if entry is not None and entry[0] is self:
+            return entry[1]
+        value = make()
+        memo.keep(key, (self, value))  # holds the options: their id is not reused meanwhile
+        return value
 
 
 # The options of calls that pass none: this process's documented default (set_default_options).

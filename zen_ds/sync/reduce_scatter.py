@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds import ops
+from zen_ds.core.host import host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats
@@ -27,6 +28,7 @@ from zen_ds.schemes.balanced import BalancedScheme, push
 from zen_ds.schemes.base import SyncContext
 from zen_ds.sync.agreement import agree
 from zen_ds.sync.allreduce import local_rows
+from zen_ds.sync.fetch import row_owners
 from zen_ds.sync.options import SyncOptions, default_options
 
 __all__ = ["sparse_reduce_scatter", "sparse_reduce_scatter_flat", "shard_rows"]
@@ -155,22 +157,14 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
     out = torch.zeros(part, dtype=acc, device=device)
     if width and numel:
         ids = rs.indices.to(torch.int64)
-        first = torch.div(ids * width, part, rounding_mode="floor")
-        last = torch.div((ids + 1) * width - 1, part, rounding_mode="floor")
-        spans = last - first + 1
-        if bool((spans == 1).all()):
-            dest, pick = first, None
-        else:  # rows over a partition boundary go to each owner
-            pick = torch.repeat_interleave(torch.arange(ids.numel(), device=ids.device), spans)
-            starts = torch.repeat_interleave(first, spans)
-            dest = starts + (torch.arange(pick.numel(), device=ids.device)
-                             - torch.repeat_interleave(torch.cumsum(spans, 0) - spans, spans))
+        dest, pick = row_owners(ids, width, part)  # rows over a boundary go to each owner
         order = torch.argsort(dest, stable=True)
         rows = pick[order] if pick is not None else order
         send_counts = torch.bincount(dest, minlength=n).to(torch.int64)
         recv_counts = torch.empty_like(send_counts)
         comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "reduce_scatter_flat.counts")
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        send_splits, recv_splits = host_list(torch.stack([send_counts, recv_counts]),
+                                             "reduce_scatter_flat.counts")
         values = rs.values_2d().index_select(0, rows)
         send = torch.cat([as_bytes(ids.index_select(0, rows)), as_bytes(values)], dim=1)
         received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=device)
@@ -200,17 +194,18 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
 
 def _add_rows_into_partition(out: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, width: int,
                              base: int) -> None:
-    """Add whole rows (flat start ``id * width``) into the partition that starts at flat ``base``;
-    the parts of straddling rows outside it are dropped."""
+    """Add whole rows (flat start ``id * width``), each overlapping the partition that starts at
+    flat ``base``, into it; the parts of straddling rows outside it are dropped. Where the
+    partition's bounds are whole rows, no row straddles: known without a read."""
     if not ids.numel():
         return
     part = out.numel()
     starts = ids * width - base
-    inside = (starts >= 0) & (starts + width <= part)
-    if bool(inside.all()) and part % width == 0 and base % width == 0:
+    if part % width == 0 and base % width == 0:
         out.view(-1, width).index_add_(0, torch.div(starts, width, rounding_mode="floor"),
                                        values.to(out.dtype))
         return
     positions = starts.unsqueeze(1) + torch.arange(width, device=ids.device)
     keep = (positions >= 0) & (positions < part)
-    out.index_add_(0, positions[keep], values.to(out.dtype)[keep])
+    out.index_add_(0, sized(positions[keep], "reduce_scatter_flat.kept_elements"),
+                   sized(values.to(out.dtype)[keep], "reduce_scatter_flat.kept_values"))

@@ -52,6 +52,7 @@ from zen_ds.core.handshake import (
     CHECK_PROBLEM,
     same_agreed_fields,
 )
+from zen_ds.core.host import host_list
 from zen_ds.core.inputs import inspect_input
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
@@ -185,16 +186,20 @@ def sparse_plans_skip(opts: SyncOptions, n: int, sparse: Sequence[Tuple[str, Syn
     if not sparse:
         return True
     cost = opts.cost_model
+    messages = tuple(checks_message_bytes(scheme, shape) for scheme, shape in sparse)
 
     def agreement(syncs: int, gathered: int) -> float:
         mode = choose_handshake(opts, n, syncs, gathered) if syncs else "allgather"
         return handshake_seconds(opts, n, mode, syncs, gathered)
 
-    alone = sum(cost.link_seconds((n - 1) * checks_message_bytes(scheme, shape), 0.0, n - 1)
-                for scheme, shape in sparse)
-    joined = len(sparse)
-    return agreement(others, others_gathered) + alone <= agreement(others + joined,
-                                                                  others_gathered + joined)
+    def skip() -> bool:
+        alone = sum(cost.link_seconds((n - 1) * message, 0.0, n - 1) for message in messages)
+        joined = len(sparse)
+        return agreement(others, others_gathered) + alone <= agreement(others + joined,
+                                                                      others_gathered + joined)
+
+    # The same answer for the same counts: a steady training loop asks it every step.
+    return opts.derived(("sparse plans skip", n, messages, others, others_gathered), skip)
 
 
 def _drop(plans: StepPlans, name: str) -> None:
@@ -254,7 +259,7 @@ def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
                                   dtype=buffer.dtype)
     comm.scheme = plan.scheme
     comm.all_reduce(buffer, plan.scheme)
-    flags = buffer[numel:].tolist()
+    flags = host_list(buffer[numel:], "stable.dense_checks")
     if flags[0] > 0 or flags[1] > 0:
         _drop(plans, call.name)
         return None

@@ -31,8 +31,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from zen_ds.core.comm import Communicator
+from zen_ds.core.comm import Communicator, group_facts
 from zen_ds.core.handshake import HandshakeSummary, HandshakeTable
+from zen_ds.core.host import to_host
 from zen_ds.core.stats import SyncStats
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, prepare
@@ -61,7 +62,7 @@ def _group_size(group: Optional[dist.ProcessGroup]) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 1
     try:
-        return dist.get_world_size(group)
+        return group_facts(group)[0]
     except Exception:  # an unusable group: each call's own handshake reports it
         return 0
 
@@ -169,7 +170,7 @@ def _agree(calls: Sequence[StepCall], prepared: List[Prepared], todo: List[int],
         comm.all_reduce(vector, "handshake.reduce", op="max")
         shares.append(list(todo))
         width = prepared[todo[0]].summary.numel()
-        reduced = vector.cpu().view(len(todo), width)
+        reduced = to_host(vector, "agreement.summaries").view(len(todo), width)
         need = []
         for row, i in enumerate(todo):
             summary = summaries[i] = HandshakeSummary(reduced[row], n)
@@ -207,7 +208,7 @@ def _gather(prepared: List[Prepared], need: List[int], comm: Communicator
     mine = torch.cat([prepared[i].record for i in need]).to(prepared[need[0]].device)
     gathered = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
     comm.all_gather_into_tensor(gathered, mine, "handshake")
-    table = gathered.cpu().view(n, len(need), -1)
+    table = to_host(gathered, "agreement.records").view(n, len(need), -1)
     return {i: HandshakeTable(table[:, j, :].contiguous()) for j, i in enumerate(need)}
 
 

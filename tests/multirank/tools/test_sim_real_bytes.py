@@ -21,7 +21,7 @@ from zen_ds.tools.bench.workloads import parse_workload
 from zen_ds.costmodel.cost import CostModel
 from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SPLIT_ALLGATHER, SparCMLScheme
 from zen_ds.schemes.topology import RANKS_PER_NODE_ENV
-from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, simulate
+from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, DEFAULT_HANDSHAKE, resolve_handshake, simulate
 from zen_ds.tools.sim.cost import SimCost, Topology
 from zen_ds.tools.sim.supports import Supports, handshake_shape
 from zen_ds.tools.sim.simulate import scheme_traffic
@@ -206,16 +206,18 @@ def real_run_variants(n: int) -> List[Dict[str, Dict[str, object]]]:
 def test_sparcml_variants_and_omnireduce_equal_real_syncstats(case: str, n: int) -> None:
     real = real_run_variants(n)
     supports = case_supports(case, n)
+    # The handshake the ranks ran: the default option, resolved under the case's cost model.
+    handshake = resolve_handshake(DEFAULT_HANDSHAKE, CostModel(alpha=CASES[case][4]), 1, n)
+    shape = handshake_shape(supports, with_layout=False)
     for variant in (RECURSIVE_DOUBLING, SPLIT_ALLGATHER):
         SparCMLScheme.forced_variant = variant
         try:
-            traffic = scheme_traffic(supports, "sparcml", handshake_shape(supports,
-                                                                         with_layout=False))
+            traffic = scheme_traffic(supports, "sparcml", shape, handshake=handshake)
         finally:
             SparCMLScheme.forced_variant = None
         _assert_equal_per_collective(f"{case}/sparcml/{variant}", traffic,
                                      [r[f"{case}/sparcml{variant}"] for r in real])
-    traffic = scheme_traffic(supports, "omnireduce", handshake_shape(supports, with_layout=False))
+    traffic = scheme_traffic(supports, "omnireduce", shape, handshake=handshake)
     _assert_equal_per_collective(f"{case}/omnireduce", traffic,
                                  [r[f"{case}/omnireduce"] for r in real])
 

@@ -142,7 +142,7 @@ def test_simulator_reports_deepspeed_best_path() -> None:
     from_ids = [torch.arange(r, 4096, 7, dtype=torch.int64)[:300] for r in range(64)]
     supports = Supports.from_ranks(from_ids, 4096, 16, 4, 0, "nearly-dense")
     result = simulate(supports, SimCost(Topology(1, NET.bandwidth, NET.intra_bandwidth, NET.alpha)),
-                      ("dense", "agsparse"))
+                      ("dense", "agsparse"), handshake="allgather")
     best = deepspeed_best(result)
     dense = result.row("dense")
     handshake = [p for p in dense.phases if p["name"] == "handshake"][0]["seconds"]
@@ -163,5 +163,5 @@ def test_simulator_reduced_handshake() -> None:
                                                                       "handshake"]
     auto = result.row("auto")
     assert auto.chosen == "dense" and "handshake" not in [p["name"] for p in auto.phases]
-    today = simulate(supports, cost, ("dense", "agsparse"))
+    today = simulate(supports, cost, ("dense", "agsparse"), handshake="allgather")
     assert auto.seconds < today.row("auto").seconds

@@ -383,3 +383,26 @@ def test_non_finite_gradient_is_passed_on_without_poisoning_state() -> None:
     assert torch.equal(after["residuals"]["p0"], before["residuals"]["p0"])
     assert torch.equal(after["velocities"]["p0"], before["velocities"]["p0"])
     assert torch.isfinite(comp.compress("p0", _grad((10, 10), 2), 2).values).all()
+
+
+def test_non_finite_gradient_keeps_the_per_row_layout() -> None:
+    """With ``per_row`` a non-finite gradient goes out as whole rows, the layout every other rank
+    sends that step (an element-sparse tensor would not line up with theirs in the sync)."""
+    comp = GradientCompressor(CompressionConfig(density=0.2, per_row=True, min_numel=1), _params((10, 3)))
+    finite = comp.compress("p0", _grad((10, 3), 0), 0)
+    bad = _grad((10, 3), 1)
+    bad[6, 2] = float("inf")
+    rs = comp.compress("p0", bad, 1)
+    assert (rs.num_rows, rs.row_shape) == (finite.num_rows, finite.row_shape) == (10, (3,))
+    assert rs.indices.tolist() == [6] and torch.equal(rs.values[0, :2], bad[6, :2]) and torch.isinf(rs.values[0, 2])
+
+
+def test_zero3_partitioned_params_count_whole() -> None:
+    """A param that ZeRO-3 partitioned (``deepspeed.zero.Init``: ``numel() == 0``) is selected and
+    compressed by its whole size and shape (``ds_numel`` / ``ds_shape``)."""
+    named = _params((0,), names=["w"])
+    named[0][1].ds_numel, named[0][1].ds_shape = 40 * 8, torch.Size([40, 8])
+    comp = GradientCompressor(CompressionConfig(density=0.25, per_row=True, min_numel=100), named)
+    assert comp.selected_names() == ["w"]
+    rs = comp.compress("w", _grad((40, 8), 2), 0)
+    assert (rs.num_rows, rs.row_shape, rs.nnz) == (40, (8,), 10)

@@ -118,6 +118,10 @@ def test_scale_rule_matches_deepspeed():
     assert ScaleRule(average=False).factors(4) == (1.0, 1.0)
     assert ScaleRule(prescale=True).factors(4) == (0.25, 1.0)
     assert ScaleRule(predivide_factor=2.0).factors(4) == (0.5, 0.5)
+    # Ulysses: 4 ranks of which 2 hold chunks of the same samples -> averaged over 2 replicas
+    assert ScaleRule(sequence_parallel=2).factors(4) == (1.0, 0.5)
+    assert ScaleRule(prescale=True, sequence_parallel=2).factors(4) == (0.5, 1.0)
+    assert ScaleRule(sequence_parallel=2).factors(1) == (1.0, 2.0)  # DeepSpeed's mesh: one data-parallel rank
 
 
 def test_bad_block_fails_before_deepspeed_builds_anything():

@@ -19,7 +19,7 @@ from zen_ds.costmodel.shape import ByteEstimate
 from zen_ds.tools.sim.simulate import AUTO, DEEPSPEED, simulate
 from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
 from zen_ds.tools.sim.traffic import Phase
-from zen_ds.tools.sim.supports import Supports, handshake_shape, lossless_bound
+from zen_ds.tools.sim.supports import Supports, handshake_shape, lossless_bound, owner_floor
 from zen_ds.schemes import register_scheme, unregister_scheme
 from zen_ds.schemes.agsparse import AllGatherSparseScheme
 from zen_ds.schemes.base import Scheme
@@ -50,6 +50,19 @@ def test_bound_on_hand_made_supports() -> None:
     assert (bound.union, bound.bound_rows, bound.allgather_rows) == (5, 5, 9)
     empty = lossless_bound(_hand_made([[], []]))
     assert (empty.union, empty.bound_rows) == (0, 0) and math.isinf(empty.ratio)
+
+
+def test_owner_floor_counts_partial_sums() -> None:
+    # 4 ranks, rows: 0 held by all, 1 by ranks 0 and 1, 2 by rank 2 alone.
+    supports = _hand_made([[0, 1], [0, 1], [0, 2], [0]])
+    # One rank per node: row 0 (h = 4) 4 + 4 - 2 = 6, row 1 (h = 2) 4, row 2 (h = 1) 3.
+    assert owner_floor(supports) == pytest.approx((6 + 4 + 3) / 4)
+    # Two ranks per node: row 0 on both nodes (2 + 2 - 2), rows 1 and 2 on one node (1 each).
+    assert owner_floor(supports, 2) == pytest.approx((2 + 1 + 1) / 2)
+    assert owner_floor(supports, 4) == 0.0  # one node: nothing crosses a NIC
+    # At least the mean of the rows a rank must learn (U - S_r): those leave the partial sums out.
+    must = supports.union - supports.singletons.double().mean()
+    assert owner_floor(supports) > must == pytest.approx(2.75)
 
 
 def test_handshake_shape_is_exact_for_small_supports() -> None:

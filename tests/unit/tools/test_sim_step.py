@@ -60,7 +60,8 @@ def test_handshake_is_an_all_gather_per_tensor() -> None:
     assert handshake_seconds(n, NET) == pytest.approx(
         (n - 1) * NET.alpha + (n - 1) * handshake_bytes(n) / NET.bandwidth)
     tensors = [topk_tensor(f"l{i}", 1 << 20, 0.01, n) for i in range(3)]
-    result = simulate_step(tensors, n, 8, NET, per_tensor=True)  # the old protocol
+    result = simulate_step(tensors, n, 8, NET, handshake_mode="allgather",
+                           per_tensor=True)  # the old protocol
     assert result.handshake_seconds == pytest.approx(3 * handshake_seconds(n, NET))
     assert result.zen_seconds == pytest.approx(sum(t.auto_seconds for t in result.tensors)
                                                + result.handshake_seconds)
@@ -72,7 +73,7 @@ def test_step_totals_and_deepspeed_best() -> None:
         tensors = [topk_tensor(f"l{i}", size, 0.01, n)
                    for i, size in enumerate(layer_sizes(4, 1 << 20, 1 << 24))]
         tensors.append(zipf_tensor("emb", 200_000, 64, 2048, n))
-        result = simulate_step(tensors, n, 1, NET, per_tensor=True)
+        result = simulate_step(tensors, n, 1, NET, handshake_mode="allgather", per_tensor=True)
         for t in result.tensors:
             assert t.deepspeed_best == min(t.dense_seconds, t.allgather_seconds)
             assert t.dense_algorithm in ("ring", "tree")
@@ -107,7 +108,7 @@ def test_reduce_handshake() -> None:
         tensors = [topk_tensor(f"l{i}", size, 0.01, n)
                    for i, size in enumerate(layer_sizes(4, 1 << 20, 1 << 24))]
         tensors.append(zipf_tensor("emb", 200_000, 64, 2048, n))
-        today = simulate_step(tensors, n, 8, NET, per_tensor=True)
+        today = simulate_step(tensors, n, 8, NET, handshake_mode="allgather", per_tensor=True)
         reduced = simulate_step(tensors, n, 8, NET, handshake_mode="reduce", per_tensor=True)
         for a, b in zip(today.tensors, reduced.tensors):
             both = handshake_seconds(n, NET, "reduce", 8) + handshake_seconds(n, NET)
@@ -130,11 +131,11 @@ def test_one_agreement_per_step() -> None:
                    for i, size in enumerate(layer_sizes(6, 1 << 20, 1 << 24))]
         tensors.append(zipf_tensor("emb", 200_000, 64, 2048, n))
         opts = SyncOptions(cost_model=NET, ranks_per_node=8)
-        gathered = simulate_step(tensors, n, 8, NET)
+        gathered = simulate_step(tensors, n, 8, NET, handshake_mode="allgather")
         assert gathered.mode == gathered.first_mode == "allgather"
         assert gathered.step_handshake == pytest.approx(
             agreement_seconds(opts, n, "allgather", len(tensors)))
-        old = simulate_step(tensors, n, 8, NET, per_tensor=True)
+        old = simulate_step(tensors, n, 8, NET, handshake_mode="allgather", per_tensor=True)
         assert gathered.handshake_seconds < old.handshake_seconds
         auto = simulate_step(tensors, n, 8, NET, handshake_mode="auto")
         assert auto.handshake_seconds <= gathered.handshake_seconds

@@ -19,6 +19,10 @@ Modes:
   *some* member (the union of the members' changed rows, so a row changed on one member is still
   averaged with the others' unchanged value); every other row is already equal on all members.
 
+In mixed precision a param's ``master`` (:class:`ShuffleParam`) is the fp32 copy its optimizer
+steps: parameter averaging averages the masters and writes each param from its averaged master, so
+group members end a parameter-mode step with identical masters and params.
+
 Two per-param flags (:class:`ShuffleParam`) say what may be sparse. ``sparse_grad``: the gradient
 is row-sparse (an embedding), so gradient averaging, in full steps too, goes through zen's sparse
 schemes whatever the optimizer. ``track_rows``: the optimizer changes only the rows that have a
@@ -67,6 +71,9 @@ class ShuffleParam(NamedTuple):
     param: nn.Parameter
     sparse_grad: bool = False  # row-sparse gradient: zen's sparse schemes in gradient averaging
     track_rows: bool = False  # row-local optimizer: parameter averaging only on changed rows
+    # mixed precision: the fp32 copy the optimizer steps; parameter averaging averages it and
+    # writes the param from it (averaging the half-precision param would be undone at the next step)
+    master: Optional[torch.Tensor] = None
 
 
 # A plain param (both flags off; a sparse COO grad still syncs sparsely), a ShuffleParam (or the
@@ -133,6 +140,8 @@ class ShuffleSync:
 
     @staticmethod
     def _spec(index: int, spec: ParamSpec) -> ShuffleParam:
+        if isinstance(spec, ShuffleParam):
+            return spec
         if isinstance(spec, tuple):
             if len(spec) == 4:
                 return ShuffleParam(spec[0], spec[1], bool(spec[2]), bool(spec[3]))
@@ -253,21 +262,27 @@ class ShuffleSync:
         if handle is None:
             return
         dense: List[torch.Tensor] = []
-        for name, param, _, track_rows in self.specs:
-            if not track_rows:
-                dense.append(param.data)
+        for spec in self.specs:
+            weights = spec.param.data if spec.master is None else spec.master
+            if not spec.track_rows:
+                dense.append(weights)
                 continue
-            mask = self._dirty_mask(name)
+            mask = self._dirty_mask(spec.name)
             mine = mask.nonzero().flatten()
             ones = torch.ones(mine.numel(), dtype=torch.float32, device=mask.device)
             union = self._sync(RowSparse(mine, ones, mask.numel(), coalesced=True), handle,
                                self.scheme).indices
-            values = param.data.index_select(0, union)
-            averaged = self._sync(RowSparse(union, values, param.shape[0], coalesced=True),
+            values = weights.index_select(0, union)
+            averaged = self._sync(RowSparse(union, values, weights.shape[0], coalesced=True),
                                   handle, self.scheme)
-            param.data.index_copy_(0, averaged.indices, averaged.values)
+            weights.index_copy_(0, averaged.indices, averaged.values)
+            if spec.master is not None:
+                spec.param.data.index_copy_(0, averaged.indices, averaged.values.to(spec.param.dtype))
             mask.index_fill_(0, union, True)
         self._average_dense(dense, handle)
+        for spec in self.specs:
+            if spec.master is not None and not spec.track_rows:
+                spec.param.data.copy_(spec.master.view_as(spec.param))
 
     # ------------------------------------------------------------------ helpers
     def _sync(self, x: Union[torch.Tensor, RowSparse], handle: dist.ProcessGroup, scheme: str,

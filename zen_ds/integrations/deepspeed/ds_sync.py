@@ -3,9 +3,12 @@ every param of an engine.
 
 DeepSpeed reduces nothing on this route; each optimizer step zen averages the gradients (or, after
 the step, the parameters) inside the step's shuffle group. DeepSpeed's fp32 clipping then runs on
-the group-averaged gradients, i.e. on the norm of what each rank applies. ZeRO-0 in fp32 only
-(:func:`~.routes.resolve_route` refuses the rest): the other stages and precisions keep gradients
-or master weights where zen cannot average them per group.
+the group-averaged gradients, i.e. on the norm of what each rank applies. ZeRO-0 in fp32 or bf16
+(:func:`~.routes.resolve_route` refuses the rest: ZeRO-1/2/3 keep one copy of the optimizer state
+sharded over all ranks, where DS-Sync needs each rank's own). In bf16 DeepSpeed's optimizer
+wrapper keeps an fp32 master per param on every rank and clips with the norm of that rank's
+gradients; zen averages the bf16 gradients, or after the step the fp32 masters (writing the bf16
+params from them).
 
 Replicas differ between full syncs, so a checkpoint keeps every rank's own model and optimizer
 state (DeepSpeed's ZeRO-0 checkpoint holds rank 0's only) next to the schedule position.
@@ -23,6 +26,7 @@ from zen_ds.features.ds_sync.sync import ShuffleParam, ShuffleSync
 from zen_ds.integrations.config import ShuffleConfig, ZenConfig
 from zen_ds.integrations.deepspeed.faults import during_sync, refuse
 from zen_ds.integrations.deepspeed.internals import engine as ds_engine
+from zen_ds.integrations.deepspeed.internals import fp16 as ds_fp16
 from zen_ds.integrations.deepspeed.overlap import overlap_is_off
 from zen_ds.integrations.deepspeed.route import EngineRoute, clip_fp32, clips_fp32
 from zen_ds.integrations.reducer import ScaleRule, ZenReducer
@@ -51,8 +55,15 @@ class DsSyncRoute(EngineRoute):
     @classmethod
     def build(cls, engine: Any, choice: "RouteChoice", reducer: ZenReducer,
               plan: Optional["OwnedPlan"]) -> "DsSyncRoute":
+        masters = None
+        if choice.setup.half:
+            masters = ds_fp16.master_weights(engine.optimizer)
+            if masters is None:
+                refuse("\"zen.shuffle\" (DS-Sync) in bf16 averages the fp32 masters of DeepSpeed's bf16 optimizer "
+                       f"at ZeRO stage 0, and {type(engine.optimizer).__name__} has none; pass an optimizer "
+                       "(or an \"optimizer\" block) to initialize, or train in fp32")
         shuffle = build_shuffle(engine.module, choice, reducer.config, engine.optimizer, reducer.group,
-                                reducer.scale, reducer.options)
+                                reducer.scale, reducer.options, masters)
         if reducer.config.overlap:
             overlap_is_off(engine, "\"shuffle\" syncs every param itself; zen syncs after backward")
         return cls(engine, reducer, shuffle)
@@ -130,10 +141,12 @@ def rows_stay_local(optimizer: Any) -> bool:
 
 def build_shuffle(module: nn.Module, route: "RouteChoice", zen_config: ZenConfig, optimizer: Any,
                   dp_group: Optional[dist.ProcessGroup], scale: ScaleRule,
-                  options: Optional[SyncOptions] = None) -> ShuffleSync:
+                  options: Optional[SyncOptions] = None,
+                  masters: Optional[Dict[int, torch.Tensor]] = None) -> ShuffleSync:
     """The engine's ShuffleSync: every trainable param; zen's selected ones have row-sparse
     gradients, and row-tracked parameter averaging when the optimizer keeps rows local. Its
-    sparse syncs plan with ``options`` (the engine's cost model and topology)."""
+    sparse syncs plan with ``options`` (the engine's cost model and topology). ``masters``
+    (bf16): ``id(param) -> fp32 master``, which parameter averaging averages."""
     cfg: ShuffleConfig = zen_config.shuffle
     if not scale.average or scale.predivide_factor != 1.0:
         refuse("\"zen.shuffle\" averages inside each group; remove \"gradient_allreduce_op\": \"sum\" "
@@ -146,7 +159,11 @@ def build_shuffle(module: nn.Module, route: "RouteChoice", zen_config: ZenConfig
         if param.requires_grad and id(param) not in seen:
             seen.add(id(param))
             sparse_grad = id(param) in selected
-            specs.append(ShuffleParam(name, param, sparse_grad, sparse_grad and row_local))
+            master = masters.get(id(param)) if masters is not None else None
+            if masters is not None and master is None:
+                refuse(f"\"zen.shuffle\" (DS-Sync) in bf16: {name} has no fp32 master in DeepSpeed's optimizer; "
+                       "pass an optimizer that holds every trainable param")
+            specs.append(ShuffleParam(name, param, sparse_grad, sparse_grad and row_local, master))
     if route.selected and not row_local and cfg.mode == "parameters":
         logger.info("zen shuffle: %s changes rows without a gradient (momentum, weight decay or "
                     "moments): parameters are averaged densely", type(optimizer).__name__)

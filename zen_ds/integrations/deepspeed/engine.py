@@ -162,7 +162,7 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     if model is None:
         refuse("zen_ds.initialize needs model=")
     ds_initialize.check_deepspeed_version()
-    route = resolve_route(ds_dict, model, zcfg)
+    route = resolve_route(ds_dict, model, zcfg, mpu)
     # Build (or load) the C++ ops now, not inside the first step's sync: one process per build
     # directory compiles while the others wait, bounded by ZEN_DS_BUILD_TIMEOUT.
     ops.ensure_built()

@@ -20,12 +20,12 @@ Routes:
   row-sharded embeddings (``"row_sharded"``) are parts of this route.
 * **zero3** (ZeRO stage 3, :class:`~.zero3.Zero3Route`): DeepSpeed keeps every param, its
   partitions, optimizer and checkpoints; zen only replaces the reduce-scatter of its params'
-  gradients into ZeRO-3's partitions by one that sends the non-zero rows. A tied embedding (also
-  the output layer's weight: every row has a gradient) is left to DeepSpeed.
+  gradients into ZeRO-3's partitions by one that sends the non-zero rows (with
+  ``"zen.compression"``, also the compressed dense params' selected entries). A tied embedding
+  (also the output layer's weight: every row has a gradient) is left to DeepSpeed.
 * **shuffle** (``"zen.shuffle"``, DS-Sync, :class:`~.ds_sync.DsSyncRoute`): zen reduces *every*
-  param inside the step's shuffle group and DeepSpeed reduces nothing; ZeRO-0 in fp32 only,
-  because the other stages and precisions keep gradients or master weights where zen cannot
-  average them per group.
+  param inside the step's shuffle group and DeepSpeed reduces nothing; ZeRO-0 in fp32 or bf16,
+  because ZeRO-1/2/3 keep one sharded copy of the state DS-Sync needs once per rank.
 
 A pipeline (a PipelineModule) is not a route of its own: it takes the shared or owned route, and
 zen sums its tied weights across stages.
@@ -51,7 +51,7 @@ from zen_ds.integrations.deepspeed.owned import OwnedRoute
 from zen_ds.integrations.deepspeed.route import EngineRoute
 from zen_ds.integrations.deepspeed.shared import SharedRoute
 from zen_ds.integrations.deepspeed.zero3 import Zero3Route
-from zen_ds.integrations.params import select_params, tied_params
+from zen_ds.integrations.params import is_expert_param, select_params, tied_params
 from zen_ds.schemes import get_scheme
 
 __all__ = ["DeepSpeedSetup", "RouteChoice", "resolve_route", "ds_config_dict", "read_ds_config"]
@@ -105,14 +105,18 @@ class DeepSpeedSetup:
     zenflow: bool = False
 
     @classmethod
-    def from_config(cls, ds_config: Mapping[str, Any], model: nn.Module) -> "DeepSpeedSetup":
+    def from_config(cls, ds_config: Mapping[str, Any], model: nn.Module, mpu: Any = None) -> "DeepSpeedSetup":
+        """``mpu``: the one passed to ``deepspeed.initialize``; Ulysses sequence parallelism comes
+        from the ds_config's ``sequence_parallel_size`` or from an mpu with sequence-parallel
+        groups (DeepSpeed's ``parallel_state_sp``, Megatron-DeepSpeed's)."""
         zero = ds_config.get("zero_optimization") or {}
         stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
         return cls(zero_stage=int(stage) if str(stage).isdigit() else 0,
                    fp16=_enabled(ds_config, "fp16"),
                    bf16=_enabled(ds_config, "bf16") or _enabled(ds_config, "bfloat16"),
                    pipeline=_is_pipeline_module(model), moe=_has_moe(model),
-                   sequence_parallel=int(ds_config.get("sequence_parallel_size", 1) or 1) > 1,
+                   sequence_parallel=int(ds_config.get("sequence_parallel_size", 1) or 1) > 1
+                   or _mpu_sequence_parallel(mpu) > 1,
                    zenflow=isinstance(zero, Mapping) and isinstance(zero.get("zenflow"), Mapping))
 
     @classmethod
@@ -175,6 +179,12 @@ def _has_moe(model: nn.Module) -> bool:
     return any(isinstance(module, MoE) for module in model.modules())
 
 
+def _mpu_sequence_parallel(mpu: Any) -> int:
+    """The sequence-parallel ranks an mpu declares (1 without an mpu or sequence parallelism)."""
+    get = getattr(mpu, "get_sequence_parallel_world_size", None)
+    return int(get()) if callable(get) else 1
+
+
 def _any_rank(*flags: bool) -> List[bool]:
     """Each flag OR-ed over all ranks: pipeline stages hold different params, so a decision that
     depends on them must be the same on every stage (else a refusal on one stage hangs the rest)."""
@@ -186,19 +196,26 @@ def _any_rank(*flags: bool) -> List[bool]:
 
 
 def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn.Module,
-                  zen_config: ZenConfig) -> RouteChoice:
+                  zen_config: ZenConfig, mpu: Any = None) -> RouteChoice:
     """Pick zen's route for ``model`` under ``ds_config`` (a dict or an engine's
-    :class:`DeepSpeedSetup`), or raise :class:`ZenConfigError` saying what to change.
+    :class:`DeepSpeedSetup`; ``mpu``: the one ``deepspeed.initialize`` gets), or raise
+    :class:`ZenConfigError` saying what to change.
+
+    MoE layers and Ulysses sequence parallelism take the route they would take without them: expert
+    params are never zen's (:func:`~zen_ds.integrations.params.select_params`: DeepSpeed reduces
+    them over their expert-data-parallel groups), and zen reduces its params over the group
+    DeepSpeed reduces the other dense params over (the data-parallel group; with Ulysses the
+    sequence-data-parallel one), scaled as DeepSpeed scales them.
 
     Collective for a PipelineModule (every rank must call it); raises the same error on every rank.
     """
-    setup = ds_config if isinstance(ds_config, DeepSpeedSetup) else DeepSpeedSetup.from_config(ds_config, model)
+    setup = ds_config if isinstance(ds_config, DeepSpeedSetup) else DeepSpeedSetup.from_config(ds_config, model, mpu)
     if setup.pipeline:
         zen_config = _patterns_of_this_stage(model, zen_config)
     selected = select_params(model, zen_config)
     compression = zen_config.compression is not None
     if zen_config.shuffle is not None:
-        _refuse_for_shuffle(setup, compression)
+        _refuse_for_shuffle(setup, compression, any(sparse for _, _, sparse in selected))
         return RouteChoice(DsSyncRoute, selected, setup)
     if zen_config.row_sharded:
         _refuse_for_row_sharded(setup)
@@ -209,12 +226,8 @@ def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn
         refuse("DeepSpeed's PipelineEngine does not run a PipelineModule under ZeRO stage 2 (it asserts "
                "\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", "
                "deepspeed/runtime/pipe/engine.py). Set zero_optimization.stage to 0 or 1")
-    if setup.moe:
-        refuse("MoE layers (expert-parallel groups) are not supported with zen; disable zen for this model")
-    if setup.sequence_parallel:
-        refuse("sequence parallelism (sequence_parallel_size > 1) is not supported with zen")
     if setup.zenflow:
-        refuse("DeepSpeed's ZenFlow and zen_ds both take over the optimizer/reduction; enable one of them")
+        _refuse_zenflow()
     # fp16: the compressor keeps its residuals unscaled and undoes a step DeepSpeed skips
     compressor = _compressor(model, zen_config, selected, undo=setup.fp16) if compression else None
     any_sparse = any(sparse for _, _, sparse in selected)
@@ -251,11 +264,6 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
     if setup.pipeline:
         refuse("DeepSpeed's PipelineEngine does not run a PipelineModule under ZeRO stage 3 (\"ZeRO-2 and "
                "ZeRO-3 are incompatible with pipeline parallelism\"); set zero_optimization.stage to 0 or 1")
-    if zen_config.compression is not None:
-        refuse("\"zen.compression\" is not supported under ZeRO stage 3: ZeRO-3 reduce-scatters dense params "
-               "inside its own buckets and steps them from fp32 partitions, where zen's compressed sync "
-               "and its error-feedback residual do not fit yet. Remove \"zen.compression\" or use ZeRO "
-               "stage 0-2")
     if zen_config.optimizer_state == "sharded" and not zen_config.row_sharded:
         refuse("\"zen.optimizer_state\": \"sharded\" is for ZeRO stage 1/2 (and, with \"row_sharded\", row-shards "
                "every table); ZeRO-3 already partitions the optimizer state of every param. Remove the key "
@@ -264,10 +272,13 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
         refuse(f"\"zen.scheme\": \"{zen_config.scheme}\" does not apply under ZeRO stage 3: the gradient "
                "must land in ZeRO-3's contiguous partitions, so zen pushes the non-zero rows to their "
                "owners (a sparse reduce-scatter). Remove the key (or set it to \"auto\")")
-    for flag, what in ((setup.moe, "MoE layers"), (setup.sequence_parallel, "sequence parallelism"),
-                       (setup.zenflow, "DeepSpeed's ZenFlow")):
-        if flag:
-            refuse(f"{what} with zen under ZeRO stage 3 is not supported; disable zen for this model")
+    if setup.moe:
+        refuse("MoE layers under ZeRO stage 3 are not supported with zen: DeepSpeed runs its MoE layer at "
+               "ZeRO stage 1 and 2 only (at stage 3 only AutoEP layers, which zen is not tested with). Set "
+               "zero_optimization.stage to 1 or 2 (DeepSpeed keeps reducing the experts, zen syncs the "
+               "embedding), or set \"zen\": {\"enabled\": false}")
+    if setup.zenflow:
+        _refuse_zenflow()
     tied = tied_params(model)
     kept, left = [], {}
     for name, param, sparse in selected:
@@ -276,7 +287,17 @@ def _zero3_route(setup: DeepSpeedSetup, model: nn.Module, zen_config: ZenConfig,
                           "dense (the output layer touches every row), DeepSpeed reduce-scatters it")
         else:
             kept.append((name, param, sparse))
-    return RouteChoice(Zero3Route, kept, setup, left_to_deepspeed=left)
+    # fp16: the compressor keeps its residuals unscaled and undoes a step DeepSpeed skips. Every
+    # selected param, a tied one left to DeepSpeed too, stays uncompressed, as at ZeRO-1/2.
+    compressor = (_compressor(model, zen_config, selected, undo=setup.fp16)
+                  if zen_config.compression is not None else None)
+    return RouteChoice(Zero3Route, kept, setup, compressor, left_to_deepspeed=left)
+
+
+def _refuse_zenflow() -> None:
+    refuse("DeepSpeed's ZenFlow (zero_optimization.zenflow) and zen both take over the optimizer step and "
+           "the gradient reduction; remove the \"zenflow\" block from zero_optimization, or set "
+           "\"zen\": {\"enabled\": false}")
 
 
 def _patterns_of_this_stage(model: nn.Module, zen_config: ZenConfig) -> ZenConfig:
@@ -313,9 +334,10 @@ def _synced_params(selected: List[SelectedParam], compressor: Optional[Any]) -> 
 
 
 def _compressor(model: nn.Module, zen_config: ZenConfig, selected: List[SelectedParam], undo: bool) -> Any:
-    """The gradient compressor; it picks the dense params it compresses (never zen's selected ones)."""
-    return GradientCompressor(zen_config.compression, list(model.named_parameters()),
-                              {name for name, _, _ in selected}, undo=undo)
+    """The gradient compressor; it picks the dense params it compresses (never zen's selected ones,
+    never a MoE expert's: DeepSpeed reduces those over their expert-data-parallel groups)."""
+    candidates = [(name, param) for name, param in model.named_parameters() if not is_expert_param(param)]
+    return GradientCompressor(zen_config.compression, candidates, {name for name, _, _ in selected}, undo=undo)
 
 
 def _refuse_for_row_sharded(setup: DeepSpeedSetup) -> None:
@@ -332,20 +354,30 @@ def _refuse_for_row_sharded(setup: DeepSpeedSetup) -> None:
             refuse(f"\"zen.row_sharded\" with {what} is not supported; remove \"row_sharded\"")
 
 
-def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool) -> None:
-    """DS-Sync averages each rank's own gradients and parameters inside small groups: only a
-    setup where both live in plain fp32 ``param.grad`` / ``param.data`` on every rank works."""
+def _refuse_for_shuffle(setup: DeepSpeedSetup, compression: bool, any_sparse: bool) -> None:
+    """DS-Sync keeps one model replica per rank, averaged only inside the step's group: only setups
+    where every rank holds its own whole replica (params, gradients, optimizer state and, in bf16,
+    fp32 masters) can run it: ZeRO-0 in fp32 or bf16 (docs/ds_sync.md, "ZeRO stages and precisions")."""
     if setup.zero_stage:
-        refuse(f"\"zen.shuffle\" (DS-Sync) needs ZeRO stage 0: ZeRO stage {setup.zero_stage} partitions "
-               "gradients or optimizer state over the whole data-parallel group, which shuffle groups "
-               "cannot average. Set zero_optimization.stage to 0 or remove the \"shuffle\" block")
+        held = "parameters, gradients and optimizer state" if setup.zero_stage == 3 else \
+            "optimizer state and fp32 masters" + (" and gradients" if setup.zero_stage == 2 else "")
+        refuse(f"\"zen.shuffle\" (DS-Sync) needs ZeRO stage 0: DS-Sync keeps one model replica per rank "
+               "(groups average only among themselves, so the ranks' parameters and optimizer state differ "
+               f"until mixed), while ZeRO stage {setup.zero_stage} keeps one copy of the {held} sharded over "
+               "all data-parallel ranks and hands every rank the same parameters after each step. Every "
+               "rank's own replica state takes ZeRO-0's memory (docs/ds_sync.md, \"ZeRO stages and "
+               "precisions\"). Set zero_optimization.stage to 0 or remove the \"shuffle\" block")
     if setup.pipeline:
         refuse("\"zen.shuffle\" (DS-Sync) with a DeepSpeed PipelineModule is not supported; train without "
                "pipeline parallelism or remove the \"shuffle\" block")
-    if setup.fp16 or setup.bf16:
-        refuse("\"zen.shuffle\" (DS-Sync) needs fp32 training: DeepSpeed's fp16/bf16 optimizers keep "
-               "gradients and master weights in flat buffers that shuffle groups cannot average. Disable "
-               "fp16/bf16 or remove the \"shuffle\" block")
+    if setup.fp16:
+        refuse("\"zen.shuffle\" (DS-Sync) does not run in fp16: each rank's dynamic loss scale follows its "
+               "own overflows, so after an overflow in one group two ranks would average gradients scaled "
+               "by different factors. Use bf16 or fp32, or remove the \"shuffle\" block")
+    if setup.bf16 and any_sparse:
+        refuse("\"zen.shuffle\" (DS-Sync) in bf16 needs dense-gradient embeddings: DeepSpeed's bf16 optimizer "
+               "at ZeRO stage 0 flattens every gradient. Build the embeddings with sparse=False, or train "
+               "in fp32")
     if compression:
         refuse("\"zen.shuffle\" with \"zen.compression\" is not supported yet (the error-feedback residual "
                "would be per group); remove one of the two blocks")

@@ -13,7 +13,9 @@ checkpoints, ``save_16bit_model``, ``zero_to_fp32.py`` and ``GatheredParameters`
 
 Ownership follows DeepSpeed's layout, so frequent (low) token ids crowd the first ranks' partitions;
 the stats line reports each rank's received rows. A tied embedding (its weight is also the output
-layer's) has a dense gradient: zen leaves it to DeepSpeed and says so. With ``"row_sharded"``
+layer's) has a dense gradient: zen leaves it to DeepSpeed and says so. With ``"compression"`` the
+compressed dense params reach their partitions the same way, with each rank's selected entries
+instead of the non-zero rows (:mod:`.zero3_compressed`). With ``"row_sharded"``
 (:class:`Zero3RowShardedRoute`) zen also steps the tables' rows itself. This module holds zen's
 side; the DeepSpeed internals it plugs into are in :mod:`.internals.zero3`.
 """
@@ -37,6 +39,7 @@ from zen_ds.integrations.deepspeed.owned import StepsOwnParams, plan_owned
 from zen_ds.integrations.deepspeed.owned_params import OwnedParams
 from zen_ds.integrations.deepspeed.route import EngineRoute
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights
+from zen_ds.integrations.deepspeed.zero3_compressed import CompressedPartitions
 from zen_ds.integrations.deepspeed.zero3_rows import EmbeddingRows
 from zen_ds.integrations.params import is_vocab_parallel_embedding
 from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
@@ -66,10 +69,15 @@ class Zero3Route(EngineRoute):
     def build(cls, engine: Any, choice: "RouteChoice", reducer: ZenReducer,
               plan: Optional["OwnedPlan"]) -> "Zero3Route":
         """:class:`Zero3RowShardedRoute` where ``zen_ds.initialize`` row-sharded some tables."""
-        install_id_checks(engine.module, reducer.params, reducer.group)
-        rows = EmbeddingRows.install(engine, engine.module, reducer.params, reducer.config.embedding_rows,
+        embeddings = [p for p in reducer.params if not p.compressed]
+        install_id_checks(engine.module, embeddings, reducer.group)
+        rows = EmbeddingRows.install(engine, engine.module, embeddings, reducer.config.embedding_rows,
                                      reducer.config.embedding_fetch, reducer.options)
-        zero3 = Zero3Sync(reducer, reducer.options, rows, choice.left_to_deepspeed)
+        compressed = None
+        if reducer.compressor is not None:
+            compressed = CompressedPartitions(reducer, engine.is_gradient_accumulation_boundary,
+                                              ds_zero3.next_backward_replaces(engine.optimizer))
+        zero3 = Zero3Sync(reducer, reducer.options, rows, choice.left_to_deepspeed, compressed)
         if reducer.config.overlap:
             overlap_is_off(engine, "under ZeRO-3 zen syncs its params inside DeepSpeed's gradient hooks, "
                                    "during backward already; row-sharded tables push their rows at the step")
@@ -148,10 +156,11 @@ class Zero3Sync:
     """zen's reduction of its params' gradients into ZeRO-3's partitions, and its per-step stats."""
 
     def __init__(self, reducer: ZenReducer, options: SyncOptions, rows: EmbeddingRows,
-                 left: Optional[Dict[str, str]] = None) -> None:
+                 left: Optional[Dict[str, str]] = None, compressed: Optional[CompressedPartitions] = None) -> None:
         self.reducer = reducer
         self.options = options
         self.rows = rows  # the tables served at batch cost (their push replaces the scan below)
+        self.compressed = compressed  # "compression": the compressed dense params' sums and pushes
         self.left = dict(left or {})  # selected params left to DeepSpeed (tied), with the reason
         self.index = {id(p.param): i for i, p in enumerate(reducer.params)}
         self._step_stats: Dict[str, ParamStats] = {}
@@ -168,6 +177,14 @@ class Zero3Sync:
         p: ZenParam = self.reducer.params[self.index[id(param)]]
         st = SyncStats()
         started = time.perf_counter()
+        if p.compressed:
+            if self.compressed is None or not self.compressed.takes(p):
+                return None  # warmup: DeepSpeed's dense reduce-scatter
+            out = self.compressed.reduce(p, grad, group, partition_numel, comm_dtype, out_dtype,
+                                         prescale * postscale, st)
+            st.seconds = time.perf_counter() - started
+            self._add(p.name, st, compressed=True)
+            return out
         if self.rows.serves(param):
             rows = self.rows.take(param, comm_dtype)
             if grad.numel() == 0:  # only the batch-cost forward used the table: its rows are the gradient
@@ -200,10 +217,10 @@ class Zero3Sync:
         self._add(p.name, st)
         return out
 
-    def _add(self, name: str, st: SyncStats) -> None:
+    def _add(self, name: str, st: SyncStats, compressed: bool = False) -> None:
         """Micro-steps add up: bytes and seconds summed, densities of the last one."""
         old = self._step_stats.get(name)
-        summary = ParamStats().copy_from(st)
+        summary = ParamStats(compressed=compressed).copy_from(st)
         if old is not None:
             for key in ("bytes_sent", "bytes_received", "seconds", "nnz_result"):
                 setattr(summary, key, getattr(old, key) + getattr(summary, key))

@@ -7,6 +7,8 @@ Examples::
     python -m zen_ds sim -w lstm -w nmt --ranks 4 8 16 32 64 128 256 512 1024 --plot sim.png
     python -m zen_ds sim -w lstm -w deepfm -w nmt --ranks 16 64 128 512 --step-compute 0.3
     python -m zen_ds sim -w tokens:sp32k,tokens=16384,hidden=4096,dtype=bf16 --ranks 16 128 1024
+    python -m zen_ds sim -w tokens:sp32k,tokens=16384,hidden=4096,dtype=bf16 --cluster gpu-h100 \\
+        --ranks 8 64 512
     python -m zen_ds sim fit tokens:sp32k,tokens=16384,hidden=4096 --ranks 4 16 128
     python -m zen_ds sim step --layers 100 --embedding 200000x64:2048 --ranks 16 1024 4096
     python -m zen_ds sim rowshard -w lm:rows=128256,width=4096,tokens=16384,dtype=bf16 --ranks 128
@@ -33,11 +35,13 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from zen_ds.core.option_fields import HANDSHAKES, OPTION
 from zen_ds.schemes import DENSE
 from zen_ds.tools.bench.workloads import parse_workload
 from zen_ds.tools.cluster import parse_delay_ms, parse_rate
 from zen_ds.tools.sim.cost import ComputeRates, SimCost, Topology
 from zen_ds.tools.sim.fit import main as fit_main
+from zen_ds.tools.sim.presets import add_cluster_arguments, resolve_cluster
 from zen_ds.tools.sim.tables import format_table, plot_speedups, write_json
 from zen_ds.tools.sim.simulate import simulate
 from zen_ds.tools.sim.step import main as step_main
@@ -49,6 +53,7 @@ from zen_ds.tools.sim.throughput import format_throughput, throughput_rows
 logger = logging.getLogger(__name__)
 
 DEFAULT_WORKLOADS = ("lstm", "deepfm", "nmt", "topk1")
+DEFAULT_HANDSHAKE = OPTION["handshake"].default
 THROUGHPUT_RANKS = (16, 64, 128, 512)
 
 
@@ -61,34 +66,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="group sizes to simulate (>= 2; e.g. 4 8 16 ... 1024)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="row scaling of the reference workloads (1.0 = full size, the default)")
-    p.add_argument("--ranks-per-node", type=int, nargs="+", default=[1],
+    p.add_argument("--ranks-per-node", type=int, nargs="+", default=None,
                    help="ranks sharing one node's NIC; several values compare topologies on the "
-                        "same generated supports (default 1: a NIC per rank)")
-    p.add_argument("--bandwidth", default="25gbit",
+                        "same generated supports (default 1: a NIC per rank; gpu-h100: 8)")
+    p.add_argument("--bandwidth", default=None,
                    help="inter-node bandwidth of one node's NIC(s), tc units (default 25gbit)")
-    p.add_argument("--intra-bandwidth", default="1200gbit",
+    p.add_argument("--intra-bandwidth", default=None,
                    help="one rank's intra-node bandwidth, tc units (default 1200gbit = 150 GB/s)")
-    p.add_argument("--latency", default="50us", help="seconds per latency step (default 50us)")
+    p.add_argument("--latency", default=None, help="seconds per latency step (default 50us)")
+    add_cluster_arguments(p)
     p.add_argument("--duplex", type=float, default=1.0,
                    help="a pair's two-way over one-way time between nodes: 1 full duplex (NCCL, "
                         "the default) to 2 (gloo's TCP pairs on the emulated cluster)")
     p.add_argument("--all-to-all-duplex", type=float, default=1.0,
                    help="an all-to-all's over a one-way ring's time with the same bytes (default 1)")
-    p.add_argument("--all-reduce", default="nccl", choices=("nccl", "ring"),
+    p.add_argument("--all-reduce", default=None, choices=("nccl", "ring"),
                    help="how the library all-reduce runs: 'nccl' (the cheaper of ring and tree, as "
                         "NCCL's tuner picks; the default) or 'ring' (gloo)")
-    p.add_argument("--handshake", default="allgather", choices=("allgather", "reduce", "auto"),
-                   help="SyncOptions.handshake: 'allgather' (the default), 'reduce' (a "
-                        "fixed-size all-reduce first, records gathered for non-dense plans) or "
-                        "'auto' (the cheaper of the two under the cost model)")
+    p.add_argument("--handshake", default=DEFAULT_HANDSHAKE, choices=HANDSHAKES,
+                   help="SyncOptions.handshake: 'allgather', 'reduce' (a fixed-size all-reduce "
+                        "first, records gathered for non-dense plans) or 'auto' (the cheaper of "
+                        f"the two under the cost model); default {DEFAULT_HANDSHAKE!r}, the "
+                        "option's")
     p.add_argument("--per-step", action="store_true",
                    help="price the plug-in's steady state (the tensor synced once per training "
                         "step): with 'reduce' or 'auto' a dense, agsparse or balanced plan is "
                         "kept without a handshake, its checks inside the dense all-reduce or the "
                         "sparse scheme's count message")
-    p.add_argument("--compute", default="measure",
+    p.add_argument("--compute", default=None,
                    help="local op rates: 'measure' (a short micro-benchmark of zen's ops here, the "
-                        "default), 'none', FILE.json, or op=seconds_per_element,...")
+                        "default), 'none', a profile ('h100': an H100's rates from the GPU check; "
+                        "the gpu-h100 cluster's default), FILE.json (rates, or a GPU check's "
+                        "gpu_check.json), or op=seconds_per_element,...")
     p.add_argument("--schemes", nargs="+", default=None,
                    help="schemes to simulate (default: every registered scheme)")
     p.add_argument("--index-encoding", default="auto", choices=("auto", "coo", "bitmap"))
@@ -120,10 +129,12 @@ def seconds_of(text: str) -> float:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
+    cluster = resolve_cluster(args)
     try:
         topologies = [Topology(k, bytes_per_second(args.bandwidth),
                                bytes_per_second(args.intra_bandwidth), seconds_of(args.latency),
-                               args.duplex, args.all_to_all_duplex, args.all_reduce)
+                               args.duplex, args.all_to_all_duplex, args.all_reduce,
+                               args.fused_reduction)
                       for k in args.ranks_per_node]
         if min(args.ranks) < 2:
             raise ValueError("--ranks must all be >= 2")
@@ -134,10 +145,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     topology = topologies[0]
+    if args.cluster:
+        print(f"# cluster {args.cluster}: {cluster.description}")
     print(f"# topology: {' / '.join(str(t.ranks_per_node) for t in topologies)} ranks/node, inter "
           f"{topology.inter_bandwidth * 8 / 1e9:g} Gbit/s per node, intra "
           f"{topology.intra_bandwidth * 8 / 1e9:g} Gbit/s per rank, latency "
-          f"{topology.latency * 1e6:g} us/step, duplex {topology.duplex:g} (all-to-all {topology.all_to_all_duplex:g}), all-reduce {topology.all_reduce}, handshake {args.handshake}{' (per step, steady state)' if args.per_step else ''}; compute: {rates.source}")
+          f"{topology.latency * 1e6:g} us/step, duplex {topology.duplex:g} (all-to-all {topology.all_to_all_duplex:g}), all-reduce {topology.all_reduce}{' (fused reduction)' if topology.fused_reduction else ''}, handshake {args.handshake}{' (per step, steady state)' if args.per_step else ''}; compute: {rates.source}")
     results = []
     for workload in workloads:
         for n in args.ranks:

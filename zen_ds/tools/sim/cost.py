@@ -32,6 +32,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.costmodel.cost import ALL_REDUCE_NCCL, COMPUTE_OPS, CostModel
+from zen_ds.costmodel.profiles import COMPUTE_PROFILES, rates_from_gpu_check
 from zen_ds.sync import calibrate
 from zen_ds.costmodel.traffic import OP_ALL_TO_ALL, Phase, Traffic
 
@@ -51,6 +52,7 @@ class Topology:
     duplex: float = 1.0  # a pair's two-way over one-way time between nodes (CostModel.duplex)
     all_to_all_duplex: float = 1.0  # CostModel.all_to_all_duplex
     all_reduce: str = ALL_REDUCE_NCCL  # CostModel.all_reduce: "nccl" (ring or tree) or "ring"
+    fused_reduction: bool = False  # CostModel.fused_reduction: NCCL on GPUs reduces in-kernel
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1:
@@ -66,7 +68,8 @@ class Topology:
         """The planner's model for this network (no compute term: :class:`SimCost` adds it)."""
         return CostModel(alpha=self.latency, bandwidth=self.inter_bandwidth,
                          intra_bandwidth=self.intra_bandwidth, compute=(), duplex=self.duplex,
-                         all_to_all_duplex=self.all_to_all_duplex, all_reduce=self.all_reduce)
+                         all_to_all_duplex=self.all_to_all_duplex, all_reduce=self.all_reduce,
+                         fused_reduction=self.fused_reduction)
 
 
 @dataclass(frozen=True)
@@ -81,22 +84,30 @@ class ComputeRates:
 
     @classmethod
     def parse(cls, text: str) -> "ComputeRates":
-        """``none``, ``measure``, a JSON file of ``{"seconds_per_element": {...}}`` or
-        ``op=seconds,...`` (ops: partition, aggregate, scatter, scan)."""
+        """``none``, ``measure``, a profile name (:data:`~zen_ds.costmodel.profiles.
+        COMPUTE_PROFILES`: ``h100``), a JSON file (``{"seconds_per_element": {...}}``, or a GPU
+        check's ``gpu_check.json``, whose op throughput gives the rates) or ``op=seconds,...``
+        (ops: partition, aggregate, scatter, scan)."""
         if text == "none":
             return cls()
         if text == "measure":
             return measure_compute_rates()
+        if text in COMPUTE_PROFILES:
+            profile = COMPUTE_PROFILES[text]
+            return cls(dict(profile.rates), profile.source)
         if text.endswith(".json"):
             with open(text) as f:
                 data = json.load(f)
-            return cls(dict(data["seconds_per_element"]), f"file {text}")
+            if "seconds_per_element" in data:
+                return cls(dict(data["seconds_per_element"]), f"file {text}")
+            return cls(rates_from_gpu_check(data), f"GPU check report {text}")
         rates = {}
         for part in filter(None, text.split(",")):
             op, _, value = part.partition("=")
             if op not in _MEASURED_OPS or not value:
                 raise ValueError(f"compute rate {part!r}: use op=seconds_per_element with op in "
-                                 f"{list(_MEASURED_OPS)}, or 'none' / 'measure' / FILE.json")
+                                 f"{list(_MEASURED_OPS)}, or 'none' / 'measure' / a profile "
+                                 f"({', '.join(COMPUTE_PROFILES)}) / FILE.json")
             rates[op] = float(value)
         return cls(rates, "given")
 
@@ -190,11 +201,17 @@ class SimCost:
         """Collectives run one after another; each ends with its slowest link."""
         return sum(self.phase_seconds(p) for p in traffic.phases)
 
-    def compute_seconds(self, traffic: Traffic, row_numel: int) -> float:
+    def compute_seconds(self, traffic: Traffic, row_numel: int,
+                        library_all_reduce: bool = False) -> float:
         """The slowest rank's local work: rows x ``row_numel`` elements per op, at the model's
-        rates (:meth:`CostModel.compute_seconds`)."""
+        rates (:meth:`CostModel.compute_seconds`); ``library_all_reduce``: the traffic is a
+        library all-reduce of the whole tensor, whose reduction a fused library does inside
+        the transfer (:meth:`CostModel.local_work`)."""
         if not traffic.compute:
             return 0.0
+        work = self.model.local_work(traffic.compute, library_all_reduce)
+        if not work:
+            return 0.0
         per_rank = self.model.compute_seconds({op: rows.double() * row_numel
-                                               for op, rows in traffic.compute.items()})
+                                               for op, rows in work.items()})
         return float(per_rank.max())

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from zen_ds.core.option_fields import OPTION
 from zen_ds.costmodel.cost import CostModel
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.costmodel.support import planning_ranks
@@ -28,7 +29,13 @@ from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
 from zen_ds.sync.stable import sparse_plans_skip
 from zen_ds.tools.sim.cost import SimCost
-from zen_ds.tools.sim.supports import LosslessBound, Supports, handshake_shape, lossless_bound
+from zen_ds.tools.sim.supports import (
+    LosslessBound,
+    Supports,
+    handshake_shape,
+    lossless_bound,
+    owner_floor,
+)
 from zen_ds.tools.sim.traffic import (  # noqa: F401  (HANDSHAKES, scheme_traffic: its API too)
     HANDSHAKES,
     Phase,
@@ -43,6 +50,7 @@ __all__ = ["SchemeResult", "SimResult", "simulate", "DEEPSPEED", "AUTO"]
 
 AUTO = "auto"
 DEEPSPEED = "deepspeed"
+DEFAULT_HANDSHAKE = OPTION["handshake"].default  # SyncOptions.handshake's default
 
 
 @dataclass
@@ -89,6 +97,8 @@ class SimResult:
     ranks_per_node: int = 1
     # DeepSpeed's dense all-reduce alone (no zen handshake, no checks)
     library_dense_seconds: Optional[float] = None
+    # rows each NIC receives on average when every row is summed at one place (owner_floor)
+    owner_floor_rows: Optional[float] = None
 
     def row(self, scheme: str) -> SchemeResult:
         for r in self.rows:
@@ -102,16 +112,17 @@ class SimResult:
 
 
 def _result(name: str, method: str, traffic: Traffic, cost: SimCost, row_numel: int,
-            steps: Optional[int] = None) -> SchemeResult:
+            library_all_reduce: bool = False) -> SchemeResult:
+    """``library_all_reduce``: the body is one library all-reduce of the whole tensor (its
+    reduction is the library's: :meth:`SimCost.compute_seconds`)."""
     phases = [{"name": p.name, "op": p.op, "bytes_sent": int(p.sent.max()),
                "bytes_received": int(p.received.max()), "seconds": cost.phase_seconds(p),
                "algorithm": cost.algorithm(p)}
               for p in traffic.phases]
     return SchemeResult(name, method, cost.comm_seconds(traffic),
-                        cost.compute_seconds(traffic, row_numel), int(traffic.bytes_sent.max()),
-                        int(traffic.bytes_received.max()),
-                        sum(p.latency_steps for p in traffic.phases) if steps is None else steps,
-                        phases, traffic=traffic)
+                        cost.compute_seconds(traffic, row_numel, library_all_reduce),
+                        int(traffic.bytes_sent.max()), int(traffic.bytes_received.max()),
+                        sum(p.latency_steps for p in traffic.phases), phases, traffic=traffic)
 
 
 def resolve_handshake(handshake: str, planning: CostModel, ranks_per_node: int, n: int,
@@ -180,7 +191,7 @@ def _deepspeed_traffic(supports: Supports, sparse: bool) -> Traffic:
 
 def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
              index_encoding: str = "auto", sparse: bool = True,
-             planning: Optional[CostModel] = None, handshake: str = "allgather",
+             planning: Optional[CostModel] = None, handshake: str = DEFAULT_HANDSHAKE,
              per_step: bool = False) -> SimResult:
     """Every scheme (default: all registered), ``auto`` and ``deepspeed`` on ``supports``.
 
@@ -216,7 +227,8 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
             traffic = _model_traffic(supports, name, auto_shape, steady)
             rows.append(_result(name, "model", traffic, cost, supports.row_numel))
         else:
-            rows.append(_result(name, "exact", traffic, cost, supports.row_numel))
+            rows.append(_result(name, "exact", traffic, cost, supports.row_numel,
+                                get_scheme(name).whole_tensor))
     chosen = plan_choice(auto_shape, cost=planning)  # the runtime's (memoised) choice
     # A first step (or a lone call) decides dense from the summary where it can.
     first = resolve_handshake(handshake, planning, per_node, n, 0.0 if per_step else 0.5)
@@ -231,14 +243,15 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
                                  steady if per_step else first)
     if traffic is None:
         traffic, method = _model_traffic(supports, chosen, auto_shape, steady), "model"
-    auto = _result(AUTO, method, traffic, cost, supports.row_numel)
+    auto = _result(AUTO, method, traffic, cost, supports.row_numel,
+                   get_scheme(chosen).whole_tensor)
     auto.chosen = chosen
     rows.append(auto)
     rows.append(_result(DEEPSPEED, "exact", _deepspeed_traffic(supports, sparse), cost,
-                        supports.row_numel))
+                        supports.row_numel, not sparse))
     nnz = supports.nnz.double()
     plain = get_scheme(DENSE).traffic(supports, auto_shape, "auto")
-    library = cost.comm_seconds(plain) + cost.compute_seconds(plain, supports.row_numel)
+    library = cost.comm_seconds(plain) + cost.compute_seconds(plain, supports.row_numel, True)
     return SimResult(supports.name, n, supports.num_rows, supports.row_numel,
                      supports.value_bytes, float(nnz.mean()), lossless_bound(supports), rows,
-                     cost.topology.ranks_per_node, library)
+                     cost.topology.ranks_per_node, library, owner_floor(supports, per_node))

@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zen_ds.core.handshake import handshake_bytes, summary_width
+from zen_ds.core.option_fields import HANDSHAKES, OPTION
 from zen_ds.costmodel.cost import CostModel
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.planner import PlanMemo, plan_choice, price
@@ -115,12 +116,9 @@ def layer_sizes(count: int, smallest: int, largest: int) -> List[int]:
     return [int(round(smallest * math.exp(i * step))) for i in range(count)]
 
 
-HANDSHAKES = ("allgather", "reduce", "auto")
-
-
 def handshake_seconds(world_size: int, cost: CostModel, mode: str = "allgather",
                       ranks_per_node: int = 1) -> float:
-    """One ``sparse_allreduce``'s first handshake collective. ``allgather`` (today's default):
+    """One ``sparse_allreduce``'s first handshake collective. ``allgather``:
     a ring all-gather of every rank's record (what :func:`zen_ds.sync.allreduce.plan_sync` adds
     to its prediction). ``reduce`` (``SyncOptions(handshake="reduce")``): one fixed-size MAX
     all-reduce of the summary, priced as the backend runs it (NCCL's tree at scale: ``2 log2``
@@ -201,7 +199,8 @@ class StepResult:
 
 def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node: int,
                   cost: CostModel, memo: Optional[PlanMemo] = None,
-                  handshake_mode: str = "allgather", per_tensor: bool = False) -> StepResult:
+                  handshake_mode: str = OPTION["handshake"].default, per_tensor: bool = False
+                  ) -> StepResult:
     """The step's syncs as the plug-in runs them (:mod:`zen_ds.sync.step`), at steady state:
     one step agreement (``handshake_mode``) for the tensors without a stable plan, stable
     plans (``reduce``, ``auto``; :mod:`zen_ds.sync.stable`) without one; the first step's
@@ -325,10 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intra-bandwidth", default="1200gbit", help="one rank's intra-node links")
     p.add_argument("--latency", default="50us", help="seconds per latency step")
     p.add_argument("--all-reduce", default="nccl", choices=("nccl", "ring"))
-    p.add_argument("--handshake", default="allgather", choices=HANDSHAKES,
-                   help="'allgather' (the default), 'reduce' (SyncOptions(handshake='reduce'): "
-                        "a fixed-size all-reduce, records gathered only for non-dense plans) or "
-                        "'auto' (the cheaper of the two under the cost model)")
+    p.add_argument("--handshake", default=OPTION["handshake"].default, choices=HANDSHAKES,
+                   help="'allgather', 'reduce' (SyncOptions(handshake='reduce'): a fixed-size "
+                        "all-reduce, records gathered only for non-dense plans) or 'auto' (the "
+                        "cheaper of the two under the cost model); default: the option's, "
+                        f"{OPTION['handshake'].default!r}")
     p.add_argument("--per-tensor", action="store_true",
                    help="price the old protocol: one handshake per tensor per step, no stable "
                         "plans (the default prices the plug-in's one agreement per step)")

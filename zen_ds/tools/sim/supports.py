@@ -14,7 +14,8 @@ import torch
 from zen_ds.costmodel.supports import Supports, handshake_shape
 from zen_ds.tools.bench.workloads import Workload
 
-__all__ = ["Supports", "LosslessBound", "generate_supports", "handshake_shape", "lossless_bound"]
+__all__ = ["Supports", "LosslessBound", "generate_supports", "handshake_shape", "lossless_bound",
+           "owner_floor"]
 
 
 def generate_supports(workload: Workload, world_size: int, seed: int = 0, sync_seed: int = 0
@@ -54,3 +55,25 @@ def lossless_bound(supports: Supports) -> LosslessBound:
     top = int(supports.nnz.max()) if n else 0
     return LosslessBound(union, int(must.max()) if n else 0, (n - 1) * top)
 
+
+
+def owner_floor(supports: Supports, ranks_per_node: int = 1) -> float:
+    """Rows each NIC must receive, on average over the nodes, in any scheme that sums every row
+    at one place (an owner: balanced, hierarchical's slices, sparcml's split ranges), with the
+    best owner for every row; nodes of ``ranks_per_node`` consecutive ranks.
+
+    A row held by ``h`` of ``g`` nodes needs ``h - 1`` partial sums into its owner (one of its
+    holders) and the sum out to the ``g - 1`` other nodes: ``g + h - 2`` rows received, ``g - 1``
+    for a row held by one node. Unlike :func:`lossless_bound`, which counts only the rows a rank
+    must learn, this counts the partial sums too; the average over nodes bounds the busiest."""
+    n = supports.world_size
+    k = max(1, min(ranks_per_node, n))
+    g = -(-n // k)
+    if g < 2:
+        return 0.0
+    node = torch.repeat_interleave(torch.arange(n) // k, supports.nnz)
+    pairs = torch.unique(supports.ids.to(torch.int64) * g + node)  # (row, node), each once
+    holders = torch.bincount(torch.unique_consecutive(pairs // g, return_counts=True)[1])
+    h = torch.arange(holders.numel(), dtype=torch.float64)
+    received = torch.where(h >= 2, g + h - 2, torch.full_like(h, g - 1.0))
+    return float((holders[1:].double() * received[1:]).sum()) / g

@@ -52,9 +52,15 @@ def deepspeed_best_line(result: SimResult) -> str:
 
 def bound_line(result: SimResult) -> str:
     b: LosslessBound = result.bound
-    return (f"# lossless bound: max_r(U - S_r) = {b.bound_rows:,} rows vs the sparse all-gather's "
+    line = (f"# lossless bound: max_r(U - S_r) = {b.bound_rows:,} rows vs the sparse all-gather's "
             f"(n-1) max m = {b.allgather_rows:,} rows -> bound ratio {b.ratio:.2f}x "
             f"(union {b.union:,} rows, {result.nnz_mean:,.0f} rows/rank)")
+    floor = result.owner_floor_rows
+    if floor:
+        line += (f"\n# owner floor (each row summed at one place, partial sums counted): "
+                 f"{floor:,.0f} rows per NIC on average -> {b.allgather_rows / floor:.2f}x "
+                 f"below the sparse all-gather at most")
+    return line
 
 
 def _speedup(base: float, seconds: float) -> float:
@@ -105,8 +111,9 @@ def format_table(result: SimResult, header: str = "") -> str:
 def write_json(path: str, results: Sequence[SimResult], context: Dict[str, object],
                extra: Optional[Dict[str, object]] = None) -> None:
     data = {"rows": [row for r in results for row in result_rows(r)],
-            "bounds": [{"workload": r.workload, "ranks": r.world_size, **r.bound.as_dict()}
-                       for r in results],
+            "bounds": [{"workload": r.workload, "ranks": r.world_size,
+                        "ranks_per_node": r.ranks_per_node, **r.bound.as_dict(),
+                        "owner_floor_rows": r.owner_floor_rows} for r in results],
             "deepspeed_best": [{"workload": r.workload, "ranks": r.world_size,
                                 "ranks_per_node": r.ranks_per_node, **(deepspeed_best(r) or {})}
                                for r in results],

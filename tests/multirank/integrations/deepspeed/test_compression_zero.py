@@ -16,6 +16,12 @@ ranks, accumulation 2, binding clipping, warmup 2 then compressed steps:
     compressor's on the unscaled gradients, params the fp32 manual reference within 1e-1; an Inf
     on one rank skips the step on every rank with params and residuals untouched and the scale
     halved; checkpoint resume bit-identical (params, residuals, zen's optimizer state, scale);
+(f) ZeRO-3 (zen pushes each rank's compressed gradient to the partitions' owners, the residual
+    whole on every rank): fp32 params equal the ZeRO-2 run with the same compression block and the
+    manual reference within 1e-5 (a model built inside ``deepspeed.zero.Init`` too), bf16 the
+    ZeRO-2 bf16 run within 1e-2; the compressor runs once
+    per optimizer step after the warmup (micro-steps add up first); checkpoint resume is exact;
+    fp16: an Inf on one rank skips the step everywhere with params and residuals untouched;
 (e) PipelineModule PP=2 x DP=2 (each stage compresses over its own DP group; tied weights), at
     ZeRO-0 and at ZeRO-1 (zen owns the compressed params' step inside the pipeline): equal to a
     single-process reference that compresses each DP replica's gradient with its own compressor
@@ -117,8 +123,68 @@ def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
     for name, zero in FP16_CASES.items():
         jobs[name] = lambda name=name, zero=zero: z0._fp16(rank, world, _fp16_case(name, zero))
     jobs["ckpt_z2_fp16"] = lambda: _ckpt(rank, world, _fp16_case("ckpt_z2_fp16", 2), os.path.join(root, "fp16"))
+    for name, (dtype, _) in ZERO3_CASES.items():
+        jobs[name] = lambda name=name, dtype=dtype: _zero3(rank, world, _zero3_case(name, dtype))
+    jobs["ckpt_z3_fp32"] = lambda: _zero3(rank, world, _zero3_case("ckpt_z3_fp32", "fp32"),
+                                          os.path.join(root, "z3"))
+    jobs["z3_fp16_inf"] = lambda: _zero3(rank, world, _zero3_case("z3_fp16_inf", "fp16"))
     jobs["manual_reference"] = lambda: z0._manual_reference(rank, world)
     return dc.run_jobs(jobs)
+
+
+# ----------------------------------------------------------------------------- ZeRO-3
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+# name: (dtype, the ZeRO-2 run it equals); "init": the model built inside deepspeed.zero.Init
+ZERO3_CASES = {"z3_fp32": ("fp32", "z2_fp32_sharded"), "z3_init_fp32": ("fp32", "z2_fp32_sharded"),
+               "z3_bf16": ("bf16", "z2_bf16")}
+
+
+def _zero3_case(name: str, dtype: str) -> Dict[str, Any]:
+    if dtype == "fp16":
+        case = z0._fp16_case(name, zero=3, inf_at=(z0.INF_STEP, 1))
+    else:
+        case = z0._case(name, zero=3, sparse=False, **({"dtype": dtype} if dtype == "bf16" else {}))
+    case["ds_extra"] = dict(case.get("ds_extra", {}), **ZERO3)
+    return case
+
+
+def _zero3(rank: int, world: int, case: Dict[str, Any], root: str = "") -> Dict[str, Any]:
+    """A ZeRO-3 run: when the compressor ran, the whole params (and, with ``root``, a resume from
+    step 3 next to the straight run); per step snapshots of params, residuals and loss scale."""
+    import deepspeed
+    import zen_ds
+    if "init" in case["name"]:  # partitioned as it is built: the compressor sees numel() == 0
+        with deepspeed.zero.Init(config_dict_or_path=dc.ds_config(case, world)):
+            model = dc.make_model(case.get("sparse", True))
+    else:
+        model = dc.make_model(case.get("sparse", True))
+    engine, *_ = zen_ds.initialize(model=model, optimizer=dc.make_optimizer(model.parameters()),
+                                   config=dc.ds_config(case, world))
+    state = zen_ds.state_of(engine)
+    comp = state.reducer.compressor
+    calls = []
+    compress = comp.compress
+    comp.compress = lambda name, grad, step, scale=1.0: calls.append((step, name)) or compress(name, grad, step, scale)
+    snaps = []
+
+    def snapshot(step):
+        residuals = {k: v.numpy().copy() for k, v in comp.state_dict()["residuals"].items()}
+        snaps.append({"step": step, "params": dc.whole_weights(engine), "residuals": residuals,
+                      "scale": z0._loss_scale(engine), "skipped": engine.skipped_steps})
+    z0._train(rank, world, case, range(3 if root else z0.STEPS), engine, snapshot)
+    out = dict(route=state.route.name, calls=calls, snaps=snaps, params=snaps[-1]["params"],
+               compressed=[p.name for p in state.reducer.params if p.compressed],
+               flagged=sorted(name for name, st in state.reducer.last_stats.items() if st.compressed))
+    if root:
+        engine.save_checkpoint(root, tag="t3")
+        z0._train(rank, world, case, range(3, z0.STEPS), engine)
+        resumed = z0._train(rank, world, case, range(0))
+        resumed.load_checkpoint(root, tag="t3")
+        z0._train(rank, world, case, range(3, z0.STEPS), resumed)
+        out.update(straight=dc.whole_weights(engine), resumed=dc.whole_weights(resumed),
+                   residuals=[{k: v.numpy() for k, v in zen_ds.state_of(e).reducer.compressor.state_dict()
+                               ["residuals"].items()} for e in (engine, resumed)])
+    return out
 
 
 def _fp16_case(name: str, zero: int) -> Dict[str, Any]:
@@ -193,6 +259,17 @@ def test_fp16_overflow_leaves_residuals_and_params(results):
     z0.check_fp16_overflow(results, "z2_fp16_inf", z0.INF_STEP)
 
 
+def _assert_resumed_exactly(res: Dict[str, Any]) -> None:
+    """The resumed run's params and every compressed param's residual are the straight run's."""
+    for k, v in res["straight"].items():
+        np.testing.assert_array_equal(res["resumed"][k], v)
+    straight, resumed = res["residuals"]
+    assert sorted(straight) == sorted(resumed) == sorted(COMPRESSED)
+    for k in straight:
+        np.testing.assert_array_equal(resumed[k], straight[k])
+        assert np.abs(straight[k]).max() > 0
+
+
 @pytest.mark.parametrize("name", ["ckpt_z2_fp32_sharded", "ckpt_z1_bf16", "ckpt_z2_fp16"])
 def test_checkpoint_resume_is_exact(results, name):
     for res in dc.case_results(results, name):
@@ -200,13 +277,7 @@ def test_checkpoint_resume_is_exact(results, name):
             assert res["scales"][0] == res["scales"][1] > 1
         assert res["route"] == "owned"
         assert any(res["sharded"]) == ("sharded" in name)
-        for k, v in res["straight"].items():
-            np.testing.assert_array_equal(res["resumed"][k], v)
-        straight, resumed = res["residuals"]
-        assert sorted(straight) == sorted(resumed) == sorted(COMPRESSED)
-        for k in straight:
-            np.testing.assert_array_equal(resumed[k], straight[k])
-            assert np.abs(straight[k]).max() > 0
+        _assert_resumed_exactly(res)
         straight, resumed = res["owned"]
         assert sorted(straight) == sorted(resumed) and any(k.startswith("state") for k in straight)
         for k in straight:
@@ -284,3 +355,35 @@ def test_pipeline_with_compression_matches_reference(pipe_results, case):
     assert set(compressed) <= zen_params, (compressed, zen_params)
     errs = dc.max_rel_err(got, want)
     assert max(errs.values()) < 1e-5, errs
+
+
+# ----------------------------------------------------------------------------- ZeRO-3
+@pytest.mark.parametrize("name", list(ZERO3_CASES))
+def test_zero3_equals_its_zero2_run(results, name):
+    dtype, zero2 = ZERO3_CASES[name]
+    got = dc.case_results(results, name)
+    want = dc.case_results(results, zero2)[0]
+    tol = 1e-5 if dtype == "fp32" else 1e-2
+    for res in got:
+        assert res["route"] == "zero3" and res["compressed"] == COMPRESSED and res["flagged"] == sorted(COMPRESSED)
+        # once per optimizer step after the warmup, on the sum of the step's micro-batches (in
+        # the order backward reaches the params)
+        assert sorted(res["calls"]) == sorted((s, n) for s in range(z0.WARMUP, z0.STEPS) for n in COMPRESSED)
+        errs = dc.max_rel_err(res["params"], want["params"])
+        assert max(errs.values()) < tol, errs
+        assert all(np.abs(r).max() > 0 for r in res["snaps"][-1]["residuals"].values())
+    if dtype == "fp32":
+        errs = dc.max_rel_err(got[0]["params"], dc.case_results(results, "manual_reference")[0])
+        assert max(errs.values()) < tol, errs
+
+
+def test_zero3_checkpoint_resume_is_exact(results):
+    for res in dc.case_results(results, "ckpt_z3_fp32"):
+        assert res["route"] == "zero3"
+        _assert_resumed_exactly(res)
+
+
+def test_zero3_fp16_overflow_leaves_residuals_and_params(results):
+    z0.check_fp16_overflow(results, "z3_fp16_inf", z0.INF_STEP)
+    for res in dc.case_results(results, "z3_fp16_inf"):
+        assert res["route"] == "zero3" and len({s["scale"] for s in res["snaps"]}) > 1

@@ -15,8 +15,9 @@ zen does there (:data:`CELLS`, the data ``docs/generate_matrix.py`` turns into
   error (or, where stock's failure is a build that takes minutes, DeepSpeed's own check of what the
   feature needs), and ``launch/gpu_check.py`` runs the CUDA ones on a GPU (:func:`main`).
 
-One spawn of 2 ranks runs every cell (:func:`run_cells`) and returns the results; each cell is then
-one small test. The whole matrix takes well under a minute of the suite.
+The MoE and Ulysses features also run at ZeRO stage 0 (:data:`ZERO0_CELLS`, working cells listed
+below the docs' table). One spawn of 2 ranks runs every cell (:func:`run_cells`) and returns the
+results; each cell is then one small test. The whole matrix takes well under a minute of the suite.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import ds_cases as dc  # noqa: E402
 WORLD = 2
 VOCAB, HIDDEN, SEQ, MICRO, STEPS = 96, 8, 6, 2, 2
 LORA_RANK = 2
+CLIP = 0.02  # a gradient_clipping that binds (the global norm is larger)
 
 
 # ----------------------------------------------------------------------------- the matrix's data
@@ -53,14 +55,18 @@ class Works:
 
 @dataclass(frozen=True)
 class Refused:
-    """``zen_ds.initialize`` raises ``ZenConfigError`` whose message contains ``names`` (the key or
-    the feature) and ``change`` (what to do instead; empty where today's message says nothing).
-    ``to_make_work``: a refusal zen is meant to lift (its cell then becomes :class:`Works`)."""
+    """``zen_ds.initialize`` raises ``ZenConfigError`` whose message contains ``names`` (the config
+    key) and ``change`` (what to change). ``to_make_work``: a refusal zen is meant to lift (its cell
+    then becomes :class:`Works`)."""
 
     names: str
     change: str
     to_make_work: bool = False
     kind = "refused"
+
+    def __post_init__(self) -> None:
+        if not (self.names and self.change):
+            raise ValueError("a refusal names the config key and what to change")
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,8 @@ class Feature:
     zero: Dict[str, Any] = field(default_factory=dict)  # merged into "zero_optimization"
     top: Dict[str, Any] = field(default_factory=dict)  # merged into the ds_config
     model: str = "mlp"  # "mlp", "lora", "moe", "ulysses" (:class:`MatrixLM`)
+    sequence_parallel: int = 1  # Ulysses: ranks per sequence (each holds a chunk of the same samples)
+    mpu: str = ""  # "sequence_parallel": DeepSpeed's parallel_state_sp passed as deepspeed.initialize's mpu
     checkpoint: str = ""  # "deepspeed" / "torch": the block runs under activation checkpointing
     frozen_embedding: bool = False
     compile: str = ""  # engine.compile(backend=...) before training
@@ -157,13 +165,34 @@ FEATURES: Dict[str, Feature] = {
                          top={"communication_data_type": "fp32"}),
     "comm_bf16": Feature("`communication_data_type: bf16` in fp32 training", '`communication_data_type: "bf16"`',
                          top={"communication_data_type": "bf16"}),
-    "moe": Feature("DeepSpeed-MoE layer", "`deepspeed.moe.layer.MoE` (2 experts, `ep_size: 2`) as the block",
+    "moe": Feature("DeepSpeed-MoE layer", f"`deepspeed.moe.layer.MoE` (2 experts, `ep_size: 2`) as the block, "
+                   f"`gradient_clipping: {CLIP}` (the global norm: the experts' and the block's from DeepSpeed, "
+                   "the embedding's from zen)",
                    (1, 2), "DeepSpeed refuses its own MoE layer under ZeRO-3 (\"Native DeepSpeed MoE is not "
-                   "supported with ZeRO Stage 3\")", model="moe"),
+                   "supported with ZeRO Stage 3\")", top={"gradient_clipping": CLIP}, model="moe"),
     "ulysses": Feature(
-        "Ulysses sequence parallelism",
+        "Ulysses sequence parallelism (ds_config mesh)",
         "`sequence_parallel_size: 2, data_parallel_size: 1`, `deepspeed.sequence.layer.DistributedAttention` "
-        "in the block", top={"sequence_parallel_size": WORLD, "data_parallel_size": 1}, model="ulysses"),
+        "in the block. DeepSpeed builds a (data, sequence) mesh and reduces dense gradients over its "
+        "data-parallel dimension, here one rank: it sums nothing across the sequence ranks (their "
+        "parameters drift apart), and zen, reducing over the same group, neither",
+        top={"sequence_parallel_size": WORLD, "data_parallel_size": 1}, model="ulysses",
+        sequence_parallel=WORLD),
+    "ulysses_mpu": Feature(
+        "Ulysses sequence parallelism (sequence-parallel mpu)",
+        "`mpu=deepspeed.runtime.sequence_parallel.parallel_state_sp` (2 sequence ranks, as DeepSpeed's "
+        "Hugging Face integration passes it), `DistributedAttention` in the block. DeepSpeed reduces dense "
+        "gradients over the sequence-data-parallel group (both ranks), dividing the sum by the data-parallel "
+        "ranks at ZeRO-1/2 and by the group's ranks at ZeRO-3; zen syncs the embedding over that group, "
+        "scaled alike, and ZeRO-3's embedding fetches its rows from the partitions over it; "
+        f"`gradient_clipping: {CLIP}`", top={"gradient_clipping": CLIP}, model="ulysses", sequence_parallel=WORLD,
+        mpu="sequence_parallel"),
+    "ulysses_mpu_no_reduce_scatter": Feature(
+        "Ulysses (sequence-parallel mpu) without `reduce_scatter`, with a predivide factor",
+        "as above, with `reduce_scatter: false` and `gradient_predivide_factor: 2`: DeepSpeed then averages "
+        "through its all-reduce paths, which skip the postscale where the factor is the group's size",
+        zero={"reduce_scatter": False}, top={"gradient_predivide_factor": 2.0}, model="ulysses",
+        sequence_parallel=WORLD, mpu="sequence_parallel"),
 }
 
 
@@ -179,11 +208,6 @@ class Cell:
         return f"{self.feature}-zero{self.stage}-{self.precision}"
 
 
-# TO MAKE WORK (issue 49): zen refuses MoE layers and Ulysses today; these cells assert today's
-# refusal and become Works() when zen syncs the embedding over the group DeepSpeed reduces it over.
-_MOE = Refused("MoE layers", "disable zen", to_make_work=True)
-_SP_012 = Refused("sequence_parallel_size", "", to_make_work=True)
-_SP_3 = Refused("sequence parallelism", "disable zen", to_make_work=True)
 _QUANT = NotOnCpu("This op had not been implemented on CPU backend", "DeepSpeed's CUDA quantizer kernels")
 _NVME = NotOnCpu("Unable to JIT load the async_io op", "DeepSpeed's async_io op (libaio)", probe="async_io",
                  gpu=False)
@@ -226,9 +250,16 @@ CELLS: List[Cell] = [
     *_cells("overlap_comm_no_contiguous", (1, 2, 3)),
     *_cells("small_buckets", (1, 2, 3)), *_cells("small_buckets", _ZERO3, precisions=("bf16",)),
     *_cells("comm_fp32", (1, 2, 3), precisions=("bf16",)), *_cells("comm_bf16", (1, 2, 3)),
-    *_cells("moe", (1, 2), _MOE),
-    *_cells("ulysses", (1, 2), _SP_012), *_cells("ulysses", _ZERO3, _SP_3),
+    *_cells("moe", (1, 2)), *_cells("moe", (2,), precisions=("bf16",)),
+    *_cells("ulysses", (1, 2, 3)), *_cells("ulysses_mpu", (1, 2, 3)), *_cells("ulysses_mpu", (2,), precisions=("bf16",)),
+    *_cells("ulysses_mpu_no_reduce_scatter", (1, 2, 3)),
 ]
+
+#: The same features at ZeRO stage 0, where zen syncs in place and DeepSpeed's fallback reduces the
+#: rest (experts over their groups): checked as working cells in the same spawn; the docs list them
+#: below the table (its columns are the ZeRO-1/2/3 partitioning stages).
+ZERO0_CELLS: List[Cell] = [Cell("moe", 0, "fp32", Works()), Cell("moe", 0, "bf16", Works()),
+                           Cell("ulysses_mpu", 0, "fp32", Works()), Cell("ulysses_mpu", 0, "bf16", Works())]
 
 
 # ----------------------------------------------------------------------------- the model
@@ -349,24 +380,21 @@ def _model_class():
 
 
 def _batch(step: int, rank: int, feature: Feature):
-    """The rank's token ids and next-token labels (skewed: low ids frequent). Ulysses: every rank
-    holds its shard of the same sequences."""
+    """The rank's token ids and next-token labels (skewed: low ids frequent). Ulysses: the ranks of
+    a sequence group hold their chunks of the same sequences."""
     import torch
-    sequence_parallel = feature.model == "ulysses"
-    g = torch.Generator().manual_seed(1000 * step + (0 if sequence_parallel else rank))
-    length = SEQ * (WORLD if sequence_parallel else 1)
-    tokens = (torch.rand(MICRO, length + 1, generator=g).pow(3) * VOCAB).long()
-    ids, labels = tokens[:, :-1], tokens[:, 1:]
-    if sequence_parallel:
-        ids, labels = (t[:, rank * SEQ:(rank + 1) * SEQ] for t in (ids, labels))
-    return ids.contiguous(), labels.contiguous()
+    sp = feature.sequence_parallel
+    g = torch.Generator().manual_seed(1000 * step + rank // sp)
+    tokens = (torch.rand(MICRO, SEQ * sp + 1, generator=g).pow(3) * VOCAB).long()
+    chunk = slice((rank % sp) * SEQ, (rank % sp + 1) * SEQ)
+    return tokens[:, :-1][:, chunk].contiguous(), tokens[:, 1:][:, chunk].contiguous()
 
 
 # ----------------------------------------------------------------------------- one cell on a rank
 def cell_config(cell: Cell, zen: bool, tmp: str, world: int = WORLD) -> Dict[str, Any]:
     """The cell's ds_config (with the ``"zen"`` block when ``zen``)."""
     feature = FEATURES[cell.feature]
-    sequence_parallel = int(feature.top.get("sequence_parallel_size", 1))
+    sequence_parallel = feature.sequence_parallel
     cfg = dc.ds_config({"zero": cell.stage, "dtype": cell.precision if cell.precision != "fp32" else None,
                         "zen": True if zen else None, "zen_extra": {"stats_interval": 0}}, world)
     cfg["train_micro_batch_size_per_gpu"] = MICRO
@@ -413,21 +441,50 @@ def train_cell(rank: int, world: int, cell: Cell, zen: bool, tmp: str) -> Dict[s
                                        for k, v in model.named_parameters()},
                            "frozen": [n for n, p in model.named_parameters() if not p.requires_grad]}
     init = zen_ds.initialize if zen else deepspeed.initialize
-    engine, *_ = init(model=model, optimizer=_optimizer(model), config=cell_config(cell, zen, tmp, world))
-    if feature.model == "ulysses":
-        from deepspeed.utils import groups
-        engine.module.block.attention.spg = groups._get_sequence_parallel_group()
-    if feature.compile:
-        engine.compile(backend=feature.compile)
-    for step in range(STEPS):
-        ids, labels = (t.to(engine.device) for t in _batch(step, rank, feature))
-        engine.backward(engine(ids, labels))
-        engine.step()
-    out["params"] = _whole_weights(engine)
+    try:
+        engine, *_ = init(model=model, optimizer=_optimizer(model), config=cell_config(cell, zen, tmp, world),
+                          mpu=_mpu(feature))
+        if feature.model == "ulysses":
+            from deepspeed.utils import groups
+            engine.module.block.attention.spg = groups._get_sequence_parallel_group()
+        if feature.compile:
+            engine.compile(backend=feature.compile)
+        for step in range(STEPS):
+            ids, labels = (t.to(engine.device) for t in _batch(step, rank, feature))
+            engine.backward(engine(ids, labels))
+            engine.step()
+        out["params"] = _whole_weights(engine)
+    finally:
+        if feature.sequence_parallel > 1:  # DeepSpeed keeps the mpu and the mesh for later engines
+            from deepspeed.utils import groups
+            groups.mpu, groups.mesh_device = None, None
     state = zen_ds.state_of(engine)
     out["route"] = state.route.name if state is not None else None
     out["synced"] = sorted(state.reducer.last_stats) if state is not None else None
+    out["group"] = state.reducer.world_size if state is not None else None
+    out["rows_groups"] = _batch_cost_groups(state)
     return out
+
+
+def _batch_cost_groups(state: Any) -> Dict[str, int]:
+    """ZeRO-3: the ranks each batch-cost embedding fetches its rows from (its partition group)."""
+    import torch.distributed as dist
+    zero3 = getattr(getattr(state, "route", None), "zero3", None)
+    if zero3 is None:
+        return {}
+    return {table.name: dist.get_world_size(table.group) for table in zero3.rows.tables.values()}
+
+
+def _mpu(feature: Feature) -> Any:
+    """The mpu the cell passes to ``deepspeed.initialize`` (None: DeepSpeed's own groups)."""
+    if feature.mpu != "sequence_parallel":
+        return None
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    deepspeed.init_distributed()  # the groups are DeepSpeed's communication groups
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:  # one set of groups per rank process
+        parallel_state_sp.initialize_sequence_parallel(feature.sequence_parallel)
+    return parallel_state_sp
 
 
 def _whole_weights(engine: Any) -> Dict[str, Any]:
@@ -478,6 +535,10 @@ def check_works(cell: Cell, ranks: List[Dict[str, Any]]) -> None:
     for stock, zen in zip(stock_runs, zen_runs):
         assert zen["route"] is not None, "zen did not attach"
         assert zen["synced"] == sorted(feature.synced), (zen["route"], zen["synced"])
+        if feature.mpu == "sequence_parallel":  # the sequence-data-parallel group: every rank
+            assert zen["group"] == WORLD, zen["group"]
+            if cell.stage == 3:  # the embedding at batch cost, its rows from both ranks' partitions
+                assert zen["rows_groups"] == {name: WORLD for name in feature.synced}, zen["rows_groups"]
         for name in feature.synced:  # the step changed them: the comparison below is not vacuous
             assert (stock["params"][name] != stock["initial"][name]).any(), name
         for name in stock["frozen"]:
@@ -519,7 +580,7 @@ CHECKS = {Works: check_works, Refused: check_refused, NotOnCpu: check_not_on_cpu
 @pytest.fixture(scope="module")
 def results() -> List[Dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
-        return run_ranks(WORLD, _worker, CELLS, tmp, fresh=True)
+        return run_ranks(WORLD, _worker, ZERO0_CELLS + CELLS, tmp, fresh=True)
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=lambda cell: cell.id)
@@ -527,11 +588,17 @@ def test_cell(results, cell: Cell) -> None:
     CHECKS[type(cell.expected)](cell, results)
 
 
+@pytest.mark.parametrize("cell", ZERO0_CELLS, ids=lambda cell: cell.id)
+def test_zero0_cell(results, cell: Cell) -> None:
+    check_works(cell, results)
+
+
 def test_cells_are_the_matrix_data() -> None:
     """One cell per (feature, stage, precision); every feature at every ZeRO stage DeepSpeed runs it
     at (and only there), each stage that is not one of them explained."""
-    ids = [cell.id for cell in CELLS]
+    ids = [cell.id for cell in CELLS + ZERO0_CELLS]
     assert len(ids) == len(set(ids))
+    assert all(cell.stage == 0 and isinstance(cell.expected, Works) for cell in ZERO0_CELLS)
     for name, feature in FEATURES.items():
         assert sorted({cell.stage for cell in CELLS if cell.feature == name}) == sorted(feature.stages), name
         assert set(feature.stages) <= {1, 2, 3} and (feature.limit != "") == (len(feature.stages) < 3), name

@@ -36,6 +36,9 @@ def _route(case, sparse=True, **setup):
     ({"dtype": "fp16", "zen_extra": COMPRESSION}, False, "shared"),
     ({"zero": 1, "dtype": "fp16", "zen_extra": COMPRESSION}, True, "owned"),
     ({"zero": 2, "dtype": "fp16", "zen_extra": COMPRESSION}, False, "owned"),
+    # ZeRO-3 keeps every param; zen pushes the compressed params' selected entries to the partitions
+    ({"zero": 3, "zen_extra": COMPRESSION}, False, "zero3"),
+    ({"zero": 3, "dtype": "bf16", "zen_extra": COMPRESSION}, False, "zero3"),
 ])
 def test_routes_from_the_config(case, sparse, route):
     got = _route(case, sparse)
@@ -58,7 +61,6 @@ def test_compression_alone_makes_zero_params_owned():
 
 
 @pytest.mark.parametrize("case, sparse, setup, words", [
-    ({"zero": 3, "zen_extra": COMPRESSION}, False, {}, "\"zen.compression\" is not supported under ZeRO stage 3"),
     ({"zero": 3, "zen_extra": {"scheme": "agsparse"}}, False, {}, "\"zen.scheme\": \"agsparse\""),
     ({"zero": 3, "zen_extra": {"optimizer_state": "sharded"}}, False, {}, "\"zen.optimizer_state\""),
     # DeepSpeed's own restriction: its PipelineEngine asserts ZeRO stage < 2
@@ -69,14 +71,64 @@ def test_compression_alone_makes_zero_params_owned():
      {"pipeline": True}, "a pipeline stage whose every"),
     ({"zen_extra": dict(COMPRESSION, shuffle={"group_size": 2})}, False, {},
      "\"zen.shuffle\" with \"zen.compression\""),
+    ({"zero": 1, "zen_extra": {"shuffle": {"group_size": 2}}}, False, {}, "keeps one model replica per rank"),
+    ({"dtype": "fp16", "zen_extra": {"shuffle": {"group_size": 2}}}, False, {}, "does not run in fp16"),
+    ({"dtype": "bf16", "zen_extra": {"shuffle": {"group_size": 2}}}, True, {}, "needs dense-gradient embeddings"),
     ({"dtype": "fp16"}, True, {}, "fp16 with sparse=True embeddings under ZeRO stage 0"),
-    ({"ds_extra": {"sequence_parallel_size": 2}}, True, {}, "sequence parallelism"),
-    ({"ds_extra": {"zero_optimization": {"stage": 1, "zenflow": {}}}}, True, {}, "ZenFlow"),
+    # DeepSpeed runs its own MoE layer at ZeRO-1/2 only
+    ({"zero": 3}, False, {"moe": True}, "Set zero_optimization.stage to 1 or 2"),
+    ({"ds_extra": {"zero_optimization": {"stage": 1, "zenflow": {}}}}, True, {},
+     "remove the \"zenflow\" block from zero_optimization"),
+    ({"ds_extra": {"zero_optimization": {"stage": 3, "zenflow": {}}}}, True, {},
+     "remove the \"zenflow\" block from zero_optimization"),
 ])
 def test_refusals_come_from_the_config_alone(case, sparse, setup, words):
     with pytest.raises(ZenConfigError, match="^zen: ") as err:
         _route(case, sparse, **setup)
     assert words in str(err.value)
+
+
+_STAGES = [({}, True, "shared"), ({"zero": 1}, True, "owned"), ({"zero": 2, "dtype": "bf16"}, False, "owned"),
+           ({"zero": 3}, False, "zero3")]
+
+
+@pytest.mark.parametrize("case, sparse, route, feature",
+                         [(*stage, {"moe": True}) for stage in _STAGES[:3]]  # DeepSpeed: no MoE layer at ZeRO-3
+                         + [(*stage, {"sequence_parallel": True}) for stage in _STAGES])
+def test_moe_and_ulysses_take_the_route_they_take_without(case, sparse, route, feature):
+    """MoE layers and Ulysses sequence parallelism change which group zen reduces over, not its
+    route or its params."""
+    got = _route(case, sparse, **feature)
+    assert got.name == route and got.names == ["emb_s.weight", "emb_d.weight"]
+
+
+def test_ulysses_from_the_config_or_the_mpu():
+    """Sequence parallelism is the ds_config's ``sequence_parallel_size`` or an mpu's groups."""
+
+    class SequenceParallelMpu:
+        @staticmethod
+        def get_sequence_parallel_world_size():
+            return 2
+
+    cfg, model = dc.ds_config({}, world=2), dc.make_model()
+    assert not DeepSpeedSetup.from_config(cfg, model).sequence_parallel
+    assert DeepSpeedSetup.from_config(cfg, model, SequenceParallelMpu()).sequence_parallel
+    assert DeepSpeedSetup.from_config(dict(cfg, sequence_parallel_size=2), model).sequence_parallel
+
+
+def test_expert_params_are_never_zens():
+    """A MoE expert's params (``allreduce = False``, as DeepSpeed-MoE and megatron-core mark
+    them) stay DeepSpeed's: not selected, not compressed; a pattern naming only them is an error."""
+    model = dc.make_model(False)
+    for param in model.mlp[0].parameters():
+        param.allreduce = False
+    cfg = dc.ds_config({"zero": 2, "zen_extra": dict(COMPRESSION, params=["emb_s.weight", "mlp.*"])}, world=2)
+    got = resolve_route(cfg, model, load_zen_config(cfg))
+    assert got.names == ["emb_s.weight", "mlp.2.weight", "mlp.2.bias"]
+    assert all(not name.startswith("mlp.0.") for name, _, _ in got.synced)
+    cfg = dc.ds_config({"zen_extra": {"params": ["mlp.0.*"]}}, world=2)
+    with pytest.raises(ValueError, match="match only MoE expert params"):
+        resolve_route(cfg, model, load_zen_config(cfg))
 
 
 @pytest.mark.parametrize("case, sparse", [({"zero": 1}, True), ({"zero": 1, "zen_extra": COMPRESSION}, True),
@@ -101,6 +153,23 @@ def test_zero3_route_leaves_tied_embeddings_to_deepspeed():
     got = resolve_route(cfg, model, load_zen_config(cfg))
     assert got.name == "zero3" and got.names == ["emb_s.weight"]
     assert "tied to head.weight" in got.left_to_deepspeed["emb_d.weight"]
+
+
+def test_zero3_compression_leaves_every_selected_param_uncompressed():
+    """A tied embedding left to DeepSpeed under ZeRO-3 is not compressed either (ZeRO-1/2 sync it
+    exactly); the fp16 compressor undoes skipped steps there too."""
+    from torch import nn
+    model = dc.make_model(False)
+    model.head = nn.Linear(dc.HIDDEN, dc.VOCAB_D, bias=False)
+    model.head.weight = model.emb_d.weight
+    cfg = dc.ds_config({"zero": 3, "dtype": "fp16", "zen_extra": COMPRESSION}, world=2)
+    got = resolve_route(cfg, model, load_zen_config(cfg))
+    assert got.name == "zero3" and got.names == ["emb_s.weight"] and got.compressor.undo
+    assert got.compressor.selected_names() == COMPRESSED
+
+
+def test_shuffle_runs_in_bf16_at_zero0():
+    assert _route({"dtype": "bf16", "zen_extra": {"shuffle": {"group_size": 2}}}, False).name == "shuffle"
 
 
 def test_fp16_compressor_undoes_skipped_steps():

@@ -54,9 +54,9 @@ class Bf16HpGrads(GradStorage):
             opt.bf16_groups[i][j]._hp_grad = opt.fp32_groups_gradients[i][j]
 
 
-def bf16_grads_for_deepspeed(opt: Any, zen_ids: Set[int]) -> List[torch.Tensor]:
-    """The fp32 gradients DeepSpeed reduces itself: those of every param that is not zen's."""
-    return [opt.fp32_groups_gradients[i][j] for i, group in enumerate(opt.bf16_groups)
+def bf16_grads_for_deepspeed(opt: Any, zen_ids: Set[int]) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+    """``(param, its fp32 gradient)`` that DeepSpeed reduces itself: every param not zen's."""
+    return [(p, opt.fp32_groups_gradients[i][j]) for i, group in enumerate(opt.bf16_groups)
             for j, p in enumerate(group) if id(p) not in zen_ids]
 
 

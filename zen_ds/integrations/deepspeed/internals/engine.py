@@ -5,7 +5,10 @@ Checked against DeepSpeed 0.19.8. Wraps, on one engine instance:
 * ``allreduce_gradients`` / ``buffered_allreduce_fallback`` (:func:`take_over_reduction`): at the
   accumulation boundary the route syncs zen's params first, then DeepSpeed reduces only the other
   params (none where zen reduces every param: DS-Sync); for a sparse gradient DeepSpeed's
-  fallback wants a ``deepspeed.runtime.sparse_tensor.SparseTensor``;
+  fallback wants a ``deepspeed.runtime.sparse_tensor.SparseTensor``. With MoE layers the fallback
+  refuses a list of gradients, so the other params go to its two halves,
+  ``_reduce_non_expert_gradients`` and ``_reduce_expert_gradients`` (expert params, marked by
+  ``deepspeed.moe.utils.is_moe_param``, over their ``group_name``'s expert-data-parallel group);
 * ``_backward_prologue``: a backward starts;
 * ``zero_grad``: the user's ``zero_grad`` drops zen's gradients too (DeepSpeed's own call inside
   the step does not);
@@ -14,16 +17,18 @@ Checked against DeepSpeed 0.19.8. Wraps, on one engine instance:
 * ``clip_fp32_gradients`` (:func:`replace_fp32_clipping`), with DeepSpeed's
   ``deepspeed.runtime.utils.clip_grad_norm_`` at hand (:func:`deepspeed_clip_norm`).
 
-Reads: ``engine._config.communication_data_type`` and the ZeRO-1/2 optimizer's copy of
-``gradient_average`` (:func:`scale_rule`); ``deepspeed.utils.groups``'s
-``_get_sequence_data_parallel_group`` (:func:`dp_group`); the optimizer wrappers' ``bit16_groups``
+Reads: ``engine._config.communication_data_type``, the ZeRO-1/2 optimizer's copy of
+``gradient_average`` and ``engine.sequence_parallel_size`` (:func:`scale_rule`); the group DeepSpeed
+reduces dense gradients over, ``engine.seq_data_parallel_group`` (else ``deepspeed.utils.groups``'s
+``_get_sequence_data_parallel_group``) or a pipeline's ``mpu`` (:func:`dp_group`); the optimizer
+wrappers' ``bit16_groups``
 / ``bf16_groups`` / ``fp16_groups`` (:func:`params_in_ds_optimizer`); their loss scale
 (``loss_scale_config.cur_scale``, ``cur_scale``, ``loss_scale``); DeepSpeed's rule for a
 tensor-parallel param, ``deepspeed.runtime.utils.is_model_parallel_parameter``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Protocol, Set
+from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,8 +38,8 @@ from zen_ds.integrations.params import data_parallel_group
 from zen_ds.integrations.reducer import ScaleRule
 
 __all__ = ["Reduction", "take_over_reduction", "take_over_model_step", "replace_fp32_clipping",
-           "deepspeed_clip_norm", "dp_group", "scale_rule", "params_in_ds_optimizer", "loss_scale",
-           "loss_scale_reader", "is_model_parallel_parameter"]
+           "deepspeed_clip_norm", "dp_group", "sequence_parallel_size", "scale_rule", "params_in_ds_optimizer",
+           "loss_scale", "loss_scale_reader", "is_model_parallel_parameter"]
 
 
 class Reduction(Protocol):
@@ -70,9 +75,14 @@ def take_over_reduction(engine: Any, route: Reduction) -> None:
         route.end_backward()
         if not route.deepspeed_reduces_the_rest:
             return None
-        if grads is None:
-            grads = _grads_for_deepspeed(engine, route.param_ids)
-        return orig_fallback(grads=grads, elements_per_buffer=elements_per_buffer)
+        if grads is not None:
+            return orig_fallback(grads=grads, elements_per_buffer=elements_per_buffer)
+        non_expert, expert = _grads_for_deepspeed(engine, route.param_ids)
+        if not getattr(engine, "has_moe_layers", False):
+            return orig_fallback(grads=non_expert, elements_per_buffer=elements_per_buffer)
+        engine._reduce_non_expert_gradients(non_expert, elements_per_buffer)
+        engine._reduce_expert_gradients(expert, elements_per_buffer)
+        return None
 
     def backward_prologue(*args: Any, **kwargs: Any) -> Any:
         route.begin_backward()
@@ -109,10 +119,26 @@ def _wrap_model_step(engine: Any, step: Callable[[Callable[[], Any]], Any], in_s
     engine._take_model_step = take_model_step
 
 
-def _grads_for_deepspeed(engine: Any, zen_ids: Set[int]) -> List[Any]:
-    """The gradients DeepSpeed should still reduce: everything that is not zen's."""
+def _grads_for_deepspeed(engine: Any, zen_ids: Set[int]) -> Tuple[List[Any], Dict[str, List[Any]]]:
+    """The gradients DeepSpeed should still reduce, everything that is not zen's, as DeepSpeed
+    splits them: the non-expert ones, and the expert ones by expert group name."""
+    from deepspeed.moe.utils import is_moe_param
+    non_expert: List[Any] = []
+    expert: Dict[str, List[Any]] = {name: [] for name in getattr(engine, "expert_data_parallel_group", None) or {}}
     if is_bf16_optimizer(engine.optimizer):
-        return bf16_grads_for_deepspeed(engine.optimizer, zen_ids)
+        pairs = bf16_grads_for_deepspeed(engine.optimizer, zen_ids)
+    else:
+        pairs = _param_grads(engine, zen_ids)
+    for param, grad in pairs:
+        if is_moe_param(param):
+            expert.setdefault(param.group_name, []).append(grad)
+        else:
+            non_expert.append(grad)
+    return non_expert, expert
+
+
+def _param_grads(engine: Any, zen_ids: Set[int]) -> List[Tuple[torch.nn.Parameter, Any]]:
+    """``(param, gradient as DeepSpeed's fallback takes it)`` of every trainable param not zen's."""
     from deepspeed.runtime.sparse_tensor import SparseTensor
     out = []
     for param in engine.module.parameters():
@@ -120,7 +146,7 @@ def _grads_for_deepspeed(engine: Any, zen_ids: Set[int]) -> List[Any]:
             continue
         if param.grad is None:  # same rule as DeepSpeed: every rank reduces the same sizes
             param.grad = torch.zeros(param.size(), dtype=param.dtype, device=param.device)
-        out.append(SparseTensor(param.grad) if param.grad.is_sparse else param.grad.data)
+        out.append((param, SparseTensor(param.grad) if param.grad.is_sparse else param.grad.data))
     return out
 
 
@@ -142,26 +168,46 @@ def is_model_parallel_parameter(param: torch.nn.Parameter) -> bool:
 
 
 def dp_group(engine: Any) -> Optional[dist.ProcessGroup]:
-    """The group DeepSpeed reduces gradients over: the mpu's data-parallel group for pipelines and
-    Megatron (:func:`zen_ds.integrations.params.data_parallel_group`), else DeepSpeed's own
-    (sequence-)data-parallel group."""
+    """The group DeepSpeed reduces non-expert gradients over, which zen reduces its params over: a
+    pipeline's data-parallel group (its grid, :func:`zen_ds.integrations.params.data_parallel_group`),
+    else the engine's sequence-data-parallel group, the data-parallel ranks times the Ulysses
+    sequence-parallel ranks (the data-parallel group itself without sequence parallelism; MoE
+    expert params are reduced over groups of their own, never zen's)."""
+    if getattr(engine, "pipeline_parallelism", False):
+        return data_parallel_group(engine.mpu)
+    group = getattr(engine, "seq_data_parallel_group", None)
+    if group is not None:
+        return group
     from deepspeed.utils import groups
-    mpu = getattr(engine, "mpu", None)
-    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
-        return data_parallel_group(mpu)
     return groups._get_sequence_data_parallel_group()
+
+
+def sequence_parallel_size(engine: Any) -> int:
+    """How many Ulysses sequence-parallel ranks share each sample (1 without sequence parallelism,
+    and on a pipeline, whose reduction DeepSpeed does not divide by it)."""
+    if getattr(engine, "pipeline_parallelism", False):
+        return 1
+    return int(getattr(engine, "sequence_parallel_size", 1) or 1)
 
 
 def scale_rule(engine: Any) -> ScaleRule:
     """DeepSpeed's averaging knobs for this engine as they are now, for zen to apply to its params
     (read at each reduction, as DeepSpeed does). ZeRO-1/2 copies ``gradient_average`` into its
-    optimizer at initialize and reads that copy, so zen reads it there too."""
+    optimizer at initialize and reads that copy, so zen reads it there too. With Ulysses sequence
+    parallelism DeepSpeed's ZeRO-0/1/2 divide the sum over the sequence-data-parallel group by the
+    data-parallel ranks only (:func:`sequence_parallel_size`), except where ZeRO-1/2 without
+    ``reduce_scatter`` skips its postscale (a predivide factor equal to the group's size)."""
     configured = engine._config.communication_data_type
     zero_copy = getattr(engine.optimizer, "gradient_average", None) if engine.zero_optimization() else None
     average = engine.gradient_average if zero_copy is None else zero_copy
-    return ScaleRule(average=bool(average), prescale=not engine.postscale_gradients(),
-                     predivide_factor=float(engine.gradient_predivide_factor()),
-                     comm_dtype=configured if configured is not None else engine.communication_data_type)
+    factor = float(engine.gradient_predivide_factor())
+    sequence_parallel = sequence_parallel_size(engine)
+    if (sequence_parallel > 1 and engine.zero_optimization_stage() in (1, 2) and not engine.zero_reduce_scatter()
+            and engine.postscale_gradients() and factor == dist.get_world_size(dp_group(engine))):
+        sequence_parallel = 1
+    return ScaleRule(average=bool(average), prescale=not engine.postscale_gradients(), predivide_factor=factor,
+                     comm_dtype=configured if configured is not None else engine.communication_data_type,
+                     sequence_parallel=sequence_parallel)
 
 
 def params_in_ds_optimizer(engine: Any) -> Set[int]:

@@ -8,7 +8,9 @@ Checked against DeepSpeed 0.19.8. Wraps:
   ``_get_param_partition_group``, ``get_param_comm_dtype``, ``gradient_accumulation_dtype``, a
   param's ``partition_numel`` and ``ds_grad_is_ready``, and the scaling of
   ``__avg_scatter_grads``: ``gradient_predivide_factor``, ``postscale_gradients``,
-  ``_gradient_averaging_world_size``;
+  ``_gradient_averaging_world_size``, or, for a param whose bucket DeepSpeed reduces with
+  ``__avg_scatter_contiguous_grads`` (``contiguous_gradients`` without ``reduce_scatter``, the
+  param within ``reduce_bucket_size``), that one's, which also reads ``sequence_parallel_size``;
 * ``_get_norm_groups`` (:func:`fold_norm_groups`): the norm of zen's row-sharded tables joins the
   optimizer's norm groups.
 
@@ -27,7 +29,7 @@ replacing ``torch.Tensor.__new__``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Protocol
+from typing import Any, Callable, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,10 +54,9 @@ class PartitionReducer(Protocol):
 
 
 def take_over_reduce_scatter(opt: Any, sync: PartitionReducer) -> None:
-    """zen's params' gradients reach their partitions through ``sync``; the scaling is
-    ``__avg_scatter_grads``'s: ``/ f`` (postscale with a predivide factor ``f != 1``), ``/ n``
-    before the sum, ``* f`` after it unless ``f == n``, then ``* n / averaging world``. Where
-    ``sync`` gives no partition (dense this step, agreed by every rank) DeepSpeed's own path runs."""
+    """zen's params' gradients reach their partitions through ``sync``, scaled as DeepSpeed would
+    scale them (:func:`_scaling`). Where ``sync`` gives no partition (dense this step, agreed by
+    every rank) DeepSpeed's own path runs."""
     needed = ("reduce_independent_p_g_buckets_and_remove_grads", "partition_grads",
               "_get_param_partition_group", "get_param_comm_dtype", "gradient_accumulation_dtype")
     missing = [name for name in needed if not hasattr(opt, name)]
@@ -68,11 +69,7 @@ def take_over_reduce_scatter(opt: Any, sync: PartitionReducer) -> None:
         if not sync.owns(param) or not getattr(param, "ds_grad_is_ready", True) or param.grad is None:
             return orig_reduce(param)
         group = opt._get_param_partition_group(param)
-        n = dist.get_world_size(group) if dist.is_initialized() else 1
-        f = float(opt.gradient_predivide_factor)
-        predivide = bool(opt.postscale_gradients) and f != 1.0
-        prescale = (1.0 / f if predivide else 1.0) / n
-        postscale = (f if predivide and f != n else 1.0) * n / float(opt._gradient_averaging_world_size([param], n))
+        prescale, postscale = _scaling(opt, param, dist.get_world_size(group) if dist.is_initialized() else 1)
         partition = sync.reduce(param, param.grad, group, int(param.partition_numel()),
                                 opt.get_param_comm_dtype(param), opt.gradient_accumulation_dtype,
                                 prescale, postscale)
@@ -82,6 +79,23 @@ def take_over_reduce_scatter(opt: Any, sync: PartitionReducer) -> None:
         return None
 
     opt.reduce_independent_p_g_buckets_and_remove_grads = reduce_independent_p_g_buckets_and_remove_grads
+
+
+def _scaling(opt: Any, param: Any, n: int) -> Tuple[float, float]:
+    """(before, after) the sum over the ``n`` ranks of ``param``'s partition group, as DeepSpeed
+    scales the bucket the param would be in. ``__avg_scatter_grads``: ``/ f`` (postscale with a
+    predivide factor ``f != 1``), ``/ n`` before the sum, ``* f`` after it unless ``f == n``, then
+    ``* n / averaging world``. ``__avg_scatter_contiguous_grads`` (no ``reduce_scatter``, a param
+    that fits a bucket): ``/ f``, ``/ (averaging world / sequence-parallel ranks)``, ``* f`` unless
+    ``f`` is the averaging world; the two differ only with Ulysses sequence parallelism."""
+    f = float(opt.gradient_predivide_factor)
+    postscale = bool(opt.postscale_gradients)
+    predivide = 1.0 / f if postscale and f != 1.0 else 1.0
+    averaging = float(opt._gradient_averaging_world_size([param], n))
+    if opt.contiguous_gradients and not opt.reduce_scatter and param.ds_numel <= opt.reduce_bucket_size:
+        sequence_parallel = float(getattr(opt, "sequence_parallel_size", 1) or 1)
+        return predivide * sequence_parallel / averaging, (f if postscale and f != averaging else 1.0)
+    return predivide / n, (f if predivide != 1.0 and f != n else 1.0) * n / averaging
 
 
 def fold_norm_groups(opt: Any, zen_norm: Callable[[], torch.Tensor]) -> None:
