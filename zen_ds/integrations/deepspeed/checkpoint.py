@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.integrations.deepspeed.rowshard import full_weights, tables_saved_elsewhere
-from zen_ds.integrations.deepspeed.saved_state import STATE_FILE, SavedState, UniversalState, ZenFiles
+from zen_ds.integrations.deepspeed.saved_state import (COMMON_KEYS, STATE_FILE, SavedState, UniversalState,
+                                                     ZenFiles, absent_files, holds_state, zen_files_in)
 
 if TYPE_CHECKING:  # pragma: no cover
     from zen_ds.integrations.deepspeed.route import EngineRoute
@@ -36,13 +37,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["STATE_FILE", "state_dict", "load_state_dict", "save", "load", "full_state_dict"]
 
-# what a zen file holds besides the route's own entries
-_COMMON_KEYS = {"version", "params", "reducer", "world_size"}
-
-
 def state_dict(route: "EngineRoute") -> Dict[str, Any]:
     sd: Dict[str, Any] = {"version": 1, "params": [p.name for p in route.reducer.params],
-                          "reducer": route.reducer.state_dict(), "world_size": route.reducer.world_size}
+                          "reducer": route.reducer.state_dict(), "world_size": route.reducer.world_size,
+                          "files": dist.get_world_size() if dist.is_initialized() else 1}
     sd.update(route.state_dict())
     return sd
 
@@ -128,6 +126,7 @@ def load(route: "EngineRoute", load_dir: str, tag: Optional[Any], rank: int, str
         return
     path = os.path.join(folder, STATE_FILE.format(rank=rank))
     own = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
+    _check_complete(folder, own, optimizer_states and not module_only)
     if own is not None and _same_layout(route, own):
         load_state_dict(route, own, strict=strict, optimizer_states=optimizer_states, module_only=module_only)
         return
@@ -161,7 +160,29 @@ def _holds_state(route: "EngineRoute") -> bool:
     """Whether zen keeps anything on this route that DeepSpeed's checkpoint does not (optimizer
     state, masters, tables, residuals, a schedule position): the step counter alone follows
     DeepSpeed's."""
-    return bool(route.state_dict()) or route.reducer.compressor is not None
+    return holds_state(state_dict(route))
+
+
+def _check_complete(folder: str, own: Optional[Dict[str, Any]], optimizer_states: bool) -> None:
+    """Every rank checks the same files (no rank goes on alone into the next collective): a rank
+    where zen owned nothing may lack its file (its step is in DeepSpeed's files too); a missing file
+    of a checkpoint whose zen files hold state (every rank holds its part) is an error when that
+    state is to be loaded (weights only, the rows of row-sharded tables are looked up by row)."""
+    if not optimizer_states:
+        return
+    sample = own
+    if sample is None:
+        present = zen_files_in(folder)
+        if not present:
+            return
+        sample = torch.load(present[0], map_location="cpu", weights_only=False, mmap=True)
+    absent = absent_files(folder, sample)
+    if absent and holds_state(sample):
+        raise FileNotFoundError(
+            f"zen: {', '.join(absent)} missing under {folder}: zen's files of this checkpoint hold its "
+            "optimizer state (zen-owned params, row-sharded tables or compression residuals), of which "
+            "every rank kept its part. Copy every rank's zen_ds_rank*.pt of the checkpoint into that "
+            "folder, or pass load_optimizer_states=False to load the weights only")
 
 
 def _step_from_engine(route: "EngineRoute") -> None:
@@ -178,7 +199,7 @@ def _load_resharded(route: "EngineRoute", saved: ZenFiles, strict: bool, optimiz
     if not _same_params(route, first, strict, module_only):
         return
     n, saved_n = route.reducer.world_size, saved.world_size
-    others = sorted(set(first) - _COMMON_KEYS - {"owned"})
+    others = sorted(set(first) - COMMON_KEYS - {"owned"})
     if others:
         raise ValueError(f"zen: the checkpoint was saved by {saved_n} ranks, this run has {n}; zen's {others} "
                          "state resumes only on the number of ranks that saved it")

@@ -29,7 +29,8 @@ from zen_ds.core.partition import ShardLayout
 from zen_ds.integrations.deepspeed.internals import checkpoint as ds_checkpoint
 from zen_ds.sync.reduce_scatter import shard_rows
 
-__all__ = ["FP32", "STATE_FILE", "ZEN_UNIVERSAL_FILE", "SavedState", "ZenFiles", "UniversalState"]
+__all__ = ["FP32", "STATE_FILE", "ZEN_UNIVERSAL_FILE", "COMMON_KEYS", "holds_state", "zen_files_in", "absent_files",
+           "SavedState", "ZenFiles", "UniversalState"]
 
 FP32 = ds_checkpoint.UNIVERSAL_FP32  # a param's fp32 value (zen's master; the param itself in fp32)
 STATE_FILE = "zen_ds_rank{rank:05d}.pt"
@@ -37,6 +38,34 @@ STATE_FILE = "zen_ds_rank{rank:05d}.pt"
 ZEN_UNIVERSAL_FILE = "zen_ds_universal.pt"
 
 Groups = List[Tuple[List[str], Dict[str, Any]]]  # optimizer param groups: (slot names, hyper-parameters)
+# what every zen file holds besides the route's own entries: the synced params' names, the reducer's
+# step (and compression's residuals), how many data-parallel ranks and how many files saved it
+COMMON_KEYS = {"version", "params", "reducer", "world_size", "files"}
+
+
+def holds_state(sd: Dict[str, Any]) -> bool:
+    """Whether a zen file (:func:`~.checkpoint.state_dict`) holds anything DeepSpeed's checkpoint does
+    not: zen-owned params or row-sharded tables, compression's residuals, a schedule position. A
+    rank where zen owned nothing holds only the step, which DeepSpeed's files have too."""
+    owned = sd.get("owned") or {}
+    return (bool(owned.get("names") or owned.get("tables") or owned.get("masters"))
+            or "compressor" in sd.get("reducer", {}) or bool(set(sd) - COMMON_KEYS - {"owned"}))
+
+
+def zen_files_in(folder: str) -> List[str]:
+    """The paths of the zen files in a checkpoint's tag folder, by rank."""
+    return sorted(glob.glob(os.path.join(folder, STATE_FILE.replace("{rank:05d}", "*"))))
+
+
+def absent_files(folder: str, sample: Dict[str, Any]) -> List[str]:
+    """The zen files of the job that saved the checkpoint in ``folder`` (one per rank, pipeline and
+    model-parallel ranks included, as ``sample``, any of them, records) that are not there; none
+    known for files written before the count was recorded."""
+    count = sample.get("files")
+    if count is None:
+        return []
+    return [f for f in (STATE_FILE.format(rank=r) for r in range(int(count)))
+            if not os.path.exists(os.path.join(folder, f))]
 
 
 class SavedState(ABC):
@@ -82,7 +111,7 @@ class ZenFiles(SavedState):
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self.paths = sorted(glob.glob(os.path.join(folder, STATE_FILE.replace("{rank:05d}", "*"))))
+        self.paths = zen_files_in(folder)
         self.files = [torch.load(p, map_location="cpu", weights_only=False, mmap=True) for p in self.paths]
         self.entries: Dict[str, List[_Entry]] = {}
         self.num_rows: Dict[str, int] = {}
