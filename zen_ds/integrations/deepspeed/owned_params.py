@@ -247,13 +247,13 @@ class OwnedParams:
             raise ValueError(f"zen checkpoint's optimizer-state layout {saved} does not match this run's "
                              f"{mine}; resume with the same number of data-parallel ranks, \"zen.seed\" "
                              "and \"zen.optimizer_state\", or through a universal checkpoint (docs/zero.md, "
-                             "\"Resuming on another number of ranks\")")
+                             "\"Resuming on another number of GPUs\")")
         saved_tables = sd.get("tables", [])
         if [t.get("layout") for t in saved_tables] != [t.layout_key() for t in self.tables]:
             raise ValueError(f"zen checkpoint's row-sharded tables {[t.get('layout') for t in saved_tables]} do "
                              f"not match this run's {[t.layout_key() for t in self.tables]}; resume with the same "
                              "number of data-parallel ranks, \"zen.seed\" and \"zen.row_sharded\", or through a "
-                             "universal checkpoint (docs/zero.md, \"Resuming on another number of ranks\")")
+                             "universal checkpoint (docs/zero.md, \"Resuming on another number of GPUs\")")
         self.optimizer.load_state_dict(sd["optimizer"])
         for t, saved_table in zip(self.tables, saved_tables):
             t.load_state_dict(saved_table)

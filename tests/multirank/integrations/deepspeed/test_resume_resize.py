@@ -47,14 +47,16 @@ import ds_cases as dc  # noqa: E402
 BIG, SMALL = 4, 2
 STEPS = 2
 ROWS = {"row_sharded": True, "optimizer_state": "sharded"}
-# both_ways: also saved on 2 ranks and resumed on 4; stock_checkpoint: zen also resumes stock's own
+# both_ways: also saved on 2 ranks and resumed on 4; stock_checkpoint: zen also resumes stock's own;
+# ds_converter: zen's checkpoint converted by DeepSpeed's converter alone, loaded (zen owned nothing)
+# or refused (zen owned state only its files hold)
 CASES: Dict[str, Dict[str, Any]] = {
     "z2_replicated": dict(zero=2, zen_extra={"optimizer_state": "replicated"}, both_ways=True,
-                          stock_checkpoint=True),
+                          stock_checkpoint=True, ds_converter="refused"),
     "z1_sharded": dict(zero=1, zen_extra={"optimizer_state": "sharded"}, both_ways=True),
     "z2_rows": dict(zero=2, zen_extra=ROWS, both_ways=True, rows=True, stock_checkpoint=True),
     "z2_rows_bf16": dict(zero=2, dtype="bf16", zen_extra=ROWS, rows=True),
-    "z3": dict(zero=3, zen_extra={}, both_ways=True),
+    "z3": dict(zero=3, zen_extra={}, both_ways=True, ds_converter="loads"),
     "z3_rows": dict(zero=3, zen_extra=ROWS, rows=True),
 }
 # a copy of a 2-rank checkpoint without rank 1's zen file: accepted where zen owned nothing (ZeRO-3's
@@ -125,14 +127,14 @@ def _same_files(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
         torch.as_tensor(a[k]), torch.as_tensor(b[k])))
 
 
-def _convert(folder: str, tag: str, zen_part: bool) -> str:
-    """``<folder>/<tag>`` -> ``<folder>/<tag>_universal`` (one process): zen's converter, or
+def _convert(folder: str, tag: str, zen_part: bool, suffix: str = "_universal") -> str:
+    """``<folder>/<tag>`` -> ``<folder>/<tag><suffix>`` (one process): zen's converter, or
     DeepSpeed's alone (a stock checkpoint)."""
     from zen_ds.integrations.deepspeed.internals.checkpoint import convert_to_universal
     from zen_ds.integrations.deepspeed.offline import to_universal
     source = os.path.join(folder, tag)
-    (to_universal if zen_part else convert_to_universal)(source, source + "_universal", inject_missing_state=True)
-    return source + "_universal"
+    (to_universal if zen_part else convert_to_universal)(source, source + suffix, inject_missing_state=True)
+    return source + suffix
 
 
 def _resume_case(rank: int, world: int, saved_root: str, case: Dict[str, Any]) -> Dict[str, Any]:
@@ -159,6 +161,14 @@ def _resume_case(rank: int, world: int, saved_root: str, case: Dict[str, Any]) -
             engine.load_checkpoint(stock_dir, tag="t_universal")
             _train(rank, engine, STEPS)
             out[f"{kind}_on_stock"] = dc.whole_weights(engine)
+    if "ds_converter" in case:
+        _on_rank0(rank, lambda: _convert(zen_dir, "t", False, suffix="_ds_universal"))
+        engine = _engine(case, world, True, universal=True)
+        try:
+            engine.load_checkpoint(zen_dir, tag="t_ds_universal")
+            out["ds_converter"] = {"weights": dc.whole_weights(engine)}
+        except FileNotFoundError as exc:  # raised on every rank alike
+            out["ds_converter"] = {"error": str(exc)}
     if case.get("rows"):  # the checkpoint itself, weights only, on the new number of ranks (under
         # ZeRO-3 DeepSpeed rebuilds its params then from its partitions only without optimizer state)
         engine = _engine(case, world, True)
@@ -304,6 +314,20 @@ def test_resume_equals_stocks_resume(results, frm, to, name):
 def test_zen_resumes_stocks_checkpoint_as_stock_does(results, frm, to, name):
     got = _case(results, frm, to, name)
     _assert_equal(got["zen_on_stock"], got["stock_on_stock"], exact=(to == SMALL), precision="fp32")
+
+
+@pytest.mark.parametrize("frm,to,name", [d for d in DIRECTIONS if "ds_converter" in CASES[d[2]]])
+def test_deepspeeds_converter_alone(results, frm, to, name):
+    """DeepSpeed's ``ds_to_universal`` alone on zen's checkpoint: where zen owned nothing (ZeRO-3's
+    batch-cost embeddings) it is all there is, and zen resumes it as from zen's converter; where
+    zen owned params, their optimizer state is only in zen's files and the load says to convert
+    with zen's converter."""
+    got = _case(results, frm, to, name)["ds_converter"]
+    if CASES[name]["ds_converter"] == "loads":
+        assert "error" not in got, got
+        _assert_equal(got["weights"], _case(results, frm, to, name)["zen_loaded"], exact=True, precision="fp32")
+    else:
+        assert "python -m zen_ds.integrations.deepspeed.offline universal" in got.get("error", ""), got
 
 
 @pytest.mark.parametrize("frm,to,name", [d for d in DIRECTIONS if CASES[d[2]].get("rows")])
