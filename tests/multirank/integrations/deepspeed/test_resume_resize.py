@@ -14,9 +14,10 @@ tiny models (vocab 64/48, hidden 8), AdamW, 2 steps before the save and 2 after,
   again at once and converted, gives the same universal checkpoint, bit for bit (every param's
   fp32 weight and every optimizer state, DeepSpeed's params and zen's, tables whole);
 * **stock's resume**: its parameters after the 2 resumed steps equal those of stock DeepSpeed
-  resuming the same universal checkpoint at the new size (bit for bit on 2 ranks in fp32, where
-  zen's steps and stock's are bit-identical; on 4 ranks zen's sums run in another order than
-  DeepSpeed's all-reduce, and the tolerance is the feature matrix's, as for any run against stock);
+  resuming the same universal checkpoint at the new size (bit for bit on 2 ranks, fp32 and bf16:
+  a sum of two gradients does not depend on its order, and zen's steps are stock's; on 4 ranks
+  zen's sums run in another order than DeepSpeed's all-reduce, and the tolerance is the feature
+  matrix's, as for any run against stock);
   zen also resumes stock's own universal checkpoint as stock does;
 * **weights only**: ``load_checkpoint`` of the checkpoint itself at the new size with
   ``load_module_only=True`` (ZeRO-3: ``load_optimizer_states=False``, with which DeepSpeed rebuilds
@@ -128,12 +129,15 @@ def _same_files(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
 
 
 def _convert(folder: str, tag: str, zen_part: bool, suffix: str = "_universal") -> str:
-    """``<folder>/<tag>`` -> ``<folder>/<tag><suffix>`` (one process): zen's converter, or
-    DeepSpeed's alone (a stock checkpoint)."""
+    """``<folder>/<tag>`` -> ``<folder>/<tag><suffix>`` (one process): zen's converter through its
+    command line, or DeepSpeed's alone (a stock checkpoint)."""
     from zen_ds.integrations.deepspeed.internals.checkpoint import convert_to_universal
-    from zen_ds.integrations.deepspeed.offline import to_universal
+    from zen_ds.integrations.deepspeed.offline import main
     source = os.path.join(folder, tag)
-    (to_universal if zen_part else convert_to_universal)(source, source + suffix, inject_missing_state=True)
+    if zen_part:
+        main(["universal", "--input_folder", source, "--output_folder", source + suffix, "--inject_missing_state"])
+    else:
+        convert_to_universal(source, source + suffix, inject_missing_state=True)
     return source + suffix
 
 
@@ -199,11 +203,14 @@ def _on_rank0(rank: int, job: Callable[[], Any]) -> Any:
 def _check_files(zen_dir: str) -> Dict[str, Any]:
     """One process: the universal form of the checkpoint saved again at once on the new number of
     ranks against the original's, and zen's offline consolidation of both checkpoints."""
-    from zen_ds.integrations.deepspeed.offline import fp32_state_dict
+    import torch
+    from zen_ds.integrations.deepspeed.offline import fp32_state_dict, main
     original = _universal_files(os.path.join(zen_dir, "t_universal"))
+    weights_file = os.path.join(zen_dir, "weights.pt")  # through the command line
+    main(["fp32", zen_dir, "--tag", "t", "--output", weights_file])
     return {"differing_files": _same_files(original, _universal_files(_convert(zen_dir, "resaved", True))),
             "universal_names": sorted(original),
-            "offline": {k: v.numpy() for k, v in fp32_state_dict(zen_dir, "t").items()},
+            "offline": {k: v.numpy() for k, v in torch.load(weights_file, weights_only=True).items()},
             "offline_resaved": {k: v.numpy() for k, v in fp32_state_dict(zen_dir, "resaved").items()}}
 
 
@@ -306,7 +313,7 @@ def test_loaded_weights_are_the_saved_ones(results, frm, to, name):
 def test_resume_equals_stocks_resume(results, frm, to, name):
     got = _case(results, frm, to, name)
     precision = CASES[name].get("dtype", "fp32")
-    _assert_equal(got["zen"], got["stock_on_zen"], exact=(to == SMALL and precision == "fp32"), precision=precision)
+    _assert_equal(got["zen"], got["stock_on_zen"], exact=(to == SMALL), precision=precision)
     assert any(not np.array_equal(got["zen"][k], got["zen_loaded"][k]) for k in got["zen"])  # it trained
 
 
