@@ -6,6 +6,14 @@ master copies (with ``"row_sharded"``: this rank's rows of each row-sharded tabl
 DeepSpeed's module state does not have), on the shuffle route the schedule position with this
 rank's own model and optimizer state. Resuming checks that the same params are synced.
 
+Resuming reads the rank's own file when it was saved with this run's layout (number of ranks,
+``"zen.seed"``, ``"optimizer_state"``): bit-identical to the run that saved it. Otherwise (another
+number of ranks) zen's params and tables take their rows from every rank's file
+(:class:`~.saved_state.ZenFiles`); an engine that loads a universal checkpoint
+(``"checkpoint": {"load_universal": true}``) takes them from the universal folder
+(:class:`~.saved_state.UniversalState`, written by :func:`~.offline.to_universal`). A route with
+nothing of its own to restore (ZeRO-3 without row-sharded tables, no compression) needs no zen file.
+
 Whole weights of row-sharded tables: :func:`full_state_dict` (collective, in a running job); offline,
 from a checkpoint folder, :func:`zen_ds.integrations.deepspeed.offline.fp32_state_dict`.
 """
@@ -13,12 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from zen_ds.integrations.deepspeed.rowshard import full_weights, tables_saved_elsewhere
+from zen_ds.integrations.deepspeed.saved_state import (COMMON_KEYS, STATE_FILE, SavedState, UniversalState,
+                                                     ZenFiles, absent_files, holds_state, zen_files_in)
 
 if TYPE_CHECKING:  # pragma: no cover
     from zen_ds.integrations.deepspeed.route import EngineRoute
@@ -27,12 +37,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["STATE_FILE", "state_dict", "load_state_dict", "save", "load", "full_state_dict"]
 
-STATE_FILE = "zen_ds_rank{rank:05d}.pt"
-
-
 def state_dict(route: "EngineRoute") -> Dict[str, Any]:
     sd: Dict[str, Any] = {"version": 1, "params": [p.name for p in route.reducer.params],
-                          "reducer": route.reducer.state_dict()}
+                          "reducer": route.reducer.state_dict(), "world_size": route.reducer.world_size,
+                          "files": dist.get_world_size() if dist.is_initialized() else 1}
     sd.update(route.state_dict())
     return sd
 
@@ -47,18 +55,7 @@ def load_state_dict(route: "EngineRoute", sd: Dict[str, Any], strict: bool = Tru
     params (another model) loads nothing of zen's but the step counter, with one warning; strict,
     that is an error.
     """
-    names = [p.name for p in route.reducer.params]
-    saved_names = sd.get("params")
-    if saved_names != names:
-        if strict:
-            raise ValueError(f"zen checkpoint was saved for params {saved_names}, this engine syncs "
-                             f"{names}; resume with the same model and \"zen.params\", or pass "
-                             "load_module_strict=False to load the weights only")
-        _warn_once(f"zen: the checkpoint was saved for params {saved_names}, this engine syncs {names} "
-                   "(load_module_strict=False): zen's optimizer state, masters and residuals start fresh")
-        if not module_only and "step" in sd.get("reducer", {}):
-            route.reducer.step = int(sd["reducer"]["step"])
-        _fresh_from_module(route)
+    if not _same_params(route, sd, strict, module_only):
         return
     if module_only or not optimizer_states:
         _fresh_from_module(route, sd)
@@ -67,11 +64,31 @@ def load_state_dict(route: "EngineRoute", sd: Dict[str, Any], strict: bool = Tru
     route.load_state_dict(sd)
 
 
-def _fresh_from_module(route: "EngineRoute", sd: Optional[Dict[str, Any]] = None) -> None:
+def _same_params(route: "EngineRoute", sd: Dict[str, Any], strict: bool, module_only: bool) -> bool:
+    """The saved file is for the params this engine syncs; not strict, a file for other params
+    leaves zen's state fresh (False) with one warning; strict, that is an error."""
+    names = [p.name for p in route.reducer.params]
+    saved_names = sd.get("params")
+    if saved_names == names:
+        return True
+    if strict:
+        raise ValueError(f"zen checkpoint was saved for params {saved_names}, this engine syncs "
+                         f"{names}; resume with the same model and \"zen.params\", or pass "
+                         "load_module_strict=False to load the weights only")
+    _warn_once(f"zen: the checkpoint was saved for params {saved_names}, this engine syncs {names} "
+               "(load_module_strict=False): zen's optimizer state, masters and residuals start fresh")
+    if not module_only and "step" in sd.get("reducer", {}):
+        route.reducer.step = int(sd["reducer"]["step"])
+    _fresh_from_module(route)
+    return False
+
+
+def _fresh_from_module(route: "EngineRoute", saved: Union[Dict[str, Any], SavedState, None] = None) -> None:
     """zen's masters follow the weights DeepSpeed loaded (DeepSpeed does the same for its own
     fp32 masters when it loads no optimizer state). Row-sharded tables are not in DeepSpeed's
-    module state: they take their rows from zen's file when it has them for this layout."""
-    for name in route.follow_loaded_weights(sd):
+    module state: they take their rows from ``saved`` (this rank's file, or every rank's files
+    of another layout, or a universal checkpoint) when it has them."""
+    for name in route.follow_loaded_weights(saved):
         _warn_once(f"zen: the checkpoint has no rows of the row-sharded {name} for this layout; "
                    "it keeps its current values")
 
@@ -95,25 +112,144 @@ def save(route: "EngineRoute", save_dir: str, tag: str, rank: int) -> None:
 
 
 def load(route: "EngineRoute", load_dir: str, tag: Optional[Any], rank: int, strict: bool = True,
-         optimizer_states: bool = True, module_only: bool = False) -> None:
-    """Read this rank's file; ``tag=None`` follows DeepSpeed's ``latest`` file. The flags are
-    ``load_checkpoint``'s (see :func:`load_state_dict`); a checkpoint saved without zen loads
-    when zen's state is not wanted (weights only, or not strict)."""
+         optimizer_states: bool = True, module_only: bool = False, universal: bool = False) -> None:
+    """Read this rank's state; ``tag=None`` follows DeepSpeed's ``latest`` file (``latest_universal``
+    for a ``universal`` load). The flags are ``load_checkpoint``'s (see :func:`load_state_dict`); a
+    checkpoint saved without zen loads when zen's state is not wanted (weights only, or not strict)
+    or when zen holds none on this route."""
     if tag is None:
-        with open(os.path.join(load_dir, "latest")) as fh:
+        with open(os.path.join(load_dir, "latest_universal" if universal else "latest")) as fh:
             tag = fh.read().strip()
-    path = os.path.join(load_dir, str(tag), STATE_FILE.format(rank=rank))
-    if not os.path.exists(path):
+    folder = os.path.join(load_dir, str(tag))
+    if universal:
+        _load_universal(route, folder, optimizer_states and not module_only)
+        return
+    path = os.path.join(folder, STATE_FILE.format(rank=rank))
+    own = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
+    _check_complete(folder, own, optimizer_states and not module_only)
+    if own is not None and _same_layout(route, own):
+        load_state_dict(route, own, strict=strict, optimizer_states=optimizer_states, module_only=module_only)
+        return
+    saved = ZenFiles(folder)
+    if not saved.files:
+        if not _holds_state(route):
+            _step_from_engine(route)
+            return
         if module_only or not optimizer_states or not strict:
-            _warn_once(f"zen: {path} is missing (saved without zen or with other ranks): zen's optimizer "
-                       "state, masters and residuals start fresh from the loaded weights")
+            _warn_once(f"zen: {path} is missing (saved without zen): zen's optimizer state, masters and "
+                       "residuals start fresh from the loaded weights")
             _fresh_from_module(route)
             return
-        raise FileNotFoundError(f"zen: {path} is missing; the checkpoint was saved without zen or with "
-                                "a different number of ranks. Resume with the same ds_config and ranks, "
-                                "or pass load_optimizer_states=False to load the weights only")
-    load_state_dict(route, torch.load(path, map_location="cpu", weights_only=False), strict=strict,
-                    optimizer_states=optimizer_states, module_only=module_only)
+        raise FileNotFoundError(f"zen: {path} is missing; the checkpoint was saved without zen. Resume with "
+                                "the ds_config it was saved with, or pass load_optimizer_states=False to load "
+                                "the weights only")
+    _load_resharded(route, saved, strict, optimizer_states, module_only)
+
+
+def _same_layout(route: "EngineRoute", sd: Dict[str, Any]) -> bool:
+    """``sd`` (this rank's file) holds exactly what this rank holds: same number of ranks and, for
+    zen's own params and tables, the same rows (a file written before the number of ranks was
+    recorded counts as the same)."""
+    if sd.get("world_size", route.reducer.world_size) != route.reducer.world_size:
+        return False
+    owned = getattr(route, "owned", None)
+    return owned is None or "owned" not in sd or owned.layout_matches(sd["owned"])
+
+
+def _holds_state(route: "EngineRoute") -> bool:
+    """Whether zen keeps anything on this route that DeepSpeed's checkpoint does not (optimizer
+    state, masters, tables, residuals, a schedule position): the step counter alone follows
+    DeepSpeed's."""
+    return holds_state(state_dict(route))
+
+
+def _check_complete(folder: str, own: Optional[Dict[str, Any]], optimizer_states: bool) -> None:
+    """Every rank checks the same files (no rank goes on alone into the next collective): a rank
+    where zen owned nothing may lack its file (its step is in DeepSpeed's files too); a missing file
+    of a checkpoint whose zen files hold state (every rank holds its part) is an error when that
+    state is to be loaded (weights only, the rows of row-sharded tables are looked up by row)."""
+    if not optimizer_states:
+        return
+    sample = own
+    if sample is None:
+        present = zen_files_in(folder)
+        if not present:
+            return
+        sample = torch.load(present[0], map_location="cpu", weights_only=False, mmap=True)
+    absent = absent_files(folder, sample)
+    if absent and holds_state(sample):
+        raise FileNotFoundError(
+            f"zen: {', '.join(absent)} missing under {folder}: zen's files of this checkpoint hold its "
+            "optimizer state (zen-owned params, row-sharded tables or compression residuals), of which "
+            "every rank kept its part. Copy every rank's zen_ds_rank*.pt of the checkpoint into that "
+            "folder, or pass load_optimizer_states=False to load the weights only")
+
+
+def _step_from_engine(route: "EngineRoute") -> None:
+    engine = route.engine
+    if engine is not None:
+        route.reducer.step = int(engine.global_steps)
+
+
+def _load_resharded(route: "EngineRoute", saved: ZenFiles, strict: bool, optimizer_states: bool,
+                    module_only: bool) -> None:
+    """Resume from the files of a checkpoint saved with another layout (another number of ranks,
+    seed or ``"optimizer_state"``): zen's params and tables take this rank's rows of them."""
+    first = saved.files[0]
+    if not _same_params(route, first, strict, module_only):
+        return
+    n, saved_n = route.reducer.world_size, saved.world_size
+    others = sorted(set(first) - COMMON_KEYS - {"owned"})
+    if others:
+        raise ValueError(f"zen: the checkpoint was saved by {saved_n} ranks, this run has {n}; zen's {others} "
+                         "state resumes only on the number of ranks that saved it")
+    owned = getattr(route, "owned", None)
+    if "owned" in first and owned is None:
+        raise ValueError("zen checkpoint holds zen-owned optimizer state (ZeRO-1/2, or row-sharded tables), "
+                         "this run's route has none; resume with the ds_config it was saved with")
+    if module_only or not optimizer_states:
+        _fresh_from_module(route, saved)
+        return
+    route.reducer.step = int(first["reducer"]["step"])
+    _fresh_residuals(route, f"the checkpoint was saved by {saved_n} ranks, this run has {n}")
+    if owned is not None:
+        owned.load_saved(saved)
+    logger.info("zen: resumed from %d ranks' files on %d ranks", len(saved.files), n)
+
+
+def _load_universal(route: "EngineRoute", folder: str, optimizer_states: bool) -> None:
+    """An engine that loads a universal checkpoint: DeepSpeed restored its params (from the folder's
+    fp32 weights, not from the module state), its optimizer state and the step count; zen's params
+    and tables take theirs from the folder (their optimizer state with ``optimizer_states``)."""
+    _step_from_engine(route)
+    extra = sorted(set(route.state_dict()) - {"owned"})
+    if extra:
+        raise ValueError(f"zen: a universal checkpoint has no zen {extra} state; resume from the checkpoint "
+                         "itself with the number of ranks that saved it")
+    _fresh_residuals(route, "a universal checkpoint holds no per-rank residuals")
+    owned = getattr(route, "owned", None)
+    if owned is None or not (owned.params or owned.tables):
+        return
+    saved = UniversalState(folder)
+    names = [name for name, _, _ in owned.slots()]
+    missing = saved.missing(names) if optimizer_states else \
+        {name: "no zero/<name>/fp32.pt" for name in names if name not in saved.names()}
+    if missing:
+        weights_there = all("optimizer state" in why for why in missing.values())
+        raise FileNotFoundError(
+            f"zen: the universal checkpoint {folder} lacks zen's state of {missing}: DeepSpeed's ds_to_universal "
+            "alone does not read zen's zen_ds_rank*.pt files. Convert with zen_ds.integrations.deepspeed.offline."
+            "to_universal (python -m zen_ds.integrations.deepspeed.offline universal --input_folder ... "
+            "--output_folder ...)" + (", or pass load_optimizer_states=False to load the weights only"
+                                      if weights_there else ""))
+    owned.load_saved(saved, optimizer_states)  # DeepSpeed loads no module weights from a universal checkpoint
+
+
+def _fresh_residuals(route: "EngineRoute", why: str) -> None:
+    """Compression's residuals are each rank's own unsent gradient; they do not carry over."""
+    compressor = route.reducer.compressor
+    if compressor is not None:
+        _warn_once(f"zen: compression's error-feedback residuals start at zero ({why})")
 
 
 def full_state_dict(route: "EngineRoute") -> Dict[str, Any]:

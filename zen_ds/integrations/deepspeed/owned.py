@@ -15,7 +15,7 @@ learning-rate schedule. Inside a PipelineModule (ZeRO-1) each stage owns its own
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from zen_ds.integrations.deepspeed.norms import clip_coefficient
 from zen_ds.integrations.deepspeed.owned_params import OwnedGrads, OwnedParams
 from zen_ds.integrations.deepspeed.route import ReducerRoute
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights, tables_saved_elsewhere
+from zen_ds.integrations.deepspeed.saved_state import SavedState
 from zen_ds.integrations.reducer import ZenReducer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -229,12 +230,15 @@ class StepsOwnParams:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         if "owned" not in sd:
             raise ValueError("zen checkpoint has no zen-owned optimizer state; it was saved with a "
-                             "different ZeRO stage / precision. Resume with the same ds_config, or "
+                             "different ZeRO stage / precision. Resume with the same ds_config, through a "
+                             "universal checkpoint (docs/zero.md, \"Resuming on another number of GPUs\"), or "
                              "pass load_optimizer_states=False to load the weights only")
         self.owned.load_state_dict(sd["owned"])
 
-    def follow_loaded_weights(self, sd: Optional[Dict[str, Any]]) -> List[str]:
+    def follow_loaded_weights(self, sd: Union[Dict[str, Any], SavedState, None]) -> List[str]:
         self.owned.masters_from_params()
+        if isinstance(sd, SavedState):  # saved with another layout, or a universal checkpoint
+            return self.owned.tables_from(sd)
         saved = {t["layout"]["name"]: t for t in ((sd or {}).get("owned") or {}).get("tables", [])}
         kept = []
         for table in self.owned.tables:

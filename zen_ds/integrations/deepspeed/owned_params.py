@@ -10,7 +10,7 @@ the reducer reads and writes their gradients.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,9 @@ from torch import nn
 from zen_ds.core.sparse import RowSparse
 from zen_ds.integrations.deepspeed.grads import GradReader, GradStorage
 from zen_ds.integrations.deepspeed.norms import local_sum_of_squares, model_parallel_sum
+from zen_ds.integrations.deepspeed.rowshard import RowShardTable
 from zen_ds.integrations.deepspeed.rowstep import step_rows
+from zen_ds.integrations.deepspeed.saved_state import FP32, SavedState
 from zen_ds.integrations.deepspeed.sharded import ShardedRows, should_shard, state_bytes_per_element
 from zen_ds.integrations.reducer import ZenParam
 
@@ -214,12 +216,29 @@ class OwnedParams:
             elif master is not p.param:
                 master.data.copy_(p.param.data.float())
 
+    def slots(self) -> List[Tuple[str, nn.Parameter, Optional[torch.Tensor]]]:
+        """zen's optimizer's params in its order: ``(name, master, this rank's global row ids)``,
+        the rows None where the master is the whole param."""
+        where = {id(m): (p.name, s.rows if s is not None else None)
+                 for p, m, s in zip(self.params, self.masters, self.sharded)}
+        where.update({id(t.master): (t.name, t.rows) for t in self.tables})
+        return [(where[id(m)][0], m, where[id(m)][1]) for g in self.optimizer.param_groups for m in g["params"]]
+
     def state_dict(self) -> Dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(),
                 "masters": [p.param.detach()[s.rows].float().clone() if s is not None and not self.half
                             else m.detach().clone() for p, m, s in zip(self.params, self.masters, self.sharded)],
                 "shards": [s.layout_key() if s is not None else None for s in self.sharded],
-                "tables": [t.state_dict() for t in self.tables]}
+                "tables": [t.state_dict() for t in self.tables],
+                # what a run with another layout needs to find each param's rows (:mod:`.saved_state`)
+                "names": [p.name for p in self.params],
+                "slots": [name for name, _, _ in self.slots()]}
+
+    def layout_matches(self, sd: Dict[str, Any]) -> bool:
+        """Whether ``sd`` (:meth:`state_dict` of a saved rank) holds exactly this rank's rows."""
+        mine = [s.layout_key() if s is not None else None for s in self.sharded]
+        return (sd.get("shards", [None] * len(self.sharded)) == mine
+                and [t.get("layout") for t in sd.get("tables", [])] == [t.layout_key() for t in self.tables])
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         mine = [s.layout_key() if s is not None else None for s in self.sharded]
@@ -227,25 +246,75 @@ class OwnedParams:
         if saved != mine:
             raise ValueError(f"zen checkpoint's optimizer-state layout {saved} does not match this run's "
                              f"{mine}; resume with the same number of data-parallel ranks, \"zen.seed\" "
-                             "and \"zen.optimizer_state\"")
+                             "and \"zen.optimizer_state\", or through a universal checkpoint (docs/zero.md, "
+                             "\"Resuming on another number of GPUs\")")
         saved_tables = sd.get("tables", [])
         if [t.get("layout") for t in saved_tables] != [t.layout_key() for t in self.tables]:
             raise ValueError(f"zen checkpoint's row-sharded tables {[t.get('layout') for t in saved_tables]} do "
                              f"not match this run's {[t.layout_key() for t in self.tables]}; resume with the same "
-                             "number of data-parallel ranks, \"zen.seed\" and \"zen.row_sharded\"")
+                             "number of data-parallel ranks, \"zen.seed\" and \"zen.row_sharded\", or through a "
+                             "universal checkpoint (docs/zero.md, \"Resuming on another number of GPUs\")")
         self.optimizer.load_state_dict(sd["optimizer"])
-        for t, saved in zip(self.tables, saved_tables):
-            t.load_state_dict(saved)
-        with torch.no_grad():
-            for p, m, saved_m, shard in zip(self.params, self.masters, sd["masters"], self.sharded):
-                if shard is not None and not self.half:
-                    p.param.data[shard.rows] = saved_m.to(p.param.dtype)
-                    continue
-                m.data.copy_(saved_m)
-                if shard is not None:
-                    p.param.data[shard.rows] = saved_m.to(p.param.dtype)
-                elif m is not p.param:
-                    p.param.data.copy_(saved_m.to(p.param.dtype))
+        for t, saved_table in zip(self.tables, saved_tables):
+            t.load_state_dict(saved_table)
+        for p, m, saved_m, shard in zip(self.params, self.masters, sd["masters"], self.sharded):
+            self._set_master(p, m, shard, saved_m)
+
+    @torch.no_grad()
+    def _set_master(self, p: ZenParam, master: nn.Parameter, shard: Optional[ShardedRows],
+                    value: torch.Tensor) -> None:
+        """This rank's fp32 master of one param (its rows where sharded) and the param's copy of it."""
+        value = value.to(p.param.device)
+        if shard is not None and not self.half:
+            p.param.data[shard.rows] = value.to(p.param.dtype)
+            return
+        master.data.copy_(value)
+        if shard is not None:
+            p.param.data[shard.rows] = value.to(p.param.dtype)
+        elif master is not p.param:
+            p.param.data.copy_(value.to(p.param.dtype))
+
+    def load_saved(self, saved: SavedState, optimizer_states: bool = True) -> None:
+        """Every param (whole) and this rank's rows of every table from ``saved``, whatever layout wrote
+        it (another number of ranks, seed or ``"optimizer_state"``): params and masters, and with
+        ``optimizer_states`` zen's optimizer state (per-element states by row; the step as saved;
+        the hyper-parameters as saved where the groups hold the same params, else this run's)."""
+        for p, master, shard in zip(self.params, self.masters, self.sharded):
+            whole = saved.rows(p.name, FP32, None)
+            if shard is not None:  # every rank holds the whole param (a universal load sets no module weights)
+                with torch.no_grad():
+                    p.param.data.copy_(whole.to(device=p.param.device, dtype=p.param.dtype))
+            self._set_master(p, master, shard, whole[shard.rows.cpu()] if shard is not None else whole)
+        for t in self.tables:
+            _load_table_rows(t, saved.rows(t.name, FP32, t.rows))
+        if not optimizer_states:
+            return
+        slots = self.slots()
+        state: Dict[int, Dict[str, Any]] = {}
+        for index, (name, _, rows) in enumerate(slots):
+            entry = {key: saved.rows(name, key, rows) if saved.per_row(name, key) else saved.value(name, key)
+                     for key in saved.keys(name)}
+            if entry:
+                state[index] = entry
+        groups, start = [], 0
+        saved_groups = {tuple(names): hyper for names, hyper in saved.param_groups() or []}
+        for group in self.optimizer.param_groups:
+            names = tuple(name for name, _, _ in slots[start:start + len(group["params"])])
+            hyper = saved_groups.get(names, {k: v for k, v in group.items() if k != "params"})
+            groups.append(dict(hyper, params=list(range(start, start + len(names)))))
+            start += len(names)
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def tables_from(self, saved: SavedState) -> List[str]:
+        """Row-sharded tables take their rows from ``saved`` where it has them (a weights-only load
+        at another layout); returns the tables it lacks."""
+        kept = []
+        for t in self.tables:
+            if t.name in saved.names():
+                _load_table_rows(t, saved.rows(t.name, FP32, t.rows))
+            else:
+                kept.append(t.name)
+        return kept
 
 
 class OwnedGrads(GradStorage):
@@ -266,6 +335,18 @@ class OwnedGrads(GradStorage):
             accum = self.owned.accum[index]
             return accum.coalesce() if accum is not None and accum.is_sparse else accum
         return read_owned
+
+
+@torch.no_grad()
+def _load_table_rows(table: RowShardTable, values: torch.Tensor) -> None:
+    """A row-sharded table's rows on this rank (fp32, in the order of ``table.rows``), saved under
+    any layout: the master takes them, the shard their cast (what it holds after every step)."""
+    if tuple(values.shape) != (table.shard_size,) + table.row_shape:
+        raise ValueError(f"zen: {table.name} needs {table.shard_size} rows here, got {tuple(values.shape)}")
+    values = values.to(table.rows.device)
+    if table.half and table.master is not None:
+        table.master.data.copy_(values)
+    table.shard.data.copy_(values.to(table.shard.dtype))
 
 
 def _add_grads(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -5,22 +5,40 @@ Checked against DeepSpeed 0.19.8. Wraps, on one engine instance:
 * ``save_checkpoint`` / ``load_checkpoint`` (:func:`add_zen_file`): zen's file is written next to
   DeepSpeed's (the tag DeepSpeed uses by default is ``global_step{global_steps}``) and read with
   ``load_checkpoint``'s flags (``load_module_strict``, ``load_optimizer_states``,
-  ``load_module_only``, defaults from its signature);
+  ``load_module_only``, defaults from its signature) and whether the engine loads universal
+  checkpoints (``load_universal_checkpoint()``, the ds_config's ``"checkpoint": {"load_universal"}``;
+  its tag file is then ``latest_universal``);
 * ``save_16bit_model`` with ``module_state_dict`` during that call (:func:`add_tables_to_16bit_model`,
   ZeRO-1/2) and ``_zero3_consolidated_16bit_state_dict`` (:func:`add_tables_to_consolidated`,
   ZeRO-3; Accelerate's ``get_state_dict`` reads it too): the whole row-sharded tables join.
 
 Reads: ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``
 (:func:`zero_checkpoint_fp32`, offline).
+
+Universal checkpoints (offline, one process): ``deepspeed.checkpoint.ds_to_universal.main``
+(:func:`convert_to_universal`, its arguments as its command line has them) and the format it writes,
+which DeepSpeed's ``load_universal_checkpoint`` reads (``deepspeed.checkpoint.universal_checkpoint``):
+a folder ``zero/<param name>/`` per param holding one file per state, ``fp32.pt`` (the fp32 weight)
+and one per optimizer state (``exp_avg.pt``, ...), each ``{"param": <whole tensor>, "cat_dim": 0}``,
+except ``step.pt``, the step itself (:func:`read_universal`, :func:`write_universal`,
+:func:`universal_keys`).
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, ContextManager, Dict, Optional
+import os
+from types import SimpleNamespace
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
 import torch
 
-__all__ = ["add_zen_file", "add_tables_to_16bit_model", "add_tables_to_consolidated", "zero_checkpoint_fp32"]
+__all__ = ["add_zen_file", "add_tables_to_16bit_model", "add_tables_to_consolidated", "zero_checkpoint_fp32",
+           "convert_to_universal", "universal_keys", "read_universal", "write_universal", "UNIVERSAL_FP32",
+           "UNIVERSAL_STEP"]
+
+UNIVERSAL_FP32 = "fp32"  # deepspeed.checkpoint.constants.FP32_WEIGHT_KEY
+UNIVERSAL_STEP = "step"  # stored as the value itself, not as {"param": ...}
+_UNIVERSAL_PARAM, _UNIVERSAL_CAT_DIM = "param", "cat_dim"  # deepspeed.checkpoint.constants.PARAM, CAT_DIM
 
 WholeTables = Callable[[], Dict[str, torch.Tensor]]  # every row-sharded table whole (collective)
 
@@ -28,7 +46,8 @@ WholeTables = Callable[[], Dict[str, torch.Tensor]]  # every row-sharded table w
 def add_zen_file(engine: Any, save: Callable[[str, str], None], load: Callable[[str, Any, Dict[str, bool]], None],
                  saving: Callable[[], ContextManager[Any]]) -> None:
     """``save(dir, tag)`` after DeepSpeed saved (``saving()`` is entered around DeepSpeed's save);
-    ``load(dir, tag, flags)`` after DeepSpeed loaded a checkpoint."""
+    ``load(dir, tag, flags)`` after DeepSpeed loaded a checkpoint (``flags``: ``strict``,
+    ``optimizer_states``, ``module_only``, ``universal``)."""
     orig_save, orig_load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
@@ -41,6 +60,7 @@ def add_zen_file(engine: Any, save: Callable[[str, str], None], load: Callable[[
 
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         flags = _load_flags(orig_load, load_dir, tag, *args, **kwargs)
+        flags["universal"] = bool(engine.load_universal_checkpoint())
         out = orig_load(load_dir, tag, *args, **kwargs)
         if out is not None and out[0] is not None:
             load(load_dir, tag, flags)
@@ -104,3 +124,47 @@ def zero_checkpoint_fp32(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tenso
     """DeepSpeed's ``zero_to_fp32`` consolidation of a checkpoint's params (offline, one process)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     return get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
+
+
+def convert_to_universal(input_folder: str, output_folder: str, num_extract_workers: int = 1,
+                         num_merge_workers: int = 1, keep_temp_folder: bool = False, strict: bool = True,
+                         inject_missing_state: bool = False) -> None:
+    """DeepSpeed's ``ds_to_universal`` (its command line's arguments; one worker each by default:
+    no process pool). ``inject_missing_state``: a ZeRO-1/2 checkpoint of a model whose client did not
+    record ``universal_checkpoint_info`` (every model but Megatron-DeepSpeed's) needs it."""
+    from deepspeed.checkpoint.ds_to_universal import main
+
+    main(SimpleNamespace(input_folder=input_folder, output_folder=output_folder,
+                         num_extract_workers=num_extract_workers, num_merge_workers=num_merge_workers,
+                         keep_temp_folder=keep_temp_folder, strict=strict,
+                         inject_missing_state=inject_missing_state))
+
+
+def _universal_dir(folder: str, name: str) -> str:
+    return os.path.join(folder, "zero", name)
+
+
+def universal_keys(folder: str, name: str) -> Optional[List[str]]:
+    """The states a universal checkpoint holds for param ``name`` (``fp32`` among them); None when
+    it has no folder for that param."""
+    where = _universal_dir(folder, name)
+    if not os.path.isdir(where):
+        return None
+    return sorted(f[:-3] for f in os.listdir(where) if f.endswith(".pt"))
+
+
+def read_universal(folder: str, name: str, key: str) -> Any:
+    """One state of one param of a universal checkpoint: the whole tensor (memory-mapped), or the
+    step's value."""
+    saved = torch.load(os.path.join(_universal_dir(folder, name), f"{key}.pt"), map_location="cpu",
+                       weights_only=False, mmap=True)
+    return saved[_UNIVERSAL_PARAM] if isinstance(saved, dict) else saved
+
+
+def write_universal(folder: str, name: str, key: str, value: Any) -> None:
+    """Write one state of one param as DeepSpeed's converter does (a whole tensor, rows along dim 0)."""
+    where = _universal_dir(folder, name)
+    os.makedirs(where, exist_ok=True)
+    payload = value if key == UNIVERSAL_STEP or not torch.is_tensor(value) or value.dim() == 0 else \
+        {_UNIVERSAL_PARAM: value, _UNIVERSAL_CAT_DIM: 0}
+    torch.save(payload, os.path.join(where, f"{key}.pt"))
