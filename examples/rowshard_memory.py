@@ -29,7 +29,8 @@ What is measured, per rank: the bytes the process has allocated from the C heap 
 ``mallinfo2``: in-use heap chunks + mmapped chunks, where torch's CPU tensors live), sampled
 after every torch op of one training step (forward, backward, ``engine.step()``; a dispatch mode
 sees every op, collectives included) — ``held`` at the step's start minus before the engine was
-built, and ``peak`` above that start during the step. A temporary that lives only inside one op
+built, ``peak`` above that start during the step, and the same peak up to the end of
+``engine.backward`` (under ZeRO-1/2 zen's sync runs there). A temporary that lives only inside one op
 is not seen; the ops' outputs, the optimizer's temporaries and every buffer DeepSpeed or zen
 allocates are. Needs glibc (Linux) and a CPU run (a GPU's memory is not on this heap).
 """
@@ -151,9 +152,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         with PeakHeap() as probe:
             loss = engine(ids, labels)
             engine.backward(loss)
+            backward_peak = probe.peak  # forward, backward and (ZeRO-1/2) zen's sync
             engine.step()
         result = {"rank": rank, "held_bytes": probe.start - before, "step_peak_bytes": probe.peak - probe.start,
-                  "unique_ids": int(torch.unique(ids).numel()), "loss": float(loss)}
+                  "backward_peak_bytes": backward_peak - probe.start,
+                  "unique_ids": int(torch.unique(ids).numel()), "loss": float(loss.detach())}
         state = zen_ds.state_of(engine)
         if state is not None and args.mode != "rows":
             emb = state.reducer.last_stats.get("embed.weight")
@@ -174,7 +177,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         mib = 1 << 20
         for r in per_rank:
             print(f"{args.mode} rank {r['rank']}: held {r['held_bytes'] / mib:8.2f} MiB, step peak +"
-                  f"{r['step_peak_bytes'] / mib:8.2f} MiB, total {(r['held_bytes'] + r['step_peak_bytes']) / mib:8.2f}"
+                  f"{r['step_peak_bytes'] / mib:8.2f} MiB (+{r['backward_peak_bytes'] / mib:.2f} MiB up to the end of "
+                  f"backward), total {(r['held_bytes'] + r['step_peak_bytes']) / mib:8.2f}"
                   f" MiB ({r['unique_ids']} unique ids; table {table_bytes / mib:.1f} MiB, param + AdamW state "
                   f"{summary['shard_state_bytes'] / mib:.1f} MiB)", flush=True)
             if r.get("emb_wire_bytes") is not None and args.zero == 3:

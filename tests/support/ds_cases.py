@@ -346,11 +346,11 @@ def _strided(leaves: Any):
 
 
 class LargestTensor:
-    """The largest element count of any new tensor a torch op makes while active (outputs that are
-    views of an input, such as a sliding-window view of a partition, allocate nothing; a sparse
-    tensor counts as its indices and values)."""
+    """The largest element count (``in_bytes``: byte count) of any new tensor a torch op makes while
+    active (outputs that are views of an input, such as a sliding-window view of a partition,
+    allocate nothing; a sparse tensor counts as its indices and values)."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_bytes: bool = False) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
 
@@ -362,7 +362,7 @@ class LargestTensor:
                 inputs = {t.untyped_storage().data_ptr() for t in _strided(tree_leaves((args, kwargs)))}
                 for t in _strided(tree_leaves(out)):
                     if t.untyped_storage().data_ptr() not in inputs:
-                        elements = t.untyped_storage().nbytes() // max(t.element_size(), 1)
+                        elements = t.untyped_storage().nbytes() // (1 if in_bytes else max(t.element_size(), 1))
                         if elements > outer.largest:
                             import traceback
                             where = "".join(traceback.format_stack(limit=9)[:-2])
