@@ -42,13 +42,11 @@ def rows_gradient(grad_out: torch.Tensor, ids: torch.Tensor, row_numel: int, pad
     """``(unique ids, their rows' gradient [U, row_numel])``: the non-padding rows of the dense
     gradient ``embedding_dense_backward`` would build, computed over the unique ids only."""
     unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
-    position = -1
-    if padding_idx is not None:
-        hit = torch.nonzero(unique == padding_idx).flatten()
-        position = int(hit[0]) if hit.numel() else -1
+    # The padding row is dropped below rather than named to the kernel: its position among the
+    # unique ids would be a device-to-host read, and no other row's sum depends on it.
     rows = torch.ops.aten.embedding_dense_backward(grad_out.reshape(-1, row_numel), inverse,
-                                                   unique.numel(), position, scale_grad_by_freq)
-    if position >= 0:  # the padding row's gradient is zero: send no row for it
+                                                   unique.numel(), -1, scale_grad_by_freq)
+    if padding_idx is not None:  # the padding row's gradient is zero: send no row for it
         keep = unique != padding_idx
         unique, rows = unique[keep], rows[keep]
     return unique, rows
