@@ -1,5 +1,6 @@
-"""Peak memory and bytes per rank of a large untied input embedding under ZeRO-3 (measured):
-zen's default (the embedding at batch cost), zen's gather-and-scan path, row-sharded, stock.
+"""Peak memory and bytes per rank of a large untied input embedding under ZeRO-3, or ZeRO-1/2
+with ``--zero`` (measured): zen's default (the embedding at batch cost), zen's gather-and-scan
+path, row-sharded, stock.
 
     deepspeed --num_gpus 4 examples/rowshard_memory.py --mode zen   --json bench_out/rowmem_zen.json
     deepspeed --num_gpus 4 examples/rowshard_memory.py --mode scan  --json bench_out/rowmem_scan.json
@@ -16,11 +17,20 @@ true}``), ``--mode stock`` is DeepSpeed alone. For the zen modes the embedding's
 measured step (fetch + push, this rank's sent and received) are reported beside stock ZeRO-3's for
 the table: two all-gathers and one reduce-scatter, ``(n-1) P`` elements each way for each.
 
+With ``--zero 1`` or ``--zero 2`` (fp32 AdamW, zen's optimizer state sharded: the default for this
+table) ``--mode zen`` is zen's default there (the backward hands zen the batch's rows' gradient),
+``--mode scan`` zen with ``"embedding_rows": false`` (autograd's dense ``[V, d]`` gradient, scanned
+for its non-zero rows), ``--mode stock`` DeepSpeed alone:
+
+    deepspeed --num_gpus 4 examples/rowshard_memory.py --zero 2 --mode zen  --json bench_out/rowmem_z2_zen.json
+    deepspeed --num_gpus 4 examples/rowshard_memory.py --zero 2 --mode scan --json bench_out/rowmem_z2_scan.json
+
 What is measured, per rank: the bytes the process has allocated from the C heap (glibc
 ``mallinfo2``: in-use heap chunks + mmapped chunks, where torch's CPU tensors live), sampled
 after every torch op of one training step (forward, backward, ``engine.step()``; a dispatch mode
 sees every op, collectives included) — ``held`` at the step's start minus before the engine was
-built, and ``peak`` above that start during the step. A temporary that lives only inside one op
+built, ``peak`` above that start during the step, and the same peak up to the end of
+``engine.backward`` (under ZeRO-1/2 zen's sync runs there). A temporary that lives only inside one op
 is not seen; the ops' outputs, the optimizer's temporaries and every buffer DeepSpeed or zen
 allocates are. Needs glibc (Linux) and a CPU run (a GPU's memory is not on this heap).
 """
@@ -88,8 +98,9 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         # DeepSpeed's default buckets (5e8 elements) would hold ~2 GB per rank in every mode
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": args.bucket,
-                              "stage3_prefetch_bucket_size": args.bucket},
+        "zero_optimization": {"stage": args.zero, "reduce_bucket_size": args.bucket,
+                              **({"stage3_prefetch_bucket_size": args.bucket} if args.zero == 3
+                                 else {"allgather_bucket_size": args.bucket})},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
     }
@@ -109,12 +120,14 @@ def zipf_batch(vocab: int, batch: int, seq: int, gen: torch.Generator):
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=("zen", "scan", "rows", "stock"), default="zen")
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage")
     p.add_argument("--vocab", type=int, default=262144)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3, help="the last one is measured")
-    p.add_argument("--bucket", type=int, default=1 << 20, help="ZeRO-3 reduce/prefetch bucket (elements)")
+    p.add_argument("--bucket", type=int, default=1 << 20,
+                   help="ZeRO reduce and prefetch (ZeRO-3) or all-gather (ZeRO-1/2) bucket (elements)")
     p.add_argument("--json", default=None)
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args(argv)
@@ -139,9 +152,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         with PeakHeap() as probe:
             loss = engine(ids, labels)
             engine.backward(loss)
+            backward_peak = probe.peak  # forward, backward and (ZeRO-1/2) zen's sync
             engine.step()
         result = {"rank": rank, "held_bytes": probe.start - before, "step_peak_bytes": probe.peak - probe.start,
-                  "unique_ids": int(torch.unique(ids).numel()), "loss": float(loss)}
+                  "backward_peak_bytes": backward_peak - probe.start,
+                  "unique_ids": int(torch.unique(ids).numel()), "loss": float(loss.detach())}
         state = zen_ds.state_of(engine)
         if state is not None and args.mode != "rows":
             emb = state.reducer.last_stats.get("embed.weight")
@@ -150,20 +165,23 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     per_rank: List[Dict[str, Any]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(per_rank, result)
     partition = -(-args.vocab * args.hidden // world)
-    summary = {"mode": args.mode, "world": world, "vocab": args.vocab, "hidden": args.hidden,
+    summary = {"mode": args.mode, "zero": args.zero, "world": world, "vocab": args.vocab, "hidden": args.hidden,
                "table_bytes": table_bytes,
                # stock ZeRO-3 for the table, sent + received per rank: 2 all-gathers + 1 reduce-scatter
                "zero3_table_wire_bytes": 2 * 3 * (world - 1) * partition * 4,
-               # the 1/n shard: fp32 params (their own master) + AdamW's two moments
-               "shard_state_bytes": 3 * table_bytes // world, "ranks": per_rank}
+               # ZeRO-3: the 1/n shard, fp32 params (their own master) + AdamW's two moments;
+               # ZeRO-1/2: the whole fp32 table on every rank + 1/n of the two moments
+               "shard_state_bytes": (3 * table_bytes // world if args.zero == 3
+                                     else table_bytes + 2 * table_bytes // world), "ranks": per_rank}
     if rank == 0:
         mib = 1 << 20
         for r in per_rank:
             print(f"{args.mode} rank {r['rank']}: held {r['held_bytes'] / mib:8.2f} MiB, step peak +"
-                  f"{r['step_peak_bytes'] / mib:8.2f} MiB, total {(r['held_bytes'] + r['step_peak_bytes']) / mib:8.2f}"
-                  f" MiB ({r['unique_ids']} unique ids; table {table_bytes / mib:.1f} MiB, shard + AdamW state "
+                  f"{r['step_peak_bytes'] / mib:8.2f} MiB (+{r['backward_peak_bytes'] / mib:.2f} MiB up to the end of "
+                  f"backward), total {(r['held_bytes'] + r['step_peak_bytes']) / mib:8.2f}"
+                  f" MiB ({r['unique_ids']} unique ids; table {table_bytes / mib:.1f} MiB, param + AdamW state "
                   f"{summary['shard_state_bytes'] / mib:.1f} MiB)", flush=True)
-            if r.get("emb_wire_bytes") is not None:
+            if r.get("emb_wire_bytes") is not None and args.zero == 3:
                 print(f"{args.mode} rank {r['rank']}: embedding wire {r['emb_wire_bytes'] / 1e6:.3f} MB (sent + received) vs "
                       f"stock ZeRO-3's {summary['zero3_table_wire_bytes'] / 1e6:.1f} MB for the table "
                       f"({100 * r['emb_wire_bytes'] / summary['zero3_table_wire_bytes']:.3f}%)", flush=True)

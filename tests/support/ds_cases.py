@@ -336,3 +336,63 @@ def run_cases(rank: int, world: int, cases: List[Dict[str, Any]]) -> Dict[str, A
         except Exception as exc:  # same exception on every rank (config errors are raised early)
             results[case["name"]] = error_record(exc)
     return results
+
+
+def _strided(leaves: Any):
+    """The strided tensors among ``leaves``: a sparse COO tensor's are its indices and values."""
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            yield from ((t._indices(), t._values()) if t.is_sparse else (t,))
+
+
+class LargestTensor:
+    """The largest element count (``in_bytes``: byte count) of any new tensor a torch op makes while
+    active (outputs that are views of an input, such as a sliding-window view of a partition,
+    allocate nothing; a sparse tensor counts as its indices and values)."""
+
+    def __init__(self, in_bytes: bool = False) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                inputs = {t.untyped_storage().data_ptr() for t in _strided(tree_leaves((args, kwargs)))}
+                for t in _strided(tree_leaves(out)):
+                    if t.untyped_storage().data_ptr() not in inputs:
+                        elements = t.untyped_storage().nbytes() // (1 if in_bytes else max(t.element_size(), 1))
+                        if elements > outer.largest:
+                            import traceback
+                            where = "".join(traceback.format_stack(limit=9)[:-2])
+                            outer.largest, outer.op = elements, f"{func}{tuple(t.shape)}{t.dtype}\n{where}"
+                return out
+
+        self.largest, self.op = 0, ""
+        self.mode = Mode()
+
+
+def two_tables(vocab_a: int, vocab_b: int, width: int, tied: bool = False) -> nn.Module:
+    """Two untied ``nn.Embedding`` tables (one with ``padding_idx=3``, one with
+    ``scale_grad_by_freq``, fed ``ids % vocab_b``) and a 5-class head; ``tied``: a second head
+    shares the second table's weight (GPT-2 style), its output's mean square added to the loss."""
+
+    class TwoTables(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Embedding(vocab_a, width, padding_idx=3)
+            self.b = nn.Embedding(vocab_b, width, scale_grad_by_freq=True)
+            self.head = nn.Linear(width, 5)
+            self.tied = nn.Linear(width, vocab_b, bias=False) if tied else None
+            if self.tied is not None:
+                self.tied.weight = self.b.weight
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            h = (self.a(ids) + self.b(ids % vocab_b)).mean(dim=1)
+            loss = nn.functional.cross_entropy(self.head(h).float(), labels)
+            if self.tied is not None:
+                loss = loss + self.tied(h).float().square().mean()
+            return loss
+
+    return TwoTables()

@@ -184,7 +184,12 @@ class ZenConfig(_sync_option_keys("")):
     ``save_16bit_model``, ``zero_to_fp32.py`` and ``GatheredParameters`` are DeepSpeed's. ``false``:
     DeepSpeed gathers the table and zen sends the non-zero rows of its dense gradient. Tables it
     cannot serve (tied, ``max_norm``, persistent, offloaded, inside a ZeRO-3 leaf module) keep that
-    path; the attach log names them and why. Other stages ignore it."""
+    path; the attach log names them and why. ZeRO stage 1/2 (and other engines where zen steps its
+    params itself): each untied dense-gradient ``nn.Embedding`` (``sparse=False``) whose weight zen
+    syncs gets the micro-batch's rows' gradient from its backward instead of a dense ``[V, d]``
+    one (the same values, so the same parameters); ``false``: the dense gradient, scanned for its
+    non-zero rows. Tied tables and pipeline stages keep the dense gradient. ZeRO-0 with DeepSpeed's
+    optimizer ignores it."""
 
     embedding_fetch: Literal["auto", "direct", "two_hop"] = "auto"
     """How ``embedding_rows`` reaches the partitions: ``direct`` asks each row of the ranks whose

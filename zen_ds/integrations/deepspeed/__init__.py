@@ -8,7 +8,8 @@ Modules, in the order a step meets them:
   steps its params itself, ZeRO-1/2; :mod:`.owned_params` holds them), :mod:`.zero3` (zen's rows
   into ZeRO-3's partitions), :mod:`.ds_sync` (DS-Sync). What combines with a route is a part it
   holds: :mod:`.overlap` (when the step's sync runs), :mod:`.sharded` (sharded optimizer state),
-  :mod:`.rowshard` / :mod:`.rowshard_model` / :mod:`.rowstep` (row-sharded embeddings).
+  :mod:`.rowshard` / :mod:`.rowshard_model` / :mod:`.rowstep` (row-sharded embeddings),
+  :mod:`.row_grads` (the owned route's dense-gradient embeddings, row gradients in backward).
 * :mod:`.grads`: one interface over the places gradients live between backward and step.
 * :mod:`.faults`: a failure in zen's reduction raises on every rank; every refusal's error.
 * :mod:`.norms`: gradient norms counted once per model replica.

@@ -29,6 +29,7 @@ from zen_ds.integrations.deepspeed.internals import zero12 as ds_zero12
 from zen_ds.integrations.deepspeed.norms import clip_coefficient
 from zen_ds.integrations.deepspeed.owned_params import OwnedGrads, OwnedParams
 from zen_ds.integrations.deepspeed.route import ReducerRoute
+from zen_ds.integrations.deepspeed.row_grads import RowGrads
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights, tables_saved_elsewhere
 from zen_ds.integrations.deepspeed.saved_state import SavedState
 from zen_ds.integrations.reducer import ZenReducer
@@ -254,6 +255,7 @@ class OwnedRoute(StepsOwnParams, ReducerRoute):
 
     name = "owned"
     _tied_sums_in_fp32 = True
+    row_grads: Optional[RowGrads] = None  # dense-gradient embeddings whose backward gives rows
 
     def __init__(self, engine: Any, reducer: ZenReducer, owned: OwnedParams, setup: "DeepSpeedSetup") -> None:
         self.owned = owned  # before the sync part: its hooks run after the fp32 accumulation's
@@ -285,7 +287,9 @@ class OwnedRoute(StepsOwnParams, ReducerRoute):
         cfg = reducer.config
         owned = OwnedParams(reducer.params, plan, reducer.group, cfg.optimizer_state, cfg.shard_min_mb, cfg.seed,
                             choice.setup.half)
-        return cls(engine, reducer, owned, choice.setup)
+        route = cls(engine, reducer, owned, choice.setup)
+        route.row_grads = RowGrads.install(engine.module, reducer.params, cfg.embedding_rows, choice.setup.pipeline)
+        return route
 
     def attach(self, engine: Any) -> None:
         super().attach(engine)

@@ -130,7 +130,10 @@ class OwnedParams:
         # this rank's rows of it.
         # A reduction after a second backward adds to what the first one synced (see
         # :meth:`carry_synced`), as DeepSpeed's own reductions add up until the step.
+        # A row gradient (COO) of a dense-gradient param with replicated state becomes the dense
+        # gradient its optimizer steps, as the dense sync would have returned it.
         fresh = [g.view_as(p.param)[s.rows] if g is not None and s is not None and p.compressed
+                 else g.to_dense() if g is not None and g.is_sparse and s is None and not p.native_sparse
                  else g for p, g, s in zip(self.params, synced, self.sharded)]
         carried = self._carried or [None] * len(fresh)
         self._synced = [_add_grads(c, g) for c, g in zip(carried, fresh)]

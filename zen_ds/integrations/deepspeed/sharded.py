@@ -12,7 +12,7 @@ optimizer state on every rank would give up ZeRO's saving on exactly the largest
 3. after the owner's optimizer step, every rank receives the updated rows (:meth:`ShardedRows.gather`):
    only the rows whose value changed when few did (SGD, Adagrad, SparseAdam touch only rows with a
    gradient), else the whole table as ZeRO's parameter all-gather does (Adam moves every row it ever
-   touched).
+   touched), in pieces of about a shard each (up to :data:`GATHER_PIECES`).
 
 Element-wise optimizers (SGD, Adam/AdamW, Adagrad, SparseAdam) step a shard exactly as they step
 the whole tensor, so the sharded and replicated routes give the same parameters.
@@ -40,6 +40,7 @@ __all__ = ["ShardedRows", "GatherStats", "state_bytes_per_element", "should_shar
            "rows_in_shard_order"]
 
 MIB = 1 << 20
+GATHER_PIECES = 8  # the dense parameter all-gather's pieces, at most (fewer with fewer ranks)
 
 
 def state_bytes_per_element(optimizer: torch.optim.Optimizer, half: bool) -> int:
@@ -89,10 +90,12 @@ class ShardedRows:
         self.rows = shard_rows(self.layout, self.rank, param.device)
         sizes = [self.layout.shard_size(r) for r in range(self.world_size)]
         self.max_rows = max(sizes)
-        # Every row in shard order (rank 0's shard first): where the dense gather's rows go.
-        self.all_rows = rows_in_shard_order(self.layout, param.device)
-        # Positions of real rows in the padded dense gather (None when no shard is padded).
-        self.valid = _real_rows(sizes, param.device)
+        # Where the dense gather's rows go: ``[r, j]`` is the row id of rank r's j-th shard row
+        # (-1 past a shorter shard's end).
+        padded = torch.full((self.world_size * self.max_rows,), -1, dtype=torch.int64, device=param.device)
+        valid = _real_rows(sizes, param.device)
+        padded[valid if valid is not None else slice(None)] = rows_in_shard_order(self.layout, param.device)
+        self.padded_rows = padded.view(self.world_size, self.max_rows)
 
     @property
     def shard_size(self) -> int:
@@ -155,9 +158,23 @@ class ShardedRows:
         param.data.view(param.shape[0], -1).index_copy_(0, got_ids, got_values)
 
     def _gather_dense(self, comm: Communicator, param: nn.Parameter, new: torch.Tensor) -> None:
-        """All-gather every shard (padded to the largest), as ZeRO's parameter all-gather."""
-        gathered = _all_gather_shards(comm, new.to(param.dtype), self.max_rows, self.valid)
-        param.data.index_copy_(0, self.all_rows, gathered)
+        """All-gather every shard (padded to the largest), as ZeRO's parameter all-gather, in up to
+        :data:`GATHER_PIECES` all-gathers of every rank's next slice of rows: no buffer holds the
+        whole table (DeepSpeed bounds its own with ``allgather_bucket_size``)."""
+        flat = param.data.view(param.shape[0], -1)
+        new = new.to(param.dtype).reshape(self.shard_size, flat.shape[1])
+        step = max(-(-self.max_rows // min(self.world_size, GATHER_PIECES)), 1)
+        for start in range(0, self.max_rows, step):
+            stop = min(start + step, self.max_rows)
+            send = torch.zeros((stop - start, flat.shape[1]), dtype=param.dtype, device=param.device)
+            mine = new[start:stop]
+            send[:mine.shape[0]] = mine
+            received = torch.empty((self.world_size * (stop - start), flat.shape[1]), dtype=param.dtype,
+                                   device=param.device)
+            comm.all_gather_into_tensor(received, send, "dense")
+            ids = self.padded_rows[:, start:stop].reshape(-1)
+            real = ids >= 0
+            flat.index_copy_(0, ids[real], received[real])
 
 
 def rows_in_shard_order(layout: ShardLayout, device: Any = "cpu") -> torch.Tensor:

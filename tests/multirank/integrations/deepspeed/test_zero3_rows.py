@@ -33,50 +33,7 @@ MODES = {"stock": None, "zen": {"enabled": True, "stats_interval": 0},
 
 
 def _model():
-    import torch
-    from torch import nn
-
-    class TwoTables(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Embedding(VOCAB_A, WIDTH, padding_idx=3)
-            self.b = nn.Embedding(VOCAB_B, WIDTH, scale_grad_by_freq=True)
-            self.head = nn.Linear(WIDTH, 5)
-
-        def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            h = self.a(ids) + self.b(ids % VOCAB_B)
-            return nn.functional.cross_entropy(self.head(h.mean(dim=1)), labels)
-
-    return TwoTables()
-
-
-class _LargestTensor:
-    """The largest element count of any new tensor a torch op makes while active (outputs that are
-    views of an input, such as a sliding-window view of a partition, allocate nothing)."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        outer = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                import torch
-                out = func(*args, **(kwargs or {}))
-                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                          if isinstance(t, torch.Tensor)}
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                        elements = t.untyped_storage().nbytes() // max(t.element_size(), 1)
-                        if elements > outer.largest:
-                            import traceback
-                            where = "".join(traceback.format_stack(limit=9)[:-2])
-                            outer.largest, outer.op = elements, f"{func}{tuple(t.shape)}{t.dtype}\n{where}"
-                return out
-
-        self.largest, self.op = 0, ""
-        self.mode = Mode()
+    return dc.two_tables(VOCAB_A, VOCAB_B, WIDTH)
 
 
 def _run(rank: int, mode: str) -> Dict[str, Any]:
@@ -99,7 +56,7 @@ def _run(rank: int, mode: str) -> Dict[str, Any]:
 
     engine.module.a.register_forward_pre_hook(at_forward)
     g = torch.Generator().manual_seed(100 + rank)
-    probe = _LargestTensor()
+    probe = dc.LargestTensor()
     for step in range(STEPS):
         for _ in range(GAS):
             ids = (torch.rand(4, 6, generator=g).pow(3) * VOCAB_A).long()
