@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zen_ds.core.option_fields import config_values
+from zen_ds.core.host import to_host
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
@@ -344,14 +345,18 @@ class ZenReducer:
     # ---------------------------------------------------------------------- norms and logging
     @staticmethod
     def norm_sq(grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-        """Sum of squares (fp32) of synced gradients, sparse ones included."""
-        total = torch.zeros((), dtype=torch.float32)
+        """Sum of squares (fp32, on the host) of synced gradients, sparse ones included: summed
+        where they are, in their order, then one read."""
+        total: Optional[torch.Tensor] = None
         for g in grads:
             if g is None:
                 continue
             vals = g.coalesce().values() if g.is_sparse else g
-            total = total + vals.detach().float().pow(2).sum().cpu()
-        return total
+            square = vals.detach().float().pow(2).sum()
+            total = square if total is None else total + square.to(total.device)
+        if total is None:
+            return torch.zeros((), dtype=torch.float32)
+        return to_host(total, "reducer.norm_sq")
 
     def log_stats(self, rank: int) -> None:
         """One line per param, rank 0 only, every ``stats_interval`` steps."""

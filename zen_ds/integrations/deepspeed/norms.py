@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds.core.host import host_values, to_host
 from zen_ds.integrations.deepspeed.internals.engine import is_model_parallel_parameter
 
 __all__ = ["local_sum_of_squares", "model_parallel_sum", "replica_norm", "combined_norm", "clip_coefficient",
@@ -40,17 +41,21 @@ def _tensor_parallel_rank(mpu: Any) -> int:
 
 def local_sum_of_squares(params_and_grads: Iterable[Tuple[nn.Parameter, Optional[torch.Tensor]]],
                          mpu: Any) -> torch.Tensor:
-    """fp32 sum of squares of the gradients this rank counts (see the module docstring)."""
+    """fp32 sum of squares of the gradients this rank counts (see the module docstring), on the
+    host: summed on the gradients' device in their order, then one read."""
     tp_rank = _tensor_parallel_rank(mpu)
-    total = torch.zeros((), dtype=torch.float32)
+    total: Optional[torch.Tensor] = None
     for param, grad in params_and_grads:
         if grad is None or getattr(param, "ds_pipe_replicated", False):
             continue
         if tp_rank != 0 and not is_model_parallel_parameter(param):
             continue
         values = grad.coalesce().values() if grad.is_sparse else grad
-        total = total + values.detach().float().pow(2).sum().cpu()
-    return total
+        square = values.detach().float().pow(2).sum()
+        total = square if total is None else total + square.to(total.device)
+    if total is None:
+        return torch.zeros((), dtype=torch.float32)
+    return to_host(total, "norms.sum_of_squares")
 
 
 def model_parallel_sum(sum_sq: torch.Tensor, mpu: Any) -> torch.Tensor:
@@ -73,10 +78,11 @@ def replica_norm(params_and_grads: Iterable[Tuple[nn.Parameter, Optional[torch.T
 def combined_norm(ds_norm: Any, zen: torch.Tensor) -> torch.Tensor:
     """DeepSpeed's norm and zen's together (fp32, on the CPU); a non-finite or negative (DeepSpeed's
     overflow mark) DeepSpeed norm passes through as it is."""
-    ds_t = torch.as_tensor(ds_norm, dtype=torch.float32).detach().cpu()
-    if bool(((~torch.isfinite(ds_t)) | (ds_t < 0)).any()):
+    ds_t = to_host(torch.as_tensor(ds_norm, dtype=torch.float32).detach(), "norms.deepspeed_norm")
+    if any(not math.isfinite(v) or v < 0 for v in host_values(ds_t.reshape(-1))):
         return ds_t
-    return (ds_t.pow(2) + zen.cpu().pow(2)).sqrt()
+    zen_t = zen if zen.device == ds_t.device else to_host(zen, "norms.zen_norm")
+    return (ds_t.pow(2) + zen_t.pow(2)).sqrt()
 
 
 def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:

@@ -1,0 +1,240 @@
+"""Main-thread CPU time zen adds to one training step of a tiny model through the DeepSpeed
+plug-in (BENCHMARKS.md "Host time of one small sync"); not collected by pytest.
+
+    OMP_NUM_THREADS=1 python tests/plugin_host_time_probe.py --zero 0 --zero 2
+    python tests/plugin_host_time_probe.py --tree before=/tmp/base --tree after=. --rounds 3
+    python tests/plugin_host_time_probe.py --zero 2 --profile rank0.prof
+
+The model is the smallest a user trains with zen: one 1000 x 8 ``nn.Embedding`` (its gradient
+dense, zen syncs its rows) and a small head (8 -> 16 -> 1), SGD, fp32, 2 gloo ranks, 64 ids per
+rank and step. Each run forks the ranks once; every rank builds the same model twice, one engine
+through ``deepspeed.initialize`` (stock) and one through ``zen_ds.initialize`` (``{"enabled":
+true}``), and, after ``--warmup`` steps of each, times ``--blocks`` blocks of ``--steps`` steps,
+stock and zen alternating (so both see the same machine load), with ``time.thread_time`` (the
+main thread's CPU: Python, torch's dispatch, DeepSpeed's and zen's step; gloo's threads are not
+counted). A figure is the median over blocks, mean over ranks, in ms per step; ``added`` is zen's
+minus stock's. One more zen step runs inside :func:`zen_ds.core.host.count_host_reads` (where
+the tree has it): the device-to-host reads of a step, by reason.
+
+``--tree LABEL=PATH`` (repeatable): the ``zen_ds`` of each source tree, runs interleaved over
+``--rounds`` as in ``tests/host_time_probe.py``. ``--profile PATH``: cProfile of rank 0's zen
+steps (thread CPU time), saved to PATH and its top entries printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+ROWS, WIDTH, IDS, BATCHES = 1000, 8, 64, 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model():
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(ROWS, WIDTH)
+            self.head = nn.Sequential(nn.Linear(WIDTH, 16), nn.Tanh(), nn.Linear(16, 1))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embedding(ids).mean(1)).squeeze(-1)
+
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def _config(zero: int, world: int, zen: bool) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": IDS // 8, "gradient_accumulation_steps": 1,
+           "train_batch_size": IDS // 8 * world, "steps_per_print": 1_000_000,
+           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero}}
+    if zen:
+        cfg["zen"] = {"enabled": True}
+    return cfg
+
+
+def _engine(zero: int, world: int, zen: bool):
+    import deepspeed
+    import torch
+
+    import zen_ds
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    init = zen_ds.initialize if zen else deepspeed.initialize
+    engine, _, _, _ = init(model=model, optimizer=optimizer, config=_config(zero, world, zen))
+    return engine
+
+
+def _batches(rank: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [((torch.rand(IDS // 8, 8, generator=gen).pow(2) * ROWS).long(),
+             torch.randn(IDS // 8, generator=gen)) for _ in range(BATCHES)]
+
+
+def _train(engine, batches, steps: int, first: int) -> None:
+    for step in range(first, first + steps):
+        ids, y = batches[step % len(batches)]
+        loss = ((engine(ids) - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+def _rank(rank: int, world: int, port: int, zero: int, steps: int, warmup: int, blocks: int,
+          profile: Optional[str], out: str) -> None:
+    import logging
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from zen_ds.core import host
+    except ImportError:  # a tree from before the counting helper
+        host = None
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    batches = _batches(rank)
+    engines = {"stock": _engine(zero, world, False), "zen": _engine(zero, world, True)}
+    for engine in engines.values():
+        _train(engine, batches, warmup, 0)
+    reads: Dict[str, int] = {}
+    if host is not None:
+        with host.count_host_reads() as counted:
+            _train(engines["zen"], batches, 1, warmup)
+        reads = dict(counted.by_reason)
+    profiler = None
+    if profile and rank == 0:
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time)
+    times: Dict[str, List[float]] = {"stock": [], "zen": []}
+    first = warmup + 1
+    for block in range(blocks):
+        for name in (("stock", "zen") if block % 2 == 0 else ("zen", "stock")):
+            dist.barrier()
+            if profiler is not None and name == "zen":
+                profiler.enable()
+            started = time.thread_time()
+            _train(engines[name], batches, steps, first)
+            times[name].append((time.thread_time() - started) * 1e3 / steps)
+            if profiler is not None and name == "zen":
+                profiler.disable()
+        first += steps
+    dist.barrier()
+    if profiler is not None:
+        profiler.dump_stats(profile)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"times": times, "reads": reads}, f)
+    dist.destroy_process_group()
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        mp.start_processes(_rank, args=(args.world, _free_port(), args.zero[0], args.steps,
+                                        args.warmup, args.blocks, args.profile, out),
+                           nprocs=args.world, start_method="fork")
+        per_rank = []
+        for r in range(args.world):
+            with open(f"{out}.{r}") as f:
+                per_rank.append(json.load(f))
+    with open(args.result, "w") as f:
+        json.dump(per_rank, f)
+
+
+def _run_tree(path: str, zero: int, args: argparse.Namespace) -> List[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        result = tmp.name
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_NUM_THREADS="1")
+    command = [sys.executable, os.path.abspath(__file__), "--worker", "--world", str(args.world),
+               "--result", result, "--zero", str(zero), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--blocks", str(args.blocks)]
+    if args.profile:
+        command += ["--profile", os.path.abspath(args.profile)]
+    try:
+        subprocess.run(command, env=env, check=True, cwd=os.path.abspath(path),
+                       stdout=subprocess.DEVNULL)
+        with open(result) as f:
+            return json.load(f)
+    finally:
+        os.unlink(result)
+
+
+def _per_step(per_rank: List[dict], name: str) -> float:
+    """Median over blocks, mean over ranks, ms per step."""
+    return statistics.fmean(statistics.median(r["times"][name]) for r in per_rank)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--zero", type=int, action="append", help="ZeRO stages (default: 0, 2)")
+    parser.add_argument("--tree", action="append", default=[],
+                        help="LABEL=PATH of a source tree to probe (default: this checkout)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per tree and stage")
+    parser.add_argument("--steps", type=int, default=50, help="steps per timed block")
+    parser.add_argument("--blocks", type=int, default=6, help="timed blocks per engine")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--profile", help="cProfile rank 0's zen steps into this file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return
+    stages = args.zero or [0, 2]
+    trees = [t.split("=", 1) for t in args.tree] or [["this", os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))]]
+    if args.profile and (len(trees) > 1 or len(stages) > 1 or args.rounds > 1):
+        parser.error("--profile takes one tree, one stage and one round")
+    runs: Dict[str, Dict[int, List[List[dict]]]] = {label: {z: [] for z in stages}
+                                                     for label, _ in trees}
+    for round_ in range(args.rounds):
+        for zero in stages:
+            order = trees if round_ % 2 == 0 else list(reversed(trees))
+            for label, path in order:
+                started = time.perf_counter()
+                runs[label][zero].append(_run_tree(path, zero, args))
+                print(f"round {round_ + 1}/{args.rounds}, ZeRO-{zero}, {label}: "
+                      f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
+    print("| tree | ZeRO | stock ms/step | zen ms/step | added ms/step | host reads per zen step |")
+    print("|---|---|---|---|---|---|")
+    for label, _ in trees:
+        for zero in stages:
+            stock = statistics.median(_per_step(run, "stock") for run in runs[label][zero])
+            zen = statistics.median(_per_step(run, "zen") for run in runs[label][zero])
+            reads = runs[label][zero][-1][0]["reads"]
+            described = ", ".join(f"{k} x{v}" for k, v in sorted(reads.items())) or "-"
+            print(f"| {label} | {zero} | {stock:.2f} | {zen:.2f} | {zen - stock:.2f} | "
+                  f"{sum(reads.values())}: {described} |")
+    if args.profile:
+        import pstats
+
+        pstats.Stats(args.profile).sort_stats("tottime").print_stats(35)
+
+
+if __name__ == "__main__":
+    main()
