@@ -25,21 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional
 
+from host_time_probe import fork_ranks, run_worker  # tests/: the script's own directory
+
 ROWS, WIDTH, IDS, BATCHES = 1000, 8, 64, 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -150,37 +143,16 @@ def _rank(rank: int, world: int, port: int, zero: int, steps: int, warmup: int, 
 
 
 def _worker(args: argparse.Namespace) -> None:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank")
-        mp.start_processes(_rank, args=(args.world, _free_port(), args.zero[0], args.steps,
-                                        args.warmup, args.blocks, args.profile, out),
-                           nprocs=args.world, start_method="fork")
-        per_rank = []
-        for r in range(args.world):
-            with open(f"{out}.{r}") as f:
-                per_rank.append(json.load(f))
-    with open(args.result, "w") as f:
-        json.dump(per_rank, f)
+    fork_ranks(_rank, args.world, (args.zero[0], args.steps, args.warmup, args.blocks,
+                                   args.profile), args.result)
 
 
 def _run_tree(path: str, zero: int, args: argparse.Namespace) -> List[dict]:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-        result = tmp.name
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_NUM_THREADS="1")
-    command = [sys.executable, os.path.abspath(__file__), "--worker", "--world", str(args.world),
-               "--result", result, "--zero", str(zero), "--steps", str(args.steps),
+    options = ["--world", str(args.world), "--zero", str(zero), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--blocks", str(args.blocks)]
     if args.profile:
-        command += ["--profile", os.path.abspath(args.profile)]
-    try:
-        subprocess.run(command, env=env, check=True, cwd=os.path.abspath(path),
-                       stdout=subprocess.DEVNULL)
-        with open(result) as f:
-            return json.load(f)
-    finally:
-        os.unlink(result)
+        options += ["--profile", os.path.abspath(args.profile)]
+    return run_worker(__file__, path, options, quiet=True)
 
 
 def _per_step(per_rank: List[dict], name: str) -> float:
