@@ -30,35 +30,10 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from host_time_probe import fork_ranks, run_worker  # tests/: the script's own directory
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+import ds_cases  # noqa: E402  (tests/support: the tiny model)
+from host_time_probe import fork_ranks, run_worker  # noqa: E402  (this script's directory)
 
-ROWS, WIDTH, IDS, BATCHES = 1000, 8, 64, 16
-
-
-def _model():
-    import torch
-    from torch import nn
-
-    class Tiny(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embedding = nn.Embedding(ROWS, WIDTH)
-            self.head = nn.Sequential(nn.Linear(WIDTH, 16), nn.Tanh(), nn.Linear(16, 1))
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.head(self.embedding(ids).mean(1)).squeeze(-1)
-
-    torch.manual_seed(0)
-    return Tiny()
-
-
-def _config(zero: int, world: int, zen: bool) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": IDS // 8, "gradient_accumulation_steps": 1,
-           "train_batch_size": IDS // 8 * world, "steps_per_print": 1_000_000,
-           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero}}
-    if zen:
-        cfg["zen"] = {"enabled": True}
-    return cfg
 
 
 def _engine(zero: int, world: int, zen: bool):
@@ -67,27 +42,13 @@ def _engine(zero: int, world: int, zen: bool):
 
     import zen_ds
 
-    model = _model()
+    torch.manual_seed(0)
+    model = ds_cases.TinyEmbeddingModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     init = zen_ds.initialize if zen else deepspeed.initialize
-    engine, _, _, _ = init(model=model, optimizer=optimizer, config=_config(zero, world, zen))
+    config = ds_cases.tiny_config(zero, world, {"enabled": True} if zen else None)
+    engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
     return engine
-
-
-def _batches(rank: int):
-    import torch
-
-    gen = torch.Generator().manual_seed(100 + rank)
-    return [((torch.rand(IDS // 8, 8, generator=gen).pow(2) * ROWS).long(),
-             torch.randn(IDS // 8, generator=gen)) for _ in range(BATCHES)]
-
-
-def _train(engine, batches, steps: int, first: int) -> None:
-    for step in range(first, first + steps):
-        ids, y = batches[step % len(batches)]
-        loss = ((engine(ids) - y) ** 2).mean()
-        engine.backward(loss)
-        engine.step()
 
 
 def _rank(rank: int, world: int, port: int, zero: int, steps: int, warmup: int, blocks: int,
@@ -107,14 +68,14 @@ def _rank(rank: int, world: int, port: int, zero: int, steps: int, warmup: int, 
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo")
-    batches = _batches(rank)
+    batches = ds_cases.tiny_batches(rank)
     engines = {"stock": _engine(zero, world, False), "zen": _engine(zero, world, True)}
     for engine in engines.values():
-        _train(engine, batches, warmup, 0)
+        ds_cases.tiny_steps(engine, batches, warmup, 0)
     reads: Dict[str, int] = {}
     if host is not None:
         with host.count_host_reads() as counted:
-            _train(engines["zen"], batches, 1, warmup)
+            ds_cases.tiny_steps(engines["zen"], batches, 1, warmup)
         reads = dict(counted.by_reason)
     profiler = None
     if profile and rank == 0:
@@ -129,7 +90,7 @@ def _rank(rank: int, world: int, port: int, zero: int, steps: int, warmup: int, 
             if profiler is not None and name == "zen":
                 profiler.enable()
             started = time.thread_time()
-            _train(engines[name], batches, steps, first)
+            ds_cases.tiny_steps(engines[name], batches, steps, first)
             times[name].append((time.thread_time() - started) * 1e3 / steps)
             if profiler is not None and name == "zen":
                 profiler.disable()
