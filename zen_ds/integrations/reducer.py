@@ -139,6 +139,8 @@ class ZenReducer:
         # --- bookkeeping: optimizer steps synced so far, and the last step's per-param cost
         self.step = 0
         self.plans = StepPlans()  # the step agreement's stable plans and scratch, step to step
+        # (sync keys) -> (the options they were put on, the result): see _options
+        self._derived_options: Dict[Tuple[Any, ...], Tuple[SyncOptions, SyncOptions]] = {}
         self.last_stats: Dict[str, ParamStats] = {}
         self.history: List[Dict[str, ParamStats]] = []
         self.keep_history = False
@@ -150,9 +152,17 @@ class ZenReducer:
 
     def _options(self, density_threshold: float = 1.0) -> SyncOptions:
         """The reducer's options with the block's sync keys on top; ``density_threshold``: the
-        block's for plain syncs, ``1.0`` (never forced dense) for compressed rows and shards."""
-        return replace(self.options, **{**config_values(self.config),
-                                        "density_threshold": density_threshold})
+        block's for plain syncs, ``1.0`` (never forced dense) for compressed rows and shards.
+        The same object from step to step while neither changes: a sync keeps what it derives
+        from its options (checks, record fields, plans) under the options' identity."""
+        values = {**config_values(self.config), "density_threshold": density_threshold}
+        key = tuple(values.items())
+        kept = self._derived_options.get(key)
+        if kept is not None and kept[0] is self.options:
+            return kept[1]
+        made = replace(self.options, **values)
+        self._derived_options[key] = (self.options, made)
+        return made
 
     def _wire_dtype(self, p: ZenParam, grad: Optional[torch.Tensor]) -> torch.dtype:
         """The dtype a gradient travels in: DeepSpeed's communication dtype, else its own."""

@@ -229,7 +229,7 @@ class ReducerRoute(EngineRoute):
         if self.reduced_this_step:
             self.reduced_this_step = False
             self.another_backward()
-        if not self.sync.active:
+        if self.sync.in_background and not self.sync.active:  # its thread may start in backward
             self.refresh_scale()
 
     def another_backward(self) -> None:
@@ -237,11 +237,11 @@ class ReducerRoute(EngineRoute):
         steps: under ZeRO-0 the sum of both synced gradients, under ZeRO-1/2 the last one)."""
 
     def end_backward(self) -> None:
-        if not self.reduced_this_step and not self.sync.active:
-            self.refresh_scale()
         if not self.sync.in_background:
-            self.reduce()
+            self.reduce()  # reads the scaling rule itself
         elif not self.reduced_this_step:
+            if not self.sync.active:  # no hook fired: close() starts the thread
+                self.refresh_scale()
             self.sync.close()
 
     def reduce(self) -> None:
