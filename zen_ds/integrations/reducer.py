@@ -153,8 +153,7 @@ class ZenReducer:
     def _options(self, density_threshold: float = 1.0) -> SyncOptions:
         """The reducer's options with the block's sync keys on top; ``density_threshold``: the
         block's for plain syncs, ``1.0`` (never forced dense) for compressed rows and shards.
-        The same object from step to step while neither changes: a sync keeps what it derives
-        from its options (checks, record fields, plans) under the options' identity."""
+        One object while neither changes: syncs keep what they derive under its identity."""
         values = {**config_values(self.config), "density_threshold": density_threshold}
         key = tuple(values.items())
         kept = self._derived_options.get(key)
@@ -357,15 +356,11 @@ class ZenReducer:
     def norm_sq(grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
         """Sum of squares (fp32, on the host) of synced gradients, sparse ones included: summed
         where they are, in their order, then one read."""
-        total: Optional[torch.Tensor] = None
+        total = torch.zeros((), dtype=torch.float32)
         for g in grads:
-            if g is None:
-                continue
-            vals = g.coalesce().values() if g.is_sparse else g
-            square = vals.detach().float().pow(2).sum()
-            total = square if total is None else total + square.to(total.device)
-        if total is None:
-            return torch.zeros((), dtype=torch.float32)
+            if g is not None:
+                vals = g.coalesce().values() if g.is_sparse else g
+                total = total.to(vals.device) + vals.detach().float().pow(2).sum()
         return to_host(total, "reducer.norm_sq")
 
     def log_stats(self, rank: int) -> None:
