@@ -5,11 +5,12 @@ plug-in (BENCHMARKS.md "Host time of one small sync"); not collected by pytest.
     python tests/plugin_host_time_probe.py --tree before=/tmp/base --tree after=. --rounds 3
     python tests/plugin_host_time_probe.py --zero 2 --profile rank0.prof
 
-The model is the smallest a user trains with zen: one 1000 x 8 ``nn.Embedding`` (its gradient
-dense, zen syncs its rows) and a small head (8 -> 16 -> 1), SGD, fp32, 2 gloo ranks, 64 ids per
+The model is the smallest a user trains with zen (``ds_cases.TinyEmbeddingModel`` in
+tests/support): one 1000 x 8 ``nn.Embedding`` (its gradient dense, zen syncs its rows) and a
+small head (8 -> 16 -> 1), SGD, fp32, DeepSpeed's default clipping, 2 gloo ranks, 64 ids per
 rank and step. Each run forks the ranks once; every rank builds the same model twice, one engine
-through ``deepspeed.initialize`` (stock) and one through ``zen_ds.initialize`` (``{"enabled":
-true}``), and, after ``--warmup`` steps of each, times ``--blocks`` blocks of ``--steps`` steps,
+through ``deepspeed.initialize`` (stock) and one through ``zen_ds.initialize`` (``--zen``, a
+JSON zen block, default ``{"enabled": true}``), and, after ``--warmup`` steps of each, times ``--blocks`` blocks of ``--steps`` steps,
 stock and zen alternating (so both see the same machine load), with ``time.thread_time`` (the
 main thread's CPU: Python, torch's dispatch, DeepSpeed's and zen's step; gloo's threads are not
 counted). A figure is the median over blocks, mean over ranks, in ms per step; ``added`` is zen's
@@ -36,7 +37,7 @@ from host_time_probe import fork_ranks, run_worker  # noqa: E402  (this script's
 
 
 
-def _engine(zero: int, world: int, zen: bool):
+def _engine(zero: int, world: int, zen: Optional[dict]):
     import deepspeed
     import torch
 
@@ -46,13 +47,13 @@ def _engine(zero: int, world: int, zen: bool):
     model = ds_cases.TinyEmbeddingModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     init = zen_ds.initialize if zen else deepspeed.initialize
-    config = ds_cases.tiny_config(zero, world, {"enabled": True} if zen else None)
+    config = ds_cases.tiny_config(zero, world, zen)
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
     return engine
 
 
-def _rank(rank: int, world: int, port: int, zero: int, steps: int, warmup: int, blocks: int,
-          profile: Optional[str], out: str) -> None:
+def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, warmup: int,
+          blocks: int, profile: Optional[str], out: str) -> None:
     import logging
 
     import deepspeed
@@ -69,7 +70,7 @@ def _rank(rank: int, world: int, port: int, zero: int, steps: int, warmup: int, 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo")
     batches = ds_cases.tiny_batches(rank)
-    engines = {"stock": _engine(zero, world, False), "zen": _engine(zero, world, True)}
+    engines = {"stock": _engine(zero, world, None), "zen": _engine(zero, world, zen)}
     for engine in engines.values():
         ds_cases.tiny_steps(engine, batches, warmup, 0)
     reads: Dict[str, int] = {}
@@ -104,13 +105,13 @@ def _rank(rank: int, world: int, port: int, zero: int, steps: int, warmup: int, 
 
 
 def _worker(args: argparse.Namespace) -> None:
-    fork_ranks(_rank, args.world, (args.zero[0], args.steps, args.warmup, args.blocks,
-                                   args.profile), args.result)
+    fork_ranks(_rank, args.world, (args.zero[0], json.loads(args.zen), args.steps, args.warmup,
+                                   args.blocks, args.profile), args.result)
 
 
 def _run_tree(path: str, zero: int, args: argparse.Namespace) -> List[dict]:
-    options = ["--world", str(args.world), "--zero", str(zero), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--blocks", str(args.blocks)]
+    options = ["--world", str(args.world), "--zero", str(zero), "--zen", args.zen,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--blocks", str(args.blocks)]
     if args.profile:
         options += ["--profile", os.path.abspath(args.profile)]
     return run_worker(__file__, path, options, quiet=True)
@@ -131,6 +132,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--blocks", type=int, default=6, help="timed blocks per engine")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--zen", default='{"enabled": true}', help="the zen block (JSON)")
     parser.add_argument("--profile", help="cProfile rank 0's zen steps into this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
