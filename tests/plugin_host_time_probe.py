@@ -14,7 +14,8 @@ JSON zen block, default ``{"enabled": true}``), and, after ``--warmup`` steps of
 stock and zen alternating (so both see the same machine load), with ``time.thread_time`` (the
 main thread's CPU: Python, torch's dispatch, DeepSpeed's and zen's step; gloo's threads are not
 counted). A figure is the median over blocks, mean over ranks, in ms per step; ``added`` is zen's
-minus stock's. One more zen step runs inside :func:`zen_ds.core.host.count_host_reads` (where
+minus stock's; ``calls/step``: rank 0's function calls per step (Python and C, counted with
+``sys.setprofile`` over 10 steps: load-independent). One more zen step runs inside :func:`zen_ds.core.host.count_host_reads` (where
 the tree has it): the device-to-host reads of a step, by reason.
 
 ``--tree LABEL=PATH`` (repeatable): the ``zen_ds`` of each source tree, runs interleaved over
@@ -36,6 +37,8 @@ import ds_cases  # noqa: E402  (tests/support: the tiny model)
 from host_time_probe import fork_ranks, run_worker  # noqa: E402  (this script's directory)
 
 
+CALL_STEPS = 10  # steps whose function calls are counted
+
 
 def _engine(zero: int, world: int, zen: Optional[dict]):
     import deepspeed
@@ -50,6 +53,23 @@ def _engine(zero: int, world: int, zen: Optional[dict]):
     config = ds_cases.tiny_config(zero, world, zen)
     engine, _, _, _ = init(model=model, optimizer=optimizer, config=config)
     return engine
+
+
+def _calls_per_step(engine, batches, steps: int, first: int) -> float:
+    """Function calls (Python and C) on this thread per step: what the host does, counted
+    independently of the machine's load."""
+    calls = [0]
+
+    def count(frame, event: str, arg) -> None:
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    sys.setprofile(count)
+    try:
+        ds_cases.tiny_steps(engine, batches, steps, first)
+    finally:
+        sys.setprofile(None)
+    return calls[0] / steps
 
 
 def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, warmup: int,
@@ -78,13 +98,15 @@ def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, wa
         with host.count_host_reads() as counted:
             ds_cases.tiny_steps(engines["zen"], batches, 1, warmup)
         reads = dict(counted.by_reason)
+    calls = {name: _calls_per_step(engines[name], batches, CALL_STEPS, warmup + 1)
+             for name in ("stock", "zen")}
     profiler = None
     if profile and rank == 0:
         import cProfile
 
         profiler = cProfile.Profile(time.thread_time)
     times: Dict[str, List[float]] = {"stock": [], "zen": []}
-    first = warmup + 1
+    first = warmup + 1 + CALL_STEPS
     for block in range(blocks):
         for name in (("stock", "zen") if block % 2 == 0 else ("zen", "stock")):
             dist.barrier()
@@ -100,7 +122,7 @@ def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, wa
     if profiler is not None:
         profiler.dump_stats(profile)
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"times": times, "reads": reads}, f)
+        json.dump({"times": times, "reads": reads, "calls": calls}, f)
     dist.destroy_process_group()
 
 
@@ -155,15 +177,18 @@ def main(argv: Optional[List[str]] = None) -> None:
                 runs[label][zero].append(_run_tree(path, zero, args))
                 print(f"round {round_ + 1}/{args.rounds}, ZeRO-{zero}, {label}: "
                       f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
-    print("| tree | ZeRO | stock ms/step | zen ms/step | added ms/step | host reads per zen step |")
-    print("|---|---|---|---|---|---|")
+    print("| tree | ZeRO | stock ms/step | zen ms/step | added ms/step | calls/step stock -> zen "
+          "| host reads per zen step |")
+    print("|---|---|---|---|---|---|---|")
     for label, _ in trees:
         for zero in stages:
             stock = statistics.median(_per_step(run, "stock") for run in runs[label][zero])
             zen = statistics.median(_per_step(run, "zen") for run in runs[label][zero])
             reads = runs[label][zero][-1][0]["reads"]
             described = ", ".join(f"{k} x{v}" for k, v in sorted(reads.items())) or "-"
-            print(f"| {label} | {zero} | {stock:.2f} | {zen:.2f} | {zen - stock:.2f} | "
+            calls = runs[label][zero][-1][0].get("calls", {})
+            counted = f"{calls['stock']:.0f} -> {calls['zen']:.0f}" if calls else "-"
+            print(f"| {label} | {zero} | {stock:.2f} | {zen:.2f} | {zen - stock:.2f} | {counted} | "
                   f"{sum(reads.values())}: {described} |")
     if args.profile:
         import pstats

@@ -322,7 +322,7 @@ class ZenReducer:
                 calls.append(call)
                 finishes.append(finish)
                 sent.append(False)
-        stats = [SyncStats() for _ in calls]
+        stats = [ParamStats(compressed=compressed) for compressed in sent]  # filled by the sync
         try:
             results = sync_step(calls, group, self.options, self.plans, stats)
         except ZenInputError:  # agreed before this step's data moved: nothing is lost
@@ -331,7 +331,7 @@ class ZenReducer:
             raise
         share = (time.perf_counter() - started) / max(len(calls), 1)
         done: Dict[int, Tuple[torch.Tensor, ParamStats]] = {}
-        for index, result, finish, st, compressed in zip(indices, results, finishes, stats, sent):
+        for index, result, finish, summary in zip(indices, results, finishes, stats):
             p, grad = self.params[index], grads[index]
             result = finish(result)
             out_dtype = grad.dtype if grad is not None else p.param.dtype
@@ -339,7 +339,6 @@ class ZenReducer:
                 result = result.to(out_dtype)
             if not result.is_sparse:
                 result = result.view_as(p.param)
-            summary = ParamStats(compressed=compressed).copy_from(st)
             summary.seconds = share  # the step's agreement and syncs, shared out evenly
             done[index] = (result, summary)
         return done
