@@ -19,7 +19,10 @@ minus stock's; ``calls/step``: rank 0's function calls per step (Python and C, c
 the tree has it): the device-to-host reads of a step, by reason.
 
 ``--tree LABEL=PATH`` (repeatable): the ``zen_ds`` of each source tree, runs interleaved over
-``--rounds`` as in ``tests/host_time_probe.py``. ``--profile PATH``: cProfile of rank 0's zen
+``--rounds`` as in ``tests/host_time_probe.py``. ``--check`` instead compares what the trees
+compute over ``--warmup`` zen steps: every step's stats per param (every field but the times,
+measured and predicted: the cost model's compute rates are measured at attach) and the
+parameters after the last step. ``--profile PATH``: cProfile of rank 0's zen
 steps (thread CPU time), saved to PATH and its top entries printed.
 """
 from __future__ import annotations
@@ -72,6 +75,28 @@ def _calls_per_step(engine, batches, steps: int, first: int) -> float:
     return calls[0] / steps
 
 
+def _outcomes(engine, batches, steps: int) -> Dict[str, object]:
+    """What ``steps`` zen steps computed: each step's stats per param but the times, and the
+    parameters' bytes (a hash) after the last."""
+    import hashlib
+
+    import zen_ds
+
+    seen: Dict[str, object] = {}
+    for step in range(steps):
+        ds_cases.tiny_steps(engine, batches, 1, step)
+        for name, stats in zen_ds.state_of(engine).reducer.last_stats.items():
+            fields = stats.as_dict()
+            fields.pop("seconds")
+            fields.pop("predicted_seconds")  # from compute rates measured at attach, per run
+            for record in fields["collectives"]:
+                record.pop("seconds")
+            seen[f"{step}/{name}"] = fields
+    for name, param in engine.module.named_parameters():
+        seen[name] = hashlib.sha256(param.detach().contiguous().view(-1).numpy().tobytes()).hexdigest()
+    return seen
+
+
 def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, warmup: int,
           blocks: int, profile: Optional[str], out: str) -> None:
     import logging
@@ -90,6 +115,11 @@ def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, wa
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo")
     batches = ds_cases.tiny_batches(rank)
+    if steps == 0:  # --check
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(_outcomes(_engine(zero, world, zen), batches, warmup), f)
+        dist.destroy_process_group()
+        return
     engines = {"stock": _engine(zero, world, None), "zen": _engine(zero, world, zen)}
     for engine in engines.values():
         ds_cases.tiny_steps(engine, batches, warmup, 0)
@@ -133,7 +163,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _run_tree(path: str, zero: int, args: argparse.Namespace) -> List[dict]:
     options = ["--world", str(args.world), "--zero", str(zero), "--zen", args.zen,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--blocks", str(args.blocks)]
+               "--steps", str(0 if args.check else args.steps), "--warmup", str(args.warmup), "--blocks", str(args.blocks)]
     if args.profile:
         options += ["--profile", os.path.abspath(args.profile)]
     return run_worker(__file__, path, options, quiet=True)
@@ -142,6 +172,23 @@ def _run_tree(path: str, zero: int, args: argparse.Namespace) -> List[dict]:
 def _per_step(per_rank: List[dict], name: str) -> float:
     """Median over blocks, mean over ranks, ms per step."""
     return statistics.fmean(statistics.median(r["times"][name]) for r in per_rank)
+
+
+def _check(trees: List[List[str]], stages: List[int], args: argparse.Namespace) -> None:
+    """Run every tree once per stage (``--warmup`` zen steps) and print where they differ."""
+    differences = 0
+    for zero in stages:
+        outcomes = {label: _run_tree(path, zero, args) for label, path in trees}
+        (first, reference), *others = outcomes.items()
+        for label, per_rank in others:
+            for rank, (want, got) in enumerate(zip(reference, per_rank)):
+                for key in sorted(set(want) | set(got)):
+                    if want.get(key) != got.get(key):
+                        differences += 1
+                        print(f"ZeRO-{zero} rank {rank} {key}: {first} {want.get(key)} != "
+                              f"{label} {got.get(key)}")
+        print(f"ZeRO-{zero}: {len(reference[0])} entries per rank compared", file=sys.stderr)
+    print("identical" if not differences else f"{differences} differences")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -156,6 +203,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--zen", default='{"enabled": true}', help="the zen block (JSON)")
     parser.add_argument("--profile", help="cProfile rank 0's zen steps into this file")
+    parser.add_argument("--check", action="store_true",
+                        help="compare the trees' parameters and stats instead of timing them")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -167,6 +216,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         os.path.dirname(os.path.abspath(__file__)))]]
     if args.profile and (len(trees) > 1 or len(stages) > 1 or args.rounds > 1):
         parser.error("--profile takes one tree, one stage and one round")
+    if args.check:
+        _check(trees, stages, args)
+        return
     runs: Dict[str, Dict[int, List[List[dict]]]] = {label: {z: [] for z in stages}
                                                      for label, _ in trees}
     for round_ in range(args.rounds):
