@@ -226,20 +226,22 @@ def _reads(per_rank: List[dict], scheme: str) -> str:
     return " / ".join(str(sum(counted[name].values())) for name in INPUTS)
 
 
-def _check(trees: List[List[str]], worlds: List[int], args: argparse.Namespace) -> None:
-    """Run every tree once per world size and print where their outcomes differ."""
+def check_trees(trees: List[List[str]], cases: List[int], run: Callable[[str, int], List[dict]],
+                name: Callable[[int], str]) -> None:
+    """Run every tree once per case (``run(path, case)``: its per-rank outcomes, a dict each)
+    and print where the trees' outcomes differ, then ``identical`` or how many differ."""
     differences = 0
-    for world in worlds:
-        outcomes = {label: _run_tree(path, world, args) for label, path in trees}
+    for case in cases:
+        outcomes = {label: run(path, case) for label, path in trees}
         (first, reference), *others = outcomes.items()
         for label, per_rank in others:
             for rank, (want, got) in enumerate(zip(reference, per_rank)):
                 for key in sorted(set(want) | set(got)):
                     if want.get(key) != got.get(key):
                         differences += 1
-                        print(f"n={world} rank {rank} {key}: {first} {want.get(key)} != "
+                        print(f"{name(case)} rank {rank} {key}: {first} {want.get(key)} != "
                               f"{label} {got.get(key)}")
-        print(f"n={world}: {len(reference[0])} calls per rank compared", file=sys.stderr)
+        print(f"{name(case)}: {len(reference[0])} outcomes per rank compared", file=sys.stderr)
     print("identical" if not differences else f"{differences} differences")
 
 
@@ -270,7 +272,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.profile and (len(trees) > 1 or len(worlds) > 1 or args.rounds > 1):
         parser.error("--profile takes one tree, one world size and one round")
     if args.check:
-        _check(trees, worlds, args)
+        check_trees(trees, worlds, lambda path, world: _run_tree(path, world, args),
+                    lambda world: f"n={world}")
         return
     runs: Dict[str, Dict[int, List[List[dict]]]] = {label: {w: [] for w in worlds}
                                                      for label, _ in trees}

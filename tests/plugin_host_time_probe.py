@@ -37,7 +37,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 import ds_cases  # noqa: E402  (tests/support: the tiny model)
-from host_time_probe import fork_ranks, run_worker  # noqa: E402  (this script's directory)
+from host_time_probe import check_trees, fork_ranks, run_worker  # noqa: E402  (this script's directory)
 
 
 CALL_STEPS = 10  # steps whose function calls are counted
@@ -174,23 +174,6 @@ def _per_step(per_rank: List[dict], name: str) -> float:
     return statistics.fmean(statistics.median(r["times"][name]) for r in per_rank)
 
 
-def _check(trees: List[List[str]], stages: List[int], args: argparse.Namespace) -> None:
-    """Run every tree once per stage (``--warmup`` zen steps) and print where they differ."""
-    differences = 0
-    for zero in stages:
-        outcomes = {label: _run_tree(path, zero, args) for label, path in trees}
-        (first, reference), *others = outcomes.items()
-        for label, per_rank in others:
-            for rank, (want, got) in enumerate(zip(reference, per_rank)):
-                for key in sorted(set(want) | set(got)):
-                    if want.get(key) != got.get(key):
-                        differences += 1
-                        print(f"ZeRO-{zero} rank {rank} {key}: {first} {want.get(key)} != "
-                              f"{label} {got.get(key)}")
-        print(f"ZeRO-{zero}: {len(reference[0])} entries per rank compared", file=sys.stderr)
-    print("identical" if not differences else f"{differences} differences")
-
-
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--zero", type=int, action="append", help="ZeRO stages (default: 0, 2)")
@@ -217,7 +200,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.profile and (len(trees) > 1 or len(stages) > 1 or args.rounds > 1):
         parser.error("--profile takes one tree, one stage and one round")
     if args.check:
-        _check(trees, stages, args)
+        check_trees(trees, stages, lambda path, zero: _run_tree(path, zero, args),
+                    lambda zero: f"ZeRO-{zero}")
         return
     runs: Dict[str, Dict[int, List[List[dict]]]] = {label: {z: [] for z in stages}
                                                      for label, _ in trees}
