@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zen_ds.core.host import host_values, to_host
 from zen_ds.integrations.deepspeed.internals.engine import is_model_parallel_parameter
 
 __all__ = ["local_sum_of_squares", "model_parallel_sum", "replica_norm", "combined_norm", "clip_coefficient",
@@ -41,8 +40,8 @@ def _tensor_parallel_rank(mpu: Any) -> int:
 
 def local_sum_of_squares(params_and_grads: Iterable[Tuple[nn.Parameter, Optional[torch.Tensor]]],
                          mpu: Any) -> torch.Tensor:
-    """fp32 sum of squares of the gradients this rank counts (see the module docstring), on the
-    host: summed on the gradients' device in their order, then one read."""
+    """fp32 sum of squares of the gradients this rank counts (see the module docstring), summed
+    on the gradients' device in their order (not read: the caller reads what it combines)."""
     tp_rank = _tensor_parallel_rank(mpu)
     total: Optional[torch.Tensor] = None
     for param, grad in params_and_grads:
@@ -53,9 +52,7 @@ def local_sum_of_squares(params_and_grads: Iterable[Tuple[nn.Parameter, Optional
         values = grad.coalesce().values() if grad.is_sparse else grad
         square = values.detach().float().pow(2).sum()
         total = square if total is None else total + square.to(total.device)
-    if total is None:
-        return torch.zeros((), dtype=torch.float32)
-    return to_host(total, "norms.sum_of_squares")
+    return total if total is not None else torch.zeros((), dtype=torch.float32)
 
 
 def model_parallel_sum(sum_sq: torch.Tensor, mpu: Any) -> torch.Tensor:
@@ -76,13 +73,12 @@ def replica_norm(params_and_grads: Iterable[Tuple[nn.Parameter, Optional[torch.T
 
 
 def combined_norm(ds_norm: Any, zen: torch.Tensor) -> torch.Tensor:
-    """DeepSpeed's norm and zen's together (fp32, on the CPU); a non-finite or negative (DeepSpeed's
-    overflow mark) DeepSpeed norm passes through as it is."""
-    ds_t = to_host(torch.as_tensor(ds_norm, dtype=torch.float32).detach(), "norms.deepspeed_norm")
-    if any(not math.isfinite(v) or v < 0 for v in host_values(ds_t.reshape(-1))):
-        return ds_t
-    zen_t = zen if zen.device == ds_t.device else to_host(zen, "norms.zen_norm")
-    return (ds_t.pow(2) + zen_t.pow(2)).sqrt()
+    """DeepSpeed's norm and zen's together (fp32, where DeepSpeed's is; not read); a non-finite or
+    negative (DeepSpeed's overflow mark) DeepSpeed norm passes through as it is."""
+    ds_t = torch.as_tensor(ds_norm, dtype=torch.float32).detach()
+    combined = (ds_t.pow(2) + zen.to(ds_t.device).pow(2)).sqrt()
+    overflow = ((~torch.isfinite(ds_t)) | (ds_t < 0)).any()
+    return torch.where(overflow, ds_t, combined)
 
 
 def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:

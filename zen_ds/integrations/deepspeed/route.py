@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, 
 import torch
 import torch.distributed as dist
 
-from zen_ds.core.host import host_float, host_values
+from zen_ds.core.host import host_float
 from zen_ds.integrations.deepspeed import checkpoint
 from zen_ds.integrations.deepspeed.faults import during_sync
 from zen_ds.integrations.deepspeed.grads import GradStorage
@@ -313,12 +313,11 @@ def clip_fp32(route: EngineRoute, engine: Any, own_norm: Callable[[], bool]) -> 
         params = [p for p in engine.module.parameters() if p.grad is not None]
         max_norm = engine.gradient_clipping()
         own = own_norm()
-        if own:  # summed on the host (one read inside)
+        if own:
             norm = replica_norm(((p, p.grad) for p in params), engine.mpu)
-            route.last_norm = host_values(norm)
         else:
             norm = ds_engine.deepspeed_clip_norm(params, max_norm, engine.mpu)
-            route.last_norm = norm  # read on the host only when asked for
+        route.last_norm = norm  # read on the host only when asked for
         scaled = [p for p in params if own or p.grad.is_sparse]  # DeepSpeed scaled the others
         if scaled:  # the coefficient is a host decision: one read
             coef = clip_coefficient(max_norm, route.last_norm)

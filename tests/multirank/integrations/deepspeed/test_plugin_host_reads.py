@@ -17,10 +17,10 @@ Why each read is there:
 * ``agreement.*``, ``sparcml.*``: with ``"scheme": "auto"`` (the default) the 2-rank step picks
   ``sparcml``, which keeps no stable plan: every step agrees (its gathered records, the support
   sketch's row ids) and the recursive doubling reads its one round's header.
-* ``norms.*`` (ZeRO-1/2): zen steps its params itself and clips them with DeepSpeed's rule, a
-  coefficient computed on the host from the global norm: zen's sum of squares (one read for
-  every param) and DeepSpeed's norm, combined on the host. Under ZeRO-0 DeepSpeed scales the
-  dense gradients on the device, and zen reads the norm only for a sparse gradient.
+* ``norms.combined`` (ZeRO-1/2): zen steps its params itself and clips them with DeepSpeed's
+  rule, a coefficient computed on the host from the global norm (zen's and DeepSpeed's,
+  combined on the device, then read once). Under ZeRO-0 DeepSpeed scales the dense gradients on
+  the device, and zen reads the norm only for a sparse gradient.
 * ZeRO-3 (embedding at batch cost): ``id_check.flag`` (the agreed out-of-range flag of the
   forward's id check, which must raise on every rank before any fetch), the forward's unique ids
   (``row_embedding.batch_rows``: the fetch's size), the fetch's count exchange
@@ -56,7 +56,7 @@ CASES: Dict[str, Any] = {
 }
 _STABLE = {"balanced.counts": 1, "balanced.pull_headers": 1}
 _AGREED = {"agreement.records": 1, "agreement.sketch_rows": 1, "sparcml.message_rows": 1}
-_CLIP = {"norms.sum_of_squares": 1, "norms.deepspeed_norm": 1}
+_CLIP = {"norms.combined": 1}
 STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/balanced": _STABLE,
     "zero2/balanced": {**_STABLE, **_CLIP},
@@ -119,7 +119,7 @@ def test_reads_per_training_step_are_pinned(counted, case: str) -> None:
 @pytest.mark.parametrize("case", ["zero0/balanced", "zero2/balanced", "zero0/overlap"])
 def test_a_stable_plan_steps_with_two_reads_of_its_sync(counted, case: str) -> None:
     """The embedding's sync at a stable plan: at most 2 reads in all (beyond them only the
-    clipping's, under ZeRO-1/2)."""
+    clipping's one, under ZeRO-1/2)."""
     for seen in counted:
         got = seen[case]
         assert got["stable"] == "balanced", f"{case}: no stable plan after {WARMUP} steps"
