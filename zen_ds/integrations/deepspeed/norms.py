@@ -73,9 +73,11 @@ def replica_norm(params_and_grads: Iterable[Tuple[nn.Parameter, Optional[torch.T
 
 
 def combined_norm(ds_norm: Any, zen: torch.Tensor) -> torch.Tensor:
-    """DeepSpeed's norm and zen's together (fp32, where DeepSpeed's is; not read); a non-finite or
-    negative (DeepSpeed's overflow mark) DeepSpeed norm passes through as it is."""
-    ds_t = torch.as_tensor(ds_norm, dtype=torch.float32).detach()
+    """DeepSpeed's norm and zen's together (fp32, where DeepSpeed's is, or zen's for a number;
+    not read); a non-finite or negative (DeepSpeed's overflow mark) DeepSpeed norm passes
+    through as it is."""
+    on = None if torch.is_tensor(ds_norm) else zen.device
+    ds_t = torch.as_tensor(ds_norm, dtype=torch.float32, device=on).detach()
     combined = (ds_t.pow(2) + zen.to(ds_t.device).pow(2)).sqrt()
     overflow = ((~torch.isfinite(ds_t)) | (ds_t < 0)).any()
     return torch.where(overflow, ds_t, combined)
