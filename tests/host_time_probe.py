@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 SCHEMES = ("dense", "agsparse", "balanced", "sparcml", "omnireduce", "hierarchical", "auto")
 INPUTS = ("dense37", "dense4000", "rowsparse", "coo")
@@ -161,43 +161,56 @@ def _rank(rank: int, n: int, port: int, schemes: List[str], calls: int, warmup: 
     dist.destroy_process_group()
 
 
-def _worker(args: argparse.Namespace) -> None:
-    """One run at one world size, with the zen_ds on this process's path; writes the per-rank
-    results as one JSON file."""
+def fork_ranks(rank: Callable[..., None], world: int, args: tuple, result: str) -> None:
+    """Fork ``world`` ranks running ``rank(r, world, port, *args, out)`` (each writes its JSON
+    to ``{out}.{r}``) and write their results, as one JSON list, to ``result``."""
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("ZEN_DS_RANKS_PER_NODE", "2")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank")
-        mp.start_processes(_rank, args=(args.world, _free_port(), args.schemes, args.calls,
-                                        args.warmup, args.profile, out),
-                           nprocs=args.world, start_method="fork")
+        mp.start_processes(rank, args=(world, _free_port()) + tuple(args) + (out,),
+                           nprocs=world, start_method="fork")
         per_rank = []
-        for r in range(args.world):
+        for r in range(world):
             with open(f"{out}.{r}") as f:
                 per_rank.append(json.load(f))
-    with open(args.result, "w") as f:
+    with open(result, "w") as f:
         json.dump(per_rank, f)
 
 
-def _run_tree(path: str, world: int, args: argparse.Namespace) -> List[dict]:
+def run_worker(script: str, path: str, options: List[str], nice: int = 0,
+               quiet: bool = False) -> List[dict]:
+    """``script --worker --result FILE *options`` with the ``zen_ds`` of the source tree at
+    ``path`` (its per-rank results)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         result = tmp.name
     env = dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_NUM_THREADS="1")
-    calls = 0 if args.check else args.calls
-    command = [sys.executable, os.path.abspath(__file__), "--worker", "--world", str(world),
-               "--result", result, "--calls", str(calls), "--warmup", str(args.warmup),
-               "--schemes", ",".join(args.schemes)]
-    if args.profile:
-        command += ["--profile", os.path.abspath(args.profile)]
-    if args.nice:
-        command = ["nice", "-n", str(args.nice)] + command
+    command = [sys.executable, os.path.abspath(script), "--worker", "--result", result] + options
+    if nice:
+        command = ["nice", "-n", str(nice)] + command
     try:
-        subprocess.run(command, env=env, check=True, cwd=os.path.abspath(path))
+        subprocess.run(command, env=env, check=True, cwd=os.path.abspath(path),
+                       stdout=subprocess.DEVNULL if quiet else None)
         with open(result) as f:
             return json.load(f)
     finally:
         os.unlink(result)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One run at one world size, with the zen_ds on this process's path."""
+    os.environ.setdefault("ZEN_DS_RANKS_PER_NODE", "2")
+    fork_ranks(_rank, args.world, (args.schemes, args.calls, args.warmup, args.profile),
+               args.result)
+
+
+def _run_tree(path: str, world: int, args: argparse.Namespace) -> List[dict]:
+    calls = 0 if args.check else args.calls
+    options = ["--world", str(world), "--calls", str(calls), "--warmup", str(args.warmup),
+               "--schemes", ",".join(args.schemes)]
+    if args.profile:
+        options += ["--profile", os.path.abspath(args.profile)]
+    return run_worker(__file__, path, options, args.nice)
 
 
 def _per_call(per_rank: List[dict], scheme: str) -> float:
@@ -213,20 +226,22 @@ def _reads(per_rank: List[dict], scheme: str) -> str:
     return " / ".join(str(sum(counted[name].values())) for name in INPUTS)
 
 
-def _check(trees: List[List[str]], worlds: List[int], args: argparse.Namespace) -> None:
-    """Run every tree once per world size and print where their outcomes differ."""
+def check_trees(trees: List[List[str]], cases: List[int], run: Callable[[str, int], List[dict]],
+                name: Callable[[int], str]) -> None:
+    """Run every tree once per case (``run(path, case)``: its per-rank outcomes, a dict each)
+    and print where the trees' outcomes differ, then ``identical`` or how many differ."""
     differences = 0
-    for world in worlds:
-        outcomes = {label: _run_tree(path, world, args) for label, path in trees}
+    for case in cases:
+        outcomes = {label: run(path, case) for label, path in trees}
         (first, reference), *others = outcomes.items()
         for label, per_rank in others:
             for rank, (want, got) in enumerate(zip(reference, per_rank)):
                 for key in sorted(set(want) | set(got)):
                     if want.get(key) != got.get(key):
                         differences += 1
-                        print(f"n={world} rank {rank} {key}: {first} {want.get(key)} != "
+                        print(f"{name(case)} rank {rank} {key}: {first} {want.get(key)} != "
                               f"{label} {got.get(key)}")
-        print(f"n={world}: {len(reference[0])} calls per rank compared", file=sys.stderr)
+        print(f"{name(case)}: {len(reference[0])} outcomes per rank compared", file=sys.stderr)
     print("identical" if not differences else f"{differences} differences")
 
 
@@ -257,7 +272,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.profile and (len(trees) > 1 or len(worlds) > 1 or args.rounds > 1):
         parser.error("--profile takes one tree, one world size and one round")
     if args.check:
-        _check(trees, worlds, args)
+        check_trees(trees, worlds, lambda path, world: _run_tree(path, world, args),
+                    lambda world: f"n={world}")
         return
     runs: Dict[str, Dict[int, List[List[dict]]]] = {label: {w: [] for w in worlds}
                                                      for label, _ in trees}

@@ -88,6 +88,52 @@ def batch(step: int, micro: int, rank: int, scale: float = 1.0, inf_at: Any = No
     return a, b, y
 
 
+TINY_ROWS, TINY_WIDTH, TINY_MICRO, TINY_TOKENS = 1000, 8, 8, 8
+
+
+class TinyEmbeddingModel(nn.Module):
+    """The smallest model a user trains with zen: one 1000 x 8 ``nn.Embedding`` (dense gradient)
+    and a small head; its data work is negligible, so a step's host time is the engine's and
+    zen's (``tests/plugin_host_time_probe.py``, ``test_plugin_host_reads.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(TINY_ROWS, TINY_WIDTH)
+        self.head = nn.Sequential(nn.Linear(TINY_WIDTH, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids).mean(1)).squeeze(-1)
+
+
+def tiny_batches(rank: int, count: int = 16) -> List[Any]:
+    """``count`` micro-batches ``(ids, target)`` of this rank for :class:`TinyEmbeddingModel`
+    (Zipf-ish ids: ranks share the frequent rows)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return [((torch.rand(TINY_MICRO, TINY_TOKENS, generator=g).pow(2) * TINY_ROWS).long(),
+             torch.randn(TINY_MICRO, generator=g)) for _ in range(count)]
+
+
+def tiny_config(zero: int, world: int, zen: Any = None) -> Dict[str, Any]:
+    """A ds_config for :class:`TinyEmbeddingModel` (``zen``: the "zen" block, None: stock)."""
+    cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": TINY_MICRO, "gradient_accumulation_steps": 1,
+                           "train_batch_size": TINY_MICRO * world, "steps_per_print": 1_000_000,
+                           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero}}
+    if zero == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if zen is not None:
+        cfg["zen"] = dict(zen)
+    return cfg
+
+
+def tiny_steps(engine: Any, batches: List[Any], steps: int, first: int = 0) -> None:
+    """``steps`` training steps of ``engine`` on ``batches`` (cycled from ``first``)."""
+    for step in range(first, first + steps):
+        ids, y = batches[step % len(batches)]
+        loss = ((engine(ids) - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out.float() - y) ** 2).mean()
 

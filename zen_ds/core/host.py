@@ -13,8 +13,9 @@ that names its reason, and a caller can count them::
 The count is the same on CPU tensors, where a read costs no synchronisation: the code path is
 the same, so tests on CPU pin how many reads a sync makes and fail, naming the reasons, when a
 new one appears on a hot path (``tests/multirank/sync/test_host_reads.py``).
-``tests/unit/test_layers.py`` keeps raw reads out of ``zen_ds.core``, ``zen_ds.schemes`` and
-``zen_ds.sync``.
+``tests/unit/test_layers.py`` keeps raw reads out of ``zen_ds.core``, ``zen_ds.schemes``,
+``zen_ds.sync`` and the plug-in (``zen_ds.features``, ``zen_ds.integrations``), and
+``tests/multirank/integrations/deepspeed/test_host_reads.py`` pins a training step's reads.
 
 Tensors that live on the host by construction (a gathered handshake table after its one read)
 are read with :func:`host_values`: not counted, but counted as ``"unexpected device read"``

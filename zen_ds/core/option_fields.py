@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Dict, Literal, Mapping, Optional, Tuple
 
 __all__ = ["OptionField", "Slot", "OPTIONS", "OPTION", "OPTION_SLOTS", "INDEX_ENCODINGS",
@@ -173,9 +174,11 @@ OPTION: Dict[str, OptionField] = {option.name: option for option in OPTIONS}
 OPTION_SLOTS: Tuple[Slot, ...] = tuple(slot for option in OPTIONS for slot in option.slots)
 
 
+@lru_cache(maxsize=None)
 def block_options(path: str = "") -> Tuple[Tuple[str, OptionField], ...]:
     """``(key, option)`` for each option that is a key of the ``"zen"`` block's part at ``path``
-    (``""``: the block itself; ``"network"``: its network block)."""
+    (``""``: the block itself; ``"network"``: its network block). Kept: the plug-in reads the
+    block's values at every step."""
     prefix = f"{path}." if path else ""
     return tuple((option.config[len(prefix):], option) for option in OPTIONS
                  if option.config and option.config.startswith(prefix)

@@ -29,6 +29,7 @@ from typing import AbstractSet, Any, Dict, List, Literal, Optional, Tuple
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zen_ds.core.host import host_bool, host_float, sized, to_host
 from zen_ds.core.sparse import RowSparse
 
 __all__ = ["CompressionConfig", "GradientCompressor", "select_topk", "SAMPLED_MIN_NUMEL"]
@@ -168,7 +169,7 @@ def select_topk(scores: torch.Tensor, k: int, method: str = "auto", sample_ratio
     margin = 1.0 + 3.0 / math.sqrt(expected_hits)
     k_sample = min(samples, max(1, math.ceil(expected_hits * margin)))
     threshold = torch.topk(sample, k_sample, sorted=False).values.min()
-    kept = torch.nonzero(scores >= threshold).squeeze(1)
+    kept = sized(torch.nonzero(scores >= threshold), "compression.sampled_top_k").squeeze(1)
     if kept.numel() < k:  # the sample overestimated the threshold: rare, stay exact
         return torch.topk(scores, k, sorted=False).indices
     if kept.numel() > k:
@@ -298,7 +299,7 @@ class GradientCompressor:
         if not scale > 0.0 or not math.isfinite(scale):
             raise ValueError(f"compress({name!r}): loss scale must be a finite number > 0, got {scale}")
         flat = grad.detach().reshape(-1).to(torch.float32, copy=True)  # never touch the caller's grad
-        if not bool(torch.isfinite(flat).all()):
+        if not host_bool(torch.isfinite(flat).all(), "compression.finite"):
             return self._overflow(name, flat, grad.dtype, state)
         if self.undo:
             state.before_step = (state.residual, state.velocity)
@@ -327,8 +328,9 @@ class GradientCompressor:
             keep = sent.ne(0).any(dim=1)  # element test, never a row sum (a row [1, -1] is not 0)
         else:
             keep = sent.ne(0)
-        if not bool(keep.all()):
-            selected, sent = selected[keep], sent[keep]
+        if not host_bool(keep.all(), "compression.all_nonzero"):
+            kept = sized(torch.nonzero(keep), "compression.nonzero").squeeze(1)
+            selected, sent = selected[kept], sent[kept]
         sent_cast = (sent * scale if scale != 1.0 else sent).to(grad.dtype)
         # Residual = accumulated - what actually went on the wire (bf16/fp16 rounding stays local
         # too), in unscaled units.
@@ -381,7 +383,7 @@ class GradientCompressor:
         """
         rows_mode = self.config.per_row and len(state.shape) >= 2  # the layout every other rank sends
         view = flat.view(state.shape[0], -1) if rows_mode else flat.view(-1, 1)
-        bad = torch.nonzero(~torch.isfinite(view).all(dim=1)).squeeze(1)
+        bad = sized(torch.nonzero(~torch.isfinite(view).all(dim=1)), "compression.non_finite").squeeze(1)
         k = max(1, math.ceil(self.config.density * view.shape[0]))
         logger.warning("zen compression: non-finite gradient for %s (%d %s); sending them so the "
                        "step is skipped, residual unchanged", name, bad.numel(), "rows" if rows_mode else "entries")
@@ -399,10 +401,11 @@ class GradientCompressor:
             gen = _generator(view.device, seed)
             # k draws with replacement: O(k), not O(n) like randperm; collisions (~k^2/2n) only
             # make the step send slightly fewer entries. Same positions on every rank.
-            return torch.unique(torch.randint(rows, (k,), device=view.device, generator=gen))
+            return sized(torch.unique(torch.randint(rows, (k,), device=view.device, generator=gen)),
+                         "compression.random_k")
         scores = torch.linalg.vector_norm(view, dim=1) if rows_mode else view.abs()
         if cfg.type == "threshold":
-            passed = torch.nonzero(scores >= cfg.threshold).squeeze(1)
+            passed = sized(torch.nonzero(scores >= cfg.threshold), "compression.threshold").squeeze(1)
             if passed.numel() > k:
                 passed = passed[torch.topk(scores[passed], k, sorted=False).indices]
             return passed
@@ -417,9 +420,9 @@ class GradientCompressor:
             "last_step": self._last_step,
             "compressed_steps": self._compressed_steps,
             "last_compressed_step": self._last_compressed_step,
-            "residuals": {name: s.residual.detach().cpu().clone()
+            "residuals": {name: to_host(s.residual.detach(), "compression.checkpoint").clone()
                           for name, s in self._states.items() if s.residual is not None},
-            "velocities": {name: s.velocity.detach().cpu().clone()
+            "velocities": {name: to_host(s.velocity.detach(), "compression.checkpoint").clone()
                            for name, s in self._states.items() if s.velocity is not None},
         }
 
@@ -463,7 +466,7 @@ class GradientCompressor:
         """Last step's sent density over the compressed parameters and the residual L2 norm."""
         total = sum(s.numel for s in self._states.values())
         sent = sum(s.sent_elements for s in self._states.values())
-        squares = sum(float(torch.linalg.vector_norm(s.residual)) ** 2
+        squares = sum(host_float(torch.linalg.vector_norm(s.residual), "compression.stats") ** 2
                       for s in self._states.values() if s.residual is not None)
         return {"params": float(len(self._states)), "elements": float(total),
                 "sent_elements": float(sent), "density": sent / total if total else 0.0,

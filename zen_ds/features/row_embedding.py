@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds.core.host import sized
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
 from zen_ds.sync.fetch import fetch_rows_flat
@@ -92,7 +93,8 @@ class RowEmbedding:
         vars(self.embedding).pop("forward", None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        unique, inverse = sized(torch.unique(ids.reshape(-1), sorted=True, return_inverse=True),
+                                "row_embedding.batch_rows")
         stats = SyncStats()
         with torch.no_grad():
             rows = self.fetch(unique, self.partition(), self.num_rows, self.row_numel, self.group,
@@ -125,7 +127,8 @@ class RowEmbedding:
         self._ids, self._grads = [], []
         if len(ids) == 1:
             return RowSparse(ids[0], grads[0].to(dtype), self.num_rows, coalesced=True)
-        unique, inverse = torch.unique(torch.cat(ids), sorted=True, return_inverse=True)
+        unique, inverse = sized(torch.unique(torch.cat(ids), sorted=True, return_inverse=True),
+                                "row_embedding.accumulated_rows")
         total = torch.zeros((unique.numel(), self.row_numel), dtype=torch.float32, device=grads[0].device)
         total.index_add_(0, inverse, torch.cat(grads))
         return RowSparse(unique, total.to(dtype), self.num_rows, coalesced=True)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zen_ds.core.option_fields import config_values
+from zen_ds.core.host import to_host
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
@@ -138,6 +139,8 @@ class ZenReducer:
         # --- bookkeeping: optimizer steps synced so far, and the last step's per-param cost
         self.step = 0
         self.plans = StepPlans()  # the step agreement's stable plans and scratch, step to step
+        # (sync keys) -> (the options they were put on, the result): see _options
+        self._derived_options: Dict[Tuple[Any, ...], Tuple[SyncOptions, SyncOptions]] = {}
         self.last_stats: Dict[str, ParamStats] = {}
         self.history: List[Dict[str, ParamStats]] = []
         self.keep_history = False
@@ -149,9 +152,16 @@ class ZenReducer:
 
     def _options(self, density_threshold: float = 1.0) -> SyncOptions:
         """The reducer's options with the block's sync keys on top; ``density_threshold``: the
-        block's for plain syncs, ``1.0`` (never forced dense) for compressed rows and shards."""
-        return replace(self.options, **{**config_values(self.config),
-                                        "density_threshold": density_threshold})
+        block's for plain syncs, ``1.0`` (never forced dense) for compressed rows and shards.
+        One object while neither changes: syncs keep what they derive under its identity."""
+        values = {**config_values(self.config), "density_threshold": density_threshold}
+        key = tuple(values.items())
+        kept = self._derived_options.get(key)
+        if kept is not None and kept[0] is self.options:
+            return kept[1]
+        made = replace(self.options, **values)
+        self._derived_options[key] = (self.options, made)
+        return made
 
     def _wire_dtype(self, p: ZenParam, grad: Optional[torch.Tensor]) -> torch.dtype:
         """The dtype a gradient travels in: DeepSpeed's communication dtype, else its own."""
@@ -312,7 +322,7 @@ class ZenReducer:
                 calls.append(call)
                 finishes.append(finish)
                 sent.append(False)
-        stats = [SyncStats() for _ in calls]
+        stats = [ParamStats(compressed=compressed) for compressed in sent]  # filled by the sync
         try:
             results = sync_step(calls, group, self.options, self.plans, stats)
         except ZenInputError:  # agreed before this step's data moved: nothing is lost
@@ -321,7 +331,7 @@ class ZenReducer:
             raise
         share = (time.perf_counter() - started) / max(len(calls), 1)
         done: Dict[int, Tuple[torch.Tensor, ParamStats]] = {}
-        for index, result, finish, st, compressed in zip(indices, results, finishes, stats, sent):
+        for index, result, finish, summary in zip(indices, results, finishes, stats):
             p, grad = self.params[index], grads[index]
             result = finish(result)
             out_dtype = grad.dtype if grad is not None else p.param.dtype
@@ -329,7 +339,6 @@ class ZenReducer:
                 result = result.to(out_dtype)
             if not result.is_sparse:
                 result = result.view_as(p.param)
-            summary = ParamStats(compressed=compressed).copy_from(st)
             summary.seconds = share  # the step's agreement and syncs, shared out evenly
             done[index] = (result, summary)
         return done
@@ -344,14 +353,14 @@ class ZenReducer:
     # ---------------------------------------------------------------------- norms and logging
     @staticmethod
     def norm_sq(grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-        """Sum of squares (fp32) of synced gradients, sparse ones included."""
+        """Sum of squares (fp32, on the host) of synced gradients, sparse ones included: summed
+        where they are, in their order, then one read."""
         total = torch.zeros((), dtype=torch.float32)
         for g in grads:
-            if g is None:
-                continue
-            vals = g.coalesce().values() if g.is_sparse else g
-            total = total + vals.detach().float().pow(2).sum().cpu()
-        return total
+            if g is not None:
+                vals = g.coalesce().values() if g.is_sparse else g
+                total = total.to(vals.device) + vals.detach().float().pow(2).sum()
+        return to_host(total, "reducer.norm_sq")
 
     def log_stats(self, rank: int) -> None:
         """One line per param, rank 0 only, every ``stats_interval`` steps."""

@@ -96,8 +96,12 @@ def choose_handshake(opts: SyncOptions, world_size: int, syncs: int = 1,
     the same collective."""
     if opts.handshake != "auto":
         return opts.handshake
-    reduce = handshake_seconds(opts, world_size, "reduce", syncs, gathered)
-    return "reduce" if reduce < handshake_seconds(opts, world_size, "allgather", syncs) else "allgather"
+
+    def cheaper() -> str:
+        reduce = handshake_seconds(opts, world_size, "reduce", syncs, gathered)
+        return "reduce" if reduce < handshake_seconds(opts, world_size, "allgather", syncs) else "allgather"
+    # the same question every step of a training loop: kept with the options
+    return opts.derived(("handshake", world_size, syncs, gathered), cheaper)
 
 
 def reduced_handshake(opts: object, group: object) -> bool:

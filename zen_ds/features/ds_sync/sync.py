@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds.core.host import sized, to_host
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import last_sync_stats
 from zen_ds.features.ds_sync.schedule import Group, ShuffleGroups, ShuffleSchedule
@@ -205,7 +206,8 @@ class ShuffleSync:
                 "schedule": {"world_size": s.world_size, "group_size": s.group_size,
                              "seed": s.seed, "full_sync_every": s.full_sync_every,
                              "patterns": s.patterns, "domains": s.domains, "mode": self.mode},
-                "dirty_rows": {name: mask.nonzero().flatten().cpu()
+                "dirty_rows": {name: to_host(sized(mask.nonzero(), "ds_sync.checkpoint_rows").flatten(),
+                                             "ds_sync.checkpoint_rows")
                                for name, mask in self._dirty.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -268,7 +270,7 @@ class ShuffleSync:
                 dense.append(weights)
                 continue
             mask = self._dirty_mask(spec.name)
-            mine = mask.nonzero().flatten()
+            mine = sized(mask.nonzero(), "ds_sync.drifted_rows").flatten()
             ones = torch.ones(mine.numel(), dtype=torch.float32, device=mask.device)
             union = self._sync(RowSparse(mine, ones, mask.numel(), coalesced=True), handle,
                                self.scheme).indices

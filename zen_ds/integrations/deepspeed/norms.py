@@ -40,17 +40,19 @@ def _tensor_parallel_rank(mpu: Any) -> int:
 
 def local_sum_of_squares(params_and_grads: Iterable[Tuple[nn.Parameter, Optional[torch.Tensor]]],
                          mpu: Any) -> torch.Tensor:
-    """fp32 sum of squares of the gradients this rank counts (see the module docstring)."""
+    """fp32 sum of squares of the gradients this rank counts (see the module docstring), summed
+    on the gradients' device in their order (not read: the caller reads what it combines)."""
     tp_rank = _tensor_parallel_rank(mpu)
-    total = torch.zeros((), dtype=torch.float32)
+    total: Optional[torch.Tensor] = None
     for param, grad in params_and_grads:
         if grad is None or getattr(param, "ds_pipe_replicated", False):
             continue
         if tp_rank != 0 and not is_model_parallel_parameter(param):
             continue
         values = grad.coalesce().values() if grad.is_sparse else grad
-        total = total + values.detach().float().pow(2).sum().cpu()
-    return total
+        square = values.detach().float().pow(2).sum()
+        total = square if total is None else total + square.to(total.device)
+    return total if total is not None else torch.zeros((), dtype=torch.float32)
 
 
 def model_parallel_sum(sum_sq: torch.Tensor, mpu: Any) -> torch.Tensor:
@@ -71,12 +73,14 @@ def replica_norm(params_and_grads: Iterable[Tuple[nn.Parameter, Optional[torch.T
 
 
 def combined_norm(ds_norm: Any, zen: torch.Tensor) -> torch.Tensor:
-    """DeepSpeed's norm and zen's together (fp32, on the CPU); a non-finite or negative (DeepSpeed's
-    overflow mark) DeepSpeed norm passes through as it is."""
-    ds_t = torch.as_tensor(ds_norm, dtype=torch.float32).detach().cpu()
-    if bool(((~torch.isfinite(ds_t)) | (ds_t < 0)).any()):
-        return ds_t
-    return (ds_t.pow(2) + zen.cpu().pow(2)).sqrt()
+    """DeepSpeed's norm and zen's together (fp32, where DeepSpeed's is, or zen's for a number;
+    not read); a non-finite or negative (DeepSpeed's overflow mark) DeepSpeed norm passes
+    through as it is."""
+    on = None if torch.is_tensor(ds_norm) else zen.device
+    ds_t = torch.as_tensor(ds_norm, dtype=torch.float32, device=on).detach()
+    combined = (ds_t.pow(2) + zen.to(ds_t.device).pow(2)).sqrt()
+    overflow = ((~torch.isfinite(ds_t)) | (ds_t < 0)).any()
+    return torch.where(overflow, ds_t, combined)
 
 
 def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:

@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from zen_ds.core.host import host_list
 from zen_ds.integrations.deepspeed.faults import ZenReductionError, describe, during_sync
 from zen_ds.integrations.deepspeed.grads import GradReader, GradStorage, check_grads
 from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
@@ -270,7 +271,7 @@ class OverlappedSync(GradientSync):
         if self.group is not None and dist.get_world_size(self.group) > 1:
             agreed = torch.tensor(order, dtype=torch.int64)
             dist.broadcast(agreed, group_src=0, group=self.group)
-            order = agreed.tolist()
+            order = host_list(agreed, "overlap.order")
         return order
 
     def remove(self) -> None:

@@ -26,11 +26,13 @@ from __future__ import annotations
 import logging
 import weakref
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple, \
+    Union
 
 import torch
 import torch.distributed as dist
 
+from zen_ds.core.host import host_float
 from zen_ds.integrations.deepspeed import checkpoint
 from zen_ds.integrations.deepspeed.faults import during_sync
 from zen_ds.integrations.deepspeed.grads import GradStorage
@@ -67,8 +69,22 @@ class EngineRoute(ABC):
         self.param_ids: Set[int] = {id(p.param) for p in reducer.params}  # DeepSpeed reduces the others
         # --- per optimizer step
         self.reduced_this_step = False
-        self.last_norm: Optional[float] = None  # unscaled global norm DeepSpeed clipped with
+        self._last_norm: Union[None, float, torch.Tensor] = None
         self._engine = weakref.ref(engine)
+
+    @property
+    def last_norm(self) -> Optional[float]:
+        """The unscaled global norm DeepSpeed clipped with at the last step (None before one).
+        Kept as the device tensor it was computed as and read on the host at the first ask: a
+        step that needs no host decision from it makes no read."""
+        norm = self._last_norm
+        if isinstance(norm, torch.Tensor):
+            norm = self._last_norm = host_float(norm, "clip.norm")
+        return norm
+
+    @last_norm.setter
+    def last_norm(self, norm: Union[None, float, torch.Tensor]) -> None:
+        self._last_norm = norm
 
     @classmethod
     def prepare(cls, choice: "RouteChoice", model: torch.nn.Module, optimizer: Any, model_parameters: Any,
@@ -213,7 +229,7 @@ class ReducerRoute(EngineRoute):
         if self.reduced_this_step:
             self.reduced_this_step = False
             self.another_backward()
-        if not self.sync.active:
+        if self.sync.in_background and not self.sync.active:  # its thread may start in backward
             self.refresh_scale()
 
     def another_backward(self) -> None:
@@ -221,11 +237,11 @@ class ReducerRoute(EngineRoute):
         steps: under ZeRO-0 the sum of both synced gradients, under ZeRO-1/2 the last one)."""
 
     def end_backward(self) -> None:
-        if not self.reduced_this_step and not self.sync.active:
-            self.refresh_scale()
         if not self.sync.in_background:
-            self.reduce()
+            self.reduce()  # reads the scaling rule itself
         elif not self.reduced_this_step:
+            if not self.sync.active:  # no hook fired: close() starts the thread
+                self.refresh_scale()
             self.sync.close()
 
     def reduce(self) -> None:
@@ -298,18 +314,20 @@ def clip_fp32(route: EngineRoute, engine: Any, own_norm: Callable[[], bool]) -> 
         max_norm = engine.gradient_clipping()
         own = own_norm()
         if own:
-            total = float(replica_norm(((p, p.grad) for p in params), engine.mpu))
+            norm = replica_norm(((p, p.grad) for p in params), engine.mpu)
         else:
-            total = ds_engine.deepspeed_clip_norm(params, max_norm, engine.mpu)
-        coef = clip_coefficient(max_norm, total)
-        route.last_norm = total
-        if coef < 1.0:
-            for p in params:
-                if p.grad.is_sparse:
-                    p.grad = p.grad * coef
-                elif own:
-                    p.grad.mul_(coef)
-        return torch.tensor(total)
+            norm = ds_engine.deepspeed_clip_norm(params, max_norm, engine.mpu)
+        route.last_norm = norm  # read on the host only when asked for
+        scaled = [p for p in params if own or p.grad.is_sparse]  # DeepSpeed scaled the others
+        if scaled:  # the coefficient is a host decision: one read
+            coef = clip_coefficient(max_norm, route.last_norm)
+            if coef < 1.0:
+                for p in scaled:
+                    if p.grad.is_sparse:
+                        p.grad = p.grad * coef
+                    else:
+                        p.grad.mul_(coef)
+        return norm
     return clip_fp32_gradients
 
 

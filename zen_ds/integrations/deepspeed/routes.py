@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds.core.host import host_list
 from zen_ds.features.compression import GradientCompressor
 from zen_ds.integrations.config import ZenConfig
 from zen_ds.integrations.deepspeed.ds_sync import DsSyncRoute
@@ -192,7 +193,7 @@ def _any_rank(*flags: bool) -> List[bool]:
         return list(flags)
     t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    return [bool(v) for v in host_list(t, "routes.any_rank")]
 
 
 def resolve_route(ds_config: Union[Mapping[str, Any], DeepSpeedSetup], model: nn.Module,

@@ -29,6 +29,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from zen_ds.core.host import host_list
 from zen_ds.core.sparse import RowSparse
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def _dense_rows(master: torch.Tensor, grad: RowSparse, start: int, stop: int) ->
     """The gradient of rows ``[start, stop)``, dense: zeros and the pushed rows among them."""
     out = torch.zeros((stop - start,) + tuple(master.shape[1:]), dtype=master.dtype, device=master.device)
     bounds = torch.tensor([start, stop], dtype=grad.indices.dtype, device=grad.indices.device)
-    lo, hi = torch.searchsorted(grad.indices, bounds).tolist()
+    lo, hi = host_list(torch.searchsorted(grad.indices, bounds), "rowstep.block_rows")
     if hi > lo:
         out.index_copy_(0, grad.indices[lo:hi] - start, grad.values[lo:hi].to(master.dtype))
     return out

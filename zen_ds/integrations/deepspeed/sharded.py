@@ -30,6 +30,7 @@ from torch import nn
 
 from zen_ds import ops
 from zen_ds.core.comm import Communicator
+from zen_ds.core.host import host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.wire import as_bytes, view_as
 from zen_ds.sync.reduce_scatter import shard_rows
@@ -119,11 +120,11 @@ class ShardedRows:
         row_numel = math.prod(param.shape[1:])  # explicit: a rank may own no rows at all
         flat_new = new.reshape(self.shard_size, row_numel)
         changed = (flat_new != param.data[self.rows].reshape(self.shard_size, row_numel)).any(dim=1)
-        changed_rows = torch.nonzero(changed).flatten()
+        changed_rows = sized(torch.nonzero(changed), "gather.changed_rows").flatten()
         counts = torch.empty(self.world_size, dtype=torch.int64, device=param.device)
         comm.all_gather_into_tensor(counts, torch.tensor([changed_rows.numel()], dtype=torch.int64,
                                                          device=param.device), "counts")
-        per_rank = counts.tolist()
+        per_rank = host_list(counts, "gather.counts")
         row_bytes = flat_new.shape[1] * param.element_size()
         rows_bytes = max(per_rank) * (row_bytes + 8) * self.world_size
         dense_bytes = self.max_rows * row_bytes * self.world_size

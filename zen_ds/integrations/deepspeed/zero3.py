@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds.core.host import host_int, host_list
 from zen_ds.core.stats import SyncStats
 from zen_ds.integrations.deepspeed.internals import checkpoint as ds_checkpoint
 from zen_ds.integrations.deepspeed.internals import engine as ds_engine
@@ -252,26 +253,36 @@ class IdCheck:
 
     def __call__(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
         ids = args[0] if args else None
-        problem = ""
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
-            problem = f"the input of {self.name} is not an integer tensor"
-        elif ids.numel():
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= self.num_rows:
-                problem = (f"{self.name} got id {low if low < 0 else high} outside the table "
-                           f"[0, {self.num_rows})")
-        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
-            if problem:
-                raise ZenInputError(f"zen: {problem}", {0: problem})
-            return
-        flag = torch.tensor([1 if problem else 0], dtype=torch.int32,
+        integers = isinstance(ids, torch.Tensor) and not ids.is_floating_point()
+        # On the ids' device: the range is read on the host only with the agreed flag (one read)
+        flag = torch.tensor([0 if integers else 1], dtype=torch.int32,
                             device=ids.device if isinstance(ids, torch.Tensor) else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if int(flag.item()):
-            reports: List[Any] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(reports, problem, group=self.group)
-            reasons = {rank: text for rank, text in enumerate(reports) if text}
-            raise ZenInputError("zen: " + "; ".join(f"rank {r}: {t}" for r, t in reasons.items()), reasons)
+        if integers and ids.numel():
+            flag = torch.maximum(flag, ((ids < 0) | (ids >= self.num_rows)).any().to(torch.int32))
+        several = dist.is_initialized() and dist.get_world_size(self.group) > 1
+        if several:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not host_int(flag, "id_check.flag"):
+            return
+        problem = self._problem(ids)
+        if not several:
+            raise ZenInputError(f"zen: {problem}", {0: problem})
+        reports: List[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(reports, problem, group=self.group)
+        reasons = {rank: text for rank, text in enumerate(reports) if text}
+        raise ZenInputError("zen: " + "; ".join(f"rank {r}: {t}" for r, t in reasons.items()), reasons)
+
+    def _problem(self, ids: Any) -> str:
+        """What is wrong with this rank's ``ids`` ("" where nothing is): read only once some
+        rank's flag was set."""
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+            return f"the input of {self.name} is not an integer tensor"
+        if not ids.numel():
+            return ""
+        low, high = host_list(torch.stack([ids.min(), ids.max()]), "id_check.range")
+        if low < 0 or high >= self.num_rows:
+            return f"{self.name} got id {low if low < 0 else high} outside the table [0, {self.num_rows})"
+        return ""
 
 
 def install_id_checks(model: nn.Module, params: Sequence[ZenParam], group: Optional[dist.ProcessGroup]

@@ -155,10 +155,11 @@ def replace_fp32_clipping(engine: Any, clip: Callable[[], torch.Tensor]) -> None
     engine.clip_fp32_gradients = clip
 
 
-def deepspeed_clip_norm(params: List[torch.nn.Parameter], max_norm: float, mpu: Any) -> float:
-    """DeepSpeed's own fp32 clipping (tensor-parallel aware): the norm, dense grads scaled."""
+def deepspeed_clip_norm(params: List[torch.nn.Parameter], max_norm: float, mpu: Any) -> torch.Tensor:
+    """DeepSpeed's own fp32 clipping (tensor-parallel aware): the norm (a tensor where the
+    gradients are: not read), dense grads scaled."""
     from deepspeed.runtime.utils import clip_grad_norm_
-    return float(clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=mpu))
+    return clip_grad_norm_(parameters=params, max_norm=max_norm, mpu=mpu)
 
 
 def is_model_parallel_parameter(param: torch.nn.Parameter) -> bool:

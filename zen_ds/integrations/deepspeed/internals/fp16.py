@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from zen_ds.core.host import host_bool, host_float
 from zen_ds.integrations.deepspeed.internals.engine import loss_scale
 from zen_ds.integrations.deepspeed.norms import ZenNorm, combined_norm
 
@@ -28,10 +29,10 @@ def fold_norm(opt: Any, zen: ZenNorm) -> bool:
 
     def check(*args: Any, **kwargs: Any) -> bool:
         overflow = orig_check(*args, **kwargs)
-        return bool(overflow) or not bool(torch.isfinite(zen.zen_norm()))
+        return bool(overflow) or not host_bool(torch.isfinite(zen.zen_norm()), "norms.zen_finite")
 
     def unscale_and_clip_grads(total_norm: Any, apply_scale: bool = True) -> Any:
-        total = float(combined_norm(total_norm, zen.zen_norm()))
+        total = host_float(combined_norm(total_norm, zen.zen_norm()), "norms.combined")
         opt._global_grad_norm = total
         zen.last_norm = total / loss_scale(opt)
         return orig_clip(total, apply_scale)

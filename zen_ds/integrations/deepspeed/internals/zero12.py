@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from zen_ds.core.host import host_float
 from zen_ds.integrations.deepspeed.internals.engine import loss_scale
 from zen_ds.integrations.deepspeed.norms import ZenNorm, combined_norm
 
@@ -25,8 +26,9 @@ def fold_norm(opt: Any, zen: ZenNorm) -> bool:
     def scaled_global_norm(*args: Any, **kwargs: Any) -> Any:
         ds_norm = orig(*args, **kwargs)
         total = combined_norm(ds_norm, zen.zen_norm())
-        zen.last_norm = float(total) / loss_scale(opt)
-        return total.to(ds_norm.device) if torch.is_tensor(ds_norm) else float(total)
+        value = host_float(total, "norms.combined")  # zen's clip coefficient is a host number
+        zen.last_norm = value / loss_scale(opt)
+        return total.to(ds_norm.device) if torch.is_tensor(ds_norm) else value
 
     opt.scaled_global_norm = scaled_global_norm
     return True
