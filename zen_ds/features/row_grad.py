@@ -21,6 +21,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
+from zen_ds.core.host import sized
 from zen_ds.features.row_embedding import unsupported_reason
 
 __all__ = ["RowGradEmbedding", "row_grad_blocker", "rows_gradient"]
@@ -41,7 +42,8 @@ def rows_gradient(grad_out: torch.Tensor, ids: torch.Tensor, row_numel: int, pad
                   scale_grad_by_freq: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(unique ids, their rows' gradient [U, row_numel])``: the non-padding rows of the dense
     gradient ``embedding_dense_backward`` would build, computed over the unique ids only."""
-    unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+    unique, inverse = sized(torch.unique(ids.reshape(-1), sorted=True, return_inverse=True),
+                            "row_grad.unique_ids")
     # The padding row is dropped below rather than named to the kernel: its position among the
     # unique ids would be a device-to-host read, and no other row's sum depends on it.
     rows = torch.ops.aten.embedding_dense_backward(grad_out.reshape(-1, row_numel), inverse,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds.core.host import to_host
 from zen_ds.core.sparse import RowSparse
 from zen_ds.integrations.deepspeed.grads import GradReader, GradStorage
 from zen_ds.integrations.deepspeed.norms import local_sum_of_squares, model_parallel_sum
@@ -287,7 +288,7 @@ class OwnedParams:
             if shard is not None:  # every rank holds the whole param (a universal load sets no module weights)
                 with torch.no_grad():
                     p.param.data.copy_(whole.to(device=p.param.device, dtype=p.param.dtype))
-            self._set_master(p, master, shard, whole[shard.rows.cpu()] if shard is not None else whole)
+            self._set_master(p, master, shard, whole[to_host(shard.rows, "checkpoint.load_rows")] if shard is not None else whole)
         for t in self.tables:
             _load_table_rows(t, saved.rows(t.name, FP32, t.rows))
         if not optimizer_states:

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from zen_ds.core.host import host_bool, host_int, to_host
 from zen_ds.core.partition import ShardLayout
 from zen_ds.integrations.deepspeed.internals import checkpoint as ds_checkpoint
 from zen_ds.sync.reduce_scatter import shard_rows
@@ -169,7 +170,7 @@ class ZenFiles(SavedState):
         if name not in self.entries:
             raise KeyError(f"zen: the checkpoint {self.folder} holds nothing of {name} (it holds {self.names()})")
         num_rows = self.num_rows[name]
-        want = torch.arange(num_rows) if rows is None else rows.cpu()
+        want = torch.arange(num_rows) if rows is None else to_host(rows, "checkpoint.load_rows")
         with_key = [e for e in self.entries[name] if key == FP32 or key in e.state]
         whole = next((e for e in with_key if e.rows is None), None)
         if whole is not None:  # a replicated param: every file holds all of it
@@ -184,8 +185,8 @@ class ZenFiles(SavedState):
             mine = at >= 0
             out[at[mine]] = (e.fp32 if key == FP32 else e.state[key]).detach()[mine]
             found[at[mine]] = True
-        if key == FP32 and not bool(found.all()):  # a rank that never stepped a param has no state: zeros
-            raise FileNotFoundError(f"zen: {int((~found).sum())} rows of {name} are in none of the zen_ds_rank*.pt "
+        if key == FP32 and not host_bool(found.all(), "checkpoint.load_rows"):  # a rank that never stepped a param has no state: zeros
+            raise FileNotFoundError(f"zen: {host_int((~found).sum(), 'checkpoint.load_rows')} rows of {name} are in none of the zen_ds_rank*.pt "
                                     f"files under {self.folder}; copy every rank's file of the checkpoint")
         return out
 
@@ -231,7 +232,7 @@ class UniversalState(SavedState):
 
     def rows(self, name: str, key: str, rows: Optional[torch.Tensor]) -> torch.Tensor:
         whole = ds_checkpoint.read_universal(self.folder, name, key)
-        return _pick(whole, rows, rows.cpu() if rows is not None else rows)
+        return _pick(whole, rows, to_host(rows, "checkpoint.load_rows") if rows is not None else rows)
 
     def missing(self, names: List[str]) -> Dict[str, str]:
         """Which of zen's ``names`` this folder cannot restore, and why (empty: all of them)."""
