@@ -202,7 +202,8 @@ def _load_resharded(route: "EngineRoute", saved: ZenFiles, strict: bool, optimiz
     others = sorted(set(first) - COMMON_KEYS - {"owned"})
     if others:
         raise ValueError(f"zen: the checkpoint was saved by {saved_n} ranks, this run has {n}; zen's {others} "
-                         "state resumes only on the number of ranks that saved it")
+                         "state is each rank's own and resumes only on the number of ranks that saved it: "
+                         f"resume on {saved_n} data-parallel ranks")
     owned = getattr(route, "owned", None)
     if "owned" in first and owned is None:
         raise ValueError("zen checkpoint holds zen-owned optimizer state (ZeRO-1/2, or row-sharded tables), "
@@ -246,9 +247,11 @@ def _load_universal(route: "EngineRoute", folder: str, optimizer_states: bool) -
 
 
 def _fresh_residuals(route: "EngineRoute", why: str) -> None:
-    """Compression's residuals are each rank's own unsent gradient; they do not carry over."""
+    """Compression's residuals are each rank's own unsent gradient; they do not carry over (nor
+    does what this engine accumulated before the load)."""
     compressor = route.reducer.compressor
     if compressor is not None:
+        compressor.load_state_dict(dict(compressor.state_dict(), residuals={}, velocities={}))
         _warn_once(f"zen: compression's error-feedback residuals start at zero ({why})")
 
 
