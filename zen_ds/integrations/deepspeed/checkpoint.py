@@ -91,6 +91,7 @@ def _fresh_from_module(route: "EngineRoute", saved: Union[Dict[str, Any], SavedS
     for name in route.follow_loaded_weights(saved):
         _warn_once(f"zen: the checkpoint has no rows of the row-sharded {name} for this layout; "
                    "it keeps its current values")
+    _clear_residuals(route)  # a weights-only load fine-tunes from the weights: no unsent gradient
 
 
 _WARNED: set = set()
@@ -249,10 +250,17 @@ def _load_universal(route: "EngineRoute", folder: str, optimizer_states: bool) -
 def _fresh_residuals(route: "EngineRoute", why: str) -> None:
     """Compression's residuals are each rank's own unsent gradient; they do not carry over (nor
     does what this engine accumulated before the load)."""
-    compressor = route.reducer.compressor
-    if compressor is not None:
-        compressor.load_state_dict(dict(compressor.state_dict(), residuals={}, velocities={}))
+    if _clear_residuals(route):
         _warn_once(f"zen: compression's error-feedback residuals start at zero ({why})")
+
+
+def _clear_residuals(route: "EngineRoute") -> bool:
+    """Drop compression's residuals and DGC velocities; whether there was a compressor."""
+    compressor = route.reducer.compressor
+    if compressor is None:
+        return False
+    compressor.load_state_dict(dict(compressor.state_dict(), residuals={}, velocities={}))
+    return True
 
 
 def full_state_dict(route: "EngineRoute") -> Dict[str, Any]:

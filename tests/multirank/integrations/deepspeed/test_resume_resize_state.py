@@ -8,7 +8,8 @@ could be re-split over another number of ranks:
   (whatever the engine held before the load), with a warning that says why, on every rank; the
   weights and the step are the saved ones. Checked at ZeRO-2 through a universal checkpoint
   (zen's converter, ``"checkpoint": {"load_universal": true}``) and at ZeRO-0, where DeepSpeed
-  loads the checkpoint itself on another number of ranks.
+  loads the checkpoint itself on another number of ranks. A weights-only load
+  (``load_module_only=True``) starts them at zero too, quietly: it fine-tunes from the weights.
 * **DS-Sync** (``"shuffle"``, ZeRO-0): every rank's replica and optimizer state drift apart
   between full syncs, and the schedule is drawn for the number of ranks. On another size every
   rank refuses the load alike (a ``ValueError`` naming the ``shuffle`` state, both sizes and what
@@ -48,6 +49,7 @@ SHUFFLE = {"group_size": 2, "mode": "parameters", "full_sync_every": 4, "seed": 
 CASES: Dict[str, Dict[str, Any]] = {
     "topk_z2_universal": dict(zero=2, zen_extra={"compression": TOPK}, universal=True),
     "topk_z0": dict(zero=0, zen_extra={"compression": TOPK}),
+    "topk_z0_weights_only": dict(zero=0, zen_extra={"compression": TOPK}, weights_only=True),
     "shuffle": dict(zero=0, zen_extra={"shuffle": SHUFFLE}),
     "shuffle_bf16": dict(zero=0, dtype="bf16", zen_extra={"shuffle": SHUFFLE}),
 }
@@ -88,7 +90,7 @@ def _resume_compressed(rank: int, world: int, folder: str, case: Dict[str, Any])
             resize._on_rank0(rank, lambda: resize._convert(folder, "t", True))
             engine.load_checkpoint(folder, tag="t_universal")
         else:
-            engine.load_checkpoint(folder, tag="t")
+            engine.load_checkpoint(folder, tag="t", load_module_only=case.get("weights_only", False))
     finally:
         logging.getLogger(CHECKPOINT_LOGGER).removeHandler(lines)
     out = {"before": before, "loaded": _residuals(engine), "weights": dc.whole_weights(engine),
@@ -132,7 +134,8 @@ def results():
     return {"saved": saved, "resumed": resumed}
 
 
-COMPRESSED_CASES = [name for name, case in CASES.items() if "compression" in case["zen_extra"]]
+COMPRESSED_CASES = [name for name, case in CASES.items()
+                    if "compression" in case["zen_extra"] and not case.get("weights_only")]
 SHUFFLE_CASES = [name for name, case in CASES.items() if "shuffle" in case["zen_extra"]]
 
 
@@ -160,3 +163,12 @@ def test_shuffle_state_refused_on_another_size(results, name):
     assert errors[0].startswith("ValueError: ") and "['shuffle']" in errors[0], errors[0]
     assert f"saved by {BIG} ranks, this run has {SMALL}" in errors[0], errors[0]
     assert f"resume on {BIG} data-parallel ranks" in errors[0], errors[0]
+
+
+def test_a_weights_only_load_starts_residuals_at_zero_quietly(results):
+    saved = results["saved"][0]["topk_z0_weights_only"]
+    for got in dc.case_results(results["resumed"], "topk_z0_weights_only"):
+        assert sorted(got["before"]) == COMPRESSED and all(np.abs(r).max() > 0 for r in got["before"].values())
+        assert all(not np.abs(r).any() for r in got["loaded"].values()), got["loaded"]
+        assert not [w for w in got["warnings"] if "residuals" in w], got["warnings"]
+        resize._assert_equal(got["weights"], saved["weights"], exact=True, precision="fp32")
