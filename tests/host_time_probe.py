@@ -245,6 +245,23 @@ def check_trees(trees: List[List[str]], cases: List[int], run: Callable[[str, in
     print("identical" if not differences else f"{differences} differences")
 
 
+def interleaved_runs(trees: List[List[str]], cases: List[int], rounds: int,
+                     run: Callable[[str, int], List[dict]], name: Callable[[int], str]
+                     ) -> Dict[str, Dict[int, List[List[dict]]]]:
+    """``rounds`` runs of every tree per case (``run(path, case)``), the trees' order reversed
+    every other round so neither always runs first on a loaded machine: label -> case -> runs."""
+    runs: Dict[str, Dict[int, List[List[dict]]]] = {label: {c: [] for c in cases} for label, _ in trees}
+    for round_ in range(rounds):
+        for case in cases:
+            order = trees if round_ % 2 == 0 else list(reversed(trees))
+            for label, path in order:
+                started = time.perf_counter()
+                runs[label][case].append(run(path, case))
+                print(f"round {round_ + 1}/{rounds}, {name(case)}, {label}: "
+                      f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return runs
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, action="append", help="world sizes (default: 4)")
@@ -275,16 +292,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         check_trees(trees, worlds, lambda path, world: _run_tree(path, world, args),
                     lambda world: f"n={world}")
         return
-    runs: Dict[str, Dict[int, List[List[dict]]]] = {label: {w: [] for w in worlds}
-                                                     for label, _ in trees}
-    for round_ in range(args.rounds):
-        for world in worlds:
-            order = trees if round_ % 2 == 0 else list(reversed(trees))
-            for label, path in order:
-                started = time.perf_counter()
-                runs[label][world].append(_run_tree(path, world, args))
-                print(f"round {round_ + 1}/{args.rounds}, n={world}, {label}: "
-                      f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
+    runs = interleaved_runs(trees, worlds, args.rounds, lambda path, world: _run_tree(path, world, args),
+                            lambda world: f"n={world}")
     header = "| scheme | " + " | ".join(f"{label} n={w}" for w in worlds for label, _ in trees)
     print(header + " |")
     print("|---" * (1 + len(worlds) * len(trees)) + "|")

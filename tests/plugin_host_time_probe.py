@@ -37,7 +37,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 import ds_cases  # noqa: E402  (tests/support: the tiny model)
-from host_time_probe import check_trees, fork_ranks, run_worker  # noqa: E402  (this script's directory)
+from host_time_probe import check_trees, fork_ranks, interleaved_runs, run_worker  # noqa: E402  (this script's directory)
 
 
 CALL_STEPS = 10  # steps whose function calls are counted
@@ -203,16 +203,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         check_trees(trees, stages, lambda path, zero: _run_tree(path, zero, args),
                     lambda zero: f"ZeRO-{zero}")
         return
-    runs: Dict[str, Dict[int, List[List[dict]]]] = {label: {z: [] for z in stages}
-                                                     for label, _ in trees}
-    for round_ in range(args.rounds):
-        for zero in stages:
-            order = trees if round_ % 2 == 0 else list(reversed(trees))
-            for label, path in order:
-                started = time.perf_counter()
-                runs[label][zero].append(_run_tree(path, zero, args))
-                print(f"round {round_ + 1}/{args.rounds}, ZeRO-{zero}, {label}: "
-                      f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
+    runs = interleaved_runs(trees, stages, args.rounds, lambda path, zero: _run_tree(path, zero, args),
+                            lambda zero: f"ZeRO-{zero}")
     print("| tree | ZeRO | stock ms/step | zen ms/step | added ms/step | calls/step stock -> zen "
           "| host reads per zen step |")
     print("|---|---|---|---|---|---|---|")

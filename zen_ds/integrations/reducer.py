@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from zen_ds.core.option_fields import config_values
-from zen_ds.core.host import to_host
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
@@ -350,18 +349,7 @@ class ZenReducer:
             self.history.append(stats)
         self.step += 1
 
-    # ---------------------------------------------------------------------- norms and logging
-    @staticmethod
-    def norm_sq(grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-        """Sum of squares (fp32, on the host) of synced gradients, sparse ones included: summed
-        where they are, in their order, then one read."""
-        total = torch.zeros((), dtype=torch.float32)
-        for g in grads:
-            if g is not None:
-                vals = g.coalesce().values() if g.is_sparse else g
-                total = total.to(vals.device) + vals.detach().float().pow(2).sum()
-        return to_host(total, "reducer.norm_sq")
-
+    # ---------------------------------------------------------------------- logging
     def log_stats(self, rank: int) -> None:
         """One line per param, rank 0 only, every ``stats_interval`` steps."""
         interval = self.config.stats_interval

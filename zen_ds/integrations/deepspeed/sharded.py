@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -91,12 +91,7 @@ class ShardedRows:
         self.rows = shard_rows(self.layout, self.rank, param.device)
         sizes = [self.layout.shard_size(r) for r in range(self.world_size)]
         self.max_rows = max(sizes)
-        # Where the dense gather's rows go: ``[r, j]`` is the row id of rank r's j-th shard row
-        # (-1 past a shorter shard's end).
-        padded = torch.full((self.world_size * self.max_rows,), -1, dtype=torch.int64, device=param.device)
-        valid = _real_rows(sizes, param.device)
-        padded[valid if valid is not None else slice(None)] = rows_in_shard_order(self.layout, param.device)
-        self.padded_rows = padded.view(self.world_size, self.max_rows)
+        self.gather_pieces = _gather_pieces(self.layout, sizes, param.device)
 
     @property
     def shard_size(self) -> int:
@@ -164,18 +159,44 @@ class ShardedRows:
         whole table (DeepSpeed bounds its own with ``allgather_bucket_size``)."""
         flat = param.data.view(param.shape[0], -1)
         new = new.to(param.dtype).reshape(self.shard_size, flat.shape[1])
-        step = max(-(-self.max_rows // min(self.world_size, GATHER_PIECES)), 1)
-        for start in range(0, self.max_rows, step):
-            stop = min(start + step, self.max_rows)
-            send = torch.zeros((stop - start, flat.shape[1]), dtype=param.dtype, device=param.device)
-            mine = new[start:stop]
+        for piece in self.gather_pieces:
+            width = piece.stop - piece.start
+            send = torch.zeros((width, flat.shape[1]), dtype=param.dtype, device=param.device)
+            mine = new[piece.start:piece.stop]
             send[:mine.shape[0]] = mine
-            received = torch.empty((self.world_size * (stop - start), flat.shape[1]), dtype=param.dtype,
+            received = torch.empty((self.world_size * width, flat.shape[1]), dtype=param.dtype,
                                    device=param.device)
             comm.all_gather_into_tensor(received, send, "dense")
-            ids = self.padded_rows[:, start:stop].reshape(-1)
-            real = ids >= 0
-            flat.index_copy_(0, ids[real], received[real])
+            if piece.positions is not None:  # drop the padding of shorter shards
+                received = received.index_select(0, piece.positions)
+            flat.index_copy_(0, piece.rows, received)
+
+
+class GatherPiece(NamedTuple):
+    """One all-gather of the dense parameter gather: every rank's shard rows ``[start, stop)``."""
+
+    start: int
+    stop: int
+    rows: torch.Tensor  # the row ids its real rows go to, in the all-gather's order
+    positions: Optional[torch.Tensor]  # the real rows' positions in it (None: no shard is short)
+
+
+def _gather_pieces(layout: ShardLayout, sizes: List[int], device: Any) -> List[GatherPiece]:
+    """The dense gather's pieces (at most :data:`GATHER_PIECES`), worked out once on the host from
+    the layout, so a step's gather reads nothing from the device."""
+    per_rank = torch.split(rows_in_shard_order(layout), sizes)
+    max_rows = max(sizes)
+    step = max(-(-max_rows // min(len(sizes), GATHER_PIECES)), 1)
+    pieces = []
+    for start in range(0, max_rows, step):
+        stop = min(start + step, max_rows)
+        width = stop - start
+        counts = [max(min(size, stop) - start, 0) for size in sizes]
+        positions = None if all(c == width for c in counts) else torch.cat(
+            [torch.arange(r * width, r * width + c, dtype=torch.int64) for r, c in enumerate(counts)]).to(device)
+        rows = torch.cat([shard[start:stop] for shard in per_rank]).to(device)
+        pieces.append(GatherPiece(start, stop, rows, positions))
+    return pieces
 
 
 def rows_in_shard_order(layout: ShardLayout, device: Any = "cpu") -> torch.Tensor:
