@@ -75,10 +75,7 @@ PLUGIN_HOST_READ_LAYERS = ("zen_ds.integrations", "zen_ds.features")
 TENSOR_REDUCTIONS = {"min", "max", "sum", "any", "all", "mean", "norm", "vector_norm", "amin",
                      "amax", "count_nonzero", "prod"}  # int()/float()/bool() of one reads it
 # plug-in module -> why its reads are not counted yet
-PLUGIN_READS_NOT_COUNTED = {
-    "zen_ds.integrations.deepspeed.rowshard": "row-sharded tables' fetch and push: converted "
-                                              "with the row-sharding work (issue 52, left)",
-}
+PLUGIN_READS_NOT_COUNTED: dict = {}
 HOST_READ_HELPER = "zen_ds.core.host"
 RAW_READS = {"item", "tolist", "cpu"}  # methods that copy device data to the host
 SIZED_OPS = {"nonzero", "unique", "unique_consecutive", "equal"}  # sizes/answers read back

@@ -20,17 +20,14 @@ anywhere are needed (ZeRO stage 1, 2 or 3):
   :class:`~zen_ds.ZenInputError` on every rank, then one all-to-all of ids and one of rows). The
   forward indexes the small local ``[unique, hidden]`` table, a leaf that requires grad.
 * **Backward.** The local table's gradient is added, in fp32, to this rank's row-sparse sum for the
-  step (no communication in the backward). Accumulation over micro-steps happens there, at the
-  sender: the union of the micro-batches' rows is pushed once per optimizer step, which never
-  moves more rows than one push per micro-batch (each row once instead of once per micro-batch
-  that touched it) and needs one all-to-all round per step instead of one per micro-batch.
+  step (no communication): micro-steps accumulate at the sender, and the union of their rows is
+  pushed once per optimizer step (each row once, one all-to-all round per step).
 * **Push (accumulation boundary).** The rows go to their owners by balanced's push
   (:func:`zen_ds.sync.reduce_scatter.sparse_reduce_scatter`), scaled as DeepSpeed averages; each
   owner gets the summed gradient of its shard.
-* **Step.** zen's optimizer steps the shard with DeepSpeed's clip coefficient (the shards' squared
-  norms are summed over the ranks once), loss scale and learning-rate schedule, exactly as the
-  sharded route (:class:`~zen_ds.integrations.deepspeed.owned_params.OwnedParams`) steps its shards
-  (under ZeRO-3 the tables' norm joins ZeRO-3's norm groups, :mod:`.internals.zero3`). AdamW and friends
+* **Step.** zen's optimizer steps the shard with DeepSpeed's clip coefficient, loss scale and
+  learning-rate schedule, as :class:`~zen_ds.integrations.deepspeed.owned_params.OwnedParams`
+  steps its shards (under ZeRO-3 the tables' norm joins ZeRO-3's norm groups). AdamW and friends
   step every row they own, as stock DeepSpeed does. Nothing is gathered after it.
 
 Tied embeddings (the output layer needs every row), embeddings with ``max_norm`` (it rewrites the
@@ -56,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zen_ds.core.comm import Communicator
+from zen_ds.core.host import host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
@@ -146,9 +144,8 @@ class RowShardTable:
 
     @torch.no_grad()
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Put the rows where and in what dtype the engine put the model's params (DeepSpeed moves
-        and casts the module while it builds the engine; the table is not a param of it). The
-        fp32 master follows the device; in fp32 it is the shard itself."""
+        """Put the rows where and in what dtype DeepSpeed put the model's params while building the
+        engine (the table is not a param of it); the fp32 master follows the device."""
         if self.half and self.master is not None:
             self.master.data = self.master.data.to(device)
             self.shard = self.shard.to(device=device, dtype=dtype)
@@ -157,8 +154,7 @@ class RowShardTable:
         self.rows = self.rows.to(device)
 
     def layout_key(self) -> Dict[str, Any]:
-        return {"name": self.name, "num_rows": self.num_rows, "world_size": self.world_size, "rank": self.rank,
-                "seed": self.layout.seed}
+        return dict(name=self.name, num_rows=self.num_rows, world_size=self.world_size, rank=self.rank, seed=self.layout.seed)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"layout": self.layout_key(), "shard": self.shard.detach().clone(),
@@ -198,58 +194,68 @@ class RowShardTable:
         return held
 
     # ------------------------------------------------------------------ forward
-    def _check(self, ids: Any) -> Tuple[int, int]:
-        """(0, 0) when ``ids`` can be looked up; (1, the offending id) for an id outside the table;
-        (2, 0) for an input that is not an integer tensor."""
+    def _checked_ids(self, ids: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(the ids flat, int64, clamped into the table; this rank's check [kind, id])``: kind
+        0 fine, 1 an id outside the table, 2 not an integer tensor. No read: the check rides in
+        the fetch's count message, and every rank raises before any row moves."""
+        device = self.rows.device
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            return 2, 0
-        if ids.numel():
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= self.num_rows:
-                return 1, low if low < 0 else high
-        return 0, 0
+            return (torch.empty(0, dtype=torch.int64, device=device),
+                    torch.tensor([2, 0], dtype=torch.int64, device=device))
+        flat = ids.reshape(-1).to(device=device, dtype=torch.int64)
+        if not flat.numel():
+            return flat, torch.zeros(2, dtype=torch.int64, device=device)
+        low, high = torch.aminmax(flat)
+        below, above = low < 0, high >= self.num_rows
+        check = torch.stack([(below | above).to(torch.int64), torch.where(below, low, torch.where(above, high, 0))])
+        return flat.clamp(0, self.num_rows - 1), check
 
-    def _raise_bad(self, flags: torch.Tensor) -> None:
+    @staticmethod
+    def _padding_slot(uniq: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+        """``[padding_idx's slot in the sorted unique ids]`` or ``[-1]``, read with the counts."""
+        if padding_idx is None or not uniq.numel():
+            return torch.full((1,), -1, dtype=torch.int64, device=uniq.device)
+        slot = torch.searchsorted(uniq, torch.tensor([padding_idx], dtype=uniq.dtype, device=uniq.device))
+        hit = uniq.index_select(0, slot.clamp(max=uniq.numel() - 1)) == padding_idx
+        return torch.where(hit, slot, torch.full_like(slot, -1))
+
+    def _raise_bad(self, flags: Sequence[Sequence[int]]) -> None:
         """The same :class:`ZenInputError` on every rank: ``flags[r] = (kind, id)`` for each rank ``r``."""
         reasons = {r: (f"{self.name} got id {value} outside the table [0, {self.num_rows})" if kind == 1
                        else f"the input of {self.name} is not an integer tensor")
-                   for r, (kind, value) in enumerate(flags.tolist()) if kind}
+                   for r, (kind, value) in enumerate(flags) if kind}
         raise ZenInputError("zen: " + "; ".join(f"rank {r}: {t}" for r, t in reasons.items())
                             + " (every id must be in [0, num_embeddings); nothing was fetched, the group stays "
                             "usable)", reasons)
 
     def lookup(self, ids: Any, padding_idx: Optional[int] = None, scale_grad_by_freq: bool = False
                ) -> torch.Tensor:
-        """The embedding of ``ids`` (collective over the group: every rank calls it once per
-        forward of the module). Raises :class:`ZenInputError` on every rank when any rank's ids
-        are outside the table."""
+        """The embedding of ``ids`` (collective: every rank calls it once per forward). Raises
+        :class:`ZenInputError` on every rank when any rank's ids are outside the table."""
         comm = Communicator.for_group(self.group, f"zen.{self.name}.fetch")
         comm.scheme = "row_sharded"
         n = self.world_size
-        bad, value = self._check(ids)
+        flat, check = self._checked_ids(ids)
         device = self.rows.device
-        if bad:
-            uniq = torch.empty(0, dtype=torch.int64, device=device)
-            inverse = uniq
-        else:
-            uniq, inverse = torch.unique(ids.reshape(-1).to(device=device, dtype=torch.int64), sorted=True,
-                                         return_inverse=True)
+        uniq, inverse = sized(torch.unique(flat, sorted=True, return_inverse=True), "row_shard.unique_ids")
         positions = self.layout.positions(uniq)
         owners = self.layout.owner_of_positions(positions)
         order = torch.argsort(owners, stable=True)
         starts = torch.tensor(self.layout.starts[:-1], dtype=torch.int64, device=device)
         want = (positions - starts[owners]).index_select(0, order).to(self.layout.id_dtype)
-        counts = torch.bincount(owners, minlength=n) if uniq.numel() else torch.zeros(n, dtype=torch.int64,
-                                                                                       device=device)
+        counts = torch.bincount(owners, minlength=n)
         # counts to each owner plus this rank's id check, to every rank: one all-to-all
-        meta = torch.zeros((n, 3), dtype=torch.int64, device=device)
-        meta[:, 0] = counts
-        meta[:, 1], meta[:, 2] = bad, value
+        meta = torch.cat([counts.unsqueeze(1), check.expand(n, 2)], dim=1)
         peers = torch.empty_like(meta)
         comm.all_to_all_single(peers, meta, [1] * n, [1] * n, "counts")
-        if bool(peers[:, 1].any()):
-            self._raise_bad(peers[:, 1:].cpu())
-        send_counts, recv_counts = counts.tolist(), peers[:, 0].tolist()
+        # One read: the splits both ways, every rank's check and the padding row's slot.
+        read = host_list(torch.cat([counts, peers.reshape(-1), self._padding_slot(uniq, padding_idx)]),
+                         "row_shard.fetch_counts")
+        send_counts, received, pad = read[:n], read[n:4 * n], read[4 * n]
+        flags = [received[3 * r + 1:3 * r + 3] for r in range(n)]
+        if any(kind for kind, _ in flags):
+            self._raise_bad(flags)
+        recv_counts = received[0::3]
         asked = torch.empty(sum(recv_counts), dtype=want.dtype, device=device)
         comm.all_to_all_single(asked, want, recv_counts, send_counts, "ids")
         served = self.shard.detach().index_select(0, asked.to(torch.int64))
@@ -266,18 +272,14 @@ class RowShardTable:
         st.fetch_bytes_received += comm.bytes_received
         self._note_transient(uniq, inverse, positions, want, asked, served, got, local)
         del served, got
-        pad = None
-        if padding_idx is not None:
-            hit = torch.nonzero(uniq == padding_idx).flatten()
-            pad = int(hit[0]) if hit.numel() else None
         if torch.is_grad_enabled():
             local.requires_grad_(True)
             local.register_hook(self._collector(uniq))
-        return F.embedding(inverse.view(ids.shape), local, padding_idx=pad, scale_grad_by_freq=scale_grad_by_freq)
+        return F.embedding(inverse.view(ids.shape), local, padding_idx=None if pad < 0 else pad,
+                           scale_grad_by_freq=scale_grad_by_freq)
 
     def _note_transient(self, *tensors: Optional[torch.Tensor]) -> None:
-        """Tensors zen allocated for this step that are alive now (``tensors`` and the step's
-        gradient sum and pushed result, each storage once): the largest such set is reported."""
+        """The bytes of zen's step tensors alive now (``tensors``, the sum, the pushed result): the peak is reported."""
         seen, alive, synced = set(), 0, self.synced
         for t in tensors + (self._ids, self._sums) + ((synced.indices, synced.values) if synced is not None else ()):
             if t is not None and t.untyped_storage().data_ptr() not in seen:
@@ -301,7 +303,8 @@ class RowShardTable:
             merged = torch.sparse_coo_tensor(torch.cat([self._ids, ids]).unsqueeze(0),
                                              torch.cat([self._sums, values]),
                                              (self.num_rows,) + self.row_shape,
-                                             check_invariants=False).coalesce()  # ids checked at lookup
+                                             check_invariants=False)  # ids checked at lookup
+            merged = sized(merged.coalesce(), "row_shard.accumulate")
             self._ids, self._sums = merged.indices()[0], merged.values()
         self._note_transient(grad)
 
@@ -333,8 +336,7 @@ class RowShardTable:
         self._ids = self._sums = None
 
     def grad_for_step(self, factor: float) -> Optional[RowSparse]:
-        """The master's gradient rows for the optimizer step (:func:`.rowstep.step_rows`): the
-        pushed result itself, times the clip coefficient / loss scale in place (the norm was taken)."""
+        """The pushed rows for :func:`.rowstep.step_rows`, times clip coefficient / loss scale in place."""
         if self.synced is not None and factor != 1.0:
             self.synced.values.mul_(factor)
         return self.synced
@@ -359,8 +361,8 @@ class RowShardTable:
     def sum_of_squares(self) -> torch.Tensor:
         """fp32 sum of squares of this rank's shard of the synced gradient."""
         if self.synced is None:
-            return torch.zeros((), dtype=torch.float32)
-        return self.synced.values.float().pow(2).sum().cpu()
+            return torch.zeros((), dtype=torch.float32, device=self.rows.device)
+        return self.synced.values.float().pow(2).sum()
 
     def line(self, step: int) -> str:
         """The stats line: rows and bytes per phase, against the stock baselines for the table."""
@@ -387,10 +389,8 @@ def full_weights(tables: Sequence[RowShardTable]) -> Dict[str, torch.Tensor]:
 
 @contextmanager
 def tables_saved_elsewhere(tables: Sequence[RowShardTable]) -> Iterator[None]:
-    """Module state dicts taken inside this block are zen's own saves, which add the whole
-    tables (``full_state_dict``, ``save_16bit_model``) or keep the rows in zen's file
-    (``save_checkpoint``): :class:`~.rowshard_model.RowShardedEmbedding` does not warn that its
-    table is missing."""
+    """Module state dicts taken inside this block are zen's own saves (whole tables added, or the
+    rows kept in zen's file): :class:`~.rowshard_model.RowShardedEmbedding` does not warn."""
     for table in tables:
         table.saved_elsewhere += 1
     try:
