@@ -26,7 +26,7 @@ from torch import nn
 from zen_ds.core.host import sized
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
-from zen_ds.sync.fetch import fetch_rows_flat
+from zen_ds.sync.fetch import checked_ids, fetch_rows_flat
 
 __all__ = ["RowEmbedding", "unsupported_reason"]
 
@@ -93,12 +93,16 @@ class RowEmbedding:
         vars(self.embedding).pop("forward", None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        unique, inverse = sized(torch.unique(ids.reshape(-1), sorted=True, return_inverse=True),
-                                "row_embedding.batch_rows")
+        """Collective over the group (every rank's forward fetches). An id outside the table, or
+        ids that are not integers, on any rank raise the same :class:`~zen_ds.ZenInputError` on
+        every rank before any row moves: the check rides in the fetch's count message."""
+        partition = self.partition()
+        flat, check = checked_ids(ids, self.num_rows, partition.device)
+        unique, inverse = sized(torch.unique(flat, sorted=True, return_inverse=True), "row_embedding.batch_rows")
         stats = SyncStats()
         with torch.no_grad():
-            rows = self.fetch(unique, self.partition(), self.num_rows, self.row_numel, self.group,
-                              stats=stats, log_prefix=f"zen {self.name}")
+            rows = self.fetch(unique, partition, self.num_rows, self.row_numel, self.group,
+                              stats=stats, log_prefix=f"zen {self.name}", check=check, name=self.name)
         self.fetch_stats.append(stats)
         weight = self.weight
         if not (torch.is_grad_enabled() and weight.requires_grad):
@@ -112,9 +116,8 @@ class RowEmbedding:
         if self.scale_grad_by_freq:
             counts = torch.bincount(inverse.reshape(-1), minlength=unique.numel()).to(torch.float32)
             grad.div_(counts.clamp_min(1).unsqueeze(1))
-        if self.padding_idx is not None:
-            padding = self.padding_idx % self.num_rows
-            grad[unique == padding] = 0.0
+        if self.padding_idx is not None:  # masked in place: a boolean index would read its size
+            grad.masked_fill_((unique == self.padding_idx % self.num_rows).unsqueeze(1), 0.0)
         self._ids.append(unique)
         self._grads.append(grad)
 

@@ -9,20 +9,70 @@ back exactly the bytes of the rows. A row that straddles a partition boundary is
 owner it overlaps; each answers with its part (the rest of its answer is zero-filled and ignored).
 This is the mirror image of :func:`zen_ds.sparse_reduce_scatter_flat`, which pushes row gradients
 to the same owners.
+
+A fetch can carry the caller's id check (:func:`checked_ids`) in its count message: an id outside
+the table on any rank then raises the same :class:`~zen_ds.ZenInputError` on every rank before any
+id or row moves, at no collective or read of its own.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from zen_ds.core.comm import Communicator
+from zen_ds.core.errors import ZenInputError
 from zen_ds.core.host import host_bool, host_int, host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.stats import SyncStats
 
-__all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners"]
+__all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners", "checked_ids", "raise_bad_ids"]
+
+ID_OUTSIDE, NOT_INTEGERS = 1, 2  # the kinds of an id check (0: fine)
+
+
+def checked_ids(ids: Any, num_rows: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(the ids flat, int64 on device, clamped into [0, num_rows); this rank's check)``, the
+    check an int64 ``[kind, id]`` computed on the device (no read): ``[0, 0]``, ``[ID_OUTSIDE,
+    the offending id]`` or ``[NOT_INTEGERS, 0]`` (no ids then). Clamping keeps every index inside
+    the table until every rank has seen the checks (:func:`raise_bad_ids`)."""
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        return (torch.empty(0, dtype=torch.int64, device=device),
+                torch.tensor([NOT_INTEGERS, 0], dtype=torch.int64, device=device))
+    flat = ids.reshape(-1).to(device=device, dtype=torch.int64)
+    if not flat.numel():
+        return flat, torch.zeros(2, dtype=torch.int64, device=device)
+    low, high = torch.aminmax(flat)
+    below, above = low < 0, high >= num_rows
+    offending = torch.where(below, low, torch.where(above, high, 0))
+    return flat.clamp(0, max(num_rows - 1, 0)), torch.stack([(below | above).to(torch.int64), offending])
+
+
+def raise_bad_ids(checks: Sequence[Sequence[int]], name: str, num_rows: int, after: str = "") -> None:
+    """Raise the same :class:`ZenInputError` on every rank when some rank's check (``checks[r] =
+    (kind, id)``, every rank's, read on the host) is set; ``after``: what the message adds."""
+    reasons = {r: (f"{name} got id {value} outside the table [0, {num_rows})" if kind == ID_OUTSIDE
+                   else f"the input of {name} is not an integer tensor")
+               for r, (kind, value) in enumerate(checks) if kind}
+    if reasons:
+        raise ZenInputError("zen: " + "; ".join(f"rank {r}: {t}" for r, t in reasons.items()) + after, reasons)
+
+
+def _exchange_counts(comm: Communicator, send_counts: torch.Tensor, check: Optional[torch.Tensor],
+                     name: str, num_rows: int, label: str) -> Tuple[List[int], List[int]]:
+    """The splits both ways (one all-to-all of counts, one read), raising every rank's id check
+    first when ``check`` rides along (see :func:`checked_ids`)."""
+    n = comm.world_size
+    message = send_counts if check is None else torch.cat([send_counts.unsqueeze(1), check.expand(n, 2)], 1)
+    received = torch.empty_like(message)
+    comm.all_to_all_single(received, message, [1] * n, [1] * n, label)
+    read = host_list(torch.cat([send_counts, received.reshape(-1)]), "fetch.counts")
+    if check is None:
+        return read[:n], read[n:]
+    peers = read[n:]
+    raise_bad_ids([peers[3 * r + 1:3 * r + 3] for r in range(n)], name, num_rows)
+    return read[:n], peers[0::3]
 
 
 def row_owners(ids: torch.Tensor, row_numel: int, partition_numel: int
@@ -83,13 +133,15 @@ def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: in
 
 def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, row_numel: int,
                     group: Optional[dist.ProcessGroup] = None, *, stats: Optional[SyncStats] = None,
-                    log_prefix: str = "zen") -> torch.Tensor:
+                    log_prefix: str = "zen", check: Optional[torch.Tensor] = None,
+                    name: str = "the table") -> torch.Tensor:
     """The rows ``ids`` (int64, unique, ascending: as ``torch.unique`` gives them; the owners'
     requests go out in that order) of the table whose flat partition this rank holds in
     ``partition`` (1-D, ``P`` elements, the same ``P`` on every rank), as a new
     ``[len(ids), row_numel]`` tensor of the partition's dtype. Every rank of ``group`` calls it
     (with its own ids; an empty request is fine). Values are copied bit for bit, signed zeros
-    included. ``stats`` gets the bytes this rank sent and received.
+    included. ``stats`` gets the bytes this rank sent and received. ``check``: this rank's id
+    check (:func:`checked_ids`, the ids of table ``name``), sent with the counts.
     """
     comm = Communicator.for_group(group, log_prefix)
     comm.scheme = "fetch_rows_flat"
@@ -100,15 +152,16 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
     ids = ids.to(device=partition.device, dtype=torch.int64)
     out = torch.empty((ids.numel(), row_numel), dtype=partition.dtype, device=partition.device)
     if n == 1:
+        if check is not None:
+            raise_bad_ids([host_list(check, "fetch.counts")], name, num_rows)
         out.copy_(_rows_of_partition(partition, ids, row_numel, 0))
         _record(stats, comm, ids, row_numel, partition, 0)
         return out
     dest, pick = row_owners(ids, row_numel, part) if ids.numel() else (ids, None)
     asked = ids if pick is None else ids.index_select(0, pick)
     send_counts = torch.bincount(dest, minlength=n).to(torch.int64)
-    recv_counts = torch.empty_like(send_counts)
-    comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "fetch_rows_flat.counts")
-    send_splits, recv_splits = host_list(torch.stack([send_counts, recv_counts]), "fetch.counts")
+    send_splits, recv_splits = _exchange_counts(comm, send_counts, check, name, num_rows,
+                                                "fetch_rows_flat.counts")
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
     comm.all_to_all_single(requested, asked, recv_splits, send_splits, "fetch_rows_flat.ids")
     answer = _rows_of_partition(partition, requested, row_numel, rank * part, overlapping=True)
@@ -129,27 +182,29 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
 
 def fetch_rows_two_hop(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, row_numel: int,
                        group: Optional[dist.ProcessGroup] = None, *, seed: int = 0,
-                       stats: Optional[SyncStats] = None, log_prefix: str = "zen") -> torch.Tensor:
+                       stats: Optional[SyncStats] = None, log_prefix: str = "zen",
+                       check: Optional[torch.Tensor] = None, name: str = "the table") -> torch.Tensor:
     """:func:`fetch_rows_flat` through balanced intermediaries, for large groups: each id goes to
     its hash owner (:class:`~zen_ds.core.partition.ShardLayout` of ``seed``, balanced parallelism's
     owner function), which fetches each distinct row it was asked for once from the partition
     owners and answers every asker. The partition owners of frequent rows (low ids, the first
     ranks under DeepSpeed's layout) then send each row once per step instead of once per asker;
-    every rank's traffic stays near the mean (``python -m zen_ds sim zero3`` prices both)."""
+    every rank's traffic stays near the mean (``python -m zen_ds sim zero3`` prices both).
+    ``check`` rides in the first hop's counts."""
     comm = Communicator.for_group(group, log_prefix)
     comm.scheme = "fetch_rows_two_hop"
     n = comm.world_size
     ids = ids.to(device=partition.device, dtype=torch.int64)
     if n == 1:
-        return fetch_rows_flat(ids, partition, num_rows, row_numel, group, stats=stats, log_prefix=log_prefix)
+        return fetch_rows_flat(ids, partition, num_rows, row_numel, group, stats=stats, log_prefix=log_prefix,
+                               check=check, name=name)
     layout = ShardLayout(num_rows, n, seed)
     hash_owner = layout.owner(ids)
     order = torch.argsort(hash_owner, stable=True)
     asked = ids.index_select(0, order)
     send_counts = torch.bincount(hash_owner, minlength=n).to(torch.int64)
-    recv_counts = torch.empty_like(send_counts)
-    comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "fetch_rows_two_hop.counts")
-    send_splits, recv_splits = host_list(torch.stack([send_counts, recv_counts]), "fetch.counts")
+    send_splits, recv_splits = _exchange_counts(comm, send_counts, check, name, num_rows,
+                                                "fetch_rows_two_hop.counts")
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
     comm.all_to_all_single(requested, asked, recv_splits, send_splits, "fetch_rows_two_hop.ids")
     distinct, inverse = sized(torch.unique(requested, sorted=True, return_inverse=True),

@@ -88,3 +88,67 @@ def test_fetch_rows_bit_exact_and_bytes():
             exact, ops = result[case + ".two_hop"]
             assert exact, f"{case}: rank {rank}'s two-hop fetch differs from the table's rows"
             assert ops == ["all_to_all"] * 6  # to the hash owners and back, around a direct fetch
+
+
+BAD = {"high": [3, 20], "negative": [-4, 2], "float": None}  # rank 1's ids of a 20-row table
+
+
+def _checked_worker(rank: int, world: int) -> Dict[str, Any]:
+    """A fetch with every rank's id check in its count message: rank 1's bad ids raise on every
+    rank after the counts, and the next fetch is exact; good ids fetch as without the check, 16
+    more bytes per peer."""
+    from zen_ds import SyncStats, ZenInputError
+    from zen_ds.core.host import count_host_reads
+    from zen_ds.sync.fetch import checked_ids, fetch_rows_flat, fetch_rows_two_hop
+    table = _table("tall")[:20].contiguous()
+    part = -(-table.numel() // world)
+    flat = torch.zeros(part * world)
+    flat[: table.numel()] = table.reshape(-1)
+    mine = flat[rank * part:(rank + 1) * part].clone()
+    out: Dict[str, Any] = {}
+    for fetch in (fetch_rows_flat, fetch_rows_two_hop):
+        for bad, ids in BAD.items():
+            given: Any = torch.tensor([[1, 2], [2, 19]])
+            if rank == 1:
+                given = torch.tensor([1.0, 2.0]) if ids is None else torch.tensor(ids)
+            safe, check = checked_ids(given, 20, mine.device)
+            try:
+                fetch(torch.unique(safe), mine, 20, 3, check=check, name="emb")
+                message = "no error"
+            except ZenInputError as err:
+                message = str(err)
+            after = fetch(torch.tensor([rank, 19]), mine, 20, 3)  # nothing of the failed one in flight
+            out[f"{fetch.__name__}.{bad}"] = (message, _bits(after).equal(_bits(table[[rank, 19]])))
+        ids = torch.tensor([[0, 2], [2, 19]]) if rank != 2 else torch.empty(0, dtype=torch.int64)
+        st = SyncStats()
+        safe, check = checked_ids(ids, 20, mine.device)
+        with count_host_reads() as reads:
+            got = fetch(torch.unique(safe), mine, 20, 3, stats=st, check=check, name="emb")
+        plain = SyncStats()
+        with count_host_reads() as plain_reads:
+            fetch(torch.unique(safe), mine, 20, 3, stats=plain)
+        out[f"{fetch.__name__}.good"] = (_bits(got).equal(_bits(table[torch.unique(safe)])),
+                                         st.bytes_sent - plain.bytes_sent, dict(reads.by_reason),
+                                         dict(plain_reads.by_reason))
+    return out
+
+
+def test_an_id_check_in_the_count_message_raises_on_every_rank_before_rows_move():
+    results = run_ranks(WORLD, _checked_worker)
+    says = {"high": "rank 1: emb got id 20 outside the table [0, 20)",
+            "negative": "rank 1: emb got id -4 outside the table [0, 20)",
+            "float": "rank 1: the input of emb is not an integer tensor"}
+    for fetch in ("fetch_rows_flat", "fetch_rows_two_hop"):
+        for bad, text in says.items():
+            seen = {res[f"{fetch}.{bad}"][0] for res in results}
+            assert len(seen) == 1, (fetch, bad, seen)  # the same error on every rank
+            (message,) = seen
+            assert text in message and "rank 0" not in message and "rank 2" not in message, message
+            for res in results:  # the group fetches on, exactly
+                assert res[f"{fetch}.{bad}"][1], (fetch, bad)
+        for rank, res in enumerate(results):
+            exact, extra, reads, plain_reads = res[f"{fetch}.good"]
+            assert exact, (fetch, rank)
+            assert extra == 16 * (WORLD - 1), (fetch, rank, extra)  # kind and id beside each count
+            assert reads == plain_reads and reads["fetch.counts"] == (1 if fetch == "fetch_rows_flat" else 2), (
+                fetch, rank, reads, plain_reads)  # the check reads nothing of its own

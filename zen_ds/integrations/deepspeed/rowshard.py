@@ -58,7 +58,8 @@ from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
 from zen_ds.integrations.deepspeed.sharded import gather_full
-from zen_ds.sync.options import SyncOptions, ZenInputError
+from zen_ds.sync.fetch import checked_ids, raise_bad_ids
+from zen_ds.sync.options import SyncOptions
 from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter
 
 logger = logging.getLogger(__name__)
@@ -194,22 +195,6 @@ class RowShardTable:
         return held
 
     # ------------------------------------------------------------------ forward
-    def _checked_ids(self, ids: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(the ids flat, int64, clamped into the table; this rank's check [kind, id])``: kind
-        0 fine, 1 an id outside the table, 2 not an integer tensor. No read: the check rides in
-        the fetch's count message, and every rank raises before any row moves."""
-        device = self.rows.device
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            return (torch.empty(0, dtype=torch.int64, device=device),
-                    torch.tensor([2, 0], dtype=torch.int64, device=device))
-        flat = ids.reshape(-1).to(device=device, dtype=torch.int64)
-        if not flat.numel():
-            return flat, torch.zeros(2, dtype=torch.int64, device=device)
-        low, high = torch.aminmax(flat)
-        below, above = low < 0, high >= self.num_rows
-        check = torch.stack([(below | above).to(torch.int64), torch.where(below, low, torch.where(above, high, 0))])
-        return flat.clamp(0, self.num_rows - 1), check
-
     @staticmethod
     def _padding_slot(uniq: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
         """``[padding_idx's slot in the sorted unique ids]`` or ``[-1]``, read with the counts."""
@@ -219,23 +204,14 @@ class RowShardTable:
         hit = uniq.index_select(0, slot.clamp(max=uniq.numel() - 1)) == padding_idx
         return torch.where(hit, slot, torch.full_like(slot, -1))
 
-    def _raise_bad(self, flags: Sequence[Sequence[int]]) -> None:
-        """The same :class:`ZenInputError` on every rank: ``flags[r] = (kind, id)`` for each rank ``r``."""
-        reasons = {r: (f"{self.name} got id {value} outside the table [0, {self.num_rows})" if kind == 1
-                       else f"the input of {self.name} is not an integer tensor")
-                   for r, (kind, value) in enumerate(flags) if kind}
-        raise ZenInputError("zen: " + "; ".join(f"rank {r}: {t}" for r, t in reasons.items())
-                            + " (every id must be in [0, num_embeddings); nothing was fetched, the group stays "
-                            "usable)", reasons)
-
     def lookup(self, ids: Any, padding_idx: Optional[int] = None, scale_grad_by_freq: bool = False
                ) -> torch.Tensor:
         """The embedding of ``ids`` (collective: every rank calls it once per forward). Raises
-        :class:`ZenInputError` on every rank when any rank's ids are outside the table."""
+        :class:`~zen_ds.ZenInputError` on every rank when any rank's ids are outside the table."""
         comm = Communicator.for_group(self.group, f"zen.{self.name}.fetch")
         comm.scheme = "row_sharded"
         n = self.world_size
-        flat, check = self._checked_ids(ids)
+        flat, check = checked_ids(ids, self.num_rows, self.rows.device)
         device = self.rows.device
         uniq, inverse = sized(torch.unique(flat, sorted=True, return_inverse=True), "row_shard.unique_ids")
         positions = self.layout.positions(uniq)
@@ -252,9 +228,8 @@ class RowShardTable:
         read = host_list(torch.cat([counts, peers.reshape(-1), self._padding_slot(uniq, padding_idx)]),
                          "row_shard.fetch_counts")
         send_counts, received, pad = read[:n], read[n:4 * n], read[4 * n]
-        flags = [received[3 * r + 1:3 * r + 3] for r in range(n)]
-        if any(kind for kind, _ in flags):
-            self._raise_bad(flags)
+        raise_bad_ids([received[3 * r + 1:3 * r + 3] for r in range(n)], self.name, self.num_rows,
+                      " (every id must be in [0, num_embeddings); nothing was fetched, the group stays usable)")
         recv_counts = received[0::3]
         asked = torch.empty(sum(recv_counts), dtype=want.dtype, device=device)
         comm.all_to_all_single(asked, want, recv_counts, send_counts, "ids")

@@ -71,9 +71,10 @@ class Zero3Route(EngineRoute):
               plan: Optional["OwnedPlan"]) -> "Zero3Route":
         """:class:`Zero3RowShardedRoute` where ``zen_ds.initialize`` row-sharded some tables."""
         embeddings = [p for p in reducer.params if not p.compressed]
-        install_id_checks(engine.module, embeddings, reducer.group)
         rows = EmbeddingRows.install(engine, engine.module, embeddings, reducer.config.embedding_rows,
                                      reducer.config.embedding_fetch, reducer.options)
+        # a table at batch cost checks its ids in its fetch's count message; the others before the gather
+        install_id_checks(engine.module, [p for p in embeddings if not rows.serves(p.param)], reducer.group)
         compressed = None
         if reducer.compressor is not None:
             compressed = CompressedPartitions(reducer, engine.is_gradient_accumulation_boundary,

@@ -16,8 +16,9 @@ layout, then move each of their rows once per step instead of once per asking ra
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -154,10 +155,5 @@ def _add_bytes(stats: SyncStats, more: SyncStats) -> None:
     stats.collectives = list(stats.collectives) + list(more.collectives)
 
 
-def _two_hop_fetch(seed: int):
-    def fetch(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, row_numel: int,
-              group: Optional[dist.ProcessGroup], *, stats: Optional[SyncStats] = None,
-              log_prefix: str = "zen") -> torch.Tensor:
-        return fetch_rows_two_hop(ids, partition, num_rows, row_numel, group, seed=seed, stats=stats,
-                                  log_prefix=log_prefix)
-    return fetch
+def _two_hop_fetch(seed: int) -> Callable[..., torch.Tensor]:
+    return functools.partial(fetch_rows_two_hop, seed=seed)  # fetch_rows_flat's signature, and the seed

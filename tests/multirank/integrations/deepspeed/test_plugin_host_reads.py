@@ -27,10 +27,9 @@ Why each read is there:
   ids were range-checked by the forward's lookup already, but a COO gradient carries no mark of
   that). The dense gradient they replace was scanned for its non-zero rows by an op whose count
   read is inside :mod:`zen_ds.ops` (not counted here).
-* ZeRO-3 (embedding at batch cost): ``id_check.flag`` (the agreed out-of-range flag of the
-  forward's id check, which must raise on every rank before any fetch), the forward's unique ids
-  (``row_embedding.batch_rows``: the fetch's size), the fetch's count exchange
-  (``fetch.counts``), and the push: its input's id range (``input.row_range``: the rows'
+* ZeRO-3 (embedding at batch cost): the forward's unique ids (``row_embedding.batch_rows``: the
+  fetch's size), the fetch's count exchange (``fetch.counts``, which also carries every rank's id
+  check: an id outside the table raises on every rank before any row moves), and the push: its input's id range (``input.row_range``: the rows'
   ids were range-checked by the forward already, but a ``RowSparse`` carries no mark of that),
   the handshake's records and its count exchange (``reduce_scatter_flat.counts``). Beyond the
   agreement (records, input range) and the forward's own two, fetch and push read twice.
@@ -70,7 +69,7 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/auto": _AGREED,
     "zero2/auto": {**_AGREED, **_CLIP, **_ROW_GRAD},
     "zero0/overlap": _STABLE,
-    "zero3/rows": {"id_check.flag": 1, "row_embedding.batch_rows": 1, "fetch.counts": 1,
+    "zero3/rows": {"row_embedding.batch_rows": 1, "fetch.counts": 1,
                    "input.row_range": 1, "agreement.records": 1, "reduce_scatter_flat.counts": 1},
 }
 
