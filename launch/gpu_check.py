@@ -20,18 +20,21 @@ install inside 8) runs out:
 6. ``multirank_one_device``: ``launch/gpu_multirank_check.py``: 2 and 4 gloo ranks sharing
    ``cuda:0``: every scheme against ``dist.all_reduce`` on the adversarial inputs, both
    reduce-scatters, the ZeRO-0 plug-in against stock DeepSpeed.
-7. ``gpu_step``: ``examples/gpu_step.py``: a Llama-shaped bf16 model (vocab 128256 and 262144,
+7. ``host_syncs``: ``launch/gpu_sync_check.py``: CUDA's sync debug mode beside zen's counted
+   reads (every scheme's sync, a stable plan, the tiny model's training step at ZeRO-0/2/3, 2 gloo
+   ranks on ``cuda:0``): fails on a synchronising line of zen_ds that the read counts miss.
+8. ``gpu_step``: ``examples/gpu_step.py``: a Llama-shaped bf16 model (vocab 128256 and 262144,
    hidden 2048, seq 4096) on one GPU, stock vs zen at ZeRO-0/2/3 and row_sharded: step time,
    zen's own time and share, peak memory (as many runs as its share of the budget allows).
-8. ``sync_world1``: ``sparse_allreduce`` with every scheme on CUDA tensors in one process.
-9. ``sync_nccl2``: with >= 2 GPUs, 2 NCCL ranks, every scheme against ``dist.all_reduce``.
-10. ``deepspeed``: a few steps of the quick start (``examples/train_embedding.py``) with zen and
+9. ``sync_world1``: ``sparse_allreduce`` with every scheme on CUDA tensors in one process.
+10. ``sync_nccl2``: with >= 2 GPUs, 2 NCCL ranks, every scheme against ``dist.all_reduce``.
+11. ``deepspeed``: a few steps of the quick start (``examples/train_embedding.py``) with zen and
     with stock DeepSpeed, ZeRO-0, ZeRO-2 and ZeRO-3; the losses must agree.
-11. ``feature_matrix``: the cells of docs/support_matrix.md stock DeepSpeed cannot run on a CPU
+12. ``feature_matrix``: the cells of docs/support_matrix.md stock DeepSpeed cannot run on a CPU
     (ZeRO++ qwZ / qgZ, DeepCompile), stock and with zen; the parameters must agree.
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` (the tables) into ``--out``, with the scripts' own
-reports (``multirank.json``, ``gpu_step.json``). Exits 2 at once, printing "no CUDA device", when
+reports (``multirank.json``, ``host_syncs.json``, ``gpu_step.json``). Exits 2 at once, printing "no CUDA device", when
 torch sees no GPU; 1 when a step failed; 0 otherwise.
 """
 from __future__ import annotations
@@ -353,6 +356,25 @@ def step_multirank_one_device(out: Path, timeout: float) -> Dict[str, Any]:
     return result
 
 
+def step_host_syncs(out: Path, timeout: float) -> Dict[str, Any]:
+    """CUDA's sync debug mode against zen's counted reads (``launch/gpu_sync_check.py``)."""
+    report_path = out / "host_syncs.json"
+    command = [str(REPO / "launch" / "gpu_sync_check.py"), "--device", "cuda", "--out", str(report_path),
+               "--timeout", str(max(30.0, timeout - 30))]
+    try:
+        proc = _script(command, timeout)
+        returncode, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode, text = -1, f"timed out after {timeout:.0f} s: {str(exc.stderr or '')[-3000:]}"
+    lines = [line for line in text.splitlines() if line.startswith(("sparse_allreduce/", "sync_step/",
+                                                                     "training_step/", "PROBLEM"))]
+    result: Dict[str, Any] = {"status": "passed" if returncode == 0 else "failed", "lines": lines,
+                              "summary": "; ".join(lines)[:300] or text[-300:], "report": str(report_path)}
+    if returncode != 0:
+        result["output_tail"] = text[-4000:]
+    return result
+
+
 def step_gpu_step(out: Path, budget: float) -> Dict[str, Any]:
     report_path = out / "gpu_step.json"
     proc = _script([str(REPO / "examples" / "gpu_step.py"), "--out", str(report_path),
@@ -551,6 +573,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         check.step("bandwidth", lambda: step_bandwidth(check), 40)
     check.step("multirank_one_device",
                lambda: step_multirank_one_device(check.out, max(60.0, min(180.0, check.left() - 200))), 60)
+    check.step("host_syncs", lambda: step_host_syncs(check.out, max(45.0, min(120.0, check.left() - 200))), 45)
     check.step("gpu_step", lambda: step_gpu_step(check.out, max(30.0, check.left() - 110)), 60)
     check.step("sync_world1", step_sync_world1, 20)
     check.step("sync_nccl2", lambda: step_sync_nccl2(max(30.0, min(120.0, check.left() - 120))), 40)

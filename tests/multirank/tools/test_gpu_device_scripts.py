@@ -4,6 +4,9 @@
   scheme against ``dist.all_reduce`` on the adversarial inputs, both reduce-scatters, zen's ZeRO-0
   engine against stock DeepSpeed's, the gloo collectives on the device. On a GPU the same script
   runs with every rank's tensors on ``cuda:0`` (``launch/gpu_check.py``'s ``multirank_one_device``).
+* ``launch/gpu_sync_check.py --device cpu``: every scheme's sync, a stable plan's step and the
+  tiny model's training step at ZeRO-0/2/3 under CUDA's sync debug mode beside zen's read counts
+  (on CPU nothing warns: the run, its cases and its report are what is checked here).
 * ``examples/gpu_step.py --tiny``: the Llama-shaped step at tiny sizes, every run (stock and zen
   at ZeRO-0/2/3, row_sharded), zen's own time attributed from the profiled step.
 
@@ -62,6 +65,27 @@ def test_multirank_one_device_check_passes_on_cpu(tmp_path):
             assert set(results.values()) == {"ok"}
     schemes = len(zen_ds.scheme_names())
     assert f"world 4 on cpu: gloo_collectives 4/4, allreduce {len(CASES) * schemes}/" in proc.stdout
+
+
+def test_the_sync_check_runs_every_case_on_cpu(tmp_path):
+    out = tmp_path / "syncs.json"
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "gpu_sync_check.py"), "--device", "cpu",
+                           "--out", str(out)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=540)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["device"] == "cpu" and not report["errors"], report["problems"]
+    import zen_ds
+    cases = {f"sparse_allreduce/{s}" for s in ["auto"] + list(zen_ds.scheme_names())} | {
+        "sync_step/balanced", "training_step/zero0/balanced", "training_step/zero2/balanced",
+        "training_step/zero3/rows"}
+    for rank in ("0", "1"):
+        got = report["ranks"][rank]
+        assert set(got) == cases, set(got) ^ cases
+        assert all(seen["syncs"] == {} and seen["counted_reads"] for seen in got.values())
+        assert got["sync_step/balanced"]["stable"]
+    printed = [line.split(":")[0] for line in proc.stdout.splitlines()]
+    assert cases <= set(printed) and "PROBLEM" not in proc.stdout  # a line per case, no problem lines
 
 
 def test_the_multirank_comparison_sees_a_wrong_sum():
