@@ -17,6 +17,9 @@ new one appears on a hot path (``tests/multirank/sync/test_host_reads.py``).
 ``zen_ds.sync`` and the plug-in (``zen_ds.features``, ``zen_ds.integrations``), and
 ``tests/multirank/integrations/deepspeed/test_host_reads.py`` pins a training step's reads.
 
+Some ops read the host on a GPU inside torch without saying so: ``torch.bincount`` reads its
+input's min and max. zen counts owners with :func:`bin_counts` instead, which reads nothing.
+
 Tensors that live on the host by construction (a gathered handshake table after its one read)
 are read with :func:`host_values`: not counted, but counted as ``"unexpected device read"``
 should one ever be a device tensor. Reads inside :mod:`zen_ds.ops` (below this layer; the CUDA
@@ -37,7 +40,7 @@ from typing import Iterator, List, Optional, TypeVar
 import torch
 
 __all__ = ["HostReads", "count_host_reads", "to_host", "host_list", "host_int", "host_float",
-           "host_bool", "host_equal", "sized", "host_values", "UNEXPECTED"]
+           "host_bool", "host_equal", "sized", "host_values", "bin_counts", "UNEXPECTED"]
 
 #: The reason of a read through :func:`host_values` of a tensor that was not on the host.
 UNEXPECTED = "unexpected device read"
@@ -146,6 +149,15 @@ def sized(result: _Result, reason: str) -> _Result:
     Returns ``result``."""
     _count(reason)
     return result
+
+
+def bin_counts(index: torch.Tensor, bins: int) -> torch.Tensor:
+    """``torch.bincount(index, minlength=bins)`` for an index known to lie in ``[0, bins)``,
+    without the two reads torch's CUDA kernel makes to size and check its output (the index's
+    max and min): int64 ``[bins]``, a scatter-add on the device."""
+    flat = index.reshape(-1).to(torch.int64)
+    counts = torch.zeros(bins, dtype=torch.int64, device=index.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def host_values(tensor: torch.Tensor) -> list:

@@ -15,6 +15,7 @@ from typing import List
 import torch
 
 from zen_ds import ops
+from zen_ds.core.host import bin_counts
 
 __all__ = ["ShardLayout", "owner"]
 
@@ -63,7 +64,7 @@ class ShardLayout:
         """How many of ``rows`` each rank owns (int64 ``[world_size]``)."""
         if rows.numel() == 0:
             return torch.zeros(self.world_size, dtype=torch.int64, device=rows.device)
-        return torch.bincount(self.owner(rows), minlength=self.world_size)
+        return bin_counts(self.owner(rows), self.world_size)
 
 
 def owner(rows: torch.Tensor, num_rows: int, world_size: int, seed: int = 0) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zen_ds.core.host import sized
+from zen_ds.core.host import bin_counts, sized
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
 from zen_ds.sync.fetch import checked_ids, fetch_rows_flat
@@ -114,7 +114,7 @@ class RowEmbedding:
         grad = torch.zeros((unique.numel(), self.row_numel), dtype=torch.float32, device=grad_out.device)
         grad.index_add_(0, inverse.reshape(-1), grad_out.reshape(-1, self.row_numel).to(torch.float32))
         if self.scale_grad_by_freq:
-            counts = torch.bincount(inverse.reshape(-1), minlength=unique.numel()).to(torch.float32)
+            counts = bin_counts(inverse, unique.numel()).to(torch.float32)
             grad.div_(counts.clamp_min(1).unsqueeze(1))
         if self.padding_idx is not None:  # masked in place: a boolean index would read its size
             grad.masked_fill_((unique == self.padding_idx % self.num_rows).unsqueeze(1), 0.0)

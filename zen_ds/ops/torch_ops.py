@@ -119,7 +119,8 @@ def partition(
     """
     positions = permute(rows, num_rows, seed)
     owners = ((positions + 1) * world_size - 1) // num_rows
-    counts = torch.bincount(owners, minlength=world_size)
+    counts = torch.zeros(world_size, dtype=torch.int64, device=rows.device).scatter_add_(
+        0, owners, torch.ones_like(owners))  # bincount would read the owners' min and max on CUDA
     order = torch.argsort(owners, stable=True)
     starts = torch.tensor(shard_starts(num_rows, world_size)[:-1], dtype=torch.int64,
                           device=rows.device)

@@ -42,7 +42,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.buffers import scratch
-from zen_ds.core.host import host_bool, host_list, host_values, sized
+from zen_ds.core.host import bin_counts, host_bool, host_list, host_values, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import as_bytes, round8, view_as
@@ -120,7 +120,7 @@ def _sole_contributors(shard_rows: torch.Tensor, recv_offsets: torch.Tensor
     """For every received row (push order): its slot in ``shard_rows`` (sorted, unique) and
     whether it is the only contribution to that row."""
     slots = torch.searchsorted(shard_rows, recv_offsets.to(torch.int64))
-    counts = torch.bincount(slots, minlength=shard_rows.numel())
+    counts = bin_counts(slots, shard_rows.numel())
     return slots, counts[slots] == 1
 
 

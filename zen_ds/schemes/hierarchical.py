@@ -51,7 +51,7 @@ import torch
 from zen_ds import ops
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import SKETCH_SIZE
-from zen_ds.core.host import host_list, host_values, to_host
+from zen_ds.core.host import bin_counts, host_list, host_values, to_host
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8
@@ -185,7 +185,7 @@ class HierarchicalScheme(Scheme):
         sketch = torch.full((SKETCH_SIZE,), -1, dtype=torch.int64, device=rows.device)
         smallest = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
         sketch[: smallest.numel()] = smallest
-        owners = torch.bincount(layout.owner_of_positions(positions), minlength=g)
+        owners = bin_counts(layout.owner_of_positions(positions), g)
         record = torch.cat([torch.tensor([rows.numel()], device=rows.device), sketch, owners])
         table = torch.empty(g * record.numel(), dtype=torch.int64, device=rows.device)
         comm.all_gather_into_tensor(table, record, "hierarchical.handshake")

@@ -47,7 +47,7 @@ from typing import List, Tuple
 import torch
 
 from zen_ds import ops
-from zen_ds.core.host import host_list, host_values, sized, to_host
+from zen_ds.core.host import bin_counts, host_list, host_values, sized, to_host
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
@@ -121,7 +121,7 @@ class OmniReduceScheme(Scheme):
         aggregator = ids % n
         order = torch.argsort(aggregator, stable=True)
         ids, blocks = ids[order], blocks[order]
-        counts = host_list(torch.bincount(aggregator, minlength=n), "omnireduce.block_counts")
+        counts = host_list(bin_counts(aggregator, n), "omnireduce.block_counts")
         at = [0]
         for c in counts:
             at.append(at[-1] + c)
@@ -136,7 +136,7 @@ class OmniReduceScheme(Scheme):
             per_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))
             raise ValueError(f"omnireduce: ranks disagree on {BLOCK_SIZE_ENV} ({per_rank}); set "
                              "the same block size on every rank")
-        pushed = table[:, 1:]
+        pushed_to_me = host_values(table[:, 1 + rank])  # blocks each rank pushes to me
 
         def payload_bytes(blocks_count: int) -> int:
             return blocks_payload_bytes(blocks_count, id_dtype.itemsize, block_bytes)
@@ -151,10 +151,10 @@ class OmniReduceScheme(Scheme):
         got = exchange(ctx.comm,
                        {j: pack([ids[at[j]: at[j + 1]].to(id_dtype), blocks[at[j]: at[j + 1]]])
                         for j in range(n) if j != rank and counts[j]},
-                       {i: payload_bytes(int(pushed[i, rank])) for i in range(n) if i != rank},
+                       {i: payload_bytes(pushed_to_me[i]) for i in range(n) if i != rank},
                        "omnireduce.push", x.device)
         parts = [(ids[at[rank]: at[rank + 1]], blocks[at[rank]: at[rank + 1]]) if i == rank
-                 else decode(got.get(i, _NOTHING), int(pushed[i, rank])) for i in range(n)]
+                 else decode(got.get(i, _NOTHING), pushed_to_me[i]) for i in range(n)]
         mine, sums = ops.aggregate(torch.cat([p[0] for p in parts]),
                                    torch.cat([p[1] for p in parts]), acc, terms=n)
         if ctx.scale is not None:

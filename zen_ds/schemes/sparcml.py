@@ -58,7 +58,7 @@ from typing import Callable, ClassVar, Dict, Hashable, List, Optional, Sequence,
 import torch
 
 from zen_ds import ops
-from zen_ds.core.host import host_list
+from zen_ds.core.host import bin_counts, host_list
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
@@ -353,8 +353,8 @@ class SparCMLScheme(Scheme):
                 elif s.rows.numel():
                     reduced.index_add_(0, s.rows, s.values.to(acc))
             if sparse:
-                ops.add_zero_where(reduced, lambda: torch.bincount(
-                    torch.cat([s.rows for s in sparse]), minlength=mine.num_rows) < len(sparse))
+                ops.add_zero_where(reduced, lambda: bin_counts(
+                    torch.cat([s.rows for s in sparse]), mine.num_rows) < len(sparse))
             summed = Stream(dense=reduced)
         else:
             rows, sums = ops.aggregate(torch.cat([s.rows for s in parts]),

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from zen_ds.core.comm import Communicator
 from zen_ds.core.errors import ZenInputError
-from zen_ds.core.host import host_bool, host_int, host_list, sized
+from zen_ds.core.host import bin_counts, host_bool, host_int, host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.stats import SyncStats
 
@@ -159,7 +159,7 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
         return out
     dest, pick = row_owners(ids, row_numel, part) if ids.numel() else (ids, None)
     asked = ids if pick is None else ids.index_select(0, pick)
-    send_counts = torch.bincount(dest, minlength=n).to(torch.int64)
+    send_counts = bin_counts(dest, n)
     send_splits, recv_splits = _exchange_counts(comm, send_counts, check, name, num_rows,
                                                 "fetch_rows_flat.counts")
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
@@ -202,7 +202,7 @@ def fetch_rows_two_hop(ids: torch.Tensor, partition: torch.Tensor, num_rows: int
     hash_owner = layout.owner(ids)
     order = torch.argsort(hash_owner, stable=True)
     asked = ids.index_select(0, order)
-    send_counts = torch.bincount(hash_owner, minlength=n).to(torch.int64)
+    send_counts = bin_counts(hash_owner, n)
     send_splits, recv_splits = _exchange_counts(comm, send_counts, check, name, num_rows,
                                                 "fetch_rows_two_hop.counts")
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)

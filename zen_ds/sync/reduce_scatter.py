@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zen_ds import ops
-from zen_ds.core.host import host_list, sized
+from zen_ds.core.host import bin_counts, host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats
@@ -160,7 +160,7 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
         dest, pick = row_owners(ids, width, part)  # rows over a boundary go to each owner
         order = torch.argsort(dest, stable=True)
         rows = pick[order] if pick is not None else order
-        send_counts = torch.bincount(dest, minlength=n).to(torch.int64)
+        send_counts = bin_counts(dest, n)
         recv_counts = torch.empty_like(send_counts)
         comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "reduce_scatter_flat.counts")
         send_splits, recv_splits = host_list(torch.stack([send_counts, recv_counts]),

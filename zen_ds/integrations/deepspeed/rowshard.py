@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zen_ds.core.comm import Communicator
-from zen_ds.core.host import host_list, sized
+from zen_ds.core.host import bin_counts, host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
@@ -219,7 +219,7 @@ class RowShardTable:
         order = torch.argsort(owners, stable=True)
         starts = torch.tensor(self.layout.starts[:-1], dtype=torch.int64, device=device)
         want = (positions - starts[owners]).index_select(0, order).to(self.layout.id_dtype)
-        counts = torch.bincount(owners, minlength=n)
+        counts = bin_counts(owners, n)
         # counts to each owner plus this rank's id check, to every rank: one all-to-all
         meta = torch.cat([counts.unsqueeze(1), check.expand(n, 2)], dim=1)
         peers = torch.empty_like(meta)

@@ -1,0 +1,72 @@
+"""No uncounted read of the host in a training step through the plug-in (2 gloo ranks, the tiny
+model of ``test_plugin_host_reads.py``): every op of zen's that would make a GPU's host wait
+(:class:`cuda_syncs.CudaSyncOps`, recorded on CPU on the step's main thread) is a read that
+:mod:`zen_ds.core.host` counts, or one of DeepSpeed's own. ZeRO-0/2 with ``balanced`` and the
+default block, ZeRO-3 with the embedding at batch cost, ZeRO-2 row-sharded. Shown failing with
+``torch.bincount`` in the ZeRO-3 fetch and push (it reads its input's min and max on CUDA).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+
+from dist_utils import run_ranks
+
+pytest.importorskip("deepspeed")
+
+import ds_cases as dc  # noqa: E402
+
+WORLD = 2
+BALANCED = {"enabled": True, "scheme": "balanced", "stats_interval": 0}
+CASES: Dict[str, Any] = {
+    "zero0/balanced": (0, BALANCED),
+    "zero2/balanced": (2, BALANCED),
+    "zero2/auto": (2, {"enabled": True, "stats_interval": 0}),
+    "zero3/rows": (3, {"enabled": True, "stats_interval": 0}),
+    "zero2/row_sharded": (2, {"enabled": True, "row_sharded": True, "optimizer_state": "sharded",
+                              "shard_min_mb": 0, "stats_interval": 0}),
+}
+
+
+def _worker(rank: int, world: int) -> Dict[str, Any]:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    dc.set_env(rank, world)
+    import deepspeed
+    import torch
+
+    import zen_ds
+    from cuda_syncs import CudaSyncOps
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    out: Dict[str, Any] = {}
+    for case, (zero, zen) in CASES.items():
+        torch.manual_seed(0)
+        model = dc.TinyEmbeddingModel()
+        engine, *_ = zen_ds.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                                       config=dc.tiny_config(zero, world, zen))
+        batches = dc.tiny_batches(rank)
+        dc.tiny_steps(engine, batches, 4)
+        mode = CudaSyncOps()
+        with mode:
+            dc.tiny_steps(engine, batches, 1, 4)
+        route = zen_ds.state_of(engine).route
+        out[case] = (dict(mode.kinds), dict(mode.uncounted), route.name,
+                     [t.name for t in getattr(route, "tables", None) or ()])
+    return out
+
+
+@pytest.fixture(scope="module")
+def seen():
+    return run_ranks(WORLD, _worker, fresh=True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_training_step_reads_the_host_only_through_counted_reads(seen, case: str) -> None:
+    for rank, cases in enumerate(seen):
+        kinds, uncounted, route, tables = cases[case]
+        assert (tables == ["embedding.weight"]) == (case == "zero2/row_sharded"), (case, tables)
+        assert not uncounted, f"rank {rank}, {case} ({route} route): uncounted reads of the host: {uncounted}"
+        assert kinds.get("counted", 0) >= 1, kinds  # the recorder sees the step's counted reads

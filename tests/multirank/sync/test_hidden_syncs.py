@@ -1,0 +1,73 @@
+"""No read of the host that :mod:`zen_ds.core.host` does not count, in any scheme's sync, both
+reduce-scatters and both fetches, on 3 gloo ranks (:class:`cuda_syncs.CudaSyncOps`: the ops that
+would make a GPU's host wait, recorded on CPU with the zen line that ran them).
+
+Reads inside :mod:`zen_ds.ops` are its CUDA ops' own (listed in each scheme's docstring) and are
+not checked here; everything else in zen_ds that synchronises must be a counted read. Shown
+failing with ``torch.bincount`` (it reads its input's min and max on CUDA) in the fetch's counts.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+
+from dist_utils import run_ranks
+
+WORLD = 3
+ROWS, WIDTH = 5000, 8
+
+
+def _inputs(rank: int):
+    import torch
+
+    import zen_ds
+
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    for label, nnz in (("sparse", 50), ("denser", 3000)):
+        rows = torch.unique(torch.randint(0, ROWS, (nnz,), generator=g))
+        out[label] = zen_ds.RowSparse(rows, torch.randn(rows.numel(), WIDTH, generator=g), ROWS)
+    return out
+
+
+def _worker(rank: int, world: int) -> Dict[str, Any]:
+    import torch
+
+    import zen_ds
+    from cuda_syncs import CudaSyncOps
+    from zen_ds.sync.fetch import fetch_rows_flat, fetch_rows_two_hop
+
+    calls = {}
+    for label, x in _inputs(rank).items():
+        for scheme in ["auto"] + list(zen_ds.scheme_names()):
+            calls[f"sparse_allreduce/{scheme}/{label}"] = lambda x=x, s=scheme: zen_ds.sparse_allreduce(x, scheme=s)
+            calls[f"sparse_allreduce/{scheme}/{label}/dense"] = (
+                lambda x=x, s=scheme: zen_ds.sparse_allreduce(x.to_dense(), scheme=s))
+        calls[f"sparse_reduce_scatter/{label}"] = lambda x=x: zen_ds.sparse_reduce_scatter(x)
+        part = -(-ROWS * WIDTH // world)
+        calls[f"sparse_reduce_scatter_flat/{label}"] = (
+            lambda x=x: zen_ds.sparse_reduce_scatter_flat(x, partition_numel=part))
+        partition = torch.randn(part)
+        calls[f"fetch_rows_flat/{label}"] = lambda x=x: fetch_rows_flat(x.indices, partition, ROWS, WIDTH)
+        calls[f"fetch_rows_two_hop/{label}"] = lambda x=x: fetch_rows_two_hop(x.indices, partition, ROWS, WIDTH)
+    seen = {}
+    for name, call in calls.items():
+        call()  # a first call may set things up
+        mode = CudaSyncOps()
+        with mode:
+            call()
+        seen[name] = dict(mode.uncounted)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def seen():
+    return run_ranks(WORLD, _worker)
+
+
+def test_every_sync_reads_the_host_only_through_counted_reads(seen) -> None:
+    for rank, calls in enumerate(seen):
+        hidden = {name: sites for name, sites in calls.items() if sites}
+        assert not hidden, f"rank {rank}: reads of the host that zen_ds.core.host does not count: {hidden}"
+    assert len(seen[0]) == 2 * (2 * (1 + len(__import__("zen_ds").scheme_names())) + 4)
