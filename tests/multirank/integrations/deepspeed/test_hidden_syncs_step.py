@@ -2,7 +2,8 @@
 model of ``test_plugin_host_reads.py``): every op of zen's that would make a GPU's host wait
 (:class:`cuda_syncs.CudaSyncOps`, recorded on CPU on the step's main thread) is a read that
 :mod:`zen_ds.core.host` counts, or one of DeepSpeed's own. ZeRO-0/2 with ``balanced`` and the
-default block, ZeRO-3 with the embedding at batch cost, ZeRO-2 row-sharded. Shown failing with
+default block, ZeRO-3 with the embedding at batch cost, ZeRO-2 row-sharded, ZeRO-0 with top-k
+compression and with DS-Sync (``"shuffle"``). Shown failing with
 ``torch.bincount`` in the ZeRO-3 fetch and push (it reads its input's min and max on CUDA).
 """
 from __future__ import annotations
@@ -26,6 +27,10 @@ CASES: Dict[str, Any] = {
     "zero3/rows": (3, {"enabled": True, "stats_interval": 0}),
     "zero2/row_sharded": (2, {"enabled": True, "row_sharded": True, "optimizer_state": "sharded",
                               "shard_min_mb": 0, "stats_interval": 0}),
+    "zero0/topk": (0, {"enabled": True, "stats_interval": 0,
+                       "compression": {"type": "topk", "density": 0.05, "min_numel": 16, "warmup_steps": 0}}),
+    "zero0/shuffle": (0, {"enabled": True, "stats_interval": 0,
+                          "shuffle": {"group_size": 2, "mode": "gradients", "full_sync_every": 0, "seed": 5}}),
 }
 
 
