@@ -17,7 +17,7 @@ import torch
 from zen_ds import ops
 from zen_ds.core.handshake import DTYPE_CODES
 from zen_ds.core.host import host_list
-from zen_ds.core.sparse import RowSparse
+from zen_ds.core.sparse import RowSparse, ids_known_in_range
 
 __all__ = ["LocalInput", "inspect_input", "MAX_NUM_ROWS"]
 
@@ -78,6 +78,7 @@ def inspect_input(x: object, out: object, device_types: Optional[Tuple[str, ...]
 def _inspect(x: object, out: object, device_types: Optional[Tuple[str, ...]]) -> LocalInput:
     if isinstance(x, RowSparse):
         kind, ids, values, num_rows = "rowsparse", x.indices, x.values, x.num_rows
+        checked = ids_known_in_range(ids, num_rows)
         if not isinstance(ids, torch.Tensor) or not isinstance(values, torch.Tensor):
             return LocalInput(error="RowSparse indices and values must be tensors")
         if ids.dim() != 1 or values.dim() < 1 or values.shape[0] != ids.shape[0]:
@@ -89,8 +90,9 @@ def _inspect(x: object, out: object, device_types: Optional[Tuple[str, ...]]) ->
         num_rows, values = int(x.shape[0]), x
         if x.layout == torch.sparse_coo:
             kind, ids, values = "coo", x._indices()[0], x._values()
+            checked = ids_known_in_range(x, num_rows)
         elif x.layout == torch.strided:
-            kind, ids = "dense", None
+            kind, ids, checked = "dense", None, False
         else:
             return LocalInput(error=f"unsupported tensor layout {x.layout}; pass a strided tensor, "
                                     "a sparse COO tensor or a RowSparse")
@@ -113,7 +115,7 @@ def _inspect(x: object, out: object, device_types: Optional[Tuple[str, ...]]) ->
             return LocalInput(error=f"row ids on {ids.device} but values on {values.device}")
     if not 0 <= num_rows <= MAX_NUM_ROWS:
         return LocalInput(error=f"num_rows must be in [0, 2**48], got {num_rows}")
-    if ids is not None and ids.numel():
+    if ids is not None and ids.numel() and not checked:  # zen's own checked ids: no read
         low, high = host_list(torch.stack(torch.aminmax(ids)), "input.row_range")  # one read
         if low < 0 or high >= num_rows:
             return LocalInput(error=f"row ids outside [0, num_rows) (min {low}, max {high}, "

@@ -27,7 +27,25 @@ import torch
 from zen_ds import ops
 from zen_ds.core.host import sized
 
-__all__ = ["RowSparse"]
+__all__ = ["RowSparse", "mark_ids_in_range", "ids_known_in_range"]
+
+_IDS_BELOW = "_zen_ids_below"  # attribute on an ids tensor: every id lies in [0, this)
+
+
+def mark_ids_in_range(ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Say that every id of ``ids`` (a :class:`RowSparse`'s indices, or a sparse COO tensor:
+    its row ids) lies in ``[0, num_rows)``, so that a sync's input check does not read their
+    range back (one host read saved). Only zen's own producers set it, on ids a lookup has
+    checked already (an embedding's forward, the fetch's id check) or on a union of such ids; a
+    tensor made from them (a cast, a sum, a concatenation) carries no mark and is checked.
+    Returns ``ids``."""
+    setattr(ids, _IDS_BELOW, int(num_rows))
+    return ids
+
+
+def ids_known_in_range(ids: torch.Tensor, num_rows: int) -> bool:
+    """Whether :func:`mark_ids_in_range` said ``ids`` lie in ``[0, num_rows)``."""
+    return getattr(ids, _IDS_BELOW, None) == int(num_rows)
 
 
 @dataclass
@@ -125,8 +143,10 @@ class RowSparse:
         indices, values = tensor._indices(), tensor._values()
         num_rows = tensor.shape[0]
         if tensor.sparse_dim() == 1:
-            result = cls(indices[0], values, num_rows, coalesced=tensor.is_coalesced())
-            return result.coalesce()
+            result = cls(indices[0], values, num_rows, coalesced=tensor.is_coalesced()).coalesce()
+            if ids_known_in_range(tensor, num_rows):  # the same ids: the mark carries over
+                mark_ids_in_range(result.indices, num_rows)
+            return result
         # Fully sparse N-D: scatter each entry into its row's dense block.
         row_shape = tuple(tensor.shape[1:tensor.sparse_dim()]) + tuple(values.shape[1:])
         rows, inverse = sized(torch.unique(indices[0], sorted=True, return_inverse=True),

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zen_ds.core.host import bin_counts, sized
-from zen_ds.core.sparse import RowSparse
+from zen_ds.core.sparse import RowSparse, mark_ids_in_range
 from zen_ds.core.stats import SyncStats
 from zen_ds.sync.fetch import checked_ids, fetch_rows_flat
 
@@ -128,10 +128,12 @@ class RowEmbedding:
             return None
         ids, grads = self._ids, self._grads
         self._ids, self._grads = [], []
-        if len(ids) == 1:
-            return RowSparse(ids[0], grads[0].to(dtype), self.num_rows, coalesced=True)
+        if len(ids) == 1:  # checked by the forward's fetch (its count message)
+            return RowSparse(mark_ids_in_range(ids[0], self.num_rows), grads[0].to(dtype), self.num_rows,
+                             coalesced=True)
         unique, inverse = sized(torch.unique(torch.cat(ids), sorted=True, return_inverse=True),
                                 "row_embedding.accumulated_rows")
+        mark_ids_in_range(unique, self.num_rows)  # a union of checked ids
         total = torch.zeros((unique.numel(), self.row_numel), dtype=torch.float32, device=grads[0].device)
         total.index_add_(0, inverse, torch.cat(grads))
         return RowSparse(unique, total.to(dtype), self.num_rows, coalesced=True)

@@ -24,7 +24,17 @@ from torch import nn
 from zen_ds.core.host import sized
 from zen_ds.features.row_embedding import unsupported_reason
 
-__all__ = ["RowGradEmbedding", "row_grad_blocker", "rows_gradient"]
+__all__ = ["RowGradEmbedding", "row_grad_blocker", "rows_gradient", "took_checked_rows"]
+
+
+def took_checked_rows(weight: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``grad`` (``weight.grad`` right after it was accumulated) is the row gradient this
+    module's backward handed over, whose ids the forward's lookup checked already (F.embedding
+    raises on an id outside the table): autograd keeps that gradient's values when the weight had
+    none, so the same values mean the same rows; a sum with an earlier gradient is a new tensor
+    and is not trusted. Asking consumes the answer."""
+    handed = vars(weight).pop("_zen_handed_rows", None)
+    return handed is not None and grad.is_sparse and grad._values().data_ptr() == handed
 
 
 def row_grad_blocker(module: nn.Module) -> str:
@@ -49,8 +59,8 @@ def rows_gradient(grad_out: torch.Tensor, ids: torch.Tensor, row_numel: int, pad
     rows = torch.ops.aten.embedding_dense_backward(grad_out.reshape(-1, row_numel), inverse,
                                                    unique.numel(), -1, scale_grad_by_freq)
     if padding_idx is not None:  # the padding row's gradient is zero: send no row for it
-        keep = unique != padding_idx
-        unique, rows = unique[keep], rows[keep]
+        keep = unique != padding_idx  # the kept count is read back (one read, with padding_idx only)
+        unique, rows = sized((unique[keep], rows[keep]), "row_grad.padding_row")
     return unique, rows
 
 
@@ -70,6 +80,7 @@ class _RowGradLookup(torch.autograd.Function):
         shape = ctx.weight_shape
         unique, rows = rows_gradient(grad_out, ids, int(shape[1]), owner.padding_idx, owner.scale_grad_by_freq)
         grad = torch.sparse_coo_tensor(unique.unsqueeze(0), rows, tuple(shape), is_coalesced=True)
+        owner.embedding.weight._zen_handed_rows = rows.data_ptr()  # see took_checked_rows
         return grad, None, None
 
 

@@ -11,7 +11,7 @@ DeepSpeed's (:func:`combined_norm`), and both are clipped by DeepSpeed's rule
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional, Protocol, Tuple
+from typing import Any, Iterable, Optional, Protocol, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -20,13 +20,14 @@ from torch import nn
 from zen_ds.integrations.deepspeed.internals.engine import is_model_parallel_parameter
 
 __all__ = ["local_sum_of_squares", "model_parallel_sum", "replica_norm", "combined_norm", "clip_coefficient",
-           "ZenNorm"]
+           "is_one", "ZenNorm"]
 
 
 class ZenNorm(Protocol):
     """A route whose params' norm joins DeepSpeed's (zen steps them itself)."""
 
-    last_norm: Optional[float]  # the combined unscaled norm DeepSpeed clipped with
+    # the combined unscaled norm DeepSpeed clipped with (a tensor: not read on the host)
+    last_norm: Union[None, float, torch.Tensor]
 
     def zen_norm(self, local: bool = False) -> torch.Tensor: ...
 
@@ -83,8 +84,22 @@ def combined_norm(ds_norm: Any, zen: torch.Tensor) -> torch.Tensor:
     return torch.where(overflow, ds_t, combined)
 
 
-def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:
-    """DeepSpeed's clipping rule, ``min(1, max_norm / (norm + 1e-6))``; 1 when off or unknown."""
-    if max_norm <= 0.0 or norm is None or not math.isfinite(float(norm)):
+def clip_coefficient(max_norm: float, norm: Union[None, float, torch.Tensor]) -> Union[float, torch.Tensor]:
+    """DeepSpeed's clipping rule, ``min(1, max_norm / (norm + 1e-6))``; 1 when off or unknown
+    (or not finite). A tensor ``norm`` gives a float64 tensor where it is, computed as the float
+    rule would (double arithmetic, the same rounding): no read of the host."""
+    if max_norm <= 0.0 or norm is None:
+        return 1.0
+    if torch.is_tensor(norm):
+        norm = norm.double()
+        return torch.where(torch.isfinite(norm), torch.clamp(max_norm / (norm + 1e-6), max=1.0),
+                           torch.ones_like(norm))
+    if not math.isfinite(float(norm)):
         return 1.0
     return min(1.0, max_norm / (float(norm) + 1e-6))
+
+
+def is_one(factor: Union[float, torch.Tensor]) -> bool:
+    """Whether a scaling ``factor`` is known, without reading the device, to be exactly 1 (a
+    tensor is never assumed to be: multiplying by it is exact when it is 1)."""
+    return not torch.is_tensor(factor) and factor == 1.0

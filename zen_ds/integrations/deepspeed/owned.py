@@ -210,7 +210,7 @@ class StepsOwnParams:
         only, for optimizers that add the model-parallel ranks themselves)."""
         return self.owned.grad_norm(self.engine.mpu, local)
 
-    def step_owned(self, loss_scale: float, norm: Optional[float], base_lr: Optional[float],
+    def step_owned(self, loss_scale: float, norm: Union[None, float, torch.Tensor], base_lr: Optional[float],
                    norm_before_scale_update: bool) -> None:
         """Step zen's own params after DeepSpeed applied its step, clipped by the global ``norm``
         (``loss_scale``: the scale the gradients were computed with).
@@ -322,7 +322,7 @@ class OwnedRoute(StepsOwnParams, ReducerRoute):
         applied = engine.was_step_applied()
         try:
             if applied:
-                norm = self.last_norm
+                norm = self.last_norm_unread
                 if norm is None and ds_bf16.is_bf16_optimizer(opt):  # BF16_Optimizer: unscaled
                     norm = engine.get_global_grad_norm()
                 self.step_owned(loss_scale, norm, base_lr, norm_before_scale_update=True)

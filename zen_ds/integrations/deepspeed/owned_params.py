@@ -10,16 +10,17 @@ the reducer reads and writes their gradients.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zen_ds.core.host import to_host
-from zen_ds.core.sparse import RowSparse
+from zen_ds.core.sparse import RowSparse, mark_ids_in_range
+from zen_ds.features.row_grad import took_checked_rows
 from zen_ds.integrations.deepspeed.grads import GradReader, GradStorage
-from zen_ds.integrations.deepspeed.norms import local_sum_of_squares, model_parallel_sum
+from zen_ds.integrations.deepspeed.norms import is_one, local_sum_of_squares, model_parallel_sum
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable
 from zen_ds.integrations.deepspeed.rowstep import step_rows
 from zen_ds.integrations.deepspeed.saved_state import FP32, SavedState
@@ -109,8 +110,12 @@ class OwnedParams:
                 return
             with torch.no_grad():
                 if grad.is_sparse:
+                    checked = took_checked_rows(param, grad)
                     piece = grad.coalesce()
-                    piece = torch.sparse_coo_tensor(piece.indices(), piece.values().float(), piece.shape)
+                    piece = torch.sparse_coo_tensor(piece.indices(), piece.values().float(), piece.shape,
+                                                    is_coalesced=True)
+                    if checked:  # the same ids: the mark of zen's row gradient carries over
+                        mark_ids_in_range(piece, piece.shape[0])
                     self.accum[i] = piece if self.accum[i] is None else self.accum[i] + piece
                 elif self.accum[i] is None:
                     self.accum[i] = grad.detach().float().clone()
@@ -171,7 +176,7 @@ class OwnedParams:
         return (sum_sq if local else model_parallel_sum(sum_sq, mpu)).sqrt()
 
     @torch.no_grad()
-    def step(self, loss_scale: float, clip_coef: float, base_lr: Optional[float],
+    def step(self, loss_scale: float, clip_coef: Union[float, torch.Tensor], base_lr: Optional[float],
              stats: Optional[Dict[str, Any]] = None) -> None:
         """Step zen's params with DeepSpeed's loss scale, clip coefficient and learning rate;
         sharded params' all-gathers are recorded in ``stats`` (the reducer's per-param stats)."""
@@ -184,7 +189,7 @@ class OwnedParams:
                 master.grad = None
                 continue
             g = g.float()
-            g = g * factor if factor != 1.0 else g
+            g = g if is_one(factor) else g * factor
             if shard is not None and sparse_only:  # SparseAdam takes COO grads only
                 g = RowSparse.from_dense(g).to_coo()
             master.grad = g

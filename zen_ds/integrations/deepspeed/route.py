@@ -86,6 +86,11 @@ class EngineRoute(ABC):
     def last_norm(self, norm: Union[None, float, torch.Tensor]) -> None:
         self._last_norm = norm
 
+    @property
+    def last_norm_unread(self) -> Union[None, float, torch.Tensor]:
+        """:attr:`last_norm` as it was computed (a device tensor stays one: no read)."""
+        return self._last_norm
+
     @classmethod
     def prepare(cls, choice: "RouteChoice", model: torch.nn.Module, optimizer: Any, model_parameters: Any,
                 ds_config: Mapping[str, Any], tables: Sequence[Tuple[torch.nn.Parameter, RowShardTable]]

@@ -45,7 +45,7 @@ import logging
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ from zen_ds.core.host import bin_counts, host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
 from zen_ds.core.stats import SyncStats
+from zen_ds.integrations.deepspeed.norms import is_one
 from zen_ds.integrations.deepspeed.sharded import gather_full
 from zen_ds.sync.fetch import checked_ids, raise_bad_ids
 from zen_ds.sync.options import SyncOptions
@@ -310,9 +311,9 @@ class RowShardTable:
         self.stats.push_bytes_received += st.bytes_received
         self._ids = self._sums = None
 
-    def grad_for_step(self, factor: float) -> Optional[RowSparse]:
+    def grad_for_step(self, factor: Union[float, torch.Tensor]) -> Optional[RowSparse]:
         """The pushed rows for :func:`.rowstep.step_rows`, times clip coefficient / loss scale in place."""
-        if self.synced is not None and factor != 1.0:
+        if self.synced is not None and not is_one(factor):
             self.synced.values.mul_(factor)
         return self.synced
 

@@ -2,7 +2,8 @@
 
 Checked against DeepSpeed 0.19.8. Wraps ``scaled_global_norm`` (:func:`fold_norm`): the norm it
 clips with and checks for overflow is that of DeepSpeed's and zen's params together (loss-scaled,
-as DeepSpeed's is). Its ``gradient_average`` copy and ``bit16_groups`` are read in :mod:`.engine`.
+as DeepSpeed's is). DeepSpeed keeps it a tensor (its own overflow check reads it); zen keeps its
+share a tensor too, so zen's clip coefficient costs no read of the host. Its ``gradient_average`` copy and ``bit16_groups`` are read in :mod:`.engine`.
 """
 from __future__ import annotations
 
@@ -26,9 +27,13 @@ def fold_norm(opt: Any, zen: ZenNorm) -> bool:
     def scaled_global_norm(*args: Any, **kwargs: Any) -> Any:
         ds_norm = orig(*args, **kwargs)
         total = combined_norm(ds_norm, zen.zen_norm())
-        value = host_float(total, "norms.combined")  # zen's clip coefficient is a host number
-        zen.last_norm = value / loss_scale(opt)
-        return total.to(ds_norm.device) if torch.is_tensor(ds_norm) else value
+        if not torch.is_tensor(ds_norm):  # a DeepSpeed that clips with a number: read it
+            value = host_float(total, "norms.combined")
+            zen.last_norm = value / loss_scale(opt)
+            return value
+        # in float64, as the host number was: zen's clip coefficient follows on the device
+        zen.last_norm = total.double() / loss_scale(opt)
+        return total.to(ds_norm.device)
 
     opt.scaled_global_norm = scaled_global_norm
     return True
