@@ -70,4 +70,7 @@ def test_every_sync_reads_the_host_only_through_counted_reads(seen) -> None:
     for rank, calls in enumerate(seen):
         hidden = {name: sites for name, sites in calls.items() if sites}
         assert not hidden, f"rank {rank}: reads of the host that zen_ds.core.host does not count: {hidden}"
-    assert len(seen[0]) == 2 * (2 * (1 + len(__import__("zen_ds").scheme_names())) + 4)
+    # every registered scheme of the ranks' registry (a pooled rank may hold a test's toy one too)
+    schemes = {name.split("/")[1] for name in seen[0] if name.startswith("sparse_allreduce/")}
+    assert {"auto", "dense", "agsparse", "balanced", "sparcml", "omnireduce", "hierarchical"} <= schemes
+    assert len(seen[0]) == 2 * (2 * len(schemes) + 4)
