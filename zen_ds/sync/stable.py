@@ -14,9 +14,11 @@ drops the plan, and the next step re-plans. The sum is the library all-reduce of
 three more elements: on more than two ranks the library may chunk it, and so add, in another
 order than the tensor's own all-reduce (last-bit differences; every rank gets the same bits).
 
-**agsparse, balanced** (``checks_in_counts``): such a plan needs every rank's current counts,
-and the scheme's first collective exchanges them anyway (agsparse's size all-gather, as DeepSpeed's; balanced's push
-counts, all-gathered instead of all-to-all'd where its pull pads to the owners' bounds). The
+**agsparse, balanced, sparcml** (``checks_in_counts``): such a plan needs every rank's current
+counts, and the scheme's first collective exchanges them (agsparse's size all-gather, as
+DeepSpeed's; balanced's push counts, all-gathered instead of all-to-all'd where its pull pads to
+the owners' bounds; sparcml's row counts for recursive doubling's bounds, or split-allgather's
+range counts). The
 checks ride in those int64 counts as flag bits above bit 60
 (:func:`zen_ds.core.handshake.pack_checks`), and every rank reads every rank's flags from that
 one message: a problem or a mismatch raises :class:`~zen_ds.schemes.base.StalePlan` on every
@@ -209,8 +211,8 @@ def _drop(plans: StepPlans, name: str) -> None:
 
 def _stable_sparse(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats,
                    opts: SyncOptions) -> Optional[TensorLike]:
-    """A stable sparse plan (``agsparse``, ``balanced``): no handshake; the scheme's first
-    metadata message (its counts) carries this rank's check flags. None when some rank found a
+    """A stable sparse plan (``agsparse``, ``balanced``, ``sparcml``): no handshake; the
+    scheme's first metadata message (its counts) carries this rank's check flags. None when some rank found a
     problem or a mismatch: no row data moved, the caller's tensors are untouched."""
     plan = plans.stable[call.name]
     local = prep.local

@@ -15,8 +15,8 @@ step. :func:`sync_step` agrees on all of them at once and then runs each tensor'
    tensors' order, the first one with a problem or a mismatch raises the same
    :class:`~zen_ds.sync.options.ZenInputError` on every rank, before any data moved.
 3. **Stable plans** (``reduce`` and ``auto``; :mod:`zen_ds.sync.stable`): a tensor whose agreed
-   plan was ``dense``, ``agsparse`` or ``balanced`` keeps it without a handshake; its checks
-   ride in its dense all-reduce or in the sparse scheme's count message. Where they show a
+   plan was ``dense``, ``agsparse``, ``balanced`` or ``sparcml`` keeps it without a handshake;
+   its checks ride in its dense all-reduce or in the sparse scheme's count message. Where they show a
    problem or a mismatch nothing was written and every rank runs the tensor's full handshake
    (the agreed error, or the new plan); a class change re-plans at the next step.
 
