@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from zen_ds.core.comm import Communicator
 from zen_ds.core.host import host_bool, host_int, host_list, sized
-from zen_ds.core.partition import ShardLayout
+from zen_ds.core.partition import shard_layout
 from zen_ds.core.stats import SyncStats
 
 __all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners"]
@@ -142,7 +142,7 @@ def fetch_rows_two_hop(ids: torch.Tensor, partition: torch.Tensor, num_rows: int
     ids = ids.to(device=partition.device, dtype=torch.int64)
     if n == 1:
         return fetch_rows_flat(ids, partition, num_rows, row_numel, group, stats=stats, log_prefix=log_prefix)
-    layout = ShardLayout(num_rows, n, seed)
+    layout = shard_layout(num_rows, n, seed)
     hash_owner = layout.owner(ids)
     order = torch.argsort(hash_owner, stable=True)
     asked = ids.index_select(0, order)
