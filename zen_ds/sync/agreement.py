@@ -46,7 +46,7 @@ def _usable_group(group) -> Tuple[Optional[dist.ProcessGroup], List[str]]:
     if not isinstance(group, dist.ProcessGroup):
         return None, [f"group must be a torch.distributed.ProcessGroup or None, got "
                       f"{type(group).__name__}"]
-    if dist.get_rank(group) < 0:
+    if group_facts(group)[1] < 0:  # kept per group: a training loop asks every step
         return None, ["this rank is not a member of the group it passed"]
     return group, []
 
