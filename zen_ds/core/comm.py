@@ -203,6 +203,10 @@ class Communicator:
             return self.host_staging
         if not any(t.device.type != "cpu" for t in tensors):
             return False
+        return self._gloo_alone()
+
+    def _gloo_alone(self) -> bool:
+        """Whether the group's backend is gloo alone (no NCCL for device tensors)."""
         if self._gloo_only is None:
             backend = group_facts(self.group)[2] if dist.is_initialized() else ""
             self._gloo_only = "gloo" in backend and "nccl" not in backend
@@ -298,14 +302,23 @@ class Communicator:
 
     def _send_recv(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
                    name: str) -> None:
-        ops = [dist.P2POp(op, t, self._global_rank(peer), self.group)
-               for op, buffers in ((dist.isend, sends), (dist.irecv, recvs))
-               for peer, t in buffers.items() if peer != self.rank and t.numel()]
-        if not ops:
+        """Point-to-point transfers posted together. NCCL needs them batched (a send and a
+        receive posted apart between two ranks can wait on each other); gloo's are independent
+        already, and batching them costs more host time than a small round's transfer."""
+        transfers = [(op, t, self._global_rank(peer))
+                     for op, buffers in ((dist.isend, sends), (dist.irecv, recvs))
+                     for peer, t in buffers.items() if peer != self.rank and t.numel()]
+        if not transfers:
             return
+        unbatched = self._gloo_alone()
 
         def run() -> None:
-            for request in dist.batch_isend_irecv(ops):
+            if unbatched:
+                requests = [op(t, peer, self.group) for op, t, peer in transfers]
+            else:
+                requests = dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group)
+                                                   for op, t, peer in transfers])
+            for request in requests:
                 request.wait()
 
         self._run(name, run)

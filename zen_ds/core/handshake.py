@@ -319,7 +319,7 @@ def same_agreed_fields(record: torch.Tensor, other: torch.Tensor) -> bool:
 # every rank's flags in that one collective, so every rank takes the same branch.
 CHECK_PROBLEM = 1  # this rank's input or options are unusable
 CHECK_MISMATCH = 2  # this rank's record differs from the agreed one (shape, dtype, options)
-CHECK_CHANGED = 4  # this rank's row count left its class: re-plan after this step
+CHECK_CHANGED = 4  # this rank's row count moved from the planned one: re-plan after it
 CHECK_ABORT = CHECK_PROBLEM | CHECK_MISMATCH  # no row data may move: the full handshake runs
 _CHECK_SHIFT = 60
 _COUNT_MASK = (1 << _CHECK_SHIFT) - 1

@@ -9,6 +9,7 @@ evenly, because a Weyl sequence scatters any contiguous block almost uniformly o
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import List
 
@@ -17,7 +18,7 @@ import torch
 from zen_ds import ops
 from zen_ds.core.host import bin_counts
 
-__all__ = ["ShardLayout", "owner"]
+__all__ = ["ShardLayout", "shard_layout", "owner"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -67,6 +68,14 @@ class ShardLayout:
         return bin_counts(self.owner(rows), self.world_size)
 
 
+@functools.lru_cache(maxsize=256)
+def shard_layout(num_rows: int, world_size: int, seed: int = 0) -> ShardLayout:
+    """``ShardLayout(num_rows, world_size, seed)``, kept: every sync of a tensor (its record,
+    its push and pull, the planner's byte model) asks for the same one, and deriving it costs
+    more host time than looking it up. The layout is frozen, so one object serves them all."""
+    return ShardLayout(num_rows, world_size, seed)
+
+
 def owner(rows: torch.Tensor, num_rows: int, world_size: int, seed: int = 0) -> torch.Tensor:
     """The owner function every phase uses: rank that aggregates each row id."""
-    return ShardLayout(num_rows, world_size, seed).owner(rows)
+    return shard_layout(num_rows, world_size, seed).owner(rows)

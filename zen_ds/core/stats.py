@@ -57,8 +57,8 @@ class SyncStats:
     def copy_from(self, other: "SyncStats") -> "SyncStats":
         """Every :class:`SyncStats` field of ``other`` into this record (a subclass keeps its
         own fields): how a caller's ``stats=`` is filled. Returns ``self``."""
-        for name in _FIELD_NAMES:
-            setattr(self, name, getattr(other, name))
+        source = vars(other)  # plain instance attributes: one update, not a call per field
+        vars(self).update({name: source[name] for name in _FIELD_NAMES})
         return self
 
     @property

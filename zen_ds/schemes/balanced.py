@@ -43,7 +43,7 @@ import torch
 from zen_ds import ops
 from zen_ds.core.buffers import scratch
 from zen_ds.core.host import bin_counts, host_bool, host_list, host_values, sized
-from zen_ds.core.partition import ShardLayout
+from zen_ds.core.partition import ShardLayout, shard_layout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import as_bytes, round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
@@ -393,7 +393,7 @@ class BalancedScheme(Scheme):
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> Optional[RowSparse]:
         n, rank = ctx.world_size, ctx.rank
-        layout = ShardLayout(x.num_rows, n, ctx.seed)
+        layout = shard_layout(x.num_rows, n, ctx.seed)
         id_bytes = layout.id_dtype.itemsize
         row_numel = x.row_numel
 
@@ -465,7 +465,7 @@ class BalancedScheme(Scheme):
 
     def predict(self, shape: SyncShape) -> ByteEstimate:
         n, r = shape.world_size, shape.rank
-        layout = ShardLayout(shape.num_rows, n, 0)
+        layout = shard_layout(shape.num_rows, n, 0)
         id_bytes = layout.id_dtype.itemsize
         entry = id_bytes + shape.row_bytes
         nnz = list(shape.nnz_per_rank)
@@ -507,7 +507,7 @@ class BalancedScheme(Scheme):
         """One int64 count to each owner, or, where the pull pads to the owners' bounds, all of
         the rank's counts (an all-gather: every rank needs every rank's)."""
         n = shape.world_size
-        if pads_pull(shape, ShardLayout(shape.num_rows, n, 0).id_dtype.itemsize + shape.row_bytes):
+        if pads_pull(shape, shard_layout(shape.num_rows, n, 0).id_dtype.itemsize + shape.row_bytes):
             return 8 * n
         return 8
 

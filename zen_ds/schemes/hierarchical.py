@@ -52,7 +52,7 @@ from zen_ds import ops
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import SKETCH_SIZE
 from zen_ds.core.host import bin_counts, host_list, host_values, to_host
-from zen_ds.core.partition import ShardLayout
+from zen_ds.core.partition import ShardLayout, shard_layout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8
 from zen_ds.costmodel.shape import DEFAULT_LATENCY_BYTES, ByteEstimate, SyncShape, with_rank
@@ -112,7 +112,7 @@ class HierarchicalScheme(Scheme):
             return RowSparse.empty(0, x.row_shape, dtype=x.dtype, device=x.device)
         per_node = ctx.shape.ranks_per_node if ctx.shape is not None else None
         topology, node, across = topology_for(ctx.comm, x.device, per_node)
-        layout = ShardLayout(x.num_rows, topology.slices, ctx.seed)
+        layout = shard_layout(x.num_rows, topology.slices, ctx.seed)
         wire = SliceWire(layout, x.row_numel)
         acc = accum_dtype(x.dtype)
         counts, offsets, values = ops.partition(x.indices, x.values_2d(), x.num_rows,
@@ -180,7 +180,7 @@ class HierarchicalScheme(Scheme):
         g = comm.world_size
         if g == 1 or slice_size == 0:
             return rows, sums
-        layout = ShardLayout(slice_size, g, ctx.seed)
+        layout = shard_layout(slice_size, g, ctx.seed)
         positions = layout.positions(rows)
         sketch = torch.full((SKETCH_SIZE,), -1, dtype=torch.int64, device=rows.device)
         smallest = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
@@ -209,7 +209,7 @@ class HierarchicalScheme(Scheme):
         topology = Topology.consecutive(n, shape.ranks_per_node or ranks_per_node())
         if shape.num_rows == 0:
             return ByteEstimate(0, 0, 0)
-        layout = ShardLayout(shape.num_rows, topology.slices, 0)
+        layout = shard_layout(shape.num_rows, topology.slices, 0)
         wire = SliceWire(layout, shape.row_numel)
         nodes = topology.nodes
         my_node = nodes[topology.node_of(r)]

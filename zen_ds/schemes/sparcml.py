@@ -40,14 +40,18 @@ The variant follows the byte models under the cost model's latency (``ctx.shape`
 picks the same one. Once a stream is dense, rows whose sum is +0.0 drop out of the result, as
 with ``dense`` (a -0.0 row stays: see :mod:`zen_ds.core.sparse` for the signed-zero rule).
 
+A plan kept from a past step (:mod:`zen_ds.sync.step`; its variant stays) has no handshake: its
+check flags (:meth:`~zen_ds.schemes.base.SyncContext.checked_counts`) ride in recursive doubling's
+row-count all-gather (its bounds) or in split-allgather's range counts.
+
 The stream codec, message sizes and exact traffic both variants share are in
 :mod:`zen_ds.schemes.sparcml_streams`. The module is over 400 lines because each variant keeps
 its byte model next to the code whose bytes it predicts (the tests hold them equal).
 
 Host synchronisations on CUDA (message sizes must be on the host for NCCL's point-to-point and
-all-to-all calls): recursive doubling reads one row-count header per received message; the
-split-allgather reads the range cuts (``searchsorted(...).tolist()``), the received counts and
-the reduced ranges' sizes (``tolist`` after their collectives); densifying a stream finds its
+all-to-all calls): recursive doubling reads one row-count header per received message (and a
+stable plan's counts); the split-allgather reads the range cuts (``searchsorted``), the received
+counts and the reduced ranges' sizes (``tolist`` after their collectives); densifying a stream finds its
 non-zero rows; :func:`zen_ds.ops.aggregate` reads the smallest offset and the unique count.
 """
 from __future__ import annotations
@@ -58,7 +62,7 @@ from typing import Callable, ClassVar, Dict, Hashable, List, Optional, Sequence,
 import torch
 
 from zen_ds import ops
-from zen_ds.core.host import bin_counts, host_list
+from zen_ds.core.host import bin_counts, host_list, host_values
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
@@ -174,6 +178,7 @@ def _split_ranges(num_rows: int, n: int, row_bytes: int) -> _SplitRanges:
 class SparCMLScheme(Scheme):
     name = "sparcml"
     needs_support_estimate = True
+    checks_in_counts = True
     #: Pin one variant (benchmarks, tests); None lets the byte models choose.
     forced_variant: ClassVar[Optional[str]] = None
 
@@ -233,12 +238,12 @@ class SparCMLScheme(Scheme):
 
     @staticmethod
     def _nnz(x: RowSparse, ctx: SyncContext) -> List[int]:
-        if len(ctx.nnz_per_rank) == ctx.world_size:
+        """Every rank's row count: the handshake's, else (a stable plan: carrying its checks)
+        from one all-gather."""
+        if ctx.checks is None and len(ctx.nnz_per_rank) == ctx.world_size:
             return list(ctx.nnz_per_rank)
-        gathered = torch.empty(ctx.world_size, dtype=torch.int64, device=x.device)
-        ctx.comm.all_gather_into_tensor(gathered, torch.tensor([x.nnz], device=x.device),
-                                        "sparcml.sizes")
-        return host_list(gathered, "sparcml.sizes")
+        mine = torch.tensor([x.nnz], dtype=torch.int64, device=x.device)
+        return host_values(ctx.exchange_counts(mine, True, "sparcml.sizes")[0].flatten())
 
     def _recursive_doubling(self, x: RowSparse, ctx: SyncContext, nnz: Sequence[int]
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -330,11 +335,11 @@ class SparCMLScheme(Scheme):
         def size(wire: Wire, count: int) -> int:
             return range_part_bytes(wire, count, id_dtype)
 
-        # Reduce-scatter by range: counts first, then each part sparse or dense.
-        recv_counts = torch.empty(n, dtype=torch.int64, device=x.device)
-        ctx.comm.all_to_all_single(recv_counts, torch.tensor(counts, device=x.device), [1] * n,
-                                   [1] * n, "sparcml.counts")
-        recv_counts = host_list(recv_counts, "sparcml.counts")
+        # Reduce-scatter by range: counts first (carrying a stable plan's checks), then each
+        # part sparse or dense.
+        received, _ = ctx.exchange_counts(torch.tensor(counts, device=x.device), False,
+                                          "sparcml.counts")
+        recv_counts = host_values(received)
         mine = wires[rank]
         got = exchange(ctx.comm, {j: encode(part(j), wires[j]) for j in range(n) if j != rank},
                        {i: size(mine, recv_counts[i]) for i in range(n) if i != rank},
@@ -390,9 +395,10 @@ class SparCMLScheme(Scheme):
     def traffic(self, supports: Supports, shape: SyncShape, index_encoding: str,
                 checks: bool = False) -> Traffic:
         """The variant :meth:`sync` picks for this handshake, message by message
-        (:mod:`zen_ds.schemes.sparcml_streams`)."""
+        (:mod:`zen_ds.schemes.sparcml_streams`); ``checks``: a stable plan's, whose recursive
+        doubling first all-gathers the row counts (split-allgather's counts carry them)."""
         if self.variant(shape) == RECURSIVE_DOUBLING:
-            return doubling_traffic(supports)
+            return doubling_traffic(supports, checks)
         return split_traffic(supports)
 
     def predict(self, shape: SyncShape) -> ByteEstimate:

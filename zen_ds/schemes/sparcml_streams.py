@@ -122,10 +122,11 @@ def message_bytes(wire: Wire, bound: int) -> int:
 
 
 # ---------------------------------------------------------------------- exact traffic
-def doubling_traffic(s: Supports) -> Traffic:
+def doubling_traffic(s: Supports, sizes: bool = False) -> Traffic:
     """Recursive doubling: fold, log2 p pairwise rounds, unfold; every message padded to the
     bound the handshake gives (dense once the bound passes the break-even), one latency step
-    each."""
+    each. ``sizes``: the bounds come from an all-gather of the row counts first (a stable
+    plan's, no handshake)."""
     n, num_rows = s.world_size, s.num_rows
     nnz = host_values(s.nnz)
     wire = Wire(num_rows, s.row_numel * accum_bytes(s.value_bytes))
@@ -137,6 +138,8 @@ def doubling_traffic(s: Supports) -> Traffic:
         return min(sum(folded[first: first + count]), num_rows)
 
     phases: List[Phase] = []
+    if sizes:
+        phases.append(Phase.ring("sparcml.sizes", "all_gather", per_rank(n, (n - 1) * 8)))
     merged = torch.zeros(n, dtype=torch.int64)  # rows each rank merges (compute)
     if extras:
         matrix = pairs(n)

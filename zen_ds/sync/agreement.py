@@ -32,7 +32,7 @@ from zen_ds.core.handshake import (
 from zen_ds.core.host import to_host
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.option_fields import OPTION_SLOTS, record_slots
-from zen_ds.core.partition import ShardLayout
+from zen_ds.core.partition import shard_layout
 from zen_ds.schemes import get_scheme, scheme_names
 from zen_ds.schemes.topology import ranks_per_node
 from zen_ds.sync.options import SyncOptions, ZenInputError, option_problems
@@ -46,7 +46,7 @@ def _usable_group(group) -> Tuple[Optional[dist.ProcessGroup], List[str]]:
     if not isinstance(group, dist.ProcessGroup):
         return None, [f"group must be a torch.distributed.ProcessGroup or None, got "
                       f"{type(group).__name__}"]
-    if dist.get_rank(group) < 0:
+    if group_facts(group)[1] < 0:  # kept per group: a training loop asks every step
         return None, ["this rank is not a member of the group it passed"]
     return group, []
 
@@ -112,7 +112,7 @@ def reduced_handshake(opts: object, group: object) -> bool:
     if opts.handshake == "reduce":
         return True
     try:
-        n = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        n = group_facts(group)[0] if dist.is_available() and dist.is_initialized() else 1
     except Exception:  # an unusable group: the all-gather handshake reports it
         return False
     return choose_handshake(opts, n) == "reduce"
@@ -143,7 +143,7 @@ def _record(comm: Communicator, local: LocalInput, scheme: str, average: bool,
     needs_layout = not fields_only and n > 1 and local.num_rows > 0 and local.row_numel > 0 and (
         scheme == "auto" or get_scheme(scheme).needs_sketch)
     if needs_layout and local.nnz:
-        layout = ShardLayout(local.num_rows, n, opts.seed)
+        layout = shard_layout(local.num_rows, n, opts.seed)
         positions = layout.positions(to_host(local.rows, "agreement.sketch_rows"))
         if with_layout:  # numpy: a few hundred host integers, where torch's per-op cost rules
             values = positions.numpy()

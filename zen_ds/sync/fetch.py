@@ -24,7 +24,7 @@ import torch.distributed as dist
 from zen_ds.core.comm import Communicator
 from zen_ds.core.errors import ZenInputError
 from zen_ds.core.host import bin_counts, host_bool, host_int, host_list, sized
-from zen_ds.core.partition import ShardLayout
+from zen_ds.core.partition import shard_layout
 from zen_ds.core.stats import SyncStats
 
 __all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners", "checked_ids", "raise_bad_ids"]
@@ -198,7 +198,7 @@ def fetch_rows_two_hop(ids: torch.Tensor, partition: torch.Tensor, num_rows: int
     if n == 1:
         return fetch_rows_flat(ids, partition, num_rows, row_numel, group, stats=stats, log_prefix=log_prefix,
                                check=check, name=name)
-    layout = ShardLayout(num_rows, n, seed)
+    layout = shard_layout(num_rows, n, seed)
     hash_owner = layout.owner(ids)
     order = torch.argsort(hash_owner, stable=True)
     asked = ids.index_select(0, order)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from zen_ds import ops
 from zen_ds.core.host import bin_counts, host_list, sized
-from zen_ds.core.partition import ShardLayout
+from zen_ds.core.partition import ShardLayout, shard_layout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats
 from zen_ds.core.wire import as_bytes, view_as
@@ -72,7 +72,7 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     comm.scheme = "reduce_scatter"
     n, rank = comm.world_size, comm.rank
     x = local_rows(local, float(prescale))
-    layout = ShardLayout(x.num_rows, n, seed)
+    layout = shard_layout(x.num_rows, n, seed)
     owner_counts = table.owner_counts if n > 1 and x.num_rows and x.row_numel else None
     ctx = SyncContext(comm, seed, None, "auto",
                       owner_counts=None if owner_counts is None else owner_counts.to(x.device))

@@ -2,27 +2,28 @@
 or ``auto``): a tensor whose agreed plan is one of :func:`stable_schemes` (the schemes that
 :attr:`~zen_ds.schemes.base.Scheme.keeps_stable_plan`) runs later steps without a handshake,
 its checks riding in a collective it runs anyway. Three checks: a problem on some rank, a
-record that differs from the agreed one (shape, dtype, options), a change of some rank's row
-count by half an octave (:func:`count_class`).
+record that differs from the agreed one (shape, dtype, options), some rank's row count having
+moved more than a quarter octave from the count the plan was made at (:func:`count_moved`).
 
 **dense** (``whole_tensor``): the checks ride in the dense all-reduce itself, as three extra
 elements summed with the data (:func:`zen_ds.sync.allreduce.dense_work` fills the rest). The data goes through a scratch buffer, so a problem found there has written nothing:
 every rank then runs the tensor's full handshake, which raises the agreed error (or, if the
 ranks changed alike, gives the new plan). Every rank also counts the summed tensor's non-zero
-rows (the exact union, identical on every rank); a change of its class, or of a rank's count,
+rows (the exact union, identical on every rank); where it, or a rank's count, moved,
 drops the plan, and the next step re-plans. The sum is the library all-reduce of the tensor and
 three more elements: on more than two ranks the library may chunk it, and so add, in another
 order than the tensor's own all-reduce (last-bit differences; every rank gets the same bits).
 
-**agsparse, balanced** (``checks_in_counts``): such a plan needs every rank's current counts,
-and the scheme's first collective exchanges them anyway (agsparse's size all-gather, as DeepSpeed's; balanced's push
-counts, all-gathered instead of all-to-all'd where its pull pads to the owners' bounds). The
-checks ride in those int64 counts as flag bits above bit 60
+**agsparse, balanced, sparcml** (``checks_in_counts``): such a plan needs every rank's current
+counts, and the scheme's first collective exchanges them (agsparse's size all-gather, as
+DeepSpeed's; balanced's push counts, all-gathered instead of all-to-all'd where its pull pads to
+the owners' bounds; sparcml's row counts for recursive doubling's bounds, or split-allgather's
+range counts). The checks ride in those int64 counts as flag bits above bit 60
 (:func:`zen_ds.core.handshake.pack_checks`), and every rank reads every rank's flags from that
 one message: a problem or a mismatch raises :class:`~zen_ds.schemes.base.StalePlan` on every
 rank before any row data moved or the caller's tensor was written (a rank whose input is
-unusable joins with no rows), and every rank runs the tensor's full handshake; a count that
-left its class, or a change of the union's class, drops the plan after this step's (exact) sum.
+unusable joins with no rows), and every rank runs the tensor's full handshake; a rank's count
+or the union that moved drops the plan after this step's (exact) sum.
 The result is the scheme's own code on this step's counts, bit for bit what a sync with a
 handshake gives for the same plan; only the planning inputs are an earlier step's.
 
@@ -65,13 +66,21 @@ from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, handsha
 from zen_ds.sync.allreduce import dense_result, dense_work, sync_tensor
 from zen_ds.sync.options import SyncOptions, TensorLike
 
-__all__ = ["StepCall", "StepPlans", "StablePlan", "count_class", "CHECK_SLOTS", "stable_schemes",
+__all__ = ["StepCall", "StepPlans", "StablePlan", "count_moved", "CHECK_SLOTS", "stable_schemes",
            "remember", "stable_sync", "checks_message_bytes", "sparse_plans_skip"]
 
 
-def count_class(count: int) -> int:
-    """A row count's class: half octaves. A stable plan is kept while every count stays in it."""
-    return int(2 * math.log2(1 + max(int(count), 0)))
+# A stable plan is kept while every count stays within this many octaves of its planned value.
+COUNT_DRIFT_OCTAVES = 0.25
+
+
+def count_moved(count: int, planned: int) -> bool:
+    """Whether a row count moved more than :data:`COUNT_DRIFT_OCTAVES` from the count a plan was
+    made at: a window of half an octave centred on it, so counts that vary a little from step
+    to step keep the plan wherever they lie (fixed classes would drop it at every crossing of a
+    class boundary they happen to straddle)."""
+    return abs(math.log2(1 + max(int(count), 0)) - math.log2(1 + max(int(planned), 0))) \
+        > COUNT_DRIFT_OCTAVES
 
 
 @dataclass
@@ -104,13 +113,13 @@ def stable_schemes() -> Tuple[str, ...]:
 
 @dataclass
 class StablePlan:
-    """A plan kept between steps: what was agreed, and the classes that keep it."""
+    """A plan kept between steps: what was agreed, and the counts it was made at."""
 
     record: torch.Tensor  # this rank's record when it was agreed (its agreed fields)
     shape: Tuple[int, ...]
     dtype: torch.dtype
-    nnz_class: int  # this rank's row count's class then
-    union_class: int  # the summed tensor's non-zero rows' class (the same on every rank)
+    nnz: int  # this rank's row count then
+    union: int  # the summed tensor's non-zero rows then (the same on every rank)
     predicted: Tuple[float, float, float]  # the scheme's model bytes and time, no handshake
     scheme: str = "dense"
     planned: Optional[SyncShape] = None  # what the planner knew (the same on every rank)
@@ -126,7 +135,7 @@ class StepPlans:
     gathered: Set[str] = field(default_factory=set)
     scratch: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
     last_handshake: str = ""  # "allgather", "reduce", or "" when no tensor needed one
-    replans: int = 0  # stable plans dropped so far (a class changed, a problem, a mismatch)
+    replans: int = 0  # stable plans dropped so far (a count moved, a problem, a mismatch)
 
     def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reused scratch of at least ``numel`` elements: no allocation per step."""
@@ -158,8 +167,8 @@ def remember(call: StepCall, prep: Prepared, s: SyncStats, plans: StepPlans,
     else:
         shape = agreement.plan[1]
     plans.stable[call.name] = StablePlan(
-        prep.record.clone(), local.shape, local.dtype, count_class(local.nnz),
-        count_class(s.nnz_result), _prediction(shape, s.scheme, opts), s.scheme, shape)
+        prep.record.clone(), local.shape, local.dtype, local.nnz, s.nnz_result,
+        _prediction(shape, s.scheme, opts), s.scheme, shape)
 
 
 def _prediction(shape: SyncShape, scheme: str, opts: SyncOptions) -> Tuple[float, float, float]:
@@ -209,14 +218,14 @@ def _drop(plans: StepPlans, name: str) -> None:
 
 def _stable_sparse(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats,
                    opts: SyncOptions) -> Optional[TensorLike]:
-    """A stable sparse plan (``agsparse``, ``balanced``): no handshake; the scheme's first
-    metadata message (its counts) carries this rank's check flags. None when some rank found a
+    """A stable sparse plan (``agsparse``, ``balanced``, ``sparcml``): no handshake; the
+    scheme's first metadata message (its counts) carries this rank's check flags. None when some rank found a
     problem or a mismatch: no row data moved, the caller's tensors are untouched."""
     plan = plans.stable[call.name]
     local = prep.local
     flags = CHECK_PROBLEM if prep.problems else (
         0 if same_agreed_fields(prep.record, plan.record) else CHECK_MISMATCH)
-    if count_class(local.nnz) != plan.nnz_class:
+    if count_moved(local.nnz, plan.nnz):
         flags |= CHECK_CHANGED
     out = call.out
     if flags & CHECK_ABORT:  # this rank's input is not used: rows of none join the checks
@@ -233,7 +242,7 @@ def _stable_sparse(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStat
         _drop(plans, call.name)
         return None
     # Every rank saw the same flags and got the same union: the same decision everywhere.
-    if agreement.checks_seen & CHECK_CHANGED or count_class(s.nnz_result) != plan.union_class:
+    if agreement.checks_seen & CHECK_CHANGED or count_moved(s.nnz_result, plan.union):
         _drop(plans, call.name)
     return result
 
@@ -254,7 +263,7 @@ def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
     else:
         dense_work(local, float(call.prescale), scratch=buffer)
     data = buffer[:numel].view(plan.shape)
-    changed = count_class(local.nnz) != plan.nnz_class
+    changed = count_moved(local.nnz, plan.nnz)
     buffer[numel:] = torch.tensor([float(problem), float(mismatch), float(changed)],
                                   dtype=buffer.dtype)
     comm.scheme = plan.scheme
@@ -268,7 +277,7 @@ def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
     if factor != 1.0:
         data.mul_(factor)
     nnz_result = int(ops.nonzero_rows(data.reshape(plan.shape[0], -1)).numel())
-    if flags[2] > 0 or count_class(nnz_result) != plan.union_class:
+    if flags[2] > 0 or count_moved(nnz_result, plan.union):
         _drop(plans, call.name)  # every rank sees the same flags and the same sum
     result = dense_result(local, data, call.out, kept=True)
     sync_stats = SyncStats.of_sync(plan.scheme, comm, time.perf_counter() - started, local,

@@ -15,10 +15,10 @@ step. :func:`sync_step` agrees on all of them at once and then runs each tensor'
    tensors' order, the first one with a problem or a mismatch raises the same
    :class:`~zen_ds.sync.options.ZenInputError` on every rank, before any data moved.
 3. **Stable plans** (``reduce`` and ``auto``; :mod:`zen_ds.sync.stable`): a tensor whose agreed
-   plan was ``dense``, ``agsparse`` or ``balanced`` keeps it without a handshake; its checks
-   ride in its dense all-reduce or in the sparse scheme's count message. Where they show a
+   plan was ``dense``, ``agsparse``, ``balanced`` or ``sparcml`` keeps it without a handshake;
+   its checks ride in its dense all-reduce or in the sparse scheme's count message. Where they show a
    problem or a mismatch nothing was written and every rank runs the tensor's full handshake
-   (the agreed error, or the new plan); a class change re-plans at the next step.
+   (the agreed error, or the new plan); a row count that moved re-plans at the next step.
 
 Results equal the per-tensor :func:`zen_ds.sparse_allreduce`'s: the same plans and the same
 scheme code, bit for bit (except a stable ``dense`` plan's last bit: :mod:`zen_ds.sync.stable`).
@@ -45,7 +45,7 @@ from zen_ds.sync.stable import (  # noqa: F401  (StablePlan, CHECK_SLOTS...: thi
     StablePlan,
     StepCall,
     StepPlans,
-    count_class,
+    count_moved,
     remember,
     sparse_plans_skip,
     stable_schemes,
@@ -54,7 +54,7 @@ from zen_ds.sync.stable import (  # noqa: F401  (StablePlan, CHECK_SLOTS...: thi
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepCall", "StepPlans", "StablePlan", "sync_step", "count_class", "CHECK_SLOTS",
+__all__ = ["StepCall", "StepPlans", "StablePlan", "sync_step", "count_moved", "CHECK_SLOTS",
            "stable_schemes"]
 
 

@@ -1,7 +1,9 @@
-"""A stable sparse plan (:mod:`zen_ds.sync.step`, ``agsparse`` and ``balanced``) on 4 gloo ranks.
+"""A stable sparse plan (:mod:`zen_ds.sync.step`, ``agsparse``, ``balanced`` and ``sparcml``) on
+4 gloo ranks.
 
 After the first step a kept plan runs without a handshake: its checks ride in the scheme's
-first metadata message (balanced's push counts, agsparse's sizes). Its results must equal a
+first metadata message (balanced's push counts, agsparse's sizes, sparcml's row counts or
+range counts). Its results must equal a
 per-tensor :func:`zen_ds.sparse_allreduce` with the full handshake, bit for bit; a bad input,
 a mismatch or a local error on one rank raises the same error on every rank with nothing
 written, and the next steps are exact; a row count leaving its class re-plans."""
@@ -33,6 +35,23 @@ def _grad(rank: int, step: int, count: int, shared: bool, width: int = WIDTH) ->
     return x
 
 
+# sparcml with one variant pinned ("sparcml/<variant>"): each carries the checks differently
+SPARCML_VARIANTS = ["sparcml/recursive_doubling", "sparcml/split_allgather"]
+# the scheme's first collective of a stable plan, which carries the checks
+_COUNTS = {"balanced": "balanced.counts", "agsparse": "agsparse.sizes",
+           "sparcml/recursive_doubling": "sparcml.sizes",
+           "sparcml/split_allgather": "sparcml.counts"}
+
+
+def _pin(scheme: str) -> str:
+    """The scheme name to sync with; pins sparcml's variant where ``scheme`` names one."""
+    from zen_ds.schemes.sparcml import SparCMLScheme
+
+    name, _, variant = scheme.partition("/")
+    SparCMLScheme.forced_variant = variant or None
+    return name
+
+
 def _call(x: torch.Tensor, kind: str, scheme: str):
     from zen_ds.core.sparse import RowSparse
     from zen_ds.sync.step import StepCall
@@ -55,6 +74,7 @@ def _steady(rank: int, world: int, scheme: str, kind: str, shared: bool, width: 
     from zen_ds.sync.stable import checks_message_bytes
     from zen_ds.sync.step import StepPlans, sync_step
 
+    scheme = _pin(scheme)
     opts = zen_ds.SyncOptions(handshake="auto")
     reference = zen_ds.SyncOptions()
     plans = StepPlans()
@@ -84,7 +104,8 @@ def _steady(rank: int, world: int, scheme: str, kind: str, shared: bool, width: 
 @pytest.mark.parametrize("scheme,shared,width", [
     ("balanced", True, WIDTH), ("balanced", False, WIDTH),
     ("balanced", False, 4),  # narrow rows, disjoint: the pull pads, the counts are all-gathered
-    ("agsparse", False, WIDTH), ("auto", True, WIDTH)])
+    ("agsparse", False, WIDTH), ("auto", True, WIDTH),
+    (SPARCML_VARIANTS[0], True, WIDTH), (SPARCML_VARIANTS[1], False, WIDTH)])
 @pytest.mark.parametrize("kind", ["inplace", "rows", "new"])
 def test_stable_sparse_equals_full_handshake(scheme: str, shared: bool, width: int,
                                              kind: str) -> None:
@@ -95,12 +116,12 @@ def test_stable_sparse_equals_full_handshake(scheme: str, shared: bool, width: i
         for key in ("names", "schemes", "stable"):
             assert r[key] == first[key], key
     chosen = first["schemes"][0]
-    assert chosen in ("balanced", "agsparse"), first["schemes"]
+    assert chosen in ("balanced", "agsparse", "sparcml"), first["schemes"]
     assert first["stable"] == [chosen] * 4
     # Step 0 agreed with a handshake; steps 1-3 ran none, only the scheme's collectives,
     # the first of them the counts carrying the checks.
     assert any("handshake" in n for n in first["names"][0])
-    counts = {"balanced": "emb.balanced.counts", "agsparse": "emb.agsparse.sizes"}[chosen]
+    counts = _COUNTS[scheme if chosen == "sparcml" else chosen]
     # One int64 to each peer, or (balanced with a padded pull) all of a rank's counts: the
     # bytes the simulator prices (zen_ds.sync.stable.checks_message_bytes).
     per_peer = first["count_bytes"][0]
@@ -121,6 +142,7 @@ def _bad(rank: int, world: int, scheme: str, shared: bool, fault: str) -> List[o
     from zen_ds.core.sparse import RowSparse
     from zen_ds.sync.step import StepPlans, sync_step
 
+    scheme = _pin(scheme)
     opts = zen_ds.SyncOptions(handshake="auto")
     plans = StepPlans()
     seen: List[object] = []
@@ -165,7 +187,8 @@ def _bad(rank: int, world: int, scheme: str, shared: bool, fault: str) -> List[o
 
 
 @pytest.mark.parametrize("scheme,shared", [("balanced", True), ("balanced", False),
-                                           ("agsparse", False)])
+                                           ("agsparse", False), (SPARCML_VARIANTS[0], True),
+                                           (SPARCML_VARIANTS[1], False)])
 @pytest.mark.parametrize("fault", ["bad_id", "shape", "options", "scheme", "local_error"])
 def test_stable_sparse_bad_input_raises_everywhere(scheme: str, shared: bool, fault: str) -> None:
     results = run_ranks(WORLD, _bad, scheme, shared, fault, timeout=TIMEOUT)
@@ -174,10 +197,11 @@ def test_stable_sparse_bad_input_raises_everywhere(scheme: str, shared: bool, fa
     expect = {"bad_id": "rank 1", "shape": "rank 2: 8001", "options": "average",
               "scheme": "scheme", "local_error": "rank 0: cannot read grad"}[fault]
     assert expect in messages.pop()
+    name = scheme.partition("/")[0]
     for r in results:
-        assert r[0] == scheme  # the plan was stable when the fault came
+        assert r[0] == name  # the plan was stable when the fault came
         assert r[2] is True and r[3] is False  # nothing written; the plan was dropped
-        assert r[-1] == scheme  # made again and kept
+        assert r[-1] == name  # made again and kept
         for step, got in zip((3, 4, 5), r[4:7]):
             want = sum(_grad(q, step, 800, shared) for q in range(WORLD)) / WORLD
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -187,6 +211,7 @@ def _replan(rank: int, world: int, scheme: str) -> Dict[str, List[object]]:
     import zen_ds
     from zen_ds.sync.step import StepPlans, sync_step
 
+    scheme = _pin(scheme)
     opts = zen_ds.SyncOptions(handshake="auto")
     plans = StepPlans()
     seen: Dict[str, List[object]] = {"stable": [], "handshake": [], "sums": [], "replans": []}
@@ -202,7 +227,7 @@ def _replan(rank: int, world: int, scheme: str) -> Dict[str, List[object]]:
     return seen
 
 
-@pytest.mark.parametrize("scheme", ["balanced", "agsparse"])
+@pytest.mark.parametrize("scheme", ["balanced", "agsparse"] + SPARCML_VARIANTS)
 def test_stable_sparse_replans_on_a_class_change(scheme: str) -> None:
     results = run_ranks(WORLD, _replan, scheme, timeout=TIMEOUT)
     for r in results:

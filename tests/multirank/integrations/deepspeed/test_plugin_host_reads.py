@@ -14,9 +14,9 @@ Why each read is there:
 * ``balanced.*``: a stable ``balanced`` plan (``"scheme": "balanced"``) runs with
   no handshake; it reads its count message (the checks ride in it) and its pull's headers
   (``tests/multirank/sync/test_host_reads.py`` pins the same two per sync).
-* ``agreement.*``, ``sparcml.*``: with ``"scheme": "auto"`` (the default) the 2-rank step picks
-  ``sparcml``, which keeps no stable plan: every step agrees (its gathered records, the support
-  sketch's row ids) and the recursive doubling reads its one round's header.
+* ``sparcml.*``: with ``"scheme": "auto"`` (the default) the 2-rank step picks ``sparcml``, which
+  keeps a stable plan: no agreement; its checks ride in recursive doubling's row-count exchange
+  (``sparcml.sizes``), and its one round reads its header (``sparcml.message_rows``).
 * ZeRO-1/2 clipping reads nothing: zen steps its params itself with DeepSpeed's rule, and the
   coefficient is computed on the device from the global norm (zen's and DeepSpeed's, combined
   there), in float64 as the host number was (the same parameters bit for bit). DeepSpeed reads
@@ -61,7 +61,7 @@ CASES: Dict[str, Any] = {
     "zero3/rows": (3, AUTO),
 }
 _STABLE = {"balanced.counts": 1, "balanced.pull_headers": 1}
-_AGREED = {"agreement.records": 1, "agreement.sketch_rows": 1, "sparcml.message_rows": 1}
+_AGREED = {"sparcml.sizes": 1, "sparcml.message_rows": 1}  # auto -> sparcml, a stable plan
 _ROW_GRAD = {"row_grad.unique_ids": 1}  # ZeRO-1/2: the gradient as rows
 STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/balanced": _STABLE,
