@@ -59,6 +59,8 @@ STABLE_READS: Dict[Tuple[str, str], Dict[str, int]] = {
     ("agsparse", "own"): {"agsparse.sizes": 1},
     ("balanced", "own"): {"balanced.counts": 1, "balanced.pull_headers": 1},
     ("balanced", "shared"): {"balanced.counts": 1, "balanced.pull_meta": 1},
+    # recursive doubling: its row counts (the checks ride in them), a header per round
+    ("sparcml", "own"): {"sparcml.sizes": 1, "sparcml.message_rows": 2},
 }
 
 
