@@ -114,6 +114,8 @@ PROCESS_STATE = {
                                    "(the plug-in's communication thread) count in them",
     ("zen_ds.core.comm", "_GROUPS"): "each process group's size, rank and backend, fixed for its "
                                      "life (weak keys: forgotten with the group)",
+    ("zen_ds.core.comm", "_GLOBAL_RANKS"): "each process group's ranks in the default group, fixed "
+                                           "for its life (weak keys: forgotten with the group)",
     ("zen_ds.core.comm", "_logged_all_gather"): "DeepSpeed's comms-logger all-gather, handed over by the plug-in",
     ("zen_ds.core.handshake", "_OFFSETS"): "the record layout, computed at import from FIELDS",
     ("zen_ds.core.handshake", "_AGREED_MASK"): "the record layout, computed at import from FIELDS",

@@ -2,8 +2,9 @@
 
 Every scheme talks to the network only through :class:`Communicator`, which (1) counts the bytes
 each call puts on and takes off the wire for this rank, from the buffers handed to the collective,
-and (2) routes through ``deepspeed.comm`` with a ``log_name`` when DeepSpeed's communication backend
-is initialised, so zen's collectives appear as their own rows in DeepSpeed's comms logger.
+and (2) routes through ``deepspeed.comm`` with a ``log_name`` while DeepSpeed's comms logger is
+on, so zen's collectives appear as their own rows in it (otherwise straight to
+``torch.distributed``: DeepSpeed's wrappers would only add host time to every call).
 
 Byte accounting (per rank, bytes that leave / arrive over the network; the rank's own share never
 travels):
@@ -56,7 +57,7 @@ import torch.distributed as dist
 from zen_ds.core.errors import ZenSyncError
 from zen_ds.core.host import to_host
 
-__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "group_facts",
+__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "group_facts", "global_rank",
            "all_gather_single"]
 
 # torch >= 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
@@ -80,6 +81,21 @@ class CommRecord:
 # a small sync's own arithmetic)
 _GROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Tuple[int, int, str, bool]]" = \
     weakref.WeakKeyDictionary()
+
+
+# process group -> its ranks in the default group, by group rank (fixed for the group's life)
+_GLOBAL_RANKS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Tuple[int, ...]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
+    """The default group's rank of ``group``'s rank ``group_rank`` (looked up once per group)."""
+    if group is None:
+        return group_rank
+    ranks = _GLOBAL_RANKS.get(group)
+    if ranks is None:
+        ranks = _GLOBAL_RANKS[group] = tuple(dist.get_process_group_ranks(group))
+    return ranks[group_rank]
 
 
 def group_facts(group: Optional[dist.ProcessGroup]) -> Tuple[int, int, str, bool]:
@@ -120,6 +136,16 @@ def _deepspeed_comm():
         return ds_comm if ds_comm is not None and ds_comm.is_initialized() else None
     except Exception:  # a half-initialised DeepSpeed: plain torch.distributed still works
         return None
+
+
+def _logging_comm():
+    """``deepspeed.comm`` while DeepSpeed's comms logger is on and its backend is up, else None.
+    Only the logger needs zen's collectives to pass through DeepSpeed's wrappers; without it they
+    call ``torch.distributed`` directly (the same collective, ~30 fewer Python calls each)."""
+    logger = getattr(sys.modules.get("deepspeed.comm.comm"), "comms_logger", None)
+    if logger is None or not getattr(logger, "enabled", False):
+        return None
+    return _deepspeed_comm()
 
 
 def _ds_all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group=None,
@@ -247,7 +273,7 @@ class Communicator:
 
     def _gather(self, output: torch.Tensor, tensor: torch.Tensor, name: str, log_name: str) -> None:
         gather = _logged_all_gather
-        if gather is not None and _deepspeed_comm() is not None:
+        if gather is not None and _logging_comm() is not None:
             self._run(name, lambda: gather(output, tensor, group=self.group, log_name=log_name))
         else:
             self._run(name, lambda: all_gather_single(output, tensor, group=self.group))
@@ -272,7 +298,7 @@ class Communicator:
 
     def _exchange(self, output: torch.Tensor, tensor: torch.Tensor, out_splits: List[int],
                   in_splits: List[int], name: str, log_name: str) -> None:
-        ds_comm = _deepspeed_comm()
+        ds_comm = _logging_comm()
         if ds_comm is not None:
             self._run(name, lambda: ds_comm.all_to_all_single(
                 output, tensor, output_split_sizes=out_splits, input_split_sizes=in_splits,
@@ -288,7 +314,7 @@ class Communicator:
         each; peers are ranks of this group, both ends must agree on every size (empty buffers
         are skipped on both ends), and a rank with no partner calls it with empty maps."""
         def nbytes(buffers: Mapping[int, torch.Tensor]) -> int:
-            return sum(t.numel() * t.element_size() for p, t in buffers.items() if p != self.rank)
+            return sum([t.nbytes for p, t in buffers.items() if p != self.rank])
 
         self._record("send_recv", name, nbytes(sends), nbytes(recvs))
         staged = self._stages(*sends.values(), *recvs.values())
@@ -305,7 +331,7 @@ class Communicator:
         """Point-to-point transfers posted together. NCCL needs them batched (a send and a
         receive posted apart between two ranks can wait on each other); gloo's are independent
         already, and batching them costs more host time than a small round's transfer."""
-        transfers = [(op, t, self._global_rank(peer))
+        transfers = [(op, t, global_rank(self.group, peer))
                      for op, buffers in ((dist.isend, sends), (dist.irecv, recvs))
                      for peer, t in buffers.items() if peer != self.rank and t.numel()]
         if not transfers:
@@ -323,10 +349,6 @@ class Communicator:
 
         self._run(name, run)
 
-    def _global_rank(self, group_rank: int) -> int:
-        if self.group is None:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
 
     def all_reduce(self, tensor: torch.Tensor, name: str, op: str = "sum") -> None:
         """In-place all-reduce; ``op`` is ``"sum"`` or ``"max"``."""
@@ -345,7 +367,7 @@ class Communicator:
             self._reduce(tensor, name, log_name, op)
 
     def _reduce(self, tensor: torch.Tensor, name: str, log_name: str, op: str) -> None:
-        ds_comm = _deepspeed_comm()
+        ds_comm = _logging_comm()
         if ds_comm is not None:
             ds_op = ds_comm.ReduceOp.SUM if op == "sum" else ds_comm.ReduceOp.MAX
             self._run(name, lambda: ds_comm.all_reduce(tensor, op=ds_op,

@@ -333,6 +333,6 @@ def pack_checks(counts: torch.Tensor, flags: int) -> torch.Tensor:
 def unpack_checks(words: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """(the counts, the OR of every word's flags) of :func:`pack_checks` words (CPU)."""
     flags = 0
-    for value in host_values(torch.unique(words >> _CHECK_SHIFT)):
-        flags |= int(value)
+    for value in set(host_values((words >> _CHECK_SHIFT).reshape(-1))):
+        flags |= value
     return words & _COUNT_MASK, flags

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zen_ds.core.comm import group_facts
 from zen_ds.core.option_fields import config_values
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse
@@ -147,7 +148,7 @@ class ZenReducer:
     # ---------------------------------------------------------------------- helpers
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+        return group_facts(self.group)[0] if dist.is_initialized() else 1
 
     def _options(self, density_threshold: float = 1.0) -> SyncOptions:
         """The reducer's options with the block's sync keys on top; ``density_threshold``: the
