@@ -112,9 +112,9 @@ PROCESS_STATE = {
                                          "(bounded; release_result_buffers() empties it)",
     ("zen_ds.core.host", "_OPEN"): "the open count_host_reads() scopes: reads on any thread "
                                    "(the plug-in's communication thread) count in them",
-    ("zen_ds.core.comm", "_GROUPS"): "each process group's size, rank and backend, fixed for its "
+    ("zen_ds.core.process_groups", "_GROUPS"): "each process group's size, rank and backend, fixed for its "
                                      "life (weak keys: forgotten with the group)",
-    ("zen_ds.core.comm", "_GLOBAL_RANKS"): "each process group's ranks in the default group, fixed "
+    ("zen_ds.core.process_groups", "_GLOBAL_RANKS"): "each process group's ranks in the default group, fixed "
                                            "for its life (weak keys: forgotten with the group)",
     ("zen_ds.core.comm", "_logged_all_gather"): "DeepSpeed's comms-logger all-gather, handed over by the plug-in",
     ("zen_ds.core.handshake", "_OFFSETS"): "the record layout, computed at import from FIELDS",

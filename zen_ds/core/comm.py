@@ -47,22 +47,19 @@ from __future__ import annotations
 
 import sys
 import time
-import weakref
 from dataclasses import dataclass, field
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from zen_ds.core.errors import ZenSyncError
 from zen_ds.core.host import to_host
+from zen_ds.core.process_groups import (DirectCollectives, all_gather_single, direct, global_rank,
+                                        group_facts, resolve_group)
 
-__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "group_facts", "global_rank",
-           "all_gather_single"]
-
-# torch >= 2.13 renamed all_gather_into_tensor (same arguments) and warns on the old name.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
+__all__ = ["Communicator", "CommRecord", "ZenSyncError", "resolve_group", "group_facts",
+           "global_rank", "DirectCollectives", "direct", "all_gather_single"]
 
 
 @dataclass
@@ -74,56 +71,6 @@ class CommRecord:
     bytes_sent: int
     bytes_received: int
     seconds: float = 0.0  # wall time of the call on this rank (waiting for peers included)
-
-
-# process group -> (world size, this process's rank, backend name, whether it is the whole
-# world): fixed for a group's life, and looked up by every sync (torch's lookups cost more than
-# a small sync's own arithmetic)
-_GROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Tuple[int, int, str, bool]]" = \
-    weakref.WeakKeyDictionary()
-
-
-# process group -> its ranks in the default group, by group rank (fixed for the group's life)
-_GLOBAL_RANKS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Tuple[int, ...]]" = \
-    weakref.WeakKeyDictionary()
-
-
-def global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
-    """The default group's rank of ``group``'s rank ``group_rank`` (looked up once per group)."""
-    if group is None:
-        return group_rank
-    ranks = _GLOBAL_RANKS.get(group)
-    if ranks is None:
-        ranks = _GLOBAL_RANKS[group] = tuple(dist.get_process_group_ranks(group))
-    return ranks[group_rank]
-
-
-def group_facts(group: Optional[dist.ProcessGroup]) -> Tuple[int, int, str, bool]:
-    """``(world_size, rank, backend, whole_world)`` of ``group`` (None: the default group),
-    torch.distributed initialised. The backend is ``""`` where torch cannot name it;
-    ``whole_world``: the group holds every rank of the default group, in order."""
-    key = dist.group.WORLD if group is None else group
-    facts = _GROUPS.get(key)
-    if facts is None:
-        try:
-            backend = str(dist.get_backend(group)).lower()
-        except Exception:  # a backend torch cannot name: its users leave the device unchecked
-            backend = ""
-        whole = group is None or list(dist.get_process_group_ranks(group)) == list(
-            range(dist.get_world_size()))
-        facts = (dist.get_world_size(group), dist.get_rank(group), backend, whole)
-        _GROUPS[key] = facts
-    return facts
-
-
-def resolve_group(group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
-    """``(group, world_size, rank)``; the default group is used only when ``group`` is None."""
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise RuntimeError("a process group was passed but torch.distributed is not initialised")
-        return None, 1, 0
-    world_size, rank, _, _ = group_facts(group)
-    return group, world_size, rank
 
 
 def _deepspeed_comm():
@@ -276,7 +223,7 @@ class Communicator:
         if gather is not None and _logging_comm() is not None:
             self._run(name, lambda: gather(output, tensor, group=self.group, log_name=log_name))
         else:
-            self._run(name, lambda: all_gather_single(output, tensor, group=self.group))
+            self._run(name, lambda: direct.all_gather_into_tensor(output, tensor, group=self.group))
 
     def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor,
                           output_splits: Sequence[int], input_splits: Sequence[int], name: str) -> None:
@@ -304,7 +251,7 @@ class Communicator:
                 output, tensor, output_split_sizes=out_splits, input_split_sizes=in_splits,
                 group=self.group, log_name=log_name))
         else:
-            self._run(name, lambda: dist.all_to_all_single(
+            self._run(name, lambda: direct.all_to_all_single(
                 output, tensor, output_split_sizes=out_splits, input_split_sizes=in_splits,
                 group=self.group))
 
@@ -331,19 +278,21 @@ class Communicator:
         """Point-to-point transfers posted together. NCCL needs them batched (a send and a
         receive posted apart between two ranks can wait on each other); gloo's are independent
         already, and batching them costs more host time than a small round's transfer."""
-        transfers = [(op, t, global_rank(self.group, peer))
-                     for op, buffers in ((dist.isend, sends), (dist.irecv, recvs))
+        transfers = [(send, t, peer) for send, buffers in ((True, sends), (False, recvs))
                      for peer, t in buffers.items() if peer != self.rank and t.numel()]
         if not transfers:
             return
         unbatched = self._gloo_alone()
 
         def run() -> None:
-            if unbatched:
-                requests = [op(t, peer, self.group) for op, t, peer in transfers]
-            else:
-                requests = dist.batch_isend_irecv([dist.P2POp(op, t, peer, self.group)
-                                                   for op, t, peer in transfers])
+            if unbatched:  # group ranks
+                requests = [(direct.isend if send else direct.irecv)(t, peer, self.group)
+                            for send, t, peer in transfers]
+            else:  # P2POp takes global ranks
+                requests = dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend if send else dist.irecv, t,
+                               global_rank(self.group, peer), self.group)
+                    for send, t, peer in transfers])
             for request in requests:
                 request.wait()
 
@@ -374,4 +323,4 @@ class Communicator:
                                                        group=self.group, log_name=log_name))
         else:
             dist_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-            self._run(name, lambda: dist.all_reduce(tensor, op=dist_op, group=self.group))
+            self._run(name, lambda: direct.all_reduce(tensor, op=dist_op, group=self.group))

@@ -78,6 +78,13 @@ class Recorder:
         # zen's comm binds torch's all-gather at import
         zen_ds.core.comm.all_gather_single = getattr(dist, "all_gather_single", None) or \
             dist.all_gather_into_tensor
+        # and calls the process group's methods directly (zen_ds.core.comm.DirectCollectives,
+        # torch's signatures): recorded under torch's names, checked alike
+        direct = zen_ds.core.comm.direct
+        for name in ("all_reduce", "all_gather_into_tensor", "all_to_all_single", "isend", "irecv"):
+            original = getattr(direct, name)
+            if not getattr(original, "_zen_recorded", False):
+                setattr(direct, name, self._wrap(name, original))
 
     def _wrap(self, name: str, original):
         @functools.wraps(original)
