@@ -174,9 +174,10 @@ class Communicator:
         """Whether these tensors go through the host (see :attr:`host_staging`)."""
         if self.host_staging is not None:
             return self.host_staging
-        if not any(t.device.type != "cpu" for t in tensors):
-            return False
-        return self._gloo_alone()
+        for t in tensors:
+            if t.device.type != "cpu":
+                return self._gloo_alone()
+        return False
 
     def _gloo_alone(self) -> bool:
         """Whether the group's backend is gloo alone (no NCCL for device tensors)."""

@@ -178,8 +178,8 @@ def _option_problems(scheme: object, opts: object, prescale: object, postscale: 
     """:func:`option_problems`, kept in the options' memo for valid options and scales (the
     options are frozen: the same ones give the same answer, and a training loop asks every
     step)."""
-    if not isinstance(opts, SyncOptions) or not isinstance(scheme, str) or not all(
-            type(v) in (int, float) for v in (prescale, postscale)):
+    if not isinstance(opts, SyncOptions) or not isinstance(scheme, str) or \
+            type(prescale) not in (int, float) or type(postscale) not in (int, float):
         return option_problems(scheme, opts, prescale, postscale)
     return list(opts.derived(("option problems", scheme, prescale, postscale, scheme_names()),
                              lambda: tuple(option_problems(scheme, opts, prescale, postscale))))
