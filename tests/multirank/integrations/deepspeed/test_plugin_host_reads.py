@@ -34,6 +34,11 @@ Why each read is there:
   push (DeepSpeed's gradient hook) reads twice: the handshake's records and its count exchange
   (``reduce_scatter_flat.counts``); its rows' ids carry the fetch's check, so their range is not
   read again.
+* ZeRO-3 with ``"embedding_fetch": "two_hop"`` (through each row's hash owner): the fetch reads
+  both hops' counts and the hash owners' distinct rows; the push's two hops read their
+  handshakes' records (the first its sketch rows too) and the second its counts. The second hop
+  takes the first hop's sum, whose ids every rank's check passed, marked in range
+  (``mark_ids_in_range``): their range is not read (``input.row_range``) again.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ CASES: Dict[str, Any] = {
     "zero2/auto": (2, AUTO),
     "zero0/overlap": (0, dict(BALANCED, overlap=True)),
     "zero3/rows": (3, AUTO),
+    "zero3/two_hop": (3, dict(AUTO, embedding_fetch="two_hop")),
 }
 _STABLE = {"balanced.counts": 1, "balanced.pull_headers": 1}
 _AGREED = {"sparcml.sizes": 1, "sparcml.message_rows": 1}  # auto -> sparcml, a stable plan
@@ -71,6 +77,11 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/overlap": _STABLE,
     "zero3/rows": {"row_embedding.batch_rows": 1, "fetch.counts": 1,  # the forward
                    "agreement.records": 1, "reduce_scatter_flat.counts": 1},  # the hook's push
+    # two hops: each with its own records and counts; the second hop's ids are the first hop's
+    # sum of checked ids (marked), so no "input.row_range"
+    "zero3/two_hop": {"row_embedding.batch_rows": 1, "fetch.distinct_rows": 1, "fetch.counts": 2,
+                      "agreement.records": 2, "agreement.sketch_rows": 1,
+                      "reduce_scatter_flat.counts": 1},
 }
 
 
