@@ -3,7 +3,8 @@ would flag, recorded by a dispatch mode with the line of zen_ds that ran each on
 
 On CUDA these ops read device data on the host (the stream drains): an ``item()``, the size of a
 ``nonzero`` / ``unique`` / ``masked_select`` / boolean-index result, ``repeat_interleave`` without
-``output_size``, ``torch.equal``, and ``bincount`` (it reads its input's min and max). zen's
+``output_size``, ``torch.equal``, ``bincount`` (it reads its input's min and max), and the
+coalescing of a COO tensor that is not coalesced (its unique count). zen's
 reads go through :mod:`zen_ds.core.host`, which counts them; :class:`CudaSyncOps` finds the ones
 that do not, on a CPU run, so that a test fails where a new hidden read appears (the GPU check's
 ``host_syncs`` step confirms the same on a GPU).
@@ -27,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::_unique",
                "aten::unique_dim", "aten::unique_consecutive", "aten::unique_dim_consecutive",
                "aten::masked_select", "aten::bincount", "aten::equal", "aten::is_nonzero",
-               "aten::argwhere", "aten::histc"}
+               "aten::argwhere", "aten::histc", "aten::_coalesce"}
 _BOOL_INDEXED = {"aten::index.Tensor", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_"}
 
 # (file under zen_ds/, function's qualified name) -> why the tensors it reads are on the host

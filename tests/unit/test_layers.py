@@ -45,9 +45,9 @@ LONG_MODULES = {
     "zen_ds.schemes.sparcml": (470, "SparCML's two variants (split all-gather, recursive doubling) and "
                                "the byte model that picks between them (their codec and traffic are "
                                "in sparcml_streams)"),
-    "zen_ds.schemes.balanced": (560, "ZEN's scheme: the push, both pull encodings (COO, bitmap), "
-                                "their byte model, their exact traffic and their buffers, which must "
-                                "change together"),
+    "zen_ds.schemes.balanced": (565, "ZEN's scheme: the push (padded rows included), both pull "
+                                "encodings (COO, bitmap), their byte model, their exact traffic and "
+                                "their buffers, which must change together"),
     "zen_ds.features.compression": (490, "three compressors (top-k, DGC, threshold) over one "
                                     "error-feedback state and its checkpoint format"),
     "zen_ds.tools.bench.workloads": (580, "one generator per workload family, each a few dozen lines "

@@ -325,9 +325,12 @@ _CHECK_SHIFT = 60
 _COUNT_MASK = (1 << _CHECK_SHIFT) - 1
 
 
-def pack_checks(counts: torch.Tensor, flags: int) -> torch.Tensor:
-    """int64 counts (each below 2**60) with this rank's check ``flags`` in their top bits."""
-    return counts.to(torch.int64) | (int(flags) << _CHECK_SHIFT)
+def pack_checks(counts: torch.Tensor, flags: int, device_flags: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+    """int64 counts (each below 2**60) with this rank's check ``flags`` in their top bits, and
+    ``device_flags`` (0-dim int64 where the counts are: flags the host does not know) too."""
+    words = counts.to(torch.int64) | (int(flags) << _CHECK_SHIFT)
+    return words if device_flags is None else words | (device_flags << _CHECK_SHIFT)
 
 
 def unpack_checks(words: torch.Tensor) -> Tuple[torch.Tensor, int]:

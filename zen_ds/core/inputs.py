@@ -5,6 +5,11 @@ row ids, the ``out`` tensor, or an error torch raises while reading it) comes ba
 ``LocalInput.error``, which the caller publishes in the handshake so every rank raises together.
 Float or bool row ids are rejected, never truncated; ids are range-checked before any op sees
 them (the compiled ops assume valid ids).
+
+A COO tensor that holds zen's padded rows (:class:`~zen_ds.core.sparse.PaddedRows`, the row
+gradient's) is its live rows: trimmed with one read of their count, or, for a sync whose count
+message carries that count (``keep_padding``: a stable ``balanced`` plan), kept whole with the
+count on the device (:attr:`LocalInput.live`).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import torch
 from zen_ds import ops
 from zen_ds.core.handshake import DTYPE_CODES
 from zen_ds.core.host import host_list
-from zen_ds.core.sparse import RowSparse, ids_known_in_range
+from zen_ds.core.sparse import PaddedRows, RowSparse, ids_known_in_range, padded_rows_of
 
 __all__ = ["LocalInput", "inspect_input", "MAX_NUM_ROWS"]
 
@@ -39,6 +44,11 @@ class LocalInput:
     rows: Optional[torch.Tensor] = None  # the local support: int64, unique, ascending
     sparse: Optional[RowSparse] = None  # RowSparse / COO inputs, coalesced
     dense: Optional[torch.Tensor] = None  # dense inputs, detached
+    # Padded rows kept whole: ``rows`` and ``sparse`` hold every row, the first ``live`` (a
+    # device count) real, the rest padding; the sync's count message tells the host that count
+    # (``live_count``). None: every row is real.
+    live: Optional[torch.Tensor] = None
+    live_count: Optional[int] = None
 
     @property
     def row_numel(self) -> int:
@@ -50,6 +60,16 @@ class LocalInput:
 
     @property
     def nnz(self) -> int:
+        if self.live is not None:
+            if self.live_count is None:
+                raise RuntimeError("zen: the padded input's row count is known once its sync's count "
+                                   "message was read; it was asked before")
+            return self.live_count
+        return 0 if self.rows is None else int(self.rows.numel())
+
+    @property
+    def row_bound(self) -> int:
+        """The rows held: :attr:`nnz`, or for padded rows their bound (known without a read)."""
         return 0 if self.rows is None else int(self.rows.numel())
 
     @property
@@ -67,15 +87,18 @@ class LocalInput:
         return RowSparse(self.rows, values, self.num_rows, coalesced=True)
 
 
-def inspect_input(x: object, out: object, device_types: Optional[Tuple[str, ...]]) -> LocalInput:
-    """Check ``x`` (and ``out``) and find its support; problems come back as ``error``."""
+def inspect_input(x: object, out: object, device_types: Optional[Tuple[str, ...]],
+                  keep_padding: bool = False) -> LocalInput:
+    """Check ``x`` (and ``out``) and find its support; problems come back as ``error``.
+    ``keep_padding``: padded rows stay whole (see the module)."""
     try:
-        return _inspect(x, out, device_types)
+        return _inspect(x, out, device_types, keep_padding)
     except Exception as exc:  # whatever torch raises on a malformed input is reported, not thrown
         return LocalInput(error=f"the input could not be read ({type(exc).__name__}: {exc})")
 
 
-def _inspect(x: object, out: object, device_types: Optional[Tuple[str, ...]]) -> LocalInput:
+def _inspect(x: object, out: object, device_types: Optional[Tuple[str, ...]], keep_padding: bool
+             ) -> LocalInput:
     if isinstance(x, RowSparse):
         kind, ids, values, num_rows = "rowsparse", x.indices, x.values, x.num_rows
         checked = ids_known_in_range(ids, num_rows)
@@ -132,7 +155,10 @@ def _inspect(x: object, out: object, device_types: Optional[Tuple[str, ...]]) ->
         rs = RowSparse(ids.to(torch.int64), values.detach(), num_rows, coalesced=x.coalesced)
         local.sparse = rs.coalesce()
     elif kind == "coo":
-        local.sparse = RowSparse.from_coo(x.detach())
+        padded = padded_rows_of(x)
+        if padded is not None and keep_padding:
+            return _kept_padding(local, padded)
+        local.sparse = padded.trimmed("input.live_rows") if padded is not None else RowSparse.from_coo(x.detach())
     if local.sparse is not None:
         local.rows = local.sparse.indices
         return local
@@ -142,6 +168,13 @@ def _inspect(x: object, out: object, device_types: Optional[Tuple[str, ...]]) ->
     else:
         flat = local.dense.reshape(num_rows, -1) if x.dim() > 1 else local.dense
         local.rows = ops.nonzero_rows(flat.contiguous())
+    return local
+
+
+def _kept_padding(local: LocalInput, padded: PaddedRows) -> LocalInput:
+    """``local`` holding every padded row, the live count on the device."""
+    local.sparse = RowSparse(padded.indices, padded.values.detach(), padded.num_rows, coalesced=True)
+    local.rows, local.live = padded.indices, padded.live
     return local
 
 

@@ -25,9 +25,10 @@ from typing import Tuple
 import torch
 
 from zen_ds import ops
-from zen_ds.core.host import sized
+from zen_ds.core.host import host_int, sized
 
-__all__ = ["RowSparse", "mark_ids_in_range", "ids_known_in_range"]
+__all__ = ["RowSparse", "PaddedRows", "mark_ids_in_range", "ids_known_in_range", "attach_padded_rows",
+           "padded_rows_of", "cast_sparse"]
 
 _IDS_BELOW = "_zen_ids_below"  # attribute on an ids tensor: every id lies in [0, this)
 
@@ -46,6 +47,79 @@ def mark_ids_in_range(ids: torch.Tensor, num_rows: int) -> torch.Tensor:
 def ids_known_in_range(ids: torch.Tensor, num_rows: int) -> bool:
     """Whether :func:`mark_ids_in_range` said ``ids`` lie in ``[0, num_rows)``."""
     return getattr(ids, _IDS_BELOW, None) == int(num_rows)
+
+
+_PADDED = "_zen_padded_rows"  # attribute on a COO tensor: the PaddedRows it was built from
+
+
+@dataclass
+class PaddedRows:
+    """Rows whose count is known on the device only: the first ``live`` (a 0-dim int64 tensor
+    where the rows are) are unique and ascending, the rest padding, so that a producer sizes
+    them by a bound the host knows (the row gradient: the batch's id count) instead of reading
+    its unique count back. A padding row repeats a live row's id (or any id in range when none
+    is live) with -0.0 values, the additive identity: every sum of the whole ``[bound]`` rows,
+    as a COO tensor, is the live rows' sum bit for bit. A sync whose count message carries the
+    live count (``balanced``'s, at a stable plan) sends only the live rows; everything else
+    takes :meth:`trimmed` (one read)."""
+
+    indices: torch.Tensor  # int64 [bound]
+    values: torch.Tensor  # [bound, *row_shape]
+    live: torch.Tensor  # 0-dim int64: how many of the rows are real
+    num_rows: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    def live_mask(self) -> torch.Tensor:
+        """``[bound]`` bool: which rows are live (no read)."""
+        return torch.arange(self.indices.numel(), device=self.indices.device) < self.live
+
+    def trimmed(self, reason: str) -> RowSparse:
+        """The live rows alone, coalesced (one read: their count). The range mark carries over."""
+        live = host_int(self.live, reason)
+        rows = RowSparse(self.indices[:live], self.values[:live], self.num_rows, coalesced=True)
+        if ids_known_in_range(self.indices, self.num_rows):
+            mark_ids_in_range(rows.indices, self.num_rows)
+        return rows
+
+    def to(self, dtype: torch.dtype) -> "PaddedRows":
+        """The same rows with values cast to ``dtype`` (itself when they are)."""
+        if self.values.dtype == dtype:
+            return self
+        return PaddedRows(self.indices, self.values.to(dtype), self.live, self.num_rows)
+
+    def to_coo(self, attach: bool = True) -> torch.Tensor:
+        """Every row, padding included, as an uncoalesced COO tensor (the same gradient as the
+        live rows, see the class) with the ids' range mark, and (``attach``) carrying this
+        object (:func:`padded_rows_of`)."""
+        shape = (self.num_rows,) + tuple(self.values.shape[1:])
+        coo = torch.sparse_coo_tensor(self.indices.unsqueeze(0), self.values, shape, is_coalesced=False,
+                                      check_invariants=False)
+        if ids_known_in_range(self.indices, self.num_rows):
+            mark_ids_in_range(coo, self.num_rows)
+        return attach_padded_rows(coo, self) if attach else coo
+
+
+def attach_padded_rows(coo: torch.Tensor, rows: PaddedRows) -> torch.Tensor:
+    """Say that ``coo`` holds ``rows`` (:meth:`PaddedRows.to_coo`): a tensor made from it (a
+    sum, a cast) does not carry it. Returns ``coo``."""
+    setattr(coo, _PADDED, rows)
+    return coo
+
+
+def padded_rows_of(x: object) -> "PaddedRows | None":
+    """The :class:`PaddedRows` a COO tensor was built from, or None."""
+    return getattr(x, _PADDED, None) if isinstance(x, torch.Tensor) else None
+
+
+def cast_sparse(coo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``coo.to(dtype)``, still holding its padded rows (:func:`padded_rows_of`) where it did."""
+    padded = padded_rows_of(coo)
+    if padded is None or coo.dtype == dtype:
+        return coo.to(dtype)
+    return padded.to(dtype).to_coo()
 
 
 @dataclass
@@ -140,6 +214,9 @@ class RowSparse:
         if not tensor.is_sparse:
             raise ValueError("RowSparse.from_coo expects a torch sparse COO tensor; use from_dense "
                              "for strided tensors")
+        padded = padded_rows_of(tensor)
+        if padded is not None:  # zen's padded rows: the live ones, one read of their count
+            return padded.trimmed("input.live_rows")
         indices, values = tensor._indices(), tensor._values()
         num_rows = tensor.shape[0]
         if tensor.sparse_dim() == 1:

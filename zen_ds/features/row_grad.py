@@ -7,8 +7,15 @@ whole on this rank) and replaces only its backward: the gradient of the micro-ba
 is computed by torch's own ``embedding_dense_backward`` over the ids numbered ``0..U-1`` (so the
 rows hold exactly the values the dense gradient would hold there, duplicates accumulated as torch
 accumulates them on that device, ``padding_idx`` and ``scale_grad_by_freq`` included), and the
-weight receives it as a sparse COO gradient of the weight's shape (``U`` rows). What reads the
-gradient afterwards (zen's owned route) already takes COO gradients, as from ``sparse=True``.
+weight receives it as a sparse COO gradient of the weight's shape. What reads the gradient
+afterwards (zen's owned route) already takes COO gradients, as from ``sparse=True``.
+
+``U`` is not read back to the host (on a GPU that read drains the stream): the rows are sized
+by the batch's id count ``B >= U``, sorted and numbered on the device, and handed over as
+:class:`~zen_ds.core.sparse.PaddedRows`, ``U`` live rows and ``B - U`` padding rows of -0.0
+(the additive identity, under a live row's id): as a COO tensor of ``B`` entries it is the same
+gradient bit for bit. A stable ``balanced`` sync learns ``U`` from its count message; any other
+consumer takes the live rows with one read (``input.live_rows``).
 
 Where the weight is also read outside this forward (a tied head, ``F.embedding(ids,
 module.weight)``), autograd adds the dense part to the rows and the weight gets a dense gradient,
@@ -21,20 +28,23 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from zen_ds.core.host import sized
+from zen_ds.core.sparse import PaddedRows
 from zen_ds.features.row_embedding import unsupported_reason
 
-__all__ = ["RowGradEmbedding", "row_grad_blocker", "rows_gradient", "took_checked_rows"]
+__all__ = ["RowGradEmbedding", "row_grad_blocker", "rows_gradient", "took_handed_rows"]
 
 
-def took_checked_rows(weight: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether ``grad`` (``weight.grad`` right after it was accumulated) is the row gradient this
-    module's backward handed over, whose ids the forward's lookup checked already (F.embedding
-    raises on an id outside the table): autograd keeps that gradient's values when the weight had
-    none, so the same values mean the same rows; a sum with an earlier gradient is a new tensor
-    and is not trusted. Asking consumes the answer."""
+def took_handed_rows(weight: torch.Tensor, grad: torch.Tensor) -> Optional[PaddedRows]:
+    """The padded rows this module's backward handed over, when ``grad`` (``weight.grad`` right
+    after it was accumulated) is that gradient, else None. Autograd keeps the gradient's values
+    (a shallow copy of the COO tensor) when the weight had none and nothing else holds them, so
+    the same values mean the same rows; a sum with an earlier gradient is a new tensor and is
+    not taken. Their ids were checked by the forward's lookup (F.embedding raises on an id
+    outside the table). Asking consumes the answer."""
     handed = vars(weight).pop("_zen_handed_rows", None)
-    return handed is not None and grad.is_sparse and grad._values().data_ptr() == handed
+    if handed is None or not grad.is_sparse or grad._values().data_ptr() != handed[0]:
+        return None
+    return PaddedRows(grad._indices()[0], grad._values(), handed[1], int(grad.shape[0]))
 
 
 def row_grad_blocker(module: nn.Module) -> str:
@@ -49,19 +59,33 @@ def row_grad_blocker(module: nn.Module) -> str:
 
 
 def rows_gradient(grad_out: torch.Tensor, ids: torch.Tensor, row_numel: int, padding_idx: Optional[int],
-                  scale_grad_by_freq: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(unique ids, their rows' gradient [U, row_numel])``: the non-padding rows of the dense
-    gradient ``embedding_dense_backward`` would build, computed over the unique ids only."""
-    unique, inverse = sized(torch.unique(ids.reshape(-1), sorted=True, return_inverse=True),
-                            "row_grad.unique_ids")
-    # The padding row is dropped below rather than named to the kernel: its position among the
-    # unique ids would be a device-to-host read, and no other row's sum depends on it.
-    rows = torch.ops.aten.embedding_dense_backward(grad_out.reshape(-1, row_numel), inverse,
-                                                   unique.numel(), -1, scale_grad_by_freq)
-    if padding_idx is not None:  # the padding row's gradient is zero: send no row for it
-        keep = unique != padding_idx  # the kept count is read back (one read, with padding_idx only)
-        unique, rows = sized((unique[keep], rows[keep]), "row_grad.padding_row")
-    return unique, rows
+                  scale_grad_by_freq: bool, num_rows: int) -> PaddedRows:
+    """The non-padding rows of the dense gradient ``embedding_dense_backward`` would build,
+    computed over the batch's distinct ids only, as :class:`PaddedRows` of one row per id of
+    the batch (a bound the host knows): the live ones are the distinct ids, ascending, less
+    ``padding_idx``; how many there are stays on the device (no read)."""
+    flat = ids.reshape(-1).to(torch.int64)
+    bound = flat.numel()
+    # The padding id sorts last (key num_rows): its row is computed, but not live.
+    keys = flat if padding_idx is None else flat.masked_fill(flat == padding_idx, num_rows)
+    sorted_keys, order = torch.sort(keys)
+    first = torch.ones(bound, dtype=torch.bool, device=flat.device)
+    torch.ne(sorted_keys[1:], sorted_keys[:-1], out=first[1:])
+    slot = torch.cumsum(first, 0) - 1  # the distinct id each sorted position belongs to
+    inverse = torch.empty_like(slot).scatter_(0, order, slot)
+    distinct = torch.zeros(bound, dtype=torch.int64, device=flat.device).scatter_(0, slot, sorted_keys)
+    live = slot[-1:].sum() + 1 if bound else torch.zeros((), dtype=torch.int64, device=flat.device)
+    if padding_idx is not None:
+        live = live - (sorted_keys[-1:] == num_rows).sum()
+        distinct = distinct.masked_fill(distinct == num_rows, padding_idx)
+    rows = torch.ops.aten.embedding_dense_backward(grad_out.reshape(-1, row_numel), inverse, bound, -1,
+                                                   scale_grad_by_freq)
+    padded = PaddedRows(distinct, rows, live, num_rows)
+    padding = ~padded.live_mask()
+    # A padding row repeats the first row's id with -0.0 values (the additive identity).
+    distinct.copy_(torch.where(padding, distinct[:1], distinct))
+    rows.masked_fill_(padding.unsqueeze(1), -0.0)
+    return padded
 
 
 class _RowGradLookup(torch.autograd.Function):
@@ -78,10 +102,11 @@ class _RowGradLookup(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         owner: RowGradEmbedding = ctx.owner
         shape = ctx.weight_shape
-        unique, rows = rows_gradient(grad_out, ids, int(shape[1]), owner.padding_idx, owner.scale_grad_by_freq)
-        grad = torch.sparse_coo_tensor(unique.unsqueeze(0), rows, tuple(shape), is_coalesced=True)
-        owner.embedding.weight._zen_handed_rows = rows.data_ptr()  # see took_checked_rows
-        return grad, None, None
+        padded = rows_gradient(grad_out, ids, int(shape[1]), owner.padding_idx, owner.scale_grad_by_freq,
+                               int(shape[0]))
+        # See took_handed_rows: only the COO tensor may hold the values, or autograd copies them.
+        owner.embedding.weight._zen_handed_rows = (padded.values.data_ptr(), padded.live)
+        return padded.to_coo(attach=False), None, None
 
 
 class RowGradEmbedding:

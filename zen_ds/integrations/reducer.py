@@ -24,7 +24,7 @@ from torch import nn
 from zen_ds.core.comm import group_facts
 from zen_ds.core.option_fields import config_values
 from zen_ds.core.partition import ShardLayout
-from zen_ds.core.sparse import RowSparse
+from zen_ds.core.sparse import RowSparse, cast_sparse
 from zen_ds.core.stats import SyncStats
 from zen_ds.integrations.config import ZenConfig
 from zen_ds.sync.allreduce import sync_tensor
@@ -202,7 +202,7 @@ class ZenReducer:
                                                            device=p.param.device)
             return StepCall(empty, out=out, **kwargs), _as_coo_if_rows
         if grad.is_sparse:
-            return StepCall(grad.to(comm_dtype), **kwargs), _same
+            return StepCall(cast_sparse(grad, comm_dtype), **kwargs), _same
         if grad.dtype == comm_dtype and grad.is_contiguous():
             wire = grad
         else:  # the wire dtype differs: scale once, in fp32, while casting
@@ -219,7 +219,7 @@ class ZenReducer:
             x = RowSparse.empty(p.param.shape[0], tuple(p.param.shape[1:]), dtype=comm_dtype,
                                 device=p.param.device)
         elif grad.is_sparse:
-            x = RowSparse.from_coo(grad.to(comm_dtype))
+            x = RowSparse.from_coo(cast_sparse(grad, comm_dtype))
         elif grad.dtype == comm_dtype:
             x = RowSparse.from_dense(grad)
         else:  # the wire dtype differs: scale once, in fp32, while casting

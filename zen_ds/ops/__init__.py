@@ -115,7 +115,12 @@ def nonzero_rows(values):
     return backend().nonzero_rows(values)
 
 
-def partition(rows, values, num_rows, world_size, seed, id_dtype):
+def partition(rows, values, num_rows, world_size, seed, id_dtype, live=None):
+    """Rows grouped by owner (:func:`zen_ds.ops.torch_ops.partition`); ``live``: a device count,
+    only the first ``live`` rows are counted and grouped, the rest put last (torch ops on every
+    backend, no read: :func:`zen_ds.ops.torch_ops.partition_live`)."""
+    if live is not None:
+        return torch_ops.partition_live(rows, values, live, num_rows, world_size, seed, id_dtype)
     return backend().partition(rows, values, num_rows, world_size, seed, id_dtype)
 
 

@@ -128,6 +128,27 @@ def partition(
     return counts.to(torch.int64), offsets, values[order]
 
 
+def partition_live(
+    rows: torch.Tensor, values: torch.Tensor, live: torch.Tensor, num_rows: int, world_size: int,
+    seed: int, id_dtype: torch.dtype,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`partition` of the first ``live`` rows (a 0-dim tensor where the rows are: the rest
+    are padding, see :class:`zen_ds.core.sparse.PaddedRows`), with no read of ``live``: the
+    counts are the live rows' per owner, the live rows come first, grouped by owner as
+    :func:`partition` groups them (the same order), and the padding rows after them all."""
+    positions = permute(rows, num_rows, seed)
+    owners = ((positions + 1) * world_size - 1) // num_rows
+    padding = torch.arange(rows.numel(), device=rows.device) >= live
+    destinations = owners.masked_fill(padding, world_size)  # a last group, of the padding
+    counts = torch.zeros(world_size + 1, dtype=torch.int64, device=rows.device).scatter_add_(
+        0, destinations, torch.ones_like(destinations))
+    order = torch.argsort(destinations, stable=True)
+    starts = torch.tensor(shard_starts(num_rows, world_size)[:-1], dtype=torch.int64,
+                          device=rows.device)
+    offsets = (positions - starts[owners])[order].to(id_dtype)
+    return counts[:world_size], offsets, values[order]
+
+
 def aggregate(offsets: torch.Tensor, values: torch.Tensor, accum_dtype: torch.dtype,
               terms: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum values that share an offset: ``(unique offsets ascending int64, sums in accum_dtype)``.

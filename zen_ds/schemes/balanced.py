@@ -29,8 +29,9 @@ Host reads (:mod:`zen_ds.core.host`; NCCL takes splits and receive sizes on the 
 handshake the push's splits are its owner counts, on the host already; the pull reads once,
 its peers' row-count headers (``bound``) or every payload's size, computed where the data is
 and all-gathered (``exchange``). A stable plan reads its count message once (its own counts
-ride along). Inside :mod:`zen_ds.ops` on CUDA: the error flags of ``partition``, the bitmap
-ops and ``scatter_shard``, the unique count of ``aggregate``, the set bits of a bitmap decode.
+ride along, and the live count of padded rows: the row gradient's). Inside :mod:`zen_ds.ops`
+on CUDA: the error flags of ``partition``, the bitmap ops and ``scatter_shard``, the unique
+count of ``aggregate``, the set bits of a bitmap decode.
 """
 from __future__ import annotations
 
@@ -361,8 +362,8 @@ def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balan
     all-gathered where the plan's pull pads to the owners' bounds (they need every rank's)."""
     n, rank = ctx.world_size, ctx.rank
     counts, offsets, values = ops.partition(x.indices, x.values_2d(), x.num_rows, n, ctx.seed,
-                                            layout.id_dtype)
-    if ctx.checks is None and ctx.owner_counts is not None:  # the handshake's: no read
+                                            layout.id_dtype, live=ctx.live_rows)  # padding last
+    if ctx.checks is None and ctx.owner_counts is not None and ctx.live_rows is None:  # the handshake's
         send_splits = host_values(ctx.owner_counts[rank])
         recv_splits = host_values(ctx.owner_counts[:, rank])
     else:
@@ -372,12 +373,13 @@ def push(x: RowSparse, ctx: SyncContext, layout: ShardLayout, name: str = "balan
         if gather:
             ctx.owner_counts, received = received, received[:, rank]
         send_splits, recv_splits = host_values(sent), host_values(received)
+    ctx.live_rows_seen = sum(send_splits) if ctx.live_rows is not None else None  # from the message
     ids, rows = as_bytes(offsets), as_bytes(values)  # a row on the wire: its id, its values
     width = ids.shape[1] + rows.shape[1]
     send = scratch(ids.shape[0] * width, x.device, "balanced.push_send").view(-1, width)
     torch.cat([ids, rows], dim=1, out=send)
     received = scratch(sum(recv_splits) * width, x.device, "balanced.push_recv").view(-1, width)
-    ctx.comm.all_to_all_single(received, send, recv_splits, send_splits, f"{name}.push")
+    ctx.comm.all_to_all_single(received, send[:sum(send_splits)], recv_splits, send_splits, f"{name}.push")
     del send
     id_bytes = layout.id_dtype.itemsize
     return Pushed(view_as(received[:, :id_bytes], layout.id_dtype).flatten(),
@@ -389,6 +391,7 @@ class BalancedScheme(Scheme):
     name = "balanced"
     needs_owner_counts = True
     checks_in_counts = True
+    takes_padded_rows = True  # the push counts only the live rows, and sends them alone
     reduce_scatters = True
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> Optional[RowSparse]:

@@ -68,6 +68,13 @@ class SyncContext:
     # handshake ran (schemes that support no stable plan never see a value).
     checks: Optional[int] = None
     checks_seen: int = 0
+    # Flags the host does not know (0-dim int64 on the device), sent with ``checks``.
+    device_checks: Optional[torch.Tensor] = None
+    # The input's rows past this device count are padding (:class:`~zen_ds.core.sparse.PaddedRows`;
+    # only for a scheme that :attr:`~Scheme.takes_padded_rows`): it sends the live rows alone and
+    # sets ``live_rows_seen`` to their count once its count message told the host.
+    live_rows: Optional[torch.Tensor] = None
+    live_rows_seen: Optional[int] = None
 
     def checked_counts(self, words: torch.Tensor) -> torch.Tensor:
         """The counts of a metadata message whose words carried :func:`pack_checks` flags
@@ -86,7 +93,8 @@ class SyncContext:
         rank sent to this one, ``[n]`` (an all-to-all). Returns those and ``counts``, on the
         host from one read."""
         n = self.world_size
-        sent = counts.to(torch.int64) if self.checks is None else pack_checks(counts, self.checks)
+        sent = counts.to(torch.int64) if self.checks is None else pack_checks(counts, self.checks,
+                                                                               self.device_checks)
         if gather:
             words = torch.empty((n, sent.numel()), dtype=torch.int64, device=sent.device)
             self.comm.all_gather_into_tensor(words.view(-1), sent, name)
@@ -138,6 +146,10 @@ class Scheme(ABC):
     #: through :meth:`SyncContext.exchange_counts`, so a plan of it is kept between steps with
     #: the checks in those counts (:mod:`zen_ds.sync.stable`; see :meth:`checks_message_bytes`).
     checks_in_counts: ClassVar[bool] = False
+    #: True when ``sync`` takes padded rows at a stable plan (:attr:`SyncContext.live_rows`): its
+    #: count message, read anyway, tells the host how many are live, so a padded input (the row
+    #: gradient's) costs no read of its own. Other schemes get the live rows (one read).
+    takes_padded_rows: ClassVar[bool] = False
     #: True when the scheme's push alone is :func:`zen_ds.sparse_reduce_scatter` (rows to their
     #: hashed owners): the routes that reduce-scatter gradients (ZeRO-3) accept it pinned.
     reduce_scatters: ClassVar[bool] = False

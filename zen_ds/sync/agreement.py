@@ -150,8 +150,10 @@ def _record(comm: Communicator, local: LocalInput, scheme: str, average: bool,
             k = min(SKETCH_SIZE, values.size)
             sketch = np.sort(np.partition(values, k - 1)[:k] if k < values.size else values)
             owner_counts = np.bincount(layout.owner_of_positions(values), minlength=n)
+    # padded rows (kept whole for a stable plan, which compares the named fields only): their bound
+    nnz = local.row_bound if local.live is not None else local.nnz
     return record_from(_named_fields(local, scheme, average, opts, prescale, postscale), sketch,
-                       owner_counts, n, nnz=local.nnz), positions
+                       owner_counts, n, nnz=nnz), positions
 
 
 def _named_fields(local: LocalInput, scheme: str, average: bool, opts: SyncOptions,
@@ -243,6 +245,9 @@ class Agreement:
     # rank's, after the sync
     checks: Optional[int] = None
     checks_seen: int = 0
+    # Flags known on the device only (0-dim int64: a padded input's count that moved), ORed into
+    # ``checks`` in that message
+    device_checks: Optional[torch.Tensor] = None
 
     def gather(self) -> HandshakeTable:
         if self.table is None:
@@ -251,15 +256,16 @@ class Agreement:
 
 
 def _prepare(x: object, out: object, group: object, scheme: object, opts: object,
-             prescale: object, postscale: object, log_prefix: str, local_error: Optional[str]
-             ) -> Tuple[Communicator, LocalInput, List[str], torch.device]:
-    """The local checks: the communicator, this rank's input, its problems, the device."""
+             prescale: object, postscale: object, log_prefix: str, local_error: Optional[str],
+             keep_padding: bool = False) -> Tuple[Communicator, LocalInput, List[str], torch.device]:
+    """The local checks: the communicator, this rank's input, its problems, the device
+    (``keep_padding``: :func:`~zen_ds.core.inputs.inspect_input`'s)."""
     group, problems = _usable_group(group)
     comm = Communicator.for_group(group, log_prefix)
     comm.scheme = scheme if isinstance(scheme, str) else "auto"
     problems += _option_problems(scheme, opts, prescale, postscale)
     device_types = _expected_device_types(comm)
-    local = inspect_input(x, out, device_types)
+    local = inspect_input(x, out, device_types, keep_padding)
     if local_error is not None:  # the caller's reason; its input is not looked at
         problems.append(str(local_error))
     elif local.error:
@@ -289,13 +295,15 @@ class Prepared:
 
 def prepare(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
             prescale: object, postscale: object, log_prefix: str,
-            local_error: Optional[str] = None, fields_only: bool = False) -> Prepared:
+            local_error: Optional[str] = None, fields_only: bool = False,
+            keep_padding: bool = False) -> Prepared:
     """The local half of :func:`agree`, for a step that agrees on many syncs in one
     collective: checks, record and summary; nothing is communicated. ``fields_only``: a record
     of the named fields alone (no sketch, no owner counts), for a plan kept from an earlier
-    step, which only compares them."""
+    step, which only compares them; ``keep_padding``: padded rows stay whole, for a kept plan
+    whose count message carries their count (:func:`~zen_ds.core.inputs.inspect_input`)."""
     comm, local, problems, device = _prepare(x, out, group, scheme, opts, prescale, postscale,
-                                             log_prefix, local_error)
+                                             log_prefix, local_error, keep_padding and fields_only)
     record_, positions = _record(comm, local, scheme, average, opts, prescale, postscale,
                                  problems, fields_only=fields_only)
     if fields_only:  # a kept plan: never agreed on in this step's collectives

@@ -361,11 +361,16 @@ def sync_tensor(x: TensorLike, group: Optional[dist.ProcessGroup] = None, scheme
                                   dense_out=None if target is None else
                                   target.view((local.num_rows,) + local.row_shape),
                                   shape=shape, handshake=table, dense_out_zeroing=zeroing,
-                                  checks=agreement.checks)
+                                  checks=agreement.checks, device_checks=agreement.device_checks,
+                                  live_rows=local.live)
                 try:
                     summed = get_scheme(chosen).sync(rs, ctx)
                 finally:
                     agreement.checks_seen = ctx.checks_seen
+                if local.live is not None:  # padded rows: the scheme's count message gave their count
+                    if ctx.live_rows_seen is None:
+                        raise RuntimeError(f"zen: {chosen} took padded rows but did not say how many were live")
+                    local.live_count = ctx.live_rows_seen
             moved = True
         finally:
             if zeroing is not None and (moved or out is None):  # a helper thread: always wait

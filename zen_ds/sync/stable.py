@@ -38,6 +38,7 @@ only. All decisions follow values every rank sees alike, so every rank decides a
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -81,6 +82,30 @@ def count_moved(count: int, planned: int) -> bool:
     class boundary they happen to straddle)."""
     return abs(math.log2(1 + max(int(count), 0)) - math.log2(1 + max(int(planned), 0))) \
         > COUNT_DRIFT_OCTAVES
+
+
+@functools.lru_cache(maxsize=1024)
+def unmoved_counts(planned: int) -> Tuple[int, int]:
+    """The smallest and largest row counts that :func:`count_moved` keeps for ``planned`` (an
+    interval: the distance grows with the count on either side), found with that function
+    itself, so a device-side comparison with them is the host's decision exactly."""
+    planned = max(int(planned), 0)
+
+    def edge(inside: int, outside: int) -> int:  # the last count from `inside` towards `outside` kept
+        while abs(outside - inside) > 1:
+            middle = (inside + outside) // 2
+            inside, outside = (inside, middle) if count_moved(middle, planned) else (middle, outside)
+        return inside
+
+    above = 2 * planned + 2  # past the window: log2(2p + 3) - log2(p + 1) > 1 > a quarter octave
+    return (0 if not count_moved(0, planned) else edge(planned, 0)), edge(planned, above)
+
+
+def moved_flag(live: torch.Tensor, planned: int) -> torch.Tensor:
+    """:data:`CHECK_CHANGED` where a device row count ``live`` moved from ``planned``
+    (:func:`count_moved`, decided where the count is: no read), else 0; 0-dim int64."""
+    low, high = unmoved_counts(planned)
+    return ((live < low) | (live > high)).to(torch.int64) * CHECK_CHANGED
 
 
 @dataclass
@@ -225,15 +250,19 @@ def _stable_sparse(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStat
     local = prep.local
     flags = CHECK_PROBLEM if prep.problems else (
         0 if same_agreed_fields(prep.record, plan.record) else CHECK_MISMATCH)
-    if count_moved(local.nnz, plan.nnz):
+    device_flags = None
+    if local.live is not None:  # padded rows: their count is known where they are
+        device_flags = moved_flag(local.live, plan.nnz)
+    elif count_moved(local.nnz, plan.nnz):
         flags |= CHECK_CHANGED
     out = call.out
     if flags & CHECK_ABORT:  # this rank's input is not used: rows of none join the checks
         local = inspect_input(RowSparse.empty(plan.shape[0], plan.shape[1:], dtype=plan.dtype,
                                               device=prep.device), None, None)
-        out = None
+        out, device_flags = None, None
     agreement = Agreement(prep.comm, local, None, plan=(plan.scheme, plan.planned,
-                                                        plan.predicted), checks=flags)
+                                                        plan.predicted), checks=flags,
+                          device_checks=device_flags)
     try:
         result = sync_tensor(call.x, None, call.scheme, call.average, out=out,
                              prescale=call.prescale, postscale=call.postscale, options=opts,

@@ -100,7 +100,8 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
                              sum(1 for name in others if name in plans.gathered)):
         for i in sparse:  # cheaper in the step's agreement than alone (zen_ds.sync.stable)
             stable[i] = False
-    prepared = [_prepare_call(c, o, group, fields_only=s)
+    prepared = [_prepare_call(c, o, group, fields_only=s, keep_padding=s and get_scheme(
+                    plans.stable[c.name].scheme).takes_padded_rows)
                 for c, o, s in zip(calls, each, stable)]
     step_comm = Communicator.for_group(prepared[0].comm.group, "zen.step")
     shares: List[List[int]] = []  # per step collective: the calls that took part
@@ -127,10 +128,11 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
 
 
 def _prepare_call(call: StepCall, opts: object, group: Optional[dist.ProcessGroup],
-                  fields_only: bool = False) -> Prepared:
+                  fields_only: bool = False, keep_padding: bool = False) -> Prepared:
     """One call's local checks and record (:func:`zen_ds.sync.agreement.prepare`)."""
     return prepare(call.x, call.out, group, call.scheme, call.average, opts, call.prescale,
-                   call.postscale, call.log_prefix, call.local_error, fields_only=fields_only)
+                   call.postscale, call.log_prefix, call.local_error, fields_only=fields_only,
+                   keep_padding=keep_padding)
 
 
 def _share(comm: Communicator, shares: List[List[int]], stats: Sequence[SyncStats]) -> None:

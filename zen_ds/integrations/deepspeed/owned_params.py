@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zen_ds.core.host import to_host
-from zen_ds.core.sparse import RowSparse, mark_ids_in_range
-from zen_ds.features.row_grad import took_checked_rows
+from zen_ds.core.host import sized, to_host
+from zen_ds.core.sparse import RowSparse, mark_ids_in_range, padded_rows_of
+from zen_ds.features.row_grad import took_handed_rows
 from zen_ds.integrations.deepspeed.grads import GradReader, GradStorage
 from zen_ds.integrations.deepspeed.norms import is_one, local_sum_of_squares, model_parallel_sum
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable
@@ -110,12 +110,15 @@ class OwnedParams:
                 return
             with torch.no_grad():
                 if grad.is_sparse:
-                    checked = took_checked_rows(param, grad)
-                    piece = grad.coalesce()
-                    piece = torch.sparse_coo_tensor(piece.indices(), piece.values().float(), piece.shape,
-                                                    is_coalesced=True)
-                    if checked:  # the same ids: the mark of zen's row gradient carries over
-                        mark_ids_in_range(piece, piece.shape[0])
+                    handed = took_handed_rows(param, grad)
+                    if handed is not None:  # zen's row gradient: its rows as they are, counted later
+                        mark_ids_in_range(handed.indices, handed.num_rows)  # the lookup checked them
+                        piece = handed.to(torch.float32).to_coo()
+                    else:  # coalescing reads the unique count back (counted)
+                        piece = grad if grad.is_coalesced() else sized(grad.coalesce(), "owned.coalesce_grad")
+                        piece = torch.sparse_coo_tensor(piece.indices(), piece.values().float(), piece.shape,
+                                                        is_coalesced=True)
+                    # a second micro-step's sum holds every entry of both (padding adds -0.0)
                     self.accum[i] = piece if self.accum[i] is None else self.accum[i] + piece
                 elif self.accum[i] is None:
                     self.accum[i] = grad.detach().float().clone()
@@ -334,16 +337,24 @@ class OwnedGrads(GradStorage):
         self.owned = owned
 
     def read(self) -> List[Optional[torch.Tensor]]:
-        return [a.coalesce() if a is not None and a.is_sparse else a for a in self.owned.accum]
+        return [_for_sync(a) for a in self.owned.accum]
 
     def write(self, synced: Sequence[torch.Tensor]) -> None:
         self.owned.synced = list(synced)
 
     def reader(self) -> Optional[GradReader]:
         def read_owned(index: int) -> Optional[torch.Tensor]:
-            accum = self.owned.accum[index]
-            return accum.coalesce() if accum is not None and accum.is_sparse else accum
+            return _for_sync(self.owned.accum[index])
         return read_owned
+
+
+def _for_sync(accum: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """An fp32 sum as the sync takes it: a COO one coalesced, unless it holds the row gradient's
+    padded rows (:class:`~zen_ds.core.sparse.PaddedRows`), which the sync trims or sends as
+    they are (coalescing them would read their count back)."""
+    if accum is None or not accum.is_sparse or padded_rows_of(accum) is not None or accum.is_coalesced():
+        return accum
+    return sized(accum.coalesce(), "owned.summed_rows")  # micro-steps' rows: their unique count read
 
 
 @torch.no_grad()

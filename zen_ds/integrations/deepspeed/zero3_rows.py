@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zen_ds.core.sparse import RowSparse
+from zen_ds.core.sparse import RowSparse, mark_ids_in_range
 from zen_ds.core.stats import SyncStats
 from zen_ds.features.row_embedding import RowEmbedding, unsupported_reason
 from zen_ds.integrations.deepspeed.internals import zero3 as ds_zero3
@@ -125,7 +125,10 @@ class EmbeddingRows:
             mid = sparse_reduce_scatter(rows, group, prescale=prescale, options=self.options, stats=stats,
                                         log_prefix=log_prefix, as_rows=True)
             hop = SyncStats()
-            out = sparse_reduce_scatter_flat(RowSparse(mid.indices, mid.values, mid.num_rows), group,
+            # The first hop's sum holds ids every rank's range check passed (it raises on every
+            # rank otherwise): the second hop does not read their range again.
+            second = RowSparse(mark_ids_in_range(mid.indices, mid.num_rows), mid.values, mid.num_rows)
+            out = sparse_reduce_scatter_flat(second, group,
                                              partition_numel=partition_numel, postscale=postscale,
                                              out_dtype=out_dtype, options=self.options, stats=hop,
                                              log_prefix=log_prefix)

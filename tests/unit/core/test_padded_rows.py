@@ -1,0 +1,95 @@
+"""Padded rows (:class:`zen_ds.core.sparse.PaddedRows`): rows whose live count stays on the
+device. As a COO tensor they are the live rows' gradient exactly; trimming reads the count once;
+a sync input that may not keep them gets the live rows; balanced's partition of them counts and
+groups the live rows as the partition of those rows alone does; a kept plan's moved-count check
+on the device is the host's decision."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zen_ds import ops
+from zen_ds.core.host import count_host_reads
+from zen_ds.core.inputs import inspect_input
+from zen_ds.core.sparse import PaddedRows, RowSparse, cast_sparse, ids_known_in_range, mark_ids_in_range, padded_rows_of
+from zen_ds.sync.stable import count_moved, moved_flag, unmoved_counts
+
+NUM_ROWS = 40
+
+
+def _padded(live_ids, extra: int, width: int = 3, seed: int = 0) -> PaddedRows:
+    g = torch.Generator().manual_seed(seed)
+    live = torch.tensor(live_ids)
+    ids = torch.cat([live, live[:1].expand(extra)])
+    values = torch.cat([torch.randn(live.numel(), width, generator=g), torch.full((extra, width), -0.0)])
+    return PaddedRows(mark_ids_in_range(ids, NUM_ROWS), values, torch.tensor(live.numel()), NUM_ROWS)
+
+
+def test_the_coo_of_every_row_is_the_live_rows_gradient() -> None:
+    padded = _padded([2, 5, 9], extra=4)
+    live = padded.trimmed("test")
+    coo = padded.to_coo()
+    assert not coo.is_coalesced() and padded_rows_of(coo) is padded and ids_known_in_range(coo, NUM_ROWS)
+    summed = coo.coalesce()
+    assert torch.equal(summed.indices()[0], live.indices)
+    assert torch.equal(summed.values().view(torch.int32), live.values.view(torch.int32))
+    assert padded_rows_of(coo + coo) is None  # a new tensor does not hold them
+
+
+def test_trimming_reads_the_count_once_and_keeps_the_range_mark() -> None:
+    padded = _padded([1, 7, 30, 31], extra=3)
+    with count_host_reads() as reads:
+        rows = padded.trimmed("a reason")
+    assert dict(reads.by_reason) == {"a reason": 1}
+    assert rows.nnz == 4 and rows.coalesced and ids_known_in_range(rows.indices, NUM_ROWS)
+    assert torch.equal(rows.indices, torch.tensor([1, 7, 30, 31]))
+
+
+def test_a_sync_input_is_the_live_rows_unless_it_keeps_the_padding() -> None:
+    padded = _padded([3, 4, 11], extra=5)
+    with count_host_reads() as reads:
+        local = inspect_input(padded.to_coo(), None, None)
+    assert local.error == "" and dict(reads.by_reason) == {"input.live_rows": 1}
+    assert local.live is None and local.nnz == 3 and torch.equal(local.rows, torch.tensor([3, 4, 11]))
+    with count_host_reads() as reads:
+        kept = inspect_input(padded.to_coo(), None, None, keep_padding=True)
+    assert kept.error == "" and reads.total == 0 and kept.live is padded.live and kept.row_bound == 8
+    with pytest.raises(RuntimeError, match="count message"):
+        kept.nnz  # noqa: B018 (unknown until the sync's count message is read)
+    kept.live_count = 3
+    assert kept.nnz == 3
+    assert RowSparse.from_coo(padded.to_coo()).nnz == 3  # what a plain consumer gets
+
+
+def test_a_cast_keeps_the_padded_rows() -> None:
+    padded = _padded([0, 6], extra=2)
+    half = cast_sparse(padded.to_coo(), torch.bfloat16)
+    assert padded_rows_of(half).values.dtype == torch.bfloat16
+    assert torch.equal(padded_rows_of(half).values[2:].view(torch.int16),
+                       torch.full((2, 3), -0.0, dtype=torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_the_partition_of_padded_rows_is_the_live_rows_partition(world: int) -> None:
+    g = torch.Generator().manual_seed(world)
+    live_ids = torch.randperm(NUM_ROWS, generator=g)[:17].sort().values
+    padded = _padded(live_ids.tolist(), extra=9, seed=world)
+    live = padded.trimmed("test")
+    with count_host_reads() as reads:
+        counts, offsets, values = ops.partition(padded.indices, padded.values, NUM_ROWS, world, 7, torch.int32,
+                                                live=padded.live)
+    assert reads.total == 0
+    want_counts, want_offsets, want_values = ops.partition(live.indices, live.values, NUM_ROWS, world, 7,
+                                                           torch.int32)
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(offsets[:17], want_offsets) and torch.equal(values[:17], want_values)
+
+
+@pytest.mark.parametrize("planned", [0, 1, 2, 5, 62, 63, 100, 4095, 10**6])
+def test_the_moved_count_on_the_device_is_the_host_decision(planned: int) -> None:
+    low, high = unmoved_counts(planned)
+    for count in sorted({0, 1, low - 1, low, low + 1, planned, high - 1, high, high + 1, 2 * planned + 5}):
+        if count < 0:
+            continue
+        flag = int(moved_flag(torch.tensor(count), planned))
+        assert bool(flag) == count_moved(count, planned), (count, planned, low, high)
