@@ -76,12 +76,10 @@ def test_a_training_step_reads_the_host_only_through_counted_reads(seen, case: s
         assert not uncounted, f"rank {rank}, {case} ({route} route): uncounted reads of the host: {uncounted}"
 
 
-
 def test_the_recorder_sees_counted_reads(seen) -> None:
-    """The recorder is live: counted reads that dispatch an op on CPU (a unique size, a
-    non-zero count) show as counted (a step whose reads are all copies of host tensors, such as
-    ZeRO-0 balanced's counts, shows none on CPU)."""
+    """The recorder is live: counted reads that dispatch an op on CPU (a non-zero count, a
+    live-row count) show as counted; a step whose reads are all copies of host tensors (ZeRO-0
+    balanced's counts) shows none on CPU."""
     for rank, cases in enumerate(seen):
         counted = {case: kinds.get("counted", 0) for case, (kinds, *_rest) in cases.items()}
         assert sum(counted.values()) >= 1, (rank, counted)
-        assert counted["zero2/balanced"] >= 1, (rank, counted)  # the row gradient's unique count
