@@ -212,7 +212,8 @@ def test_quickstart_prediction_lines() -> None:
 
 def test_stable_sparse_plans_price_their_count_message() -> None:
     """``per_step`` with ``reduce`` or ``auto`` (the plug-in's steady state): a stable agsparse,
-    balanced or sparcml plan runs no handshake, its checks ride in the scheme's count message;
+    balanced or sparcml plan alone in its step runs no handshake, its checks ride in the
+    scheme's count message;
     agsparse then moves exactly DeepSpeed's sizes and rows."""
     from zen_ds.sync.stable import checks_message_bytes
     from zen_ds.tools.sim.supports import generate_supports
@@ -233,7 +234,10 @@ def test_stable_sparse_plans_price_their_count_message() -> None:
     assert (ag.bytes_sent, ag.bytes_received) == (ds.bytes_sent, ds.bytes_received)
     assert ag.seconds == pytest.approx(ds.seconds)
     for name in ("agsparse", "balanced", "sparcml"):
-        assert steady.row(name).seconds < lone.row(name).seconds
+        # a lone call agrees first, its records gathered in 4 log-step rounds (the count
+        # message's ring takes 15 steps: a stable plan saves host work, not latency, here)
+        assert lone.row(name).phases[0]["name"] == "handshake"
+        assert lone.row(name).phases[0]["algorithm"] == "log_step"
         head = steady.row(name).phases[0]
         shape = handshake_shape(supports, cost.model.latency_bytes)
         assert head["bytes_sent"] == 15 * checks_message_bytes(name, shape)
