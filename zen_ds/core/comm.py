@@ -337,11 +337,11 @@ class Communicator:
         concatenation): chunks are kept in the order ``r, r + 1, ...`` and rotated into rank
         order at the end."""
         n = self.world_size
-        chunk = tensor.numel() * tensor.element_size()
-        self._record("all_gather_log_step", name, (n - 1) * chunk, (n - 1) * chunk)
         if output.numel() != n * tensor.numel():
             raise ValueError(f"all_gather_log_step: output has {output.numel()} elements, "
                              f"expected {n} x {tensor.numel()}")
+        chunk = tensor.numel() * tensor.element_size()
+        self._record("all_gather_log_step", name, (n - 1) * chunk, (n - 1) * chunk)
         if n == 1:
             output.copy_(tensor.reshape(output.shape))
             return

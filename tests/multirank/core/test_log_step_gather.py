@@ -75,6 +75,7 @@ def test_log_step_gather_rejects_an_output_of_the_wrong_size() -> None:
     comm = Communicator(None, 4, 0)
     with pytest.raises(ValueError, match="expected 4 x 3"):
         comm.all_gather_log_step(torch.zeros(11), torch.zeros(3), "handshake")
+    assert comm.records == []  # nothing counted for a call that moved nothing
 
 
 # ------------------------------------------------------------------- a sync gathering so
