@@ -31,10 +31,11 @@ Each stable sparse plan sends its own count message, while the step's agreement 
 collective for all of its tensors: where other tensors need the agreement anyway, several
 stable sparse plans may cost more latency alone than their records cost in it.
 :func:`sparse_plans_skip` weighs the two under the cost model each step (agreed inputs only);
-when joining is cheaper they run with the agreement, as plans made afresh. An agreement is never
-started for stable plans alone (its host work is what they save, and the model does not count
-it), although its record all-gather may take fewer latency steps than their count messages
-(log-step rounds, :func:`~zen_ds.sync.agreement.record_gather`).
+when joining is cheaper they run with the agreement, as plans made afresh. Where the record
+all-gather runs in log-step rounds (:func:`~zen_ds.sync.agreement.record_gather`, from 4 ranks
+up at one rank per node) even one stable sparse plan alone joins: its count message is a ring
+of ``n - 1`` latency steps. The host work a stable plan saves (no sketch, no planning) is not in
+the cost model.
 
 A stable call neither builds a sketch nor prices the schemes: its record holds the named fields
 only. All decisions follow values every rank sees alike, so every rank decides alike.
@@ -196,11 +197,7 @@ def sparse_plans_skip(opts: SyncOptions, n: int, sparse: Sequence[Tuple[str, Syn
     model, from agreed inputs only (the same answer on every rank). ``sparse``: each stable
     sparse plan's (scheme, planned shape); ``others``: the tensors without a stable plan,
     ``others_gathered`` of them expected to need their records."""
-    if not sparse or not others:
-        # No other tensor needs the agreement: it is not started for stable plans alone. Their
-        # count messages may take more latency steps than the record all-gather's log-step
-        # rounds, but joining costs each of them its sketch, its records and its planning on
-        # the host, which the cost model does not count (what a stable plan exists to save).
+    if not sparse:
         return True
     cost = opts.cost_model
     messages = tuple(checks_message_bytes(scheme, shape) for scheme, shape in sparse)
