@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from zen_ds.core.comm import Communicator, group_facts
-from zen_ds.costmodel.cost import LOG_STEP_ALGORITHM
 from zen_ds.core.handshake import (
     DTYPE_CODES,
     SKETCH_SIZE,
@@ -34,9 +33,10 @@ from zen_ds.core.host import to_host
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.option_fields import OPTION_SLOTS, record_slots
 from zen_ds.core.partition import shard_layout
+from zen_ds.costmodel.cost import LOG_STEP_ALGORITHM, RING_ALGORITHM
 from zen_ds.schemes import get_scheme, scheme_names
 from zen_ds.schemes.topology import ranks_per_node
-from zen_ds.sync.options import SyncOptions, ZenInputError, option_problems
+from zen_ds.sync.options import SyncOptions, ZenInputError, default_options, option_problems
 
 
 def _usable_group(group) -> Tuple[Optional[dist.ProcessGroup], List[str]]:
@@ -76,11 +76,11 @@ def record_gather(opts: object, world_size: int, records: float = 1.0) -> str:
     (:meth:`~zen_ds.costmodel.cost.CostModel.cheaper_all_gather`). Only agreed inputs decide
     (group size, the options' cost model and ``ranks_per_node``, an agreed record count), so
     every rank runs the same collective; a rank whose options are unusable decides with the
-    default options, which are what its peers most likely hold (its handshake then reports
-    the problem)."""
-    options = opts if isinstance(opts, SyncOptions) else SyncOptions()
+    process's default options (:func:`~zen_ds.sync.options.default_options`), which are what
+    its peers most likely hold (its handshake then reports the problem)."""
+    options = opts if isinstance(opts, SyncOptions) else default_options()
     if world_size <= 2 or records <= 0:  # a log-step round is a ring step there
-        return "ring"
+        return RING_ALGORITHM
     per_node = max(options.ranks_per_node, 1)
     return options.derived(
         ("record gather", world_size, records), lambda: options.cost_model.cheaper_all_gather(

@@ -99,4 +99,6 @@ def test_the_handshake_picks_from_agreed_options() -> None:
     assert record_gather_seconds(opts, 128) == pytest.approx(
         NET.all_gather_seconds(handshake_bytes(128), 128, 8, LOG_STEP_ALGORITHM))
     # unusable options: the defaults decide (what the other ranks most likely hold)
-    assert record_gather("not options", 128) == record_gather(SyncOptions(), 128)
+    from zen_ds.sync.options import default_options
+
+    assert record_gather("not options", 128) == record_gather(default_options(), 128)
