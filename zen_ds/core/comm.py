@@ -11,6 +11,9 @@ travels):
 
 * ``all_to_all_single``: exactly the rows sent to / received from the other ranks.
 * ``all_gather_into_tensor``: ``(n - 1) * chunk`` both ways (ring; what every rank forwards).
+* ``all_gather_log_step``: the same ``(n - 1) * chunk`` both ways, in ``ceil(log2 n)``
+  point-to-point rounds instead of the ring's ``n - 1`` steps (one record, op
+  ``all_gather_log_step``).
 * ``all_reduce``: ``2 (n - 1) / n * nbytes`` both ways (ring reduce-scatter + all-gather).
 * ``send_recv``: exactly the buffers sent to / received from the named peers. Point to point:
   only those peers take part, so a pairwise step costs one latency, not a whole-group
@@ -276,28 +279,65 @@ class Communicator:
 
     def _send_recv(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor],
                    name: str) -> None:
-        """Point-to-point transfers posted together. NCCL needs them batched (a send and a
-        receive posted apart between two ranks can wait on each other); gloo's are independent
-        already, and batching them costs more host time than a small round's transfer."""
+        """Point-to-point transfers posted together (:meth:`_post`), as one timed call."""
+        if any(peer != self.rank and t.numel() for buffers in (sends, recvs)
+               for peer, t in buffers.items()):
+            self._run(name, lambda: self._post(sends, recvs))
+
+    def _post(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        """Post the transfers and wait for them. NCCL needs them batched (a send and a receive
+        posted apart between two ranks can wait on each other); gloo's are independent already,
+        and batching them costs more host time than a small round's transfer."""
         transfers = [(send, t, peer) for send, buffers in ((True, sends), (False, recvs))
                      for peer, t in buffers.items() if peer != self.rank and t.numel()]
         if not transfers:
             return
-        unbatched = self._gloo_alone()
+        if self._gloo_alone():  # group ranks
+            requests = [(direct.isend if send else direct.irecv)(t, peer, self.group)
+                        for send, t, peer in transfers]
+        else:  # P2POp takes global ranks
+            requests = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if send else dist.irecv, t,
+                           global_rank(self.group, peer), self.group)
+                for send, t, peer in transfers])
+        for request in requests:
+            request.wait()
 
-        def run() -> None:
-            if unbatched:  # group ranks
-                requests = [(direct.isend if send else direct.irecv)(t, peer, self.group)
-                            for send, t, peer in transfers]
-            else:  # P2POp takes global ranks
-                requests = dist.batch_isend_irecv([
-                    dist.P2POp(dist.isend if send else dist.irecv, t,
-                               global_rank(self.group, peer), self.group)
-                    for send, t, peer in transfers])
-            for request in requests:
-                request.wait()
+    def all_gather_log_step(self, output: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        """:meth:`all_gather_into_tensor`'s result (``output`` holds every rank's ``tensor`` in
+        rank order) in ``ceil(log2 n)`` point-to-point rounds, any ``n``, where the library's
+        ring takes ``n - 1`` latency steps: for small chunks (the handshake's records) latency
+        is the whole cost. The same bytes each way as the ring's; every rank must call it with
+        the same chunk size. Round ``j`` sends the ``min(2^j, n - 2^j)`` chunks gathered so far
+        to rank ``r - 2^j`` and receives as many from rank ``r + 2^j`` (Bruck et al.'s
+        concatenation): chunks are kept in the order ``r, r + 1, ...`` and rotated into rank
+        order at the end."""
+        n = self.world_size
+        if output.numel() != n * tensor.numel():
+            raise ValueError(f"all_gather_log_step: output has {output.numel()} elements, "
+                             f"expected {n} x {tensor.numel()}")
+        chunk = tensor.numel() * tensor.element_size()
+        self._record("all_gather_log_step", name, (n - 1) * chunk, (n - 1) * chunk)
+        if n == 1:
+            output.copy_(tensor.reshape(output.shape))
+            return
+        staged = self._stages(output, tensor)
+        mine = self._host_copy(tensor) if staged else tensor
+        # chunks[i]: rank (rank + i) % n's chunk, filled from the front round by round
+        chunks = torch.empty((n, tensor.numel()), dtype=tensor.dtype, device=mine.device)
+        chunks[0].copy_(mine.reshape(-1))
 
-        self._run(name, run)
+        def rounds() -> None:
+            distance = 1
+            while distance < n:
+                count = min(distance, n - distance)
+                self._post({(self.rank - distance) % n: chunks[:count]},
+                           {(self.rank + distance) % n: chunks[distance:distance + count]})
+                distance *= 2
+
+        self._run(name, rounds)
+        ordered = chunks.roll(self.rank, dims=0)
+        output.copy_(ordered.reshape(output.shape))
 
 
     def all_reduce(self, tensor: torch.Tensor, name: str, op: str = "sum") -> None:

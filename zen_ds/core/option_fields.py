@@ -134,7 +134,9 @@ OPTIONS: Tuple[OptionField, ...] = (
     OptionField(
         "handshake", str, "auto", choices=HANDSHAKES, config="handshake",
         doc="""How the ranks agree on a sync before any data moves: ``allgather`` (every rank's
-        record to every rank: ``n - 1`` latency steps, growing with the group size),
+        record to every rank, in ``ceil(log2 n)`` point-to-point rounds or the library's
+        ring of ``n - 1`` latency steps, the cheaper under the cost model; its bytes grow with
+        the group size),
         ``reduce`` (one fixed-size MAX all-reduce of a summary first, ``log n`` latency under
         NCCL's tree; the records are gathered only when the plan is not ``dense`` or a rank
         reports a problem) or ``auto`` (the default: the cheaper of the two under the cost

@@ -23,7 +23,11 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 def _process_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """The process group object a collective on ``group`` runs on (the default one for None);
-    None where it is not a plain :class:`torch.distributed.ProcessGroup`."""
+    None where it is not a plain :class:`torch.distributed.ProcessGroup`, or while
+    ``torch.compile`` traces the caller (dynamo knows torch.distributed's functions, not the
+    process group's methods)."""
+    if torch.compiler.is_compiling():
+        return None
     pg = dist.group.WORLD if group is None else group
     return pg if isinstance(pg, dist.ProcessGroup) else None
 
@@ -41,7 +45,8 @@ class DirectCollectives:
     wrappers cost ~30 us of host CPU per call (BENCHMARKS.md "Host time of one small sync"), more
     than a small sync's own arithmetic. Signatures as torch's, so a test can wrap them as it
     wraps torch's; point-to-point peers are **group** ranks. A group that is not a plain
-    ``ProcessGroup`` goes through ``torch.distributed``."""
+    ``ProcessGroup``, and any call while ``torch.compile`` traces (the ZeRO-3 embedding's fetch
+    runs in a compiled forward), goes through ``torch.distributed``."""
 
     @staticmethod
     def all_reduce(tensor: torch.Tensor, op: object = dist.ReduceOp.SUM,

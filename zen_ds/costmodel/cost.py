@@ -1,13 +1,19 @@
 """The alpha-beta cost model every plan and the simulator price with: latency steps, link
-bytes and local work (:class:`CostModel`), and the library collectives priced the way NCCL runs
-them (:func:`all_reduce_estimate`; sources in ``docs/schemes.md``, "Library collectives")."""
+bytes and local work (:class:`CostModel`), the library collectives priced the way NCCL runs
+them (:func:`all_reduce_estimate`; sources in ``docs/schemes.md``, "Library collectives"), and
+the two all-gathers of fixed-size chunks zen can run (:func:`all_gather_estimate`: the
+library's ring, or zen's own log-step rounds, :meth:`zen_ds.core.comm.Communicator.
+all_gather_log_step`)."""
 from __future__ import annotations
 
 import hashlib
 import math
 import struct
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Mapping, Optional, Tuple
+
+import numpy as np
 
 from zen_ds.costmodel.shape import ByteEstimate
 
@@ -23,6 +29,9 @@ ALL_REDUCE_NCCL = "nccl"  # the cheaper of ring and tree at each size and n, as 
 ALL_REDUCE_RING = "ring"  # ring at every size: gloo, and so the emulated cluster
 ALL_REDUCE_MODES = (ALL_REDUCE_NCCL, ALL_REDUCE_RING)
 RING_ALGORITHM, TREE_ALGORITHM = "ring", "tree"
+# zen's own all-gather of equal chunks in ceil(log2 n) point-to-point rounds (Bruck's)
+LOG_STEP_ALGORITHM = "log_step"
+ALL_GATHER_ALGORITHMS = (RING_ALGORITHM, LOG_STEP_ALGORITHM)
 # NCCL's tuner runs the tree all-reduce at 0.92 of the ring's bus bandwidth (src/graph/tuning.cc,
 # "busBw*.92" for Tree/AllReduce): why ring wins for large tensors even at large n.
 TREE_BUS_EFFICIENCY = 0.92
@@ -134,6 +143,23 @@ class CostModel:
         chosen = self.choose(all_reduce_estimate(tensor_bytes, world_size, ranks_per_node))
         return self._seconds(chosen), chosen.algorithm
 
+    def all_gather_seconds(self, chunk_bytes: float, world_size: int, ranks_per_node: int = 1,
+                           algorithm: str = RING_ALGORITHM) -> float:
+        """Seconds of one all-gather of ``chunk_bytes`` per rank by ``algorithm``
+        (:func:`all_gather_estimate`)."""
+        estimate = all_gather_estimate(chunk_bytes, world_size, ranks_per_node, algorithm)
+        return self.link_seconds(estimate.nic_bytes, estimate.intra, estimate.latency_steps,
+                                 estimate.two_way)
+
+    def cheaper_all_gather(self, chunk_bytes: float, world_size: int, ranks_per_node: int = 1
+                           ) -> Tuple[float, str]:
+        """(seconds, algorithm) of the cheaper all-gather of ``chunk_bytes`` per rank: the
+        library's ring unless the log-step rounds are strictly faster under this model."""
+        ring = self.all_gather_seconds(chunk_bytes, world_size, ranks_per_node, RING_ALGORITHM)
+        log_step = self.all_gather_seconds(chunk_bytes, world_size, ranks_per_node,
+                                           LOG_STEP_ALGORITHM)
+        return (log_step, LOG_STEP_ALGORITHM) if log_step < ring else (ring, RING_ALGORITHM)
+
     def digest(self) -> int:
         """One int64 naming every constant: ranks must plan with the same model (the handshake
         compares it), or they could choose different schemes and deadlock."""
@@ -204,3 +230,62 @@ def all_reduce_estimate(tensor_bytes: float, world_size: int, ranks_per_node: in
     ring = ring_all_reduce(tensor_bytes, world_size, ranks_per_node, compute)
     tree = tree_all_reduce(tensor_bytes, world_size, ranks_per_node, compute)
     return replace(ring, alternatives=(tree,))
+
+
+# --------------------------------------------------------------------------- all-gathers
+@lru_cache(maxsize=512)
+def log_step_rounds(world_size: int, ranks_per_node: int = 1
+                    ) -> Tuple[Tuple[int, int, bool, bool], ...]:
+    """The rounds of the log-step all-gather (:meth:`zen_ds.core.comm.Communicator.
+    all_gather_log_step`) on consecutive ranks ``ranks_per_node`` to a node: per round ``(chunks
+    each rank sends, most ranks of one node whose partner is on another node (senders or
+    receivers, the larger), whether some rank's partner shares its node, whether a rank sends
+    to the rank it receives from)``. Round ``j`` sends ``min(2^j, n - 2^j)`` chunks to rank
+    ``r - 2^j``: the partner is far in the late rounds, so every rank of a node crosses its NIC
+    there, where the ring crosses it with one rank's bytes."""
+    n = world_size
+    k = min(max(ranks_per_node, 1), max(n, 1))
+    ranks = np.arange(n)
+    node = ranks // k
+    nodes = int(node[-1]) + 1 if n else 0
+    rounds = []
+    distance = 1
+    while distance < n:
+        partner_node = node[(ranks - distance) % n]
+        crossing = partner_node != node
+        senders = np.bincount(node[crossing], minlength=nodes)
+        receivers = np.bincount(partner_node[crossing], minlength=nodes)
+        busiest = int(max(senders.max(), receivers.max())) if crossing.any() else 0
+        rounds.append((min(distance, n - distance), busiest, bool((~crossing).any()),
+                       2 * distance == n))
+        distance *= 2
+    return tuple(rounds)
+
+
+def all_gather_estimate(chunk_bytes: float, world_size: int, ranks_per_node: int = 1,
+                        algorithm: str = RING_ALGORITHM) -> ByteEstimate:
+    """An all-gather of equal chunks: every rank sends and receives ``(n - 1)`` chunks (what
+    :class:`~zen_ds.core.comm.Communicator` records for both algorithms).
+
+    ``ring``, the library's: ``n - 1`` latency steps, one rank's bytes through each NIC (a ring
+    ordered node by node). ``log_step``, zen's: ``ceil(log2 n)`` rounds, each a latency step;
+    a round's NIC bytes are its chunks times the most ranks of one node that cross it
+    (:func:`log_step_rounds`), its intra-node bytes one rank's chunks where partners share a
+    node; in the round where a rank's two partners are the same rank (``2^j = n / 2``) the NIC
+    bytes move both ways."""
+    if algorithm not in ALL_GATHER_ALGORITHMS:
+        raise ValueError(f"all-gather algorithm must be one of {ALL_GATHER_ALGORITHMS}, "
+                         f"got {algorithm!r}")
+    n = world_size
+    if n < 2:
+        return ByteEstimate(0.0, 0.0, 0, 0.0, 0.0, algorithm=algorithm)
+    wire = (n - 1) * chunk_bytes
+    if algorithm == RING_ALGORITHM:
+        nic, intra = _placed(wire, n, ranks_per_node)
+        two_way = wire if n == 2 and _nodes(n, ranks_per_node)[1] == 2 else 0.0
+        return ByteEstimate(wire, wire, n - 1, nic, intra, {}, two_way, algorithm=algorithm)
+    rounds = log_step_rounds(n, ranks_per_node)
+    nic = sum(chunks * busiest for chunks, busiest, _, _ in rounds) * chunk_bytes
+    intra = sum(chunks for chunks, _, local, _ in rounds if local) * chunk_bytes
+    two_way = sum(chunks * busiest for chunks, busiest, _, both in rounds if both) * chunk_bytes
+    return ByteEstimate(wire, wire, len(rounds), nic, intra, {}, two_way, algorithm=algorithm)

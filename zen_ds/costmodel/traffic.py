@@ -49,6 +49,10 @@ class Phase:
     # all_reduce: the tensor's bytes, so the cost model can price it as NCCL runs it (ring or
     # tree, :func:`zen_ds.costmodel.cost.all_reduce_estimate`); None: a ring at the bytes above.
     tensor_bytes: Optional[int] = None
+    # all_gather run as zen's log-step rounds (Communicator.all_gather_log_step): each rank's
+    # chunk bytes, so the cost model prices it per round (zen_ds.costmodel.cost.
+    # all_gather_estimate); None: the library's ring at the bytes above.
+    log_step_chunk: Optional[int] = None
 
     @classmethod
     def ring(cls, name: str, op: str, per_rank: torch.Tensor,

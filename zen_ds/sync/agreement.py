@@ -33,9 +33,10 @@ from zen_ds.core.host import to_host
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.option_fields import OPTION_SLOTS, record_slots
 from zen_ds.core.partition import shard_layout
+from zen_ds.costmodel.cost import LOG_STEP_ALGORITHM, RING_ALGORITHM
 from zen_ds.schemes import get_scheme, scheme_names
 from zen_ds.schemes.topology import ranks_per_node
-from zen_ds.sync.options import SyncOptions, ZenInputError, option_problems
+from zen_ds.sync.options import SyncOptions, ZenInputError, default_options, option_problems
 
 
 def _usable_group(group) -> Tuple[Optional[dist.ProcessGroup], List[str]]:
@@ -68,23 +69,59 @@ def _fallback_device(types: Optional[Tuple[str, ...]]) -> torch.device:
 
 
 # ------------------------------------------------------------------- which handshake
+def record_gather(opts: object, world_size: int, records: float = 1.0) -> str:
+    """How the handshake all-gathers ``records`` records per rank: ``ring`` (the library's
+    all-gather, ``n - 1`` latency steps) or ``log_step`` (:meth:`Communicator.
+    all_gather_log_step`, ``ceil(log2 n)`` rounds), the cheaper under the options' cost model
+    (:meth:`~zen_ds.costmodel.cost.CostModel.cheaper_all_gather`). Only agreed inputs decide
+    (group size, the options' cost model and ``ranks_per_node``, an agreed record count), so
+    every rank runs the same collective; a rank whose options are unusable decides with the
+    process's default options (:func:`~zen_ds.sync.options.default_options`), which are what
+    its peers most likely hold (its handshake then reports the problem)."""
+    options = opts if isinstance(opts, SyncOptions) else default_options()
+    if world_size <= 2 or records <= 0:  # a log-step round is a ring step there
+        return RING_ALGORITHM
+    per_node = max(options.ranks_per_node, 1)
+    return options.derived(
+        ("record gather", world_size, records), lambda: options.cost_model.cheaper_all_gather(
+            records * handshake_bytes(world_size), world_size, per_node)[1])
+
+
+def record_gather_seconds(opts: SyncOptions, world_size: int, records: float = 1.0) -> float:
+    """The model time of the handshake's all-gather of ``records`` records per rank, by the
+    algorithm :func:`record_gather` picks (on the options' ``ranks_per_node``)."""
+    n = world_size
+    if n <= 1 or records <= 0:
+        return 0.0
+    return opts.cost_model.all_gather_seconds(records * handshake_bytes(n), n,
+                                              max(opts.ranks_per_node, 1),
+                                              record_gather(opts, n, records))
+
+
+def gather_records(comm: Communicator, output: torch.Tensor, records: torch.Tensor,
+                   opts: object, count: int = 1) -> None:
+    """The handshake's all-gather of ``records`` (``count`` records of this rank) into
+    ``output``, by :func:`record_gather`'s algorithm; both count the same bytes."""
+    if record_gather(opts, comm.world_size, count) == LOG_STEP_ALGORITHM:
+        comm.all_gather_log_step(output, records, "handshake")
+    else:
+        comm.all_gather_into_tensor(output, records, "handshake")
+
+
 def handshake_seconds(opts: SyncOptions, world_size: int, mode: str, syncs: int = 1,
                       gathered: float = 1.0) -> float:
     """The model time of agreeing on ``syncs`` syncs in one step: ``allgather``, one all-gather
-    of every sync's record (``n - 1`` latency steps); ``reduce``, one all-reduce of every
-    sync's summary (``log n`` under NCCL's tree) plus one all-gather of the records of the
-    ``gathered`` syncs whose plan is not ``dense``."""
+    of every sync's record (the cheaper of the ring's ``n - 1`` latency steps and the log-step
+    rounds, :func:`record_gather`); ``reduce``, one all-reduce of every sync's summary (``log
+    n`` under NCCL's tree) plus one all-gather of the records of the ``gathered`` syncs whose
+    plan is not ``dense``."""
     n, cost = world_size, opts.cost_model
     if n <= 1 or syncs <= 0:
         return 0.0
-
-    def gather(count: float) -> float:
-        return cost.link_seconds((n - 1) * count * handshake_bytes(n), 0.0, n - 1) if count else 0.0
-
     if mode == "allgather":
-        return gather(syncs)
-    per_node = max(opts.ranks_per_node, 1)
-    return cost.all_reduce_seconds(8 * summary_width() * syncs, n, per_node)[0] + gather(gathered)
+        return record_gather_seconds(opts, n, syncs)
+    return (cost.all_reduce_seconds(8 * summary_width() * syncs, n, max(opts.ranks_per_node, 1))[0]
+            + record_gather_seconds(opts, n, gathered))
 
 
 def choose_handshake(opts: SyncOptions, world_size: int, syncs: int = 1,
@@ -195,7 +232,7 @@ def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool
     record_ = _record(comm, local, scheme, average, opts, prescale, postscale, problems)[0]
     record_ = record_.to(device)
     gathered = torch.empty(n * record_.numel(), dtype=torch.int64, device=device)
-    comm.all_gather_into_tensor(gathered, record_, "handshake")
+    gather_records(comm, gathered, record_, opts)
     return HandshakeTable(to_host(gathered.view(n, -1), "agreement.records"))
 
 

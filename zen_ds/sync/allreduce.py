@@ -44,7 +44,8 @@ from zen_ds.costmodel.support import estimate_support
 from zen_ds.planner import model_settings, plan_and_price, plan_choice, price
 from zen_ds.schemes import DENSE, auto_candidates, get_scheme
 from zen_ds.schemes.base import SyncContext
-from zen_ds.sync.agreement import Agreement, agree, agree_reduced, reduced_handshake
+from zen_ds.sync.agreement import (Agreement, agree, agree_reduced, record_gather_seconds,
+                                   reduced_handshake)
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options
 
 __all__ = ["sparse_allreduce", "sync_tensor", "auto_candidates_for", "local_rows", "plan_sync",
@@ -182,7 +183,7 @@ def plan_sync(table: HandshakeTable, local: LocalInput, scheme: str, opts: SyncO
         chosen, slowest, estimates = plan_and_price(shape, names, opts.cost_model, opts.memo())
         estimate = estimates[chosen]
         handshake = (n - 1) * handshake_bytes(n)
-        seconds = slowest[chosen] + opts.cost_model.link_seconds(handshake, 0.0, n - 1)
+        seconds = slowest[chosen] + record_gather_seconds(opts, n)
         return chosen, shape, (estimate.bytes_sent + handshake,
                                estimate.bytes_received + handshake, seconds)
 
@@ -200,15 +201,15 @@ def _reduced_seconds(opts: SyncOptions, n: int, ranks_per_node: int) -> float:
 def summary_prefers_dense(shape: SyncShape, candidates: Tuple[str, ...], opts: SyncOptions
                           ) -> bool:
     """``auto`` after a reduced handshake: any plan but ``dense`` must still gather the records
-    (``n - 1`` latency steps), so ``dense`` wins unless the best other scheme beats it by more
-    than that all-gather."""
+    (:func:`~zen_ds.sync.agreement.record_gather_seconds`), so ``dense`` wins unless the best
+    other scheme beats it by more than that all-gather."""
     chosen = plan_choice(shape, candidates, opts.cost_model, opts.memo())
     if get_scheme(chosen).whole_tensor:
         return True
     if DENSE not in candidates:
         return False
     n = shape.world_size
-    gather = opts.cost_model.link_seconds((n - 1) * handshake_bytes(n), 0.0, n - 1)
+    gather = record_gather_seconds(opts, n)
     seconds = price(shape, (chosen, DENSE), opts.cost_model)[0]
     return seconds[DENSE] <= seconds[chosen] + gather
 

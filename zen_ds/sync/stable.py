@@ -31,7 +31,11 @@ Each stable sparse plan sends its own count message, while the step's agreement 
 collective for all of its tensors: where other tensors need the agreement anyway, several
 stable sparse plans may cost more latency alone than their records cost in it.
 :func:`sparse_plans_skip` weighs the two under the cost model each step (agreed inputs only);
-when joining is cheaper they run with the agreement, as plans made afresh.
+when joining is cheaper they run with the agreement, as plans made afresh. Where the record
+all-gather runs in log-step rounds (:func:`~zen_ds.sync.agreement.record_gather`, from 4 ranks
+up at one rank per node) even one stable sparse plan alone joins: its count message is a ring
+of ``n - 1`` latency steps. The host work a stable plan saves (no sketch, no planning) is not in
+the cost model.
 
 A stable call neither builds a sketch nor prices the schemes: its record holds the named fields
 only. All decisions follow values every rank sees alike, so every rank decides alike.
@@ -212,8 +216,9 @@ def checks_message_bytes(scheme: str, shape: SyncShape) -> int:
 def sparse_plans_skip(opts: SyncOptions, n: int, sparse: Sequence[Tuple[str, SyncShape]],
                       others: int, others_gathered: int) -> bool:
     """Whether this step's stable sparse plans run without the step's agreement. Each then
-    sends its own count message (``n - 1`` latency steps), while joining the agreement costs
-    only their records' bytes where other tensors need it anyway: the cheaper under the cost
+    sends its own count message (a ring all-gather, ``n - 1`` latency steps), while joining
+    the agreement costs only their records' bytes where other tensors need it anyway (and the
+    record all-gather may take log-step rounds, :func:`~zen_ds.sync.agreement.record_gather`): the cheaper under the cost
     model, from agreed inputs only (the same answer on every rank). ``sparse``: each stable
     sparse plan's (scheme, planned shape); ``others``: the tensors without a stable plan,
     ``others_gathered`` of them expected to need their records."""
@@ -227,7 +232,8 @@ def sparse_plans_skip(opts: SyncOptions, n: int, sparse: Sequence[Tuple[str, Syn
         return handshake_seconds(opts, n, mode, syncs, gathered)
 
     def skip() -> bool:
-        alone = sum(cost.link_seconds((n - 1) * message, 0.0, n - 1) for message in messages)
+        alone = sum(cost.all_gather_seconds(message, n, max(opts.ranks_per_node, 1))
+                    for message in messages)  # the library's ring, placed as the handshake's
         joined = len(sparse)
         return agreement(others, others_gathered) + alone <= agreement(others + joined,
                                                                       others_gathered + joined)

@@ -36,7 +36,7 @@ from zen_ds.core.handshake import HandshakeSummary, HandshakeTable
 from zen_ds.core.host import to_host
 from zen_ds.core.stats import SyncStats
 from zen_ds.costmodel.shape import SyncShape
-from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, prepare
+from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, gather_records, prepare
 from zen_ds.schemes import get_scheme
 from zen_ds.sync.allreduce import plan_from_summary, sync_tensor
 from zen_ds.sync.options import SyncOptions, TensorLike, default_options
@@ -115,7 +115,7 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
             if result is None:  # a problem or a mismatch on some rank: the full handshake
                 shares.append([index])
                 prep = _prepare_call(call, each[index], group)
-                agreements[index] = _full_handshake(prep, step_comm)
+                agreements[index] = _full_handshake(prep, step_comm, opts)
         if result is None:
             result = sync_tensor(call.x, group, call.scheme, call.average, out=call.out,
                                  prescale=call.prescale, postscale=call.postscale,
@@ -186,7 +186,7 @@ def _agree(calls: Sequence[StepCall], prepared: List[Prepared], todo: List[int],
                     need.append(i)
                 else:
                     planned[i] = plan
-    tables = _gather(prepared, need, comm) if need else {}
+    tables = _gather(prepared, need, comm, opts) if need else {}
     if need:
         shares.append(list(need))
     plans.gathered = {calls[i].name for i in need}
@@ -203,20 +203,21 @@ def _agree(calls: Sequence[StepCall], prepared: List[Prepared], todo: List[int],
     return agreements
 
 
-def _gather(prepared: List[Prepared], need: List[int], comm: Communicator
+def _gather(prepared: List[Prepared], need: List[int], comm: Communicator, opts: SyncOptions
             ) -> Dict[int, HandshakeTable]:
-    """One all-gather of the records of the calls in ``need``: each call's table."""
+    """One all-gather of the records of the calls in ``need`` (by the step options' cheaper
+    algorithm, :func:`~zen_ds.sync.agreement.gather_records`): each call's table."""
     n = comm.world_size
     mine = torch.cat([prepared[i].record for i in need]).to(prepared[need[0]].device)
     gathered = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
-    comm.all_gather_into_tensor(gathered, mine, "handshake")
+    gather_records(comm, gathered, mine, opts, len(need))
     table = to_host(gathered, "agreement.records").view(n, len(need), -1)
     return {i: HandshakeTable(table[:, j, :].contiguous()) for j, i in enumerate(need)}
 
 
-def _full_handshake(prep: Prepared, comm: Communicator) -> Agreement:
+def _full_handshake(prep: Prepared, comm: Communicator, opts: SyncOptions) -> Agreement:
     """One call's own record all-gather after its stable plan's checks failed: raises the agreed
     error on every rank, or (the ranks changed alike) returns the agreement to plan afresh."""
-    table = _gather([prep], [0], comm)[0]
+    table = _gather([prep], [0], comm, opts)[0]
     prep.raise_on_errors(table)
     return Agreement(prep.comm, prep.local, table)

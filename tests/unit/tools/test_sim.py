@@ -212,13 +212,15 @@ def test_quickstart_prediction_lines() -> None:
 
 def test_stable_sparse_plans_price_their_count_message() -> None:
     """``per_step`` with ``reduce`` or ``auto`` (the plug-in's steady state): a stable agsparse,
-    balanced or sparcml plan runs no handshake, its checks ride in the scheme's count message;
+    balanced or sparcml plan runs no handshake where its count message is the cheaper (3 ranks:
+    two ring steps against two log-step rounds of larger records), its checks ride in it;
     agsparse then moves exactly DeepSpeed's sizes and rows."""
     from zen_ds.sync.stable import checks_message_bytes
     from zen_ds.tools.sim.supports import generate_supports
 
     workload = parse_workload("lm:rows=20000,width=64,tokens=512,zipf=1.1", 1.0)
-    supports = generate_supports(workload, 16)
+    n = 3  # from 4 ranks up the step's log-step record all-gather beats a count message's ring
+    supports = generate_supports(workload, n)
     cost = SimCost(Topology(8, 25e9 / 8, 150e9, 50e-6))
     steady = simulate(supports, cost, ("agsparse", "balanced", "sparcml"), handshake="auto",
                       per_step=True)
@@ -236,4 +238,10 @@ def test_stable_sparse_plans_price_their_count_message() -> None:
         assert steady.row(name).seconds < lone.row(name).seconds
         head = steady.row(name).phases[0]
         shape = handshake_shape(supports, cost.model.latency_bytes)
-        assert head["bytes_sent"] == 15 * checks_message_bytes(name, shape)
+        assert head["bytes_sent"] == (n - 1) * checks_message_bytes(name, shape)
+    # 16 ranks, 8 per node: a count message's ring (15 steps) costs more than the step's record
+    # all-gather (4 log-step rounds), so the stable plan joins the agreement
+    wide = simulate(generate_supports(workload, 16), cost, ("agsparse",), handshake="auto",
+                    per_step=True)
+    head = wide.row("agsparse").phases[0]
+    assert (head["name"], head["algorithm"]) == ("handshake", "log_step")

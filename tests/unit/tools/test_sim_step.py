@@ -1,7 +1,7 @@
 """``python -m zen_ds sim step``: a training step's syncs at scale and the handshake's share.
 
 The expected-value supports agree with generated ones, the step's totals add up, the handshake
-is today's all-gather per tensor, and the CLI runs and writes its JSON. No timing thresholds."""
+is the cheaper record all-gather per tensor (ring or log-step rounds), and the CLI runs and writes its JSON. No timing thresholds."""
 from __future__ import annotations
 
 import json
@@ -55,14 +55,20 @@ def test_layer_sizes_are_log_spaced() -> None:
         layer_sizes(0, 1, 2)
 
 
-def test_handshake_is_an_all_gather_per_tensor() -> None:
+def test_handshake_is_the_cheaper_record_all_gather_per_tensor() -> None:
     n = 1024
+    # one rank per node: the log-step rounds, ceil(log2 n) latency steps for the ring's bytes
     assert handshake_seconds(n, NET) == pytest.approx(
-        (n - 1) * NET.alpha + (n - 1) * handshake_bytes(n) / NET.bandwidth)
+        10 * NET.alpha + (n - 1) * handshake_bytes(n) / NET.bandwidth)
+    # 8 per node at 4096 ranks: the late rounds cross each NIC with all 8 ranks' chunks, the
+    # ring with one rank's; the ring is the cheaper there
+    big = 4096
+    assert handshake_seconds(big, NET, "allgather", 8) == pytest.approx(
+        (big - 1) * NET.alpha + (big - 1) * handshake_bytes(big) / NET.bandwidth)
     tensors = [topk_tensor(f"l{i}", 1 << 20, 0.01, n) for i in range(3)]
     result = simulate_step(tensors, n, 8, NET, handshake_mode="allgather",
                            per_tensor=True)  # the old protocol
-    assert result.handshake_seconds == pytest.approx(3 * handshake_seconds(n, NET))
+    assert result.handshake_seconds == pytest.approx(3 * handshake_seconds(n, NET, "allgather", 8))
     assert result.zen_seconds == pytest.approx(sum(t.auto_seconds for t in result.tensors)
                                                + result.handshake_seconds)
 
@@ -79,8 +85,10 @@ def test_step_totals_and_deepspeed_best() -> None:
             assert t.dense_algorithm in ("ring", "tree")
         summary = result.summary()
         assert sum(summary["chosen"].values()) == len(tensors)
+        assert result.handshake_seconds == pytest.approx(
+            len(tensors) * handshake_seconds(n, NET))
         shares.append(result.handshake_share)
-    assert shares == sorted(shares)  # its (n - 1) latency grows fastest
+    assert all(0 < share < 1 for share in shares)
 
 
 def test_cli(tmp_path, capsys) -> None:
@@ -97,11 +105,14 @@ def test_cli(tmp_path, capsys) -> None:
 
 
 def test_reduce_handshake() -> None:
-    """The fixed-size all-reduce handshake: latency in log2(n) (tree), far below the
-    all-gather's (n - 1) steps at 1024 ranks; records still gathered for non-dense plans."""
-    assert handshake_seconds(128, NET, "reduce", 8) < handshake_seconds(128, NET) / 2
+    """The fixed-size all-reduce handshake: latency in log2(n) (tree), far below the record
+    all-gather at 1024 ranks and more (its bytes grow with n twice: records and their width);
+    at 128 ranks the record all-gather's log-step rounds are the cheaper; records still
+    gathered for non-dense plans."""
+    assert handshake_seconds(128, NET, "allgather", 8) < handshake_seconds(128, NET, "reduce", 8)
     for n in (1024, 4096):
-        assert handshake_seconds(n, NET, "reduce", 8) < handshake_seconds(n, NET) / 10
+        assert handshake_seconds(n, NET, "reduce", 8) < handshake_seconds(n, NET,
+                                                                          "allgather", 8) / 10
     with pytest.raises(ValueError, match="handshake"):
         handshake_seconds(16, NET, "gossip")
     for n in (16, 1024):
@@ -111,13 +122,14 @@ def test_reduce_handshake() -> None:
         today = simulate_step(tensors, n, 8, NET, handshake_mode="allgather", per_tensor=True)
         reduced = simulate_step(tensors, n, 8, NET, handshake_mode="reduce", per_tensor=True)
         for a, b in zip(today.tensors, reduced.tensors):
-            both = handshake_seconds(n, NET, "reduce", 8) + handshake_seconds(n, NET)
+            both = handshake_seconds(n, NET, "reduce", 8) + handshake_seconds(n, NET,
+                                                                              "allgather", 8)
             if b.chosen == "dense":
                 assert b.handshake_seconds == pytest.approx(handshake_seconds(n, NET, "reduce", 8))
             else:
                 assert b.handshake_seconds == pytest.approx(both)
                 assert b.chosen == a.chosen
-    assert reduced.handshake_share < today.handshake_share / 10  # 1024 ranks: dense plans
+    assert reduced.handshake_share < today.handshake_share / 5  # 1024 ranks: dense plans
 
 
 def test_one_agreement_per_step() -> None:

@@ -31,7 +31,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from zen_ds import ops
-from zen_ds.costmodel.cost import ALL_REDUCE_NCCL, COMPUTE_OPS, CostModel
+from zen_ds.costmodel.cost import ALL_REDUCE_NCCL, COMPUTE_OPS, LOG_STEP_ALGORITHM, CostModel
 from zen_ds.costmodel.profiles import COMPUTE_PROFILES, rates_from_gpu_check
 from zen_ds.sync import calibrate
 from zen_ds.costmodel.traffic import OP_ALL_TO_ALL, Phase, Traffic
@@ -183,6 +183,9 @@ class SimCost:
         if phase.tensor_bytes is not None:  # a library all-reduce: ring or tree
             return self.model.all_reduce_seconds(phase.tensor_bytes, phase.sent.numel(),
                                                  self.topology.ranks_per_node)[0]
+        if phase.log_step_chunk is not None:  # zen's log-step all-gather, priced per round
+            return self.model.all_gather_seconds(phase.log_step_chunk, phase.sent.numel(),
+                                                 self.topology.ranks_per_node, LOG_STEP_ALGORITHM)
         pairwise = is_pairwise(phase)
         nic, intra, two_way = self._loads(phase, pairwise)
         if pairwise:
@@ -191,10 +194,13 @@ class SimCost:
 
     def algorithm(self, phase: Phase) -> str:
         """The algorithm the phase is priced with: ``tree`` or ``ring`` for a library
-        all-reduce, else its pattern (``ring`` or ``all_to_all``)."""
+        all-reduce, ``log_step`` for zen's log-step all-gather, else its pattern (``ring`` or
+        ``all_to_all``)."""
         if phase.tensor_bytes is not None:
             return self.model.all_reduce_seconds(phase.tensor_bytes, phase.sent.numel(),
                                                  self.topology.ranks_per_node)[1]
+        if phase.log_step_chunk is not None:
+            return LOG_STEP_ALGORITHM
         return "all_to_all" if phase.op == OP_ALL_TO_ALL else "ring"
 
     def comm_seconds(self, traffic: Traffic) -> float:

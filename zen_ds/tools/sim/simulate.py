@@ -24,7 +24,7 @@ from zen_ds.costmodel.shape import SyncShape
 from zen_ds.costmodel.support import planning_ranks
 from zen_ds.planner import plan_choice
 from zen_ds.schemes import DEEPSPEED_SPARSE, DENSE, auto_candidates, get_scheme, scheme_names
-from zen_ds.sync.agreement import choose_handshake
+from zen_ds.sync.agreement import choose_handshake, record_gather
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
 from zen_ds.sync.stable import sparse_plans_skip
@@ -149,7 +149,7 @@ def stable_traffic(supports: Supports, name: str, shape: SyncShape, options: Syn
 
 
 def _model_traffic(supports: Supports, name: str, shape: SyncShape,
-                   handshake: str = "allgather") -> Traffic:
+                   handshake: str = "allgather", record_algorithm: str = "ring") -> Traffic:
     """A scheme without a traffic function: its ``predict`` at the ranks the planner checks,
     as one flat phase per rank (the largest estimate for ranks it did not check)."""
     n = supports.world_size
@@ -166,7 +166,8 @@ def _model_traffic(supports: Supports, name: str, shape: SyncShape,
         sent[r], received[r] = int(e.bytes_sent), int(e.bytes_received)
     steps = max(e.latency_steps for e in estimates.values())
     phase = Phase(name, "model", sent, received, steps=steps)
-    return Traffic(handshake_phases(n, handshake, not scheme.whole_tensor) + [phase])
+    return Traffic(handshake_phases(n, handshake, not scheme.whole_tensor, record_algorithm)
+                   + [phase])
 
 
 def summary_shape(shape: SyncShape) -> SyncShape:
@@ -214,6 +215,7 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
     stable = per_step and handshake != "allgather"
     options = SyncOptions(cost_model=planning, ranks_per_node=per_node, handshake=handshake)
     steady = resolve_handshake(handshake, planning, per_node, n, 1.0 if per_step else 0.5)
+    records = record_gather(options, n)  # how the ranks gather one sync's records
     rows: List[SchemeResult] = []
     for name in (tuple(schemes) or scheme_names()):
         shape = replace(handshake_shape(supports, latency_bytes,
@@ -222,9 +224,9 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
         traffic = stable_traffic(supports, name, shape, options, index_encoding) if stable \
             else None
         if traffic is None:
-            traffic = scheme_traffic(supports, name, shape, index_encoding, steady)
+            traffic = scheme_traffic(supports, name, shape, index_encoding, steady, records)
         if traffic is None:
-            traffic = _model_traffic(supports, name, auto_shape, steady)
+            traffic = _model_traffic(supports, name, auto_shape, steady, records)
             rows.append(_result(name, "model", traffic, cost, supports.row_numel))
         else:
             rows.append(_result(name, "exact", traffic, cost, supports.row_numel,
@@ -240,9 +242,9 @@ def simulate(supports: Supports, cost: SimCost, schemes: Sequence[str] = (),
         else None
     if traffic is None:
         traffic = scheme_traffic(supports, chosen, auto_shape, index_encoding,
-                                 steady if per_step else first)
+                                 steady if per_step else first, records)
     if traffic is None:
-        traffic, method = _model_traffic(supports, chosen, auto_shape, steady), "model"
+        traffic, method = _model_traffic(supports, chosen, auto_shape, steady, records), "model"
     auto = _result(AUTO, method, traffic, cost, supports.row_numel,
                    get_scheme(chosen).whole_tensor)
     auto.chosen = chosen

@@ -38,13 +38,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zen_ds.core.handshake import handshake_bytes, summary_width
+from zen_ds.core.handshake import summary_width
 from zen_ds.core.option_fields import HANDSHAKES, OPTION
 from zen_ds.costmodel.cost import CostModel
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.planner import PlanMemo, plan_choice, price
 from zen_ds.schemes import DEEPSPEED_SPARSE, DENSE, auto_candidates, get_scheme
-from zen_ds.sync.agreement import choose_handshake, handshake_seconds as step_handshake_seconds
+from zen_ds.sync.agreement import choose_handshake, record_gather_seconds
+from zen_ds.sync.agreement import handshake_seconds as step_handshake_seconds
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
 from zen_ds.sync.stable import CHECK_SLOTS, checks_message_bytes, sparse_plans_skip
@@ -119,13 +120,14 @@ def layer_sizes(count: int, smallest: int, largest: int) -> List[int]:
 def handshake_seconds(world_size: int, cost: CostModel, mode: str = "allgather",
                       ranks_per_node: int = 1) -> float:
     """One ``sparse_allreduce``'s first handshake collective. ``allgather``:
-    a ring all-gather of every rank's record (what :func:`zen_ds.sync.allreduce.plan_sync` adds
-    to its prediction). ``reduce`` (``SyncOptions(handshake="reduce")``): one fixed-size MAX
+    an all-gather of every rank's record, the ring or the log-step rounds, the cheaper
+    (:func:`zen_ds.sync.agreement.record_gather_seconds`). ``reduce`` (``SyncOptions(handshake="reduce")``): one fixed-size MAX
     all-reduce of the summary, priced as the backend runs it (NCCL's tree at scale: ``2 log2``
     latency steps); :func:`simulate_step` adds the record all-gather where the plan is not dense."""
     n = world_size
     if mode == "allgather":
-        return cost.link_seconds((n - 1) * handshake_bytes(n), 0.0, n - 1)
+        opts = SyncOptions(cost_model=cost, ranks_per_node=ranks_per_node)
+        return record_gather_seconds(opts, n)
     if mode == "auto":
         opts = SyncOptions(cost_model=cost, ranks_per_node=ranks_per_node, handshake="auto")
         return handshake_seconds(n, cost, choose_handshake(opts, n), ranks_per_node)
@@ -248,7 +250,7 @@ def simulate_step(tensors: Sequence[StepTensor], world_size: int, ranks_per_node
             extra = -(-CHECK_SLOTS // shape.row_numel)
             own = price(replace(shape, num_rows=shape.num_rows + extra), (pick,), cost)[0][pick]
         elif stable and skip and scheme.checks_in_counts:  # the checks ride in its counts
-            own += cost.link_seconds((n - 1) * checks_message_bytes(pick, shape), 0.0, n - 1)
+            own += cost.all_gather_seconds(checks_message_bytes(pick, shape), n, ranks_per_node)
         algorithm = cost.choose(estimates[DENSE]).algorithm
         result.tensors.append(TensorCost(t.name, pick, own, 0.0, seconds[DENSE], algorithm,
                                          sizes + seconds[DEEPSPEED_SPARSE]))
@@ -259,7 +261,7 @@ def _per_tensor_step(tensors: Sequence[StepTensor], n: int, ranks_per_node: int,
                      cost: CostModel, memo: PlanMemo, handshake_mode: str, sizes: float
                      ) -> StepResult:
     """The old protocol: each tensor's own ``sparse_allreduce`` and handshake."""
-    gather = handshake_seconds(n, cost, "allgather")
+    gather = handshake_seconds(n, cost, "allgather", ranks_per_node)
     mode = handshake_mode
     if mode == "auto":
         opts = SyncOptions(cost_model=cost, ranks_per_node=ranks_per_node, handshake="auto")

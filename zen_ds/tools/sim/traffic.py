@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from zen_ds.core.handshake import handshake_bytes, summary_width
+from zen_ds.costmodel.cost import LOG_STEP_ALGORITHM, RING_ALGORITHM, log_step_rounds
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.costmodel.supports import Supports
 from zen_ds.costmodel.traffic import OP_ALL_TO_ALL, OPS_RING, Phase, Traffic, per_rank
@@ -21,9 +22,15 @@ __all__ = ["Phase", "Traffic", "handshake_phase", "reduced_handshake_phase", "ha
 HANDSHAKES = ("allgather", "reduce", "auto")
 
 
-def handshake_phase(n: int) -> Phase:
-    """sparse_allreduce's handshake: one all-gather of every rank's record."""
-    return Phase.ring("handshake", "all_gather", per_rank(n, (n - 1) * handshake_bytes(n)))
+def handshake_phase(n: int, algorithm: str = RING_ALGORITHM) -> Phase:
+    """sparse_allreduce's handshake: one all-gather of every rank's record, by ``algorithm``
+    (:func:`zen_ds.sync.agreement.record_gather`: the library's ring, or zen's log-step rounds,
+    which the cost model prices round by round); the same bytes either way."""
+    phase = Phase.ring("handshake", "all_gather", per_rank(n, (n - 1) * handshake_bytes(n)))
+    if algorithm == LOG_STEP_ALGORITHM:
+        phase.log_step_chunk = handshake_bytes(n)
+        phase.steps = len(log_step_rounds(n))
+    return phase
 
 
 def reduced_handshake_phase(n: int) -> Phase:
@@ -35,24 +42,29 @@ def reduced_handshake_phase(n: int) -> Phase:
     return phase
 
 
-def handshake_phases(n: int, handshake: str, gather: bool) -> List[Phase]:
+def handshake_phases(n: int, handshake: str, gather: bool,
+                     record_algorithm: str = RING_ALGORITHM) -> List[Phase]:
     """The handshake's collectives: the record all-gather (``allgather``), or the summary
-    all-reduce then, where the plan needs the records (``gather``), the all-gather too."""
+    all-reduce then, where the plan needs the records (``gather``), the all-gather too; the
+    all-gather by ``record_algorithm``."""
     if handshake == "allgather":
-        return [handshake_phase(n)]
+        return [handshake_phase(n, record_algorithm)]
     if handshake == "reduce":
-        return [reduced_handshake_phase(n)] + ([handshake_phase(n)] if gather else [])
+        return [reduced_handshake_phase(n)] + (
+            [handshake_phase(n, record_algorithm)] if gather else [])
     raise ValueError(f"handshake must be one of {HANDSHAKES}, got {handshake!r}")
 
 
 def scheme_traffic(supports: Supports, name: str, shape: SyncShape, index_encoding: str = "auto",
-                   handshake: str = "allgather") -> Optional[Traffic]:
-    """The exact traffic of ``sparse_allreduce(scheme=name)`` (handshake first), or None when
-    the scheme has no traffic model."""
+                   handshake: str = "allgather", record_algorithm: str = RING_ALGORITHM
+                   ) -> Optional[Traffic]:
+    """The exact traffic of ``sparse_allreduce(scheme=name)`` (handshake first, its record
+    all-gather by ``record_algorithm``), or None when the scheme has no traffic model."""
     scheme = get_scheme(name)
     body = scheme.traffic(supports, shape, index_encoding)
     if body is None:
         return None
     # A whole-tensor plan made from the reduced handshake needs no records.
-    head = handshake_phases(supports.world_size, handshake, not scheme.whole_tensor)
+    head = handshake_phases(supports.world_size, handshake, not scheme.whole_tensor,
+                            record_algorithm)
     return Traffic(head + body.phases, body.compute)
