@@ -32,6 +32,12 @@ RING_ALGORITHM, TREE_ALGORITHM = "ring", "tree"
 # zen's own all-gather of equal chunks in ceil(log2 n) point-to-point rounds (Bruck's)
 LOG_STEP_ALGORITHM = "log_step"
 ALL_GATHER_ALGORITHMS = (RING_ALGORITHM, LOG_STEP_ALGORITHM)
+# Host time of one log-step round beyond the library's single all-gather call: the round's
+# sends and receives are posted and waited on from Python (~120 us each on the 2-vCPU machine:
+# a lone dense sparse_allreduce at 4 ranks took 0.67 ms with the ring, 0.90 ms with 2 rounds,
+# BENCHMARKS.md "Host time of one small sync"). The host waits on the handshake, so this is
+# on the step's critical path; it keeps small groups on the ring.
+LOG_STEP_ROUND_HOST_SECONDS = 120e-6
 # NCCL's tuner runs the tree all-reduce at 0.92 of the ring's bus bandwidth (src/graph/tuning.cc,
 # "busBw*.92" for Tree/AllReduce): why ring wins for large tensors even at large n.
 TREE_BUS_EFFICIENCY = 0.92
@@ -146,10 +152,13 @@ class CostModel:
     def all_gather_seconds(self, chunk_bytes: float, world_size: int, ranks_per_node: int = 1,
                            algorithm: str = RING_ALGORITHM) -> float:
         """Seconds of one all-gather of ``chunk_bytes`` per rank by ``algorithm``
-        (:func:`all_gather_estimate`)."""
+        (:func:`all_gather_estimate`); log-step rounds add zen's host time per round
+        (:data:`LOG_STEP_ROUND_HOST_SECONDS`)."""
         estimate = all_gather_estimate(chunk_bytes, world_size, ranks_per_node, algorithm)
+        host = estimate.latency_steps * LOG_STEP_ROUND_HOST_SECONDS \
+            if algorithm == LOG_STEP_ALGORITHM else 0.0
         return self.link_seconds(estimate.nic_bytes, estimate.intra, estimate.latency_steps,
-                                 estimate.two_way)
+                                 estimate.two_way) + host
 
     def cheaper_all_gather(self, chunk_bytes: float, world_size: int, ranks_per_node: int = 1
                            ) -> Tuple[float, str]:

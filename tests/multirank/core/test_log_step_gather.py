@@ -93,13 +93,15 @@ def _grad(rank: int, num_rows: int, rows: int, seed: int) -> torch.Tensor:
 
 def _options(algorithm: str):
     """Options under which the handshake's record all-gather runs by ``algorithm``, planning
-    alike otherwise: two ranks per node, where the log-step rounds move some bytes inside a
-    node (the ring does not); over a 1 KB/s intra-node link those cost more than the latency
-    steps they save, so the library's ring is kept."""
+    alike otherwise: two ranks per node and 5 ms per latency step (where the rounds' latency
+    saving outweighs zen's host time per round); the log-step rounds move some bytes inside a
+    node (the ring does not), and over a 1 KB/s intra-node link those cost more than the
+    latency steps they save, so the library's ring is kept."""
     import zen_ds
     from zen_ds.costmodel.cost import CostModel
 
-    model = CostModel() if algorithm == "log_step" else CostModel(intra_bandwidth=1e3)
+    model = CostModel(alpha=5e-3) if algorithm == "log_step" else CostModel(
+        alpha=5e-3, intra_bandwidth=1e3)
     return zen_ds.SyncOptions(cost_model=model, handshake="allgather", ranks_per_node=2)
 
 

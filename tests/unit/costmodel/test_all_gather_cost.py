@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zen_ds.core.handshake import handshake_bytes
-from zen_ds.costmodel.cost import (
+from zen_ds.costmodel.cost import (LOG_STEP_ROUND_HOST_SECONDS,
     LOG_STEP_ALGORITHM,
     RING_ALGORITHM,
     CostModel,
@@ -71,9 +71,11 @@ def test_log_step_price_is_the_simulators_price_of_its_rounds(n: int, per_node: 
     chunk = handshake_bytes(n)
     cost = SimCost(Topology(per_node, NET.bandwidth, NET.intra_bandwidth, NET.alpha,
                             duplex=NET.duplex))
-    by_rounds = sum(cost.phase_seconds(p) for p in _round_phases(n, chunk))
+    rounds = _round_phases(n, chunk)
+    by_rounds = sum(cost.phase_seconds(p) for p in rounds)
     priced = cost.model.all_gather_seconds(chunk, n, per_node, LOG_STEP_ALGORITHM)
-    assert priced == pytest.approx(by_rounds)
+    # the wire as the simulator prices each round, plus zen's host time to post each round
+    assert priced == pytest.approx(by_rounds + len(rounds) * LOG_STEP_ROUND_HOST_SECONDS)
     # the simulator's handshake phase goes through the same formula
     phase = handshake_phase(n, LOG_STEP_ALGORITHM)
     assert cost.phase_seconds(phase) == pytest.approx(priced)
@@ -84,6 +86,9 @@ def test_log_step_price_is_the_simulators_price_of_its_rounds(n: int, per_node: 
 def test_the_cheaper_all_gather() -> None:
     # a tie (two ranks: one step either way) keeps the library's ring
     assert NET.cheaper_all_gather(728, 2)[1] == RING_ALGORITHM
+    # small groups: the rounds' host time outweighs the latency steps they save
+    assert NET.cheaper_all_gather(handshake_bytes(4), 4, 1)[1] == RING_ALGORITHM
+    assert NET.cheaper_all_gather(handshake_bytes(8), 8, 1)[1] == RING_ALGORITHM
     assert NET.cheaper_all_gather(handshake_bytes(128), 128, 8)[1] == LOG_STEP_ALGORITHM
     # 4096 ranks, 8 per node: the log-step rounds' NIC bytes outweigh the ring's latency
     assert NET.cheaper_all_gather(handshake_bytes(4096), 4096, 8)[1] == RING_ALGORITHM

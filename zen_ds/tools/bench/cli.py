@@ -183,6 +183,11 @@ def _is_open(fd: int) -> bool:
 
 def _rank_entry(rank: int, caller: _Caller, worker, *args) -> None:
     caller.adopt()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # the fork server loaded torch before it was set
+        import torch
+
+        torch.set_num_threads(int(threads))
     worker(rank, *args)
 
 
@@ -192,9 +197,10 @@ def _start_local_ranks(worker, nprocs: int, args: tuple) -> None:
     run in this process's current environment and write to its current stdout and stderr."""
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    caller = _Caller()  # one thread per rank unless the caller chose: set in the ranks only
+    caller.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.set_forkserver_preload(["torch", "torch.distributed", "zen_ds"])
-    mp.start_processes(_rank_entry, args=(_Caller(), worker, *args), nprocs=nprocs, join=True,
+    mp.start_processes(_rank_entry, args=(caller, worker, *args), nprocs=nprocs, join=True,
                        start_method="forkserver")
 
 

@@ -19,8 +19,7 @@ Supports are expected values, not generated ids (4096 ranks x 160k ids per layer
 top-k supports are ``overlap`` shared by every rank plus independent uniform ids (the union and
 the rows held once follow), embedding rows are Zipf draws (``E[distinct] = sum_i 1 - (1 -
 p_i)^T`` per rank, the union and single-holder rows from the same per-id probabilities). Times are
-the schemes' ``predict`` (the planner's model), the slowest rank's; for one tensor's exact bytes
-use ``python -m zen_ds sim``.
+the schemes' ``predict``, the slowest rank's (``python -m zen_ds sim``: one tensor's bytes).
 
 Example::
 
@@ -44,8 +43,8 @@ from zen_ds.costmodel.cost import CostModel
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.planner import PlanMemo, plan_choice, price
 from zen_ds.schemes import DEEPSPEED_SPARSE, DENSE, auto_candidates, get_scheme
-from zen_ds.sync.agreement import choose_handshake, record_gather_seconds
-from zen_ds.sync.agreement import handshake_seconds as step_handshake_seconds
+from zen_ds.sync.agreement import (choose_handshake, handshake_seconds as step_handshake_seconds,
+                                   record_gather_seconds)
 from zen_ds.sync.allreduce import summary_prefers_dense
 from zen_ds.sync.options import SyncOptions
 from zen_ds.sync.stable import CHECK_SLOTS, checks_message_bytes, sparse_plans_skip
@@ -119,11 +118,10 @@ def layer_sizes(count: int, smallest: int, largest: int) -> List[int]:
 
 def handshake_seconds(world_size: int, cost: CostModel, mode: str = "allgather",
                       ranks_per_node: int = 1) -> float:
-    """One ``sparse_allreduce``'s first handshake collective. ``allgather``:
-    an all-gather of every rank's record, the ring or the log-step rounds, the cheaper
-    (:func:`zen_ds.sync.agreement.record_gather_seconds`). ``reduce`` (``SyncOptions(handshake="reduce")``): one fixed-size MAX
-    all-reduce of the summary, priced as the backend runs it (NCCL's tree at scale: ``2 log2``
-    latency steps); :func:`simulate_step` adds the record all-gather where the plan is not dense."""
+    """One ``sparse_allreduce``'s first handshake collective. ``allgather``: the records'
+    all-gather (:func:`zen_ds.sync.agreement.record_gather_seconds`). ``reduce``: one MAX
+    all-reduce of the summary as the backend runs it (:func:`simulate_step` adds the records'
+    all-gather where the plan is not dense)."""
     n = world_size
     if mode == "allgather":
         opts = SyncOptions(cost_model=cost, ranks_per_node=ranks_per_node)
