@@ -185,7 +185,9 @@ def test_reducers_in_one_process_plan_with_their_own_options(results):
         a, b = got["a"], got["b"]
         assert a["scheme"] == b["scheme"]  # alpha alone scales every scheme's time alike
         assert a["predicted"] >= 1.0  # at least one latency step of 1 s
-        assert b["predicted"] == pytest.approx(3.0 * a["predicted"], rel=1e-9)
+        # 3x alpha, 3x the time, but for the log-step rounds' host time (not alpha's: < 1 ms)
+        assert b["predicted"] == pytest.approx(3.0 * a["predicted"], abs=2e-3)
+        assert b["predicted"] > 2.99 * a["predicted"]
         np.testing.assert_array_equal(a["sum"], want)
         np.testing.assert_array_equal(b["sum"], want)
         assert got["fallback_is_build_time_default"]
