@@ -32,10 +32,10 @@ collective for all of its tensors: where other tensors need the agreement anyway
 stable sparse plans may cost more latency alone than their records cost in it.
 :func:`sparse_plans_skip` weighs the two under the cost model each step (agreed inputs only);
 when joining is cheaper they run with the agreement, as plans made afresh. Where the record
-all-gather runs in log-step rounds (:func:`~zen_ds.sync.agreement.record_gather`, from 4 ranks
-up at one rank per node) even one stable sparse plan alone joins: its count message is a ring
-of ``n - 1`` latency steps. The host work a stable plan saves (no sketch, no planning) is not in
-the cost model.
+all-gather runs in log-step rounds (:func:`~zen_ds.sync.agreement.record_gather`, from 16
+ranks up at one rank per node under the default model) even one stable sparse plan alone
+joins: its count message is a ring of ``n - 1`` latency steps. The host work a stable plan
+saves (no sketch, no planning) is not in the cost model.
 
 A stable call neither builds a sketch nor prices the schemes: its record holds the named fields
 only. All decisions follow values every rank sees alike, so every rank decides alike.
