@@ -83,19 +83,21 @@ class DirectCollectives:
     @staticmethod
     def isend(tensor: torch.Tensor, group_dst: int, group: Optional[dist.ProcessGroup] = None
               ) -> object:
-        pg = _process_group(group)
-        if pg is None:
-            return dist.isend(tensor, global_rank(group, group_dst), group)
-        return pg.send([tensor], group_dst, 0)
+        return _point_to_point(True, tensor, group_dst, group)
 
     @staticmethod
     def irecv(tensor: torch.Tensor, group_src: int, group: Optional[dist.ProcessGroup] = None
               ) -> object:
-        pg = _process_group(group)
-        if pg is None:
-            return dist.irecv(tensor, global_rank(group, group_src), group)
-        return pg.recv([tensor], group_src, 0)
+        return _point_to_point(False, tensor, group_src, group)
 
+
+def _point_to_point(send: bool, tensor: torch.Tensor, peer: int,
+                    group: Optional[dist.ProcessGroup]) -> object:
+    """Post a send to (or a receive from) group rank ``peer``; its work handle."""
+    pg = _process_group(group)
+    if pg is None:
+        return (dist.isend if send else dist.irecv)(tensor, global_rank(group, peer), group)
+    return pg.send([tensor], peer, 0) if send else pg.recv([tensor], peer, 0)
 
 direct = DirectCollectives()
 
