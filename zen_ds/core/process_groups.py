@@ -42,8 +42,8 @@ class DirectCollectives:
     group's own method, as the wrapper does after its checks (tensor type, group membership,
     complex views, coalescing bookkeeping, logging decorators). zen's calls always pass those
     checks (dense contiguous real tensors, this rank in the group, no coalescing), and the
-    wrappers cost ~30 us of host CPU per call (BENCHMARKS.md "Host time of one small sync"), more
-    than a small sync's own arithmetic. Signatures as torch's, so a test can wrap them as it
+    wrappers cost 4-24 us of host CPU per small call on gloo, a few times per sync
+    (``tests/collective_host_time_probe.py``). Signatures as torch's, so a test can wrap them as it
     wraps torch's; point-to-point peers are **group** ranks. A group that is not a plain
     ``ProcessGroup``, and any call while ``torch.compile`` traces (the ZeRO-3 embedding's fetch
     runs in a compiled forward), goes through ``torch.distributed``."""

@@ -218,8 +218,8 @@ def sparse_plans_skip(opts: SyncOptions, n: int, sparse: Sequence[Tuple[str, Syn
     """Whether this step's stable sparse plans run without the step's agreement. Each then
     sends its own count message (a ring all-gather, ``n - 1`` latency steps), while joining
     the agreement costs only their records' bytes where other tensors need it anyway (and the
-    record all-gather may take log-step rounds, :func:`~zen_ds.sync.agreement.record_gather`): the cheaper under the cost
-    model, from agreed inputs only (the same answer on every rank). ``sparse``: each stable
+    record all-gather may take log-step rounds, :func:`~zen_ds.sync.agreement.record_gather`):
+    the cheaper under the cost model, from agreed inputs only (the same answer on every rank). ``sparse``: each stable
     sparse plan's (scheme, planned shape); ``others``: the tensors without a stable plan,
     ``others_gathered`` of them expected to need their records."""
     if not sparse:
