@@ -152,7 +152,9 @@ OPTIONS: Tuple[OptionField, ...] = (
         slots=(Slot("ranks_per_node", "ranks_per_node"),),
         doc="""Ranks sharing a node (consecutive ranks), for topology-aware schemes and the
         cost model; ``0`` = from ``ZEN_DS_RANKS_PER_NODE``, else the launcher's
-        ``LOCAL_WORLD_SIZE``, else 1."""),
+        ``LOCAL_WORLD_SIZE`` (DeepSpeed's ``LOCAL_SIZE``), else 1. The plug-in takes that
+        value at attach where every rank reads the same one (one all-reduce); otherwise the
+        choice of the handshake's collectives assumes one rank per node."""),
     OptionField(
         "cost_model", None, None,
         slots=(Slot("cost_alpha", "cost model alpha", operator.attrgetter("alpha"), True),

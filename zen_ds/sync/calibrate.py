@@ -40,6 +40,7 @@ from zen_ds.costmodel.cost import (
 )
 from zen_ds.costmodel.shape import RING, SPREAD, SyncShape, link_split
 from zen_ds.schemes import DEEPSPEED_SPARSE
+from zen_ds.schemes.topology import ranks_per_node
 from zen_ds.sync.allreduce import sparse_allreduce
 from zen_ds.sync.options import SyncOptions, default_options, set_default_options
 
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["measure_compute_rates", "agree_compute_rates", "measure_links", "measure_duplex",
            "measure_all_to_all_duplex", "cost_model_for", "all_reduce_mode", "network_options",
-           "apply_network"]
+           "apply_network", "agree_ranks_per_node"]
 
 
 def _best_of(fn: Callable[[], object], repeats: int = 3,
@@ -328,6 +329,31 @@ def network_options(network: object, group: Optional[dist.ProcessGroup] = None,
                            network.compute, group, network.duplex, network.all_to_all_duplex)
     return replace(default_options() if base is None else base, cost_model=model,
                    **config_values(network, "network"))
+
+
+def agree_ranks_per_node(options: SyncOptions) -> SyncOptions:
+    """``options`` with ``ranks_per_node`` taken from the environment
+    (:func:`zen_ds.schemes.topology.ranks_per_node`) where it is 0 and every rank of the world
+    reads the same value there (one small all-reduce, a collective: every rank calls it); else
+    ``options`` unchanged. Each rank chooses the step's metadata collectives (the record
+    all-gather's algorithm, the handshake, whether stable plans join it) alone, from the options,
+    so those choices may use a topology only once it is agreed; unagreed, they assume one rank
+    per node while the planner reads the environment's value from the agreed records."""
+    if options.ranks_per_node or not dist.is_available() or not dist.is_initialized() or \
+            dist.get_world_size() < 2:
+        return options
+    try:
+        mine = ranks_per_node()
+    except ValueError:  # a bad value: reported by the sync that reads it, as without agreement
+        mine = 0
+    extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    largest, negated_smallest = host_list(extremes, "calibrate.ranks_per_node")
+    if largest != -negated_smallest or not largest:
+        logger.info("zen: ranks per node differ between ranks (%d to %d); collective choices "
+                    "assume one rank per node", -negated_smallest, largest)
+        return options
+    return replace(options, ranks_per_node=mine)
 
 
 def apply_network(network: object, group: Optional[dist.ProcessGroup] = None) -> CostModel:

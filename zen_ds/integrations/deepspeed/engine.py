@@ -28,7 +28,7 @@ from zen_ds.integrations.deepspeed.routes import DeepSpeedSetup, RouteChoice, ds
 from zen_ds.integrations.deepspeed.rowshard_model import shard_model_embeddings
 from zen_ds.integrations.reducer import ZenParam, ZenReducer
 from zen_ds.planner import PlanMemo
-from zen_ds.sync.calibrate import network_options
+from zen_ds.sync.calibrate import agree_ranks_per_node, network_options
 from zen_ds.sync.options import SyncOptions
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ def attach(engine: Any, config: Union[None, ZenConfig, Mapping[str, Any]] = None
     options = network_options(zcfg.network,
                               base=SyncOptions(seed=zcfg.seed, index_encoding=zcfg.index_encoding,
                                                plan_memo=PlanMemo(), handshake=zcfg.handshake))
+    options = agree_ranks_per_node(options)  # collective choices on the agreed topology
     reducer = ZenReducer(zcfg, _reducer_params(choice), ds_engine.dp_group(engine), ds_engine.scale_rule(engine),
                          choice.compressor, ds_engine.loss_scale_reader(engine) if choice.setup.fp16 else None,
                          options=options)

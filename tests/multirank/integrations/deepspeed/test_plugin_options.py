@@ -148,6 +148,23 @@ def _routes_case(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
+def _topology_case(rank: int, world: int) -> Dict[str, Any]:
+    """``network.ranks_per_node`` 0: the environment's value once every rank reads the same one
+    (the launcher's LOCAL_SIZE here), else it stays 0."""
+    import os
+    import zen_ds
+    out: Dict[str, Any] = {}
+    for name, value in (("same", "2"), ("differ", str(1 + rank % 2)), ("launcher", None)):
+        if value is not None:
+            os.environ["ZEN_DS_RANKS_PER_NODE"] = value
+        try:
+            engine = _engine(rank, world, {})
+        finally:
+            os.environ.pop("ZEN_DS_RANKS_PER_NODE", None)
+        out[name] = zen_ds.state_of(engine).options.ranks_per_node
+    return out
+
+
 def _tied_pipeline_case(rank: int) -> Dict[str, Any]:
     from multirank.integrations.deepspeed import test_pipeline as tp
     case = {"tied": True}
@@ -169,7 +186,8 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                        "reduce_scatter": lambda: _reduce_scatter_case(rank, world),
                        "two_engines": lambda: _two_engines_case(rank, world),
                        "routes": lambda: _routes_case(rank, world),
-                       "tied": lambda: _tied_pipeline_case(rank)})
+                       "topology": lambda: _topology_case(rank, world),
+                       "tied": lambda: _tied_pipeline_case(rank)})  # last: it leaves a pipeline grid
     out["default_at_end"] = zen_ds.default_options() == _poisoned(rank)
     return out
 
@@ -206,7 +224,8 @@ def test_engines_keep_their_own_network_and_leave_the_default(results):
         assert got["default_unchanged"] and got["default_unchanged_after_training"]
         for name in ("a", "b"):
             assert got[name]["model_is_config"] and got[name]["reducer_has_it"], (rank, name, got[name])
-        assert (got["a"]["ranks_per_node"], got["b"]["ranks_per_node"]) == (0, 2)
+        # A's block leaves it 0: the launcher's LOCAL_SIZE, agreed over the ranks; B's says 2
+        assert (got["a"]["ranks_per_node"], got["b"]["ranks_per_node"]) == (WORLD, 2)
         assert got["a"]["seed_encoding"] == got["b"]["seed_encoding"] == (4, "coo")  # the config's
         assert set(got["a"]["predicted"]) == {"emb_s.weight", "emb_d.weight"}
         # A synced after B was built: with one process-wide model it would plan with B's.
@@ -214,6 +233,11 @@ def test_engines_keep_their_own_network_and_leave_the_default(results):
         assert all(0.0 < p < 0.1 for p in got["b"]["predicted"].values()), got["b"]["predicted"]
     for res in results:
         assert res["default_at_end"]
+
+
+def test_ranks_per_node_from_the_environment_only_where_every_rank_agrees(results):
+    for got in dc.case_results(results, "topology"):
+        assert got == {"same": 2, "differ": 0, "launcher": WORLD}, got
 
 
 def test_every_route_syncs_with_the_engines_options(results):
