@@ -305,10 +305,16 @@ class HandshakeSummary:
         return int(min(max(round(estimate), low), high))
 
 
+def _numpy(record: torch.Tensor) -> np.ndarray:
+    """A record's numpy view (records are CPU tensors without grad: no copy, no detach)."""
+    return record.numpy() if record.device.type == "cpu" and not record.requires_grad else \
+        record.numpy(force=True)
+
+
 def same_agreed_fields(record: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether two records (:func:`encode_record`) carry the same agreed fields: a sync whose
     plan was kept from an earlier step checks its record against the one that was agreed."""
-    mine, theirs = record.numpy(force=True), other.numpy(force=True)
+    mine, theirs = _numpy(record), _numpy(other)
     return bool(((mine[:FIXED_WIDTH] == theirs[:FIXED_WIDTH]) | ~_AGREED_NUMPY).all())
 
 
@@ -336,6 +342,6 @@ def pack_checks(counts: torch.Tensor, flags: int, device_flags: Optional[torch.T
 def unpack_checks(words: torch.Tensor) -> Tuple[torch.Tensor, int]:
     """(the counts, the OR of every word's flags) of :func:`pack_checks` words (CPU)."""
     flags = 0
-    for value in set(host_values((words >> _CHECK_SHIFT).reshape(-1))):
-        flags |= value
+    for word in host_values(words.reshape(-1)):  # CPU already: Python ints, no tensor op per bit
+        flags |= word >> _CHECK_SHIFT
     return words & _COUNT_MASK, flags

@@ -27,6 +27,7 @@ from zen_ds.core.handshake import (
     handshake_bytes,
     record_from,
     row_dims_slots,
+    same_agreed_fields,
     summary_width,
 )
 from zen_ds.core.host import to_host
@@ -169,13 +170,15 @@ def effective_ranks_per_node(opts: SyncOptions) -> int:
 def _record(comm: Communicator, local: LocalInput, scheme: str, average: bool,
             opts: SyncOptions, prescale: float, postscale: float, problems: List[str],
             with_layout: bool = True, fields_only: bool = False
-            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """This rank's record (:mod:`zen_ds.core.handshake`, CPU) and its rows' permuted positions
-    (None when no sketch is needed or the rank has no rows). ``fields_only``: the named fields
-    alone, no pass over the rows (a stable plan compares only those)."""
+            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[np.ndarray]]:
+    """This rank's record (:mod:`zen_ds.core.handshake`, CPU), its rows' permuted positions
+    (None when no sketch is needed or the rank has no rows) and its named fields (the options'
+    memo's array: the same object while they stay the same; None for a problem's record).
+    ``fields_only``: the named fields alone, no pass over the rows (a stable plan compares only
+    those)."""
     n = comm.world_size
     if problems:
-        return encode_record({"error": 1}, world_size=n), None
+        return encode_record({"error": 1}, world_size=n), None, None
     sketch = owner_counts = positions = None
     needs_layout = not fields_only and n > 1 and local.num_rows > 0 and local.row_numel > 0 and (
         scheme == "auto" or get_scheme(scheme).needs_sketch)
@@ -189,8 +192,8 @@ def _record(comm: Communicator, local: LocalInput, scheme: str, average: bool,
             owner_counts = np.bincount(layout.owner_of_positions(values), minlength=n)
     # padded rows (kept whole for a stable plan, which compares the named fields only): their bound
     nnz = local.row_bound if local.live is not None else local.nnz
-    return record_from(_named_fields(local, scheme, average, opts, prescale, postscale), sketch,
-                       owner_counts, n, nnz=nnz), positions
+    fields = _named_fields(local, scheme, average, opts, prescale, postscale)
+    return record_from(fields, sketch, owner_counts, n, nnz=nnz), positions, fields
 
 
 def _named_fields(local: LocalInput, scheme: str, average: bool, opts: SyncOptions,
@@ -323,6 +326,14 @@ class Prepared:
     device: torch.device
     record: torch.Tensor
     summary: Optional[torch.Tensor]
+    fields: Optional[np.ndarray] = None  # the record's named fields as the options' memo keeps them
+
+    def same_fields_as(self, record: torch.Tensor, fields: Optional[np.ndarray]) -> bool:
+        """Whether this record carries the agreed fields of ``record`` (whose named fields are
+        ``fields``): the memo's very array means the same fields (the memo maps equal inputs to
+        one array), else the fields are compared."""
+        return (fields is not None and self.fields is fields) or same_agreed_fields(self.record,
+                                                                                    record)
 
     def raise_on_errors(self, table: HandshakeTable) -> None:
         """The same :class:`ZenInputError` on every rank when the gathered ``table`` shows a
@@ -341,12 +352,13 @@ def prepare(x: object, out: object, group: object, scheme: object, average: bool
     whose count message carries their count (:func:`~zen_ds.core.inputs.inspect_input`)."""
     comm, local, problems, device = _prepare(x, out, group, scheme, opts, prescale, postscale,
                                              log_prefix, local_error, keep_padding and fields_only)
-    record_, positions = _record(comm, local, scheme, average, opts, prescale, postscale,
-                                 problems, fields_only=fields_only)
+    record_, positions, fields = _record(comm, local, scheme, average, opts, prescale, postscale,
+                                         problems, fields_only=fields_only)
     if fields_only:  # a kept plan: never agreed on in this step's collectives
-        return Prepared(comm, local, problems, device, record_, None)
+        return Prepared(comm, local, problems, device, record_, None, fields)
     minima = bucket_minima(positions, local.num_rows) if positions is not None else None
-    return Prepared(comm, local, problems, device, record_, encode_summary(record_, minima))
+    return Prepared(comm, local, problems, device, record_, encode_summary(record_, minima),
+                    fields)
 
 
 def agree(x: object, out: object, group: object, scheme: object, average: bool, opts: object,
@@ -382,8 +394,8 @@ def agree_reduced(x: object, out: object, group: object, scheme: object, average
 
     if comm.world_size == 1:
         return Agreement(comm, local, full())
-    record_, positions = _record(comm, local, scheme, average, opts, prescale, postscale,
-                                 problems, with_layout=False)
+    record_, positions, _ = _record(comm, local, scheme, average, opts, prescale, postscale,
+                                    problems, with_layout=False)
     minima = bucket_minima(positions, local.num_rows) if positions is not None else None
     summary_ = encode_summary(record_, minima).to(device)
     comm.all_reduce(summary_, "handshake.reduce", op="max")

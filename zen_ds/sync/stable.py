@@ -56,7 +56,6 @@ from zen_ds.core.handshake import (
     CHECK_CHANGED,
     CHECK_MISMATCH,
     CHECK_PROBLEM,
-    same_agreed_fields,
 )
 from zen_ds.core.host import host_list
 from zen_ds.core.inputs import inspect_input
@@ -152,6 +151,7 @@ class StablePlan:
     predicted: Tuple[float, float, float]  # the scheme's model bytes and time, no handshake
     scheme: str = "dense"
     planned: Optional[SyncShape] = None  # what the planner knew (the same on every rank)
+    fields: Optional[object] = None  # the record's named fields (Prepared.fields) then
 
 
 @dataclass
@@ -197,7 +197,7 @@ def remember(call: StepCall, prep: Prepared, s: SyncStats, plans: StepPlans,
         shape = agreement.plan[1]
     plans.stable[call.name] = StablePlan(
         prep.record.clone(), local.shape, local.dtype, local.nnz, s.nnz_result,
-        _prediction(shape, s.scheme, opts), s.scheme, shape)
+        _prediction(shape, s.scheme, opts), s.scheme, shape, prep.fields)
 
 
 def _prediction(shape: SyncShape, scheme: str, opts: SyncOptions) -> Tuple[float, float, float]:
@@ -255,7 +255,7 @@ def _stable_sparse(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStat
     plan = plans.stable[call.name]
     local = prep.local
     flags = CHECK_PROBLEM if prep.problems else (
-        0 if same_agreed_fields(prep.record, plan.record) else CHECK_MISMATCH)
+        0 if prep.same_fields_as(plan.record, plan.fields) else CHECK_MISMATCH)
     device_flags = None
     if local.live is not None:  # padded rows: their count is known where they are
         device_flags = moved_flag(local.live, plan.nnz)
@@ -292,7 +292,7 @@ def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
     numel = math.prod(plan.shape)
     buffer = plans.buffer(numel + CHECK_SLOTS, accum_dtype(plan.dtype), prep.device)
     problem = bool(prep.problems)
-    mismatch = not problem and not same_agreed_fields(prep.record, plan.record)
+    mismatch = not problem and not prep.same_fields_as(plan.record, plan.fields)
     if problem or mismatch:
         buffer[:numel].zero_()
     else:
