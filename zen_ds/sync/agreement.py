@@ -27,7 +27,6 @@ from zen_ds.core.handshake import (
     handshake_bytes,
     record_from,
     row_dims_slots,
-    same_agreed_fields,
     summary_width,
 )
 from zen_ds.core.host import to_host
@@ -327,13 +326,6 @@ class Prepared:
     record: torch.Tensor
     summary: Optional[torch.Tensor]
     fields: Optional[np.ndarray] = None  # the record's named fields as the options' memo keeps them
-
-    def same_fields_as(self, record: torch.Tensor, fields: Optional[np.ndarray]) -> bool:
-        """Whether this record carries the agreed fields of ``record`` (whose named fields are
-        ``fields``): the memo's very array means the same fields (the memo maps equal inputs to
-        one array), else the fields are compared."""
-        return (fields is not None and self.fields is fields) or same_agreed_fields(self.record,
-                                                                                    record)
 
     def raise_on_errors(self, table: HandshakeTable) -> None:
         """The same :class:`ZenInputError` on every rank when the gathered ``table`` shows a

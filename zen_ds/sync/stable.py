@@ -56,6 +56,7 @@ from zen_ds.core.handshake import (
     CHECK_CHANGED,
     CHECK_MISMATCH,
     CHECK_PROBLEM,
+    same_agreed_fields,
 )
 from zen_ds.core.host import host_list
 from zen_ds.core.inputs import inspect_input
@@ -255,7 +256,8 @@ def _stable_sparse(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStat
     plan = plans.stable[call.name]
     local = prep.local
     flags = CHECK_PROBLEM if prep.problems else (
-        0 if prep.same_fields_as(plan.record, plan.fields) else CHECK_MISMATCH)
+        0 if same_agreed_fields(prep.record, plan.record, prep.fields, plan.fields)
+        else CHECK_MISMATCH)
     device_flags = None
     if local.live is not None:  # padded rows: their count is known where they are
         device_flags = moved_flag(local.live, plan.nnz)
@@ -292,7 +294,8 @@ def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
     numel = math.prod(plan.shape)
     buffer = plans.buffer(numel + CHECK_SLOTS, accum_dtype(plan.dtype), prep.device)
     problem = bool(prep.problems)
-    mismatch = not problem and not prep.same_fields_as(plan.record, plan.fields)
+    mismatch = not problem and not same_agreed_fields(prep.record, plan.record, prep.fields,
+                                                      plan.fields)
     if problem or mismatch:
         buffer[:numel].zero_()
     else:

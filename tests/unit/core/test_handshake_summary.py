@@ -12,6 +12,9 @@ from zen_ds.core.handshake import (
     bucket_minima,
     encode_record,
     encode_summary,
+    fixed_fields,
+    record_from,
+    same_agreed_fields,
 )
 from zen_ds.core.partition import ShardLayout
 from zen_ds.costmodel.support import estimate_union
@@ -39,6 +42,20 @@ def test_agreed_fields_errors_and_counts() -> None:
     assert mismatch.problem
     error = _merged([_record(nnz=1), encode_record({"error": 1}, world_size=4)], [None] * 2)
     assert error.problem
+
+
+def test_a_kept_plan_compares_agreed_fields_and_trusts_one_fields_array() -> None:
+    """A stable plan's check: the agreed fields compared (nnz is not one of them), or, where
+    both records were made from the very same named-fields array (the options' memo), no
+    compare at all."""
+    fields = fixed_fields({"num_rows": NUM_ROWS, "row_numel": 4, "dtype": 1})
+    other = fixed_fields({"num_rows": NUM_ROWS, "row_numel": 5, "dtype": 1})
+    agreed = record_from(fields, nnz=3)
+    assert same_agreed_fields(record_from(fields.copy(), nnz=9), agreed)  # another nnz only
+    assert not same_agreed_fields(record_from(other, nnz=3), agreed)
+    assert not same_agreed_fields(record_from(other, nnz=3), agreed, other, fields)
+    assert same_agreed_fields(record_from(fields, nnz=9), agreed, fields, fields)
+    assert not same_agreed_fields(record_from(other, nnz=3), agreed, None, None)
 
 
 @pytest.mark.parametrize("ranks,per_rank", [(4, 30), (8, 1000), (16, 5000), (64, 3000)])
