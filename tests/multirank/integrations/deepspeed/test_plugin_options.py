@@ -187,7 +187,9 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                        "two_engines": lambda: _two_engines_case(rank, world),
                        "routes": lambda: _routes_case(rank, world),
                        "topology": lambda: _topology_case(rank, world),
-                       "tied": lambda: _tied_pipeline_case(rank)})  # last: it leaves a pipeline grid
+                       # last: the pipeline leaves its grid in deepspeed.utils.groups (model-
+                       # parallel size 2), which engines built after it without an mpu would read
+                       "tied": lambda: _tied_pipeline_case(rank)})
     out["default_at_end"] = zen_ds.default_options() == _poisoned(rank)
     return out
 
