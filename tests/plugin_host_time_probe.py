@@ -23,11 +23,21 @@ the tree has it): the device-to-host reads of a step, by reason.
 compute over ``--warmup`` zen steps: every step's stats per param (every field but the times,
 measured and predicted: the cost model's compute rates are measured at attach) and the
 parameters after the last step. ``--profile PATH``: cProfile of rank 0's zen
-steps (thread CPU time), saved to PATH and its top entries printed.
+steps (thread CPU time), saved to PATH and its top entries printed. ``--inclusive
+MODULE:QUALNAME`` (repeatable): the main thread's CPU time inside each named function (its
+outermost call, callees included) per step of either engine, mean over ranks, with little
+distortion (one timer per call, where a profiler times every call):
+
+    python tests/plugin_host_time_probe.py --zero 0 \
+        --inclusive deepspeed.runtime.engine:DeepSpeedEngine.backward \
+        --inclusive zen_ds.integrations.reducer:ZenReducer.sync
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import importlib
+import inspect
 import json
 import os
 import statistics
@@ -97,8 +107,47 @@ def _outcomes(engine, batches, steps: int) -> Dict[str, object]:
     return seen
 
 
+class _Inclusive:
+    """Thread CPU time inside named functions (outermost calls only), per engine (``label``).
+    A function is replaced where it is looked up: on its class or module, and in every module
+    that imported it by name."""
+
+    def __init__(self, targets: List[str]) -> None:
+        self.label: Optional[str] = None
+        self.seconds: Dict[str, Dict[str, float]] = collections.defaultdict(collections.Counter)
+        self._inside: Dict[str, int] = collections.Counter()
+        for target in targets:
+            self._wrap(target)
+
+    def _wrap(self, target: str) -> None:
+        module_name, qualname = target.split(":")
+        owner = importlib.import_module(module_name)
+        *path, name = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original, raw = getattr(owner, name), inspect.getattr_static(owner, name)
+
+        def timed(*args, **kwargs):
+            label = self.label
+            if label is None or self._inside[target]:
+                return original(*args, **kwargs)
+            self._inside[target] += 1
+            started = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label][target] += time.thread_time() - started
+                self._inside[target] -= 1
+
+        setattr(owner, name, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
+        if not path:  # a module function: also where it was imported by name
+            for module in list(sys.modules.values()):
+                if getattr(module, name, None) is original:
+                    setattr(module, name, timed)
+
+
 def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, warmup: int,
-          blocks: int, profile: Optional[str], out: str) -> None:
+          blocks: int, profile: Optional[str], inclusive: List[str], out: str) -> None:
     import logging
 
     import deepspeed
@@ -135,6 +184,7 @@ def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, wa
         import cProfile
 
         profiler = cProfile.Profile(time.thread_time)
+    timers = _Inclusive(inclusive) if inclusive else None
     times: Dict[str, List[float]] = {"stock": [], "zen": []}
     first = warmup + 1 + CALL_STEPS
     for block in range(blocks):
@@ -142,9 +192,13 @@ def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, wa
             dist.barrier()
             if profiler is not None and name == "zen":
                 profiler.enable()
+            if timers is not None:
+                timers.label = name
             started = time.thread_time()
             ds_cases.tiny_steps(engines[name], batches, steps, first)
             times[name].append((time.thread_time() - started) * 1e3 / steps)
+            if timers is not None:
+                timers.label = None
             if profiler is not None and name == "zen":
                 profiler.disable()
         first += steps
@@ -152,13 +206,16 @@ def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, wa
     if profiler is not None:
         profiler.dump_stats(profile)
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"times": times, "reads": reads, "calls": calls}, f)
+        inside = {} if timers is None else {name: {target: 1e3 * seconds / (steps * blocks)
+                                                   for target, seconds in per.items()}
+                                            for name, per in timers.seconds.items()}
+        json.dump({"times": times, "reads": reads, "calls": calls, "inclusive": inside}, f)
     dist.destroy_process_group()
 
 
 def _worker(args: argparse.Namespace) -> None:
     fork_ranks(_rank, args.world, (args.zero[0], json.loads(args.zen), args.steps, args.warmup,
-                                   args.blocks, args.profile), args.result)
+                                   args.blocks, args.profile, args.inclusive), args.result)
 
 
 def _run_tree(path: str, zero: int, args: argparse.Namespace) -> List[dict]:
@@ -166,6 +223,8 @@ def _run_tree(path: str, zero: int, args: argparse.Namespace) -> List[dict]:
                "--steps", str(0 if args.check else args.steps), "--warmup", str(args.warmup), "--blocks", str(args.blocks)]
     if args.profile:
         options += ["--profile", os.path.abspath(args.profile)]
+    for target in args.inclusive:
+        options += ["--inclusive", target]
     return run_worker(__file__, path, options, quiet=True)
 
 
@@ -186,6 +245,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--zen", default='{"enabled": true}', help="the zen block (JSON)")
     parser.add_argument("--profile", help="cProfile rank 0's zen steps into this file")
+    parser.add_argument("--inclusive", action="append", default=[], metavar="MODULE:QUALNAME",
+                        help="time inside this function per step, both engines (repeatable)")
     parser.add_argument("--check", action="store_true",
                         help="compare the trees' parameters and stats instead of timing them")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -199,6 +260,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         os.path.dirname(os.path.abspath(__file__)))]]
     if args.profile and (len(trees) > 1 or len(stages) > 1 or args.rounds > 1):
         parser.error("--profile takes one tree, one stage and one round")
+    if args.inclusive and (len(trees) > 1 or len(stages) > 1):
+        parser.error("--inclusive takes one tree and one stage")
     if args.check:
         check_trees(trees, stages, lambda path, zero: _run_tree(path, zero, args),
                     lambda zero: f"ZeRO-{zero}")
@@ -218,6 +281,15 @@ def main(argv: Optional[List[str]] = None) -> None:
             counted = f"{calls['stock']:.0f} -> {calls['zen']:.0f}" if calls else "-"
             print(f"| {label} | {zero} | {stock:.2f} | {zen:.2f} | {zen - stock:.2f} | {counted} | "
                   f"{sum(reads.values())}: {described} |")
+    if args.inclusive:
+        print("\n| inside (ms/step, mean over ranks) | stock | zen |\n|---|---|---|")
+        for target in args.inclusive:
+            row = []
+            for name in ("stock", "zen"):
+                per_rank = [r.get("inclusive", {}).get(name, {}).get(target, 0.0)
+                            for run in runs[trees[0][0]][stages[0]] for r in run]
+                row.append(statistics.fmean(per_rank) if per_rank else 0.0)
+            print(f"| {target} | {row[0]:.3f} | {row[1]:.3f} |")
     if args.profile:
         import pstats
 
