@@ -6,7 +6,7 @@ holds what both variants put on the wire, so the traffic replays the same sizes 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -33,13 +33,16 @@ class Wire:
 
     num_rows: int
     row_bytes: int  # bytes of one row's values on the wire
+    # the ids' dtype on the wire, and its bytes (derived; asked for several times per round)
+    id_dtype: torch.dtype = field(init=False, repr=False, compare=False)
+    id_bytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def id_dtype(self) -> torch.dtype:
-        return row_id_dtype(self.num_rows)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id_dtype", row_id_dtype(self.num_rows))
+        object.__setattr__(self, "id_bytes", self.id_dtype.itemsize)
 
     def is_dense(self, rows: float) -> bool:
-        return rows * (self.id_dtype.itemsize + self.row_bytes) >= self.num_rows * self.row_bytes
+        return rows * (self.id_bytes + self.row_bytes) >= self.num_rows * self.row_bytes
 
 
 @dataclass
@@ -85,7 +88,7 @@ def encode_stream(stream: Stream, bound: Optional[int], wire: Wire) -> torch.Ten
     if bound is None:
         return pack([ids, stream.values])
     return pack([count, ids, stream.values],
-                [8, round8(bound * wire.id_dtype.itemsize), round8(bound * wire.row_bytes)])
+                [8, round8(bound * wire.id_bytes), round8(bound * wire.row_bytes)])
 
 
 def decode_stream(buffer: torch.Tensor, bound: int, wire: Wire, dtype: torch.dtype,
@@ -95,7 +98,7 @@ def decode_stream(buffer: torch.Tensor, bound: int, wire: Wire, dtype: torch.dty
         dense = view_as(buffer.reshape(1, -1), dtype)
         return Stream(dense=dense.reshape(wire.num_rows, row_numel))
     count = host_int(view_as(buffer[:8].reshape(1, -1), torch.int64)[0, 0], "sparcml.message_rows")
-    id_area = round8(bound * wire.id_dtype.itemsize)
+    id_area = round8(bound * wire.id_bytes)
     ids, values = unpack(buffer[8:], [(wire.id_dtype, count, id_area),
                                       (dtype, count * row_numel, 0)])
     return Stream(ids.to(torch.int64), values.reshape(count, row_numel))
@@ -118,7 +121,7 @@ def message_bytes(wire: Wire, bound: int) -> int:
     dense by the break-even, else ``[count][ids][values]`` in 8-byte areas."""
     if wire.is_dense(bound):
         return wire.num_rows * wire.row_bytes
-    return 8 + round8(bound * wire.id_dtype.itemsize) + round8(bound * wire.row_bytes)
+    return 8 + round8(bound * wire.id_bytes) + round8(bound * wire.row_bytes)
 
 
 # ---------------------------------------------------------------------- exact traffic
