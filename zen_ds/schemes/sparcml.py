@@ -49,8 +49,9 @@ The stream codec, message sizes and exact traffic both variants share are in
 its byte model next to the code whose bytes it predicts (the tests hold them equal).
 
 Host synchronisations on CUDA (message sizes must be on the host for NCCL's point-to-point and
-all-to-all calls): recursive doubling reads one row-count header per received message (and a
-stable plan's counts); the split-allgather reads the range cuts (``searchsorted``), the received
+all-to-all calls): recursive doubling reads one row-count header per received message but the
+first round's (and the fold's), whose sender sends its own input of a row count every rank has
+(and a stable plan's counts); the split-allgather reads the range cuts (``searchsorted``), the received
 counts and the reduced ranges' sizes (``tolist`` after their collectives); densifying a stream finds its
 non-zero rows; :func:`zen_ds.ops.aggregate` reads the smallest offset and the unique count.
 """
@@ -261,21 +262,24 @@ class SparCMLScheme(Scheme):
             return stream.densified(num_rows) if wire.is_dense(rows) else stream
 
         def swap(partner: Optional[int], send: Optional[Tuple[Stream, int]], recv_bound: int,
-                 name: str) -> Optional[Stream]:
-            """One pairwise step: every rank calls it; ``recv_bound < 0`` receives nothing."""
+                 name: str, exact: bool = False) -> Optional[Stream]:
+            """One pairwise step: every rank calls it; ``recv_bound < 0`` receives nothing;
+            ``exact``: the partner sends its own input, ``recv_bound`` rows exactly (every rank
+            has every rank's count), so the header need not be read."""
             sends = {} if send is None else {partner: encode_stream(send[0], send[1], wire)}
             sizes = {} if recv_bound < 0 else {partner: message_bytes(wire, recv_bound)}
             got = exchange_pairwise(ctx.comm, sends, sizes, name, x.device)
             if recv_bound < 0:
                 return None
-            return decode_stream(got.get(partner, _NOTHING), recv_bound, wire, acc, x.row_numel)
+            return decode_stream(got.get(partner, _NOTHING), recv_bound, wire, acc, x.row_numel,
+                                 recv_bound if exact else None)
 
         mine = as_bound(Stream(x.indices, x.values_2d().to(acc)), min(nnz[rank], num_rows))
         # Fold: ranks p.. hand their stream to rank - p.
         if rank >= p:
             swap(rank - p, (mine, nnz[rank]), -1, "sparcml.fold")
         elif rank < extras:
-            theirs = swap(rank + p, None, min(nnz[rank + p], num_rows), "sparcml.fold")
+            theirs = swap(rank + p, None, min(nnz[rank + p], num_rows), "sparcml.fold", exact=True)
             mine = merge_streams(mine, theirs, wire.is_dense(folded[rank]), num_rows, acc)
         elif extras:
             swap(None, None, -1, "sparcml.fold")
@@ -287,8 +291,9 @@ class SparCMLScheme(Scheme):
                 continue
             partner = rank ^ size
             first, partner_first = rank & ~(size - 1), partner & ~(size - 1)
+            # the first round's partner not folded into: it sends its own input, nnz exactly
             theirs = swap(partner, (mine, bound(first, size)), bound(partner_first, size),
-                          f"sparcml.round{t}")
+                          f"sparcml.round{t}", exact=t == 0 and partner >= extras)
             low, high = (mine, theirs) if first < partner_first else (theirs, mine)
             mine = merge_streams(low, high, wire.is_dense(bound(min(first, partner_first), 2 * size)),
                           num_rows, acc)

@@ -38,8 +38,10 @@ SCHEME_READS: Dict[Tuple[str, str], Dict[str, int]] = {
     ("agsparse", "shared"): {},
     ("balanced", "own"): {"balanced.pull_headers": 1},
     ("balanced", "shared"): {"balanced.pull_meta": 1},
-    ("sparcml", "own"): {"sparcml.message_rows": 2},  # recursive doubling: a header per round
-    ("sparcml", "shared"): {"sparcml.message_rows": 2},
+    # recursive doubling: a header per round but the first (a partner's own input: every rank
+    # knows its row count)
+    ("sparcml", "own"): {"sparcml.message_rows": 1},
+    ("sparcml", "shared"): {"sparcml.message_rows": 1},
     (SPLIT, "own"): {"sparcml.range_cuts": 1, "sparcml.counts": 1, "sparcml.range_sizes": 1},
     (SPLIT, "shared"): {"sparcml.range_cuts": 1, "sparcml.counts": 1, "sparcml.range_sizes": 1},
     ("omnireduce", "own"): {"omnireduce.blocks": 1, "omnireduce.block_counts": 1,
@@ -59,8 +61,9 @@ STABLE_READS: Dict[Tuple[str, str], Dict[str, int]] = {
     ("agsparse", "own"): {"agsparse.sizes": 1},
     ("balanced", "own"): {"balanced.counts": 1, "balanced.pull_headers": 1},
     ("balanced", "shared"): {"balanced.counts": 1, "balanced.pull_meta": 1},
-    # recursive doubling: its row counts (the checks ride in them), a header per round
-    ("sparcml", "own"): {"sparcml.sizes": 1, "sparcml.message_rows": 2},
+    # recursive doubling: its row counts (the checks ride in them), a header per round but
+    # the first
+    ("sparcml", "own"): {"sparcml.sizes": 1, "sparcml.message_rows": 1},
 }
 
 

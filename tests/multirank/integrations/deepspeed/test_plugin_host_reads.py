@@ -16,7 +16,8 @@ Why each read is there:
   (``tests/multirank/sync/test_host_reads.py`` pins the same two per sync).
 * ``sparcml.*``: with ``"scheme": "auto"`` (the default) the 2-rank step picks ``sparcml``, which
   keeps a stable plan: no agreement; its checks ride in recursive doubling's row-count exchange
-  (``sparcml.sizes``), and its one round reads its header (``sparcml.message_rows``).
+  (``sparcml.sizes``); its one round's message is the partner's own input, whose row count
+  that exchange gave, so its header is not read.
 * ZeRO-1/2 clipping reads nothing: zen steps its params itself with DeepSpeed's rule, and the
   coefficient is computed on the device from the global norm (zen's and DeepSpeed's, combined
   there), in float64 as the host number was (the same parameters bit for bit). DeepSpeed reads
@@ -69,7 +70,7 @@ CASES: Dict[str, Any] = {
     "zero3/two_hop": (3, dict(AUTO, embedding_fetch="two_hop")),
 }
 _STABLE = {"balanced.counts": 1, "balanced.pull_headers": 1}
-_AGREED = {"sparcml.sizes": 1, "sparcml.message_rows": 1}  # auto -> sparcml, a stable plan
+_AGREED = {"sparcml.sizes": 1}  # auto -> sparcml, a stable plan
 STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/balanced": _STABLE,
     "zero2/balanced": _STABLE,  # the row gradient's count rides in balanced's count message
