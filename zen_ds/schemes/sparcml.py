@@ -48,12 +48,10 @@ The stream codec, message sizes and exact traffic both variants share are in
 :mod:`zen_ds.schemes.sparcml_streams`. The module is over 400 lines because each variant keeps
 its byte model next to the code whose bytes it predicts (the tests hold them equal).
 
-Host synchronisations on CUDA (message sizes must be on the host for NCCL's point-to-point and
-all-to-all calls): recursive doubling reads one row-count header per received message but the
-first round's (and the fold's), whose sender sends its own input of a row count every rank has
-(and a stable plan's counts); the split-allgather reads the range cuts (``searchsorted``), the received
-counts and the reduced ranges' sizes (``tolist`` after their collectives); densifying a stream finds its
-non-zero rows; :func:`zen_ds.ops.aggregate` reads the smallest offset and the unique count.
+Host synchronisations on CUDA (NCCL's message sizes): recursive doubling reads a row-count header
+per received message but the fold's and the first round's (a sender's own input, its count known)
+and a stable plan's counts; split-allgather the range cuts, received counts and reduced ranges'
+sizes; densifying, the non-zero rows; :func:`zen_ds.ops.aggregate`, the least offset and count.
 """
 from __future__ import annotations
 
@@ -263,16 +261,14 @@ class SparCMLScheme(Scheme):
 
         def swap(partner: Optional[int], send: Optional[Tuple[Stream, int]], recv_bound: int,
                  name: str, exact: bool = False) -> Optional[Stream]:
-            """One pairwise step: every rank calls it; ``recv_bound < 0`` receives nothing;
-            ``exact``: the partner sends its own input, ``recv_bound`` rows exactly (every rank
-            has every rank's count), so the header need not be read."""
+            """One pairwise step; ``recv_bound < 0``: none received; ``exact``: no header read."""
             sends = {} if send is None else {partner: encode_stream(send[0], send[1], wire)}
             sizes = {} if recv_bound < 0 else {partner: message_bytes(wire, recv_bound)}
             got = exchange_pairwise(ctx.comm, sends, sizes, name, x.device)
             if recv_bound < 0:
                 return None
-            return decode_stream(got.get(partner, _NOTHING), recv_bound, wire, acc, x.row_numel,
-                                 recv_bound if exact else None)
+            count = recv_bound if exact else None  # the partner's own input: its known count
+            return decode_stream(got.get(partner, _NOTHING), recv_bound, wire, acc, x.row_numel, count)
 
         mine = as_bound(Stream(x.indices, x.values_2d().to(acc)), min(nnz[rank], num_rows))
         # Fold: ranks p.. hand their stream to rank - p.
@@ -291,9 +287,8 @@ class SparCMLScheme(Scheme):
                 continue
             partner = rank ^ size
             first, partner_first = rank & ~(size - 1), partner & ~(size - 1)
-            # the first round's partner not folded into: it sends its own input, nnz exactly
             theirs = swap(partner, (mine, bound(first, size)), bound(partner_first, size),
-                          f"sparcml.round{t}", exact=t == 0 and partner >= extras)
+                          f"sparcml.round{t}", exact=t == 0 and partner >= extras)  # unfolded
             low, high = (mine, theirs) if first < partner_first else (theirs, mine)
             mine = merge_streams(low, high, wire.is_dense(bound(min(first, partner_first), 2 * size)),
                           num_rows, acc)
