@@ -151,6 +151,19 @@ def test_simulator_reports_deepspeed_best_path() -> None:
     assert "DeepSpeed's best path" in format_table(result)
 
 
+def test_simulator_table_marks_a_baseline_it_did_not_simulate() -> None:
+    """Without ``agsparse`` among the schemes its speedup column says ``-``, not ``nanx``."""
+    from_ids = [torch.arange(r, 4096, 7, dtype=torch.int64)[:300] for r in range(8)]
+    supports = Supports.from_ranks(from_ids, 4096, 16, 4, 0, "nearly-dense")
+    result = simulate(supports, SimCost(Topology(1, NET.bandwidth, NET.intra_bandwidth, NET.alpha)),
+                      ("dense", "balanced"), handshake="allgather")
+    rows = [line.split() for line in format_table(result).splitlines()
+            if line.split()[:1] in (["dense"], ["balanced"])]
+    assert len(rows) == 2 and "nan" not in format_table(result)
+    assert all(row[-1] == "-" or row[-2] == "-" for row in rows), rows  # vs agsp; chosen may follow
+    assert all(row[9].endswith("x") for row in rows)  # vs dense: simulated
+
+
 def test_simulator_reduced_handshake() -> None:
     """``--handshake reduce``: a summary all-reduce first, the record all-gather only for
     non-dense plans; auto keeps dense where the tree makes it cheapest."""

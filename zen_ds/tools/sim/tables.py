@@ -84,6 +84,11 @@ def result_rows(result: SimResult) -> List[Dict[str, object]]:
     return out
 
 
+def _ratio(speedup: Optional[float]) -> str:
+    """A speedup column's cell: ``-`` where its baseline was not simulated."""
+    return f"{'-':>8}" if speedup is None else f"{speedup:>7.2f}x"
+
+
 def format_table(result: SimResult, header: str = "") -> str:
     n = result.world_size
     lines = [f"# {result.workload}  n={n} ({result.ranks_per_node}/node)  rows={result.num_rows:,} x {result.row_numel}  "
@@ -100,8 +105,8 @@ def format_table(result: SimResult, header: str = "") -> str:
             f"{row['scheme']:>10} {row['method']:>6} {row['bytes_sent'] / 1e6:>10.2f} "
             f"{row['bytes_received'] / 1e6:>10.2f} {row['comm_seconds'] * 1e3:>10.3f} "
             f"{row['compute_seconds'] * 1e3:>9.3f} {seconds * 1e3:>10.3f} {algbw:>10.2f} "
-            f"{busbw:>10.2f} {row.get('speedup_vs_dense', math.nan):>7.2f}x "
-            f"{row.get('speedup_vs_agsparse', math.nan):>7.2f}x  {row.get('chosen', '')}")
+            f"{busbw:>10.2f} {_ratio(row.get('speedup_vs_dense'))} "
+            f"{_ratio(row.get('speedup_vs_agsparse'))}  {row.get('chosen', '')}")
     lines.append(bound_line(result))
     if deepspeed_best(result) is not None:
         lines.append(deepspeed_best_line(result))
