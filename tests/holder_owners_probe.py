@@ -45,9 +45,16 @@ for j in range(slices):
     recv = u[None, :] & (nodes != o[None, :]) & (nodes != single_holder[None, :])   # [node, row]
     qi += recv.sum(1); qo += torch.bincount(o, weights=recv.sum(0).double(), minlength=g)
 hash_push, hash_pull = float(torch.maximum(pi, po).max()), float(torch.maximum(qi, qo).max())
+# ---- the other phases, from the simulator (hierarchical today)
+out = os.path.join(tempfile.mkdtemp(), "sim.json")
+subprocess.run([sys.executable, "-m", "zen_ds", "sim", "-w", wl, "--ranks", str(n), "--ranks-per-node",
+                str(k), "--bandwidth", "25gbit", "--compute", "none", "--json", out], check=True,
+               capture_output=True)
+d = json.load(open(out)); rows = {r["scheme"]: r for r in d["rows"]}
+ph = {p["name"]: p["seconds"] for p in rows["hierarchical"]["phases"]}
 print(f"hash owners: push busiest NIC {hash_push:,.0f} rows -> {a2a(hash_push, row_bytes+4)*1e3:.2f} ms "
-      f"(sim 18.21); pull busiest {hash_pull:,.0f} rows (in {qi.max():,.0f}, out {qo.max():,.0f}) -> "
-      f"{a2a(hash_pull, row_bytes+4)*1e3:.2f} ms (sim 92.52); sum of means {float(pi.mean()+qi.mean()):,.0f}")
+      f"(simulator {ph['balanced.push']*1e3:.2f}); pull busiest {hash_pull:,.0f} rows (in {qi.max():,.0f}, out {qo.max():,.0f}) -> "
+      f"{a2a(hash_pull, row_bytes+4)*1e3:.2f} ms (simulator {ph['balanced.pull']*1e3:.2f}); sum of means {float(pi.mean()+qi.mean()):,.0f}")
 
 def evaluate(owners, name):
     pi, po, qi, qo = (torch.zeros(g, dtype=torch.float64) for _ in range(4))
@@ -109,13 +116,6 @@ floor_rows = owner_floor(s, k)
 floor = 2 * (g - 1) * ALPHA + floor_rows * row_bytes / B
 print(f"{'owner floor, perfect balance':>34}: {floor_rows:,.0f} rows per NIC, push+pull >= {floor*1e3:.2f} ms")
 
-# ---- the other phases, from the simulator (hierarchical today)
-out = os.path.join(tempfile.mkdtemp(), "sim.json")
-subprocess.run([sys.executable, "-m", "zen_ds", "sim", "-w", wl, "--ranks", str(n), "--ranks-per-node",
-                str(k), "--bandwidth", "25gbit", "--compute", "none", "--json", out], check=True,
-               capture_output=True)
-d = json.load(open(out)); rows = {r["scheme"]: r for r in d["rows"]}
-ph = {p["name"]: p["seconds"] for p in rows["hierarchical"]["phases"]}
 agsparse = rows["agsparse"]["seconds"]; auto_now = rows["auto"]["seconds"]
 bound = lossless_bound(s).ratio
 bitmap_chunk = (layout.shard_size(0) + 7) // 8 // 8 * 8 + 8

@@ -117,15 +117,7 @@ def partition(
     destination rank; ``shard_offsets`` are positions relative to the owner's shard start.
     Lossless: every input row appears exactly once in the output.
     """
-    positions = permute(rows, num_rows, seed)
-    owners = ((positions + 1) * world_size - 1) // num_rows
-    counts = torch.zeros(world_size, dtype=torch.int64, device=rows.device).scatter_add_(
-        0, owners, torch.ones_like(owners))  # bincount would read the owners' min and max on CUDA
-    order = torch.argsort(owners, stable=True)
-    starts = torch.tensor(shard_starts(num_rows, world_size)[:-1], dtype=torch.int64,
-                          device=rows.device)
-    offsets = (positions - starts[owners])[order].to(id_dtype)
-    return counts.to(torch.int64), offsets, values[order]
+    return _grouped_by_owner(rows, values, None, num_rows, world_size, seed, id_dtype)
 
 
 def partition_live(
@@ -136,12 +128,22 @@ def partition_live(
     are padding, see :class:`zen_ds.core.sparse.PaddedRows`), with no read of ``live``: the
     counts are the live rows' per owner, the live rows come first, grouped by owner as
     :func:`partition` groups them (the same order), and the padding rows after them all."""
+    return _grouped_by_owner(rows, values, live, num_rows, world_size, seed, id_dtype)
+
+
+def _grouped_by_owner(rows: torch.Tensor, values: torch.Tensor, live: Optional[torch.Tensor],
+                      num_rows: int, world_size: int, seed: int, id_dtype: torch.dtype
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`partition` (``live`` None) or :func:`partition_live`: rows past ``live`` form a
+    last group, after every owner's."""
     positions = permute(rows, num_rows, seed)
     owners = ((positions + 1) * world_size - 1) // num_rows
-    padding = torch.arange(rows.numel(), device=rows.device) >= live
-    destinations = owners.masked_fill(padding, world_size)  # a last group, of the padding
-    counts = torch.zeros(world_size + 1, dtype=torch.int64, device=rows.device).scatter_add_(
-        0, destinations, torch.ones_like(destinations))
+    destinations, groups = owners, world_size
+    if live is not None:
+        padding = torch.arange(rows.numel(), device=rows.device) >= live
+        destinations, groups = owners.masked_fill(padding, world_size), world_size + 1
+    counts = torch.zeros(groups, dtype=torch.int64, device=rows.device).scatter_add_(
+        0, destinations, torch.ones_like(destinations))  # bincount would read min and max on CUDA
     order = torch.argsort(destinations, stable=True)
     starts = torch.tensor(shard_starts(num_rows, world_size)[:-1], dtype=torch.int64,
                           device=rows.device)

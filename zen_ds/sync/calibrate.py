@@ -346,9 +346,7 @@ def agree_ranks_per_node(options: SyncOptions) -> SyncOptions:
         mine = ranks_per_node()
     except ValueError:  # a bad value: reported by the sync that reads it, as without agreement
         mine = 0
-    extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=collective_device())
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    largest, negated_smallest = host_list(extremes, "calibrate.ranks_per_node")
+    largest, negated_smallest = (int(v) for v in _reduced_over_group([mine, -mine]))
     if largest != -negated_smallest or not largest:
         logger.info("zen: ranks per node differ between ranks (%d to %d); collective choices "
                     "assume one rank per node", -negated_smallest, largest)
