@@ -14,7 +14,9 @@ JSON zen block, default ``{"enabled": true}``), and, after ``--warmup`` steps of
 stock and zen alternating (so both see the same machine load), with ``time.thread_time`` (the
 main thread's CPU: Python, torch's dispatch, DeepSpeed's and zen's step; gloo's threads are not
 counted). A figure is the median over blocks, mean over ranks, in ms per step; ``added`` is zen's
-minus stock's; ``calls/step``: rank 0's function calls per step (Python and C, counted with
+minus stock's; ``added, all threads`` the same with ``time.process_time`` (every thread of the
+rank: zen's comm thread under ``"overlap": true``, gloo's) and ``added, wall`` with wall-clock time
+(median over rounds of each run's difference); ``calls/step``: rank 0's function calls per step (Python and C, counted with
 ``sys.setprofile`` over 10 steps: load-independent). One more zen step runs inside :func:`zen_ds.core.host.count_host_reads` (where
 the tree has it): the device-to-host reads of a step, by reason.
 
@@ -39,6 +41,7 @@ import collections
 import importlib
 import inspect
 import json
+import math
 import os
 import statistics
 import sys
@@ -186,6 +189,9 @@ def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, wa
         profiler = cProfile.Profile(time.thread_time)
     timers = _Inclusive(inclusive) if inclusive else None
     times: Dict[str, List[float]] = {"stock": [], "zen": []}
+    # the process's CPU (every thread: zen's comm thread with "overlap", gloo's) and wall time
+    process: Dict[str, List[float]] = {"stock": [], "zen": []}
+    wall: Dict[str, List[float]] = {"stock": [], "zen": []}
     first = warmup + 1 + CALL_STEPS
     for block in range(blocks):
         for name in (("stock", "zen") if block % 2 == 0 else ("zen", "stock")):
@@ -194,9 +200,11 @@ def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, wa
                 profiler.enable()
             if timers is not None:
                 timers.label = name
-            started = time.thread_time()
+            started, started_process, started_wall = time.thread_time(), time.process_time(), time.perf_counter()
             ds_cases.tiny_steps(engines[name], batches, steps, first)
             times[name].append((time.thread_time() - started) * 1e3 / steps)
+            process[name].append((time.process_time() - started_process) * 1e3 / steps)
+            wall[name].append((time.perf_counter() - started_wall) * 1e3 / steps)
             if timers is not None:
                 timers.label = None
             if profiler is not None and name == "zen":
@@ -209,7 +217,7 @@ def _rank(rank: int, world: int, port: int, zero: int, zen: dict, steps: int, wa
         inside = {} if timers is None else {name: {target: 1e3 * seconds / (steps * blocks)
                                                    for target, seconds in per.items()}
                                             for name, per in timers.seconds.items()}
-        json.dump({"times": times, "reads": reads, "calls": calls, "inclusive": inside}, f)
+        json.dump({"times": times, "process": process, "wall": wall, "reads": reads, "calls": calls, "inclusive": inside}, f)
     dist.destroy_process_group()
 
 
@@ -228,9 +236,12 @@ def _run_tree(path: str, zero: int, args: argparse.Namespace) -> List[dict]:
     return run_worker(__file__, path, options, quiet=True)
 
 
-def _per_step(per_rank: List[dict], name: str) -> float:
-    """Median over blocks, mean over ranks, ms per step."""
-    return statistics.fmean(statistics.median(r["times"][name]) for r in per_rank)
+def _per_step(per_rank: List[dict], name: str, kind: str = "times") -> float:
+    """Median over blocks, mean over ranks, ms per step (``kind``: main-thread CPU ``times``,
+    ``process`` CPU or ``wall``; nan where a run did not record it)."""
+    if any(kind not in r for r in per_rank):
+        return math.nan
+    return statistics.fmean(statistics.median(r[kind][name]) for r in per_rank)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -268,18 +279,21 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     runs = interleaved_runs(trees, stages, args.rounds, lambda path, zero: _run_tree(path, zero, args),
                             lambda zero: f"ZeRO-{zero}")
-    print("| tree | ZeRO | stock ms/step | zen ms/step | added ms/step | calls/step stock -> zen "
-          "| host reads per zen step |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tree | ZeRO | stock ms/step | zen ms/step | added ms/step | added, all threads | added, wall "
+          "| calls/step stock -> zen | host reads per zen step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, _ in trees:
         for zero in stages:
             stock = statistics.median(_per_step(run, "stock") for run in runs[label][zero])
             zen = statistics.median(_per_step(run, "zen") for run in runs[label][zero])
+            added = {kind: statistics.median(_per_step(run, "zen", kind) - _per_step(run, "stock", kind)
+                                             for run in runs[label][zero]) for kind in ("process", "wall")}
             reads = runs[label][zero][-1][0]["reads"]
             described = ", ".join(f"{k} x{v}" for k, v in sorted(reads.items())) or "-"
             calls = runs[label][zero][-1][0].get("calls", {})
             counted = f"{calls['stock']:.0f} -> {calls['zen']:.0f}" if calls else "-"
-            print(f"| {label} | {zero} | {stock:.2f} | {zen:.2f} | {zen - stock:.2f} | {counted} | "
+            print(f"| {label} | {zero} | {stock:.2f} | {zen:.2f} | {zen - stock:.2f} | "
+                  f"{added['process']:.2f} | {added['wall']:.2f} | {counted} | "
                   f"{sum(reads.values())}: {described} |")
     if args.inclusive:
         print("\n| inside (ms/step, mean over ranks) | stock | zen |\n|---|---|---|")
