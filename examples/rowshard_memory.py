@@ -40,6 +40,7 @@ import argparse
 import ctypes
 import json
 import os
+import traceback
 from typing import Any, Dict, List, Optional
 
 import deepspeed
@@ -71,16 +72,57 @@ def heap_bytes() -> int:
 
 
 class PeakHeap(TorchDispatchMode):
-    """The largest :func:`heap_bytes` seen after any torch op while active."""
+    """The largest :func:`heap_bytes` seen after any torch op while active; with ``growth``, also
+    every op after which the heap grew by at least that many bytes, with the DeepSpeed or zen
+    line that ran it (``--breakdown``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, growth: int = 0) -> None:
         super().__init__()
-        self.start = self.peak = heap_bytes()
+        self.start = self.peak = self.last = heap_bytes()
+        self.growth, self.grew = growth, []  # type: ignore[var-annotated]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, heap_bytes())
+        now = heap_bytes()
+        if self.growth and now - self.last >= self.growth:
+            self.grew.append((str(func), now - self.last, now - self.start, _caller()))
+        self.peak, self.last = max(self.peak, now), now
         return out
+
+
+def _caller() -> str:
+    """The innermost DeepSpeed or zen_ds frame of the stack: who allocated."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/deepspeed/" in frame.filename or "/zen_ds/" in frame.filename:
+            where = frame.filename.split("/deepspeed/")[-1] if "/deepspeed/" in frame.filename else \
+                "zen_ds/" + frame.filename.split("/zen_ds/")[-1]
+            return f"{where}:{frame.lineno} ({frame.name})"
+    return "-"
+
+
+# DeepSpeed's ZeRO-3 optimizer's buffers (deepspeed 0.19): what --breakdown sizes.
+_ZERO3_BUFFERS = (("param partitions (fp16_partitioned_groups_flat)", "fp16_partitioned_groups_flat"),
+                  ("fp32 master partitions (fp32_partitioned_groups_flat)", "fp32_partitioned_groups_flat"),
+                  ("gradient partitions (grad_partitions_flat_buffer)", "grad_partitions_flat_buffer"))
+
+
+def _tensor_bytes(x: Any) -> int:
+    if torch.is_tensor(x):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(y) for y in x)
+    if isinstance(x, dict):
+        return sum(_tensor_bytes(y) for y in x.values())
+    return 0
+
+
+def state_breakdown(engine: Any) -> Dict[str, int]:
+    """Bytes of DeepSpeed's ZeRO-3 optimizer state on this rank, by buffer."""
+    opt = engine.optimizer
+    sizes = {label: _tensor_bytes(getattr(opt, name, None)) for label, name in _ZERO3_BUFFERS}
+    inner = getattr(opt, "optimizer", None)
+    sizes["optimizer state (AdamW's moments)"] = _tensor_bytes(list(getattr(inner, "state", {}).values()))
+    return sizes
 
 
 class EmbeddingModel(nn.Module):
@@ -128,6 +170,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p.add_argument("--steps", type=int, default=3, help="the last one is measured")
     p.add_argument("--bucket", type=int, default=1 << 20,
                    help="ZeRO reduce and prefetch (ZeRO-3) or all-gather (ZeRO-1/2) bucket (elements)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="rank 0: DeepSpeed's ZeRO-3 buffers, and every op of the step that grew the heap by 1 MiB or more")
     p.add_argument("--json", default=None)
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args(argv)
@@ -149,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             engine.backward(loss)
             engine.step()
             continue
-        with PeakHeap() as probe:
+        with PeakHeap(growth=(1 << 20) if args.breakdown else 0) as probe:
             loss = engine(ids, labels)
             engine.backward(loss)
             backward_peak = probe.peak  # forward, backward and (ZeRO-1/2) zen's sync
@@ -157,6 +201,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         result = {"rank": rank, "held_bytes": probe.start - before, "step_peak_bytes": probe.peak - probe.start,
                   "backward_peak_bytes": backward_peak - probe.start,
                   "unique_ids": int(torch.unique(ids).numel()), "loss": float(loss.detach())}
+        if args.breakdown:
+            result["grew"] = probe.grew
+            if args.zero == 3:
+                result["zero3_state_bytes"] = state_breakdown(engine)
         state = zen_ds.state_of(engine)
         if state is not None and args.mode != "rows":
             emb = state.reducer.last_stats.get("embed.weight")
@@ -169,7 +217,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                "table_bytes": table_bytes,
                # stock ZeRO-3 for the table, sent + received per rank: 2 all-gathers + 1 reduce-scatter
                "zero3_table_wire_bytes": 2 * 3 * (world - 1) * partition * 4,
-               # ZeRO-3: the 1/n shard, fp32 params (their own master) + AdamW's two moments;
+               # ZeRO-3: the 1/n shard: fp32 params + AdamW's two moments (DeepSpeed keeps a separate
+               # fp32 master besides: one more shard, see --breakdown);
                # ZeRO-1/2: the whole fp32 table on every rank + 1/n of the two moments
                "shard_state_bytes": (3 * table_bytes // world if args.zero == 3
                                      else table_bytes + 2 * table_bytes // world), "ranks": per_rank}
@@ -185,6 +234,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 print(f"{args.mode} rank {r['rank']}: embedding wire {r['emb_wire_bytes'] / 1e6:.3f} MB (sent + received) vs "
                       f"stock ZeRO-3's {summary['zero3_table_wire_bytes'] / 1e6:.1f} MB for the table "
                       f"({100 * r['emb_wire_bytes'] / summary['zero3_table_wire_bytes']:.3f}%)", flush=True)
+        if args.breakdown:
+            r = per_rank[0]
+            for label, size in r.get("zero3_state_bytes", {}).items():
+                print(f"{args.mode} rank 0 holds {size / mib:8.2f} MiB: {label}", flush=True)
+            for op, grew, above, where in r["grew"]:
+                print(f"{args.mode} rank 0 step: +{grew / mib:7.2f} MiB (then +{above / mib:.2f} above the start) "
+                      f"{op} from {where}", flush=True)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as fh:
