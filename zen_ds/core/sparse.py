@@ -78,7 +78,11 @@ class PaddedRows:
 
     def trimmed(self, reason: str) -> RowSparse:
         """The live rows alone, coalesced (one read: their count). The range mark carries over."""
-        live = host_int(self.live, reason)
+        return self.head(host_int(self.live, reason))
+
+    def head(self, live: int) -> RowSparse:
+        """The first ``live`` rows, coalesced: the live ones, when ``live`` is the count a
+        message carried (no read). The range mark carries over."""
         rows = RowSparse(self.indices[:live], self.values[:live], self.num_rows, coalesced=True)
         if ids_known_in_range(self.indices, self.num_rows):
             mark_ids_in_range(rows.indices, self.num_rows)

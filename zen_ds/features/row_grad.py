@@ -14,8 +14,9 @@ afterwards (zen's owned route) already takes COO gradients, as from ``sparse=Tru
 by the batch's id count ``B >= U``, sorted and numbered on the device, and handed over as
 :class:`~zen_ds.core.sparse.PaddedRows`, ``U`` live rows and ``B - U`` padding rows of -0.0
 (the additive identity, under a live row's id): as a COO tensor of ``B`` entries it is the same
-gradient bit for bit. A stable ``balanced`` sync learns ``U`` from its count message; any other
-consumer takes the live rows with one read (``input.live_rows``).
+gradient bit for bit. A stable ``balanced``, ``agsparse`` or ``sparcml`` (recursive doubling) sync
+learns ``U`` from its count message; any other consumer takes the live rows with one read
+(``input.live_rows``).
 
 Where the weight is also read outside this forward (a tied head, ``F.embedding(ids,
 module.weight)``), autograd adds the dense part to the rows and the weight gets a dense gradient,

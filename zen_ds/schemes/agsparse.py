@@ -11,7 +11,8 @@ most of the time, so fewer of them is what keeps the baseline honest rather than
 
 A plan kept from an earlier step (:mod:`zen_ds.sync.step`) has no handshake: it all-gathers the
 sizes first, as DeepSpeed does, one int64 per rank carrying the plan's check flags
-(:meth:`~zen_ds.schemes.base.SyncContext.checked_counts`).
+(:meth:`~zen_ds.schemes.base.SyncContext.checked_counts`) and, for padded rows (the ZeRO-1/2 row
+gradient, :class:`~zen_ds.core.sparse.PaddedRows`), their live count: they cost no read of their own.
 
 Host synchronisations on CUDA: none in the scheme (every rank's row count is the handshake's;
 a stable plan reads the gathered sizes);
@@ -23,7 +24,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.host import host_values
-from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.sparse import PaddedRows, RowSparse, accum_dtype
 from zen_ds.costmodel.shape import RING, ByteEstimate, SyncShape, on_links
 from zen_ds.costmodel.supports import Supports
 from zen_ds.costmodel.traffic import Phase, Traffic, per_rank
@@ -35,13 +36,18 @@ ID_BYTES = 8  # DeepSpeed's int64 indices
 class AllGatherSparseScheme(Scheme):
     name = "agsparse"
     checks_in_counts = True
+    takes_padded_rows = True  # their live count rides in a stable plan's size all-gather
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         n = ctx.world_size
         if ctx.checks is not None:  # a stable plan, no handshake: DeepSpeed's size all-gather
-            mine = torch.tensor([x.nnz], dtype=torch.int64, device=x.device)
+            mine = (torch.tensor([x.nnz], dtype=torch.int64, device=x.device) if ctx.live_rows is None
+                    else ctx.live_rows.reshape(1).to(torch.int64))
             sizes, _ = ctx.exchange_counts(mine, True, "agsparse.sizes")
             ctx.nnz_per_rank = host_values(sizes.flatten())
+            if ctx.live_rows is not None:  # padded rows: the live ones lead, counted in the sizes
+                x = PaddedRows(x.indices, x.values, ctx.live_rows, x.num_rows).head(ctx.nnz_per_rank[ctx.rank])
+                ctx.live_rows_seen = x.nnz
         max_nnz = max(ctx.nnz_per_rank)
         row_bytes = x.row_numel * x.values.element_size()
         # One record per row: its int64 id, then its values as raw bytes of their own dtype (any

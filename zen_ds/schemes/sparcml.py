@@ -52,6 +52,9 @@ Host synchronisations on CUDA (NCCL's message sizes): recursive doubling reads a
 per received message but the fold's and the first round's (a sender's own input, its count known)
 and a stable plan's counts; split-allgather the range cuts, received counts and reduced ranges'
 sizes; densifying, the non-zero rows; :func:`zen_ds.ops.aggregate`, the least offset and count.
+Padded rows (the ZeRO-1/2 row gradient, :class:`~zen_ds.core.sparse.PaddedRows`) at a stable plan
+cost recursive doubling no read: their live count rides in its row-count all-gather;
+split-allgather takes the live rows with one read first (its range cuts need them).
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.host import bin_counts, host_list, host_values
-from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.sparse import PaddedRows, RowSparse, accum_dtype
 from zen_ds.core.wire import round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
 from zen_ds.costmodel.support import planning_ranks
@@ -178,6 +181,7 @@ class SparCMLScheme(Scheme):
     name = "sparcml"
     needs_support_estimate = True
     checks_in_counts = True
+    takes_padded_rows = True  # recursive doubling's count message; split-allgather reads once
     #: Pin one variant (benchmarks, tests); None lets the byte models choose.
     forced_variant: ClassVar[Optional[str]] = None
 
@@ -227,21 +231,28 @@ class SparCMLScheme(Scheme):
 
     # ------------------------------------------------------------------ sync
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
-        x = x.coalesce()
+        padded = None if ctx.live_rows is None else PaddedRows(x.indices, x.values, ctx.live_rows, x.num_rows)
         if self.variant(ctx.shape) == RECURSIVE_DOUBLING:
-            rows, values = self._recursive_doubling(x, ctx, self._nnz(x, ctx))
-        else:
+            x = x.coalesce() if padded is None else x
+            nnz = self._nnz(x, ctx)  # padded rows: it carries their live count (no read)
+            if padded is not None:
+                x = padded.head(nnz[ctx.rank])
+            rows, values = self._recursive_doubling(x, ctx, nnz)
+        else:  # the range cuts need the live rows first: one read
+            x = x.coalesce() if padded is None else padded.trimmed("input.live_rows")
             rows, values = self._split_allgather(x, ctx)
+        ctx.live_rows_seen = None if padded is None else x.nnz
         return RowSparse(rows, values.reshape((rows.numel(),) + x.row_shape), x.num_rows,
                          coalesced=True)
 
     @staticmethod
     def _nnz(x: RowSparse, ctx: SyncContext) -> List[int]:
-        """Every rank's row count: the handshake's, else (a stable plan: carrying its checks)
-        from one all-gather."""
+        """Every rank's row count: the handshake's, else (a stable plan: carrying its checks, and
+        the live count of padded rows) from one all-gather."""
         if ctx.checks is None and len(ctx.nnz_per_rank) == ctx.world_size:
             return list(ctx.nnz_per_rank)
-        mine = torch.tensor([x.nnz], dtype=torch.int64, device=x.device)
+        mine = (torch.tensor([x.nnz], dtype=torch.int64, device=x.device) if ctx.live_rows is None
+                else ctx.live_rows.reshape(1).to(torch.int64))
         return host_values(ctx.exchange_counts(mine, True, "sparcml.sizes")[0].flatten())
 
     def _recursive_doubling(self, x: RowSparse, ctx: SyncContext, nnz: Sequence[int]

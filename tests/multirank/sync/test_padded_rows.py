@@ -4,9 +4,11 @@ live count on the device, padding rows of -0.0 under a live id) synced on 3 gloo
 Every scheme, with a handshake, takes the live rows (one read, ``input.live_rows``) and returns
 the sum of the same rows unpadded bit for bit, as a COO tensor like its input. A kept
 ``balanced`` plan (:func:`zen_ds.sync.step.sync_step`, averaged, a pull that pads and one that
-exchanges its sizes) takes them as they are: no read of their own, the same bits as the
-unpadded rows' kept plan, each step; a rank whose live count moved (decided on the device) makes
-every rank re-plan, as the unpadded rows' host count does; ``stats.nnz_local`` is the live count.
+exchanges its sizes), a kept ``sparcml`` plan of recursive doubling (3 ranks: the fold too) and
+a kept ``agsparse`` plan take them as they are: no read of their own, the same bits as the unpadded rows' kept plan,
+each step; ``sparcml``'s split-allgather takes the live rows with one read. A rank whose live
+count moved (decided on the device) makes every rank re-plan, as the unpadded rows' host count
+does; ``stats.nnz_local`` is the live count.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ NUM_ROWS = 4000
 WIDTH = {"own": 16, "shared": 256}  # narrow rows of its own: a padded pull; wide shared ones: exchanged
 # per step, rows per rank (the 4th step: rank 0's count leaves the plan's window)
 COUNTS = [200, 210, 190, 60, 200]
+SPLIT = "sparcml/split_allgather"  # sparcml with its split-allgather variant pinned
+KEPT = ("balanced", "sparcml", SPLIT, "agsparse")
 
 
 def _rows(rank: int, step: int, count: int, shared: bool, width: int):
@@ -72,23 +76,30 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             padded = zen_ds.sparse_allreduce(_padded(x, 40 + rank), scheme=scheme)
         plain = zen_ds.sparse_allreduce(x.to_coo(), scheme=scheme)
         out[f"once/{scheme}"] = {"same": _bits(padded) == _bits(plain), "reads": dict(reads.by_reason)}
-    for shared in (False, True):
-        plans = {"padded": StepPlans(), "plain": StepPlans()}
-        steps = []
-        for step, count in enumerate(COUNTS):
-            x = _rows(rank, step, count if rank == 0 else COUNTS[0], shared, WIDTH["shared" if shared else "own"])
-            got: Dict[str, Any] = {}
-            for form in ("padded", "plain"):
-                kept = sorted(plans[form].stable)
-                tensor = _padded(x, 3 * count) if form == "padded" else mark_ids_in_range(x.to_coo(), NUM_ROWS)
-                stats = zen_ds.SyncStats()
-                with count_host_reads() as reads:
-                    result, = sync_step([StepCall(tensor, scheme="balanced", average=True, key="emb")],
-                                        plans=plans[form], stats=[stats])
-                got[form] = {"bits": _bits(result), "reads": dict(reads.by_reason), "kept": kept,
-                             "nnz_local": stats.nnz_local, "replans": plans[form].replans}
-            steps.append(got)
-        out[f"steps/{'shared' if shared else 'own'}"] = steps
+    from zen_ds.schemes import get_scheme
+    from zen_ds.schemes.sparcml import RECURSIVE_DOUBLING, SPLIT_ALLGATHER
+
+    for kept_scheme in KEPT:
+        get_scheme("sparcml").forced_variant = SPLIT_ALLGATHER if kept_scheme == SPLIT else RECURSIVE_DOUBLING
+        for shared in (False, True):
+            plans = {"padded": StepPlans(), "plain": StepPlans()}
+            steps = []
+            for step, count in enumerate(COUNTS):
+                x = _rows(rank, step, count if rank == 0 else COUNTS[0], shared, WIDTH["shared" if shared else "own"])
+                got: Dict[str, Any] = {}
+                for form in ("padded", "plain"):
+                    kept = sorted(plans[form].stable)
+                    tensor = _padded(x, 3 * count) if form == "padded" else mark_ids_in_range(x.to_coo(), NUM_ROWS)
+                    stats = zen_ds.SyncStats()
+                    with count_host_reads() as reads:
+                        result, = sync_step([StepCall(tensor, scheme=kept_scheme.split("/")[0], average=True,
+                                                      key="emb")], plans=plans[form], stats=[stats])
+                    got[form] = {"bits": _bits(result), "reads": dict(reads.by_reason), "kept": kept,
+                                 "nnz_local": stats.nnz_local, "replans": plans[form].replans,
+                                 "scheme": stats.scheme}
+                steps.append(got)
+            out[f"steps/{kept_scheme}/{'shared' if shared else 'own'}"] = steps
+        del get_scheme("sparcml").forced_variant  # the class's default again
     return out
 
 
@@ -106,20 +117,28 @@ def test_every_scheme_takes_the_live_rows_with_one_read(results) -> None:
             assert got[name]["reads"].get("input.live_rows") == 1, (name, got[name]["reads"])
 
 
+@pytest.mark.parametrize("scheme", KEPT)
 @pytest.mark.parametrize("pull", ["own", "shared"])
-def test_a_kept_balanced_plan_takes_the_padded_rows_as_they_are(results, pull: str) -> None:
+def test_a_kept_plan_takes_the_padded_rows_as_they_are(results, scheme: str, pull: str) -> None:
     for rank, got in enumerate(results):
-        for step, forms in enumerate(got[f"steps/{pull}"]):
+        for step, forms in enumerate(got[f"steps/{scheme}/{pull}"]):
             padded, plain = forms["padded"], forms["plain"]
             assert padded["bits"] == plain["bits"], f"rank {rank}, step {step}: the sums differ"
             assert padded["kept"] == plain["kept"] and padded["replans"] == plain["replans"], (rank, step, forms)
             assert padded["nnz_local"] == plain["nnz_local"] == (COUNTS[step] if rank == 0 else COUNTS[0])
-            if padded["kept"]:  # no read of the padded rows' own: their count rode in the counts
-                pulled = "balanced.pull_meta" if pull == "shared" else "balanced.pull_headers"
-                assert padded["reads"] == plain["reads"] == {"balanced.counts": 1, pulled: 1}, (
-                    rank, step, padded["reads"], plain["reads"])
-            else:
+            assert padded["scheme"] == plain["scheme"] == scheme.split("/")[0], (rank, step, forms)
+            if not padded["kept"]:
                 assert padded["reads"].get("input.live_rows") == 1, (rank, step, padded["reads"])
-        kept = [forms["padded"]["kept"] for forms in got[f"steps/{pull}"]]
+            elif scheme == SPLIT:  # the range cuts need the live rows: one read of their count
+                assert padded["reads"] == {**plain["reads"], "input.live_rows": 1}, (rank, step, padded["reads"])
+            else:  # no read of the padded rows' own: their count rode in the counts
+                assert padded["reads"] == plain["reads"], (rank, step, padded["reads"], plain["reads"])
+                assert "input.live_rows" not in padded["reads"], (rank, step, padded["reads"])
+                if scheme == "balanced":
+                    pulled = "balanced.pull_meta" if pull == "shared" else "balanced.pull_headers"
+                    assert padded["reads"] == {"balanced.counts": 1, pulled: 1}, (rank, step, padded["reads"])
+                else:  # the size all-gather that carries the checks and the live count
+                    assert padded["reads"].get(f"{scheme}.sizes") == 1, (rank, step, padded["reads"])
+        kept = [forms["padded"]["kept"] for forms in got[f"steps/{scheme}/{pull}"]]
         # kept from the second step; rank 0's count at step 3 re-plans (every rank), step 4 agrees again
         assert kept == [[], ["emb"], ["emb"], ["emb"], []], kept

@@ -25,9 +25,10 @@ Why each read is there:
   gradients on the device, and zen reads the norm only for a sparse gradient.
 * ZeRO-1/2: the embedding's gradient is its rows (``zen_ds.features.row_grad``, no ``[V, d]``
   gradient), one per id of the batch with the unique count left on the device
-  (``zen_ds.core.sparse.PaddedRows``): a stable ``balanced`` plan's count message carries it, so
-  the rows cost no read of their own (2 in all, as at ZeRO-0); a sync that cannot take them
-  padded trims them with one read (``input.live_rows``: ``sparcml`` here). The sync does not
+  (``zen_ds.core.sparse.PaddedRows``): a stable ``balanced`` plan's count message carries it, and
+  so does ``sparcml``'s row-count exchange (recursive doubling), so the rows cost no read of their
+  own (2 and 1 in all, as at ZeRO-0); a sync that cannot take them padded trims them with one
+  read (``input.live_rows``: a handshake, or ``sparcml``'s split-allgather). The sync does not
   read the ids' range again: the forward's lookup checked them, which the gradient's mark says
   (``zen_ds.core.sparse.mark_ids_in_range``). The dense gradient they replace was scanned for
   its non-zero rows by an op whose count read is inside :mod:`zen_ds.ops` (not counted here).
@@ -75,7 +76,7 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/balanced": _STABLE,
     "zero2/balanced": _STABLE,  # the row gradient's count rides in balanced's count message
     "zero0/auto": _AGREED,
-    "zero2/auto": {**_AGREED, "input.live_rows": 1},  # sparcml takes the live rows: one read
+    "zero2/auto": _AGREED,  # the row gradient's count rides in sparcml's row-count exchange
     "zero0/overlap": _STABLE,
     "zero3/rows": {"row_embedding.batch_rows": 1, "fetch.counts": 1,  # the forward
                    "agreement.records": 1, "reduce_scatter_flat.counts": 1},  # the hook's push

@@ -1,18 +1,19 @@
-"""ZeRO-1/2 row gradients at a stable ``balanced`` plan: the backward hands over padded rows
-(:class:`zen_ds.core.sparse.PaddedRows`: one per id of the batch, the unique count left on the
-device) and the sync's count message tells the host how many are live, so the row gradient
-costs no read of its own. 2 gloo ranks, one spawn.
+"""ZeRO-1/2 row gradients at a stable ``balanced``, ``sparcml`` or ``agsparse`` plan: the backward hands over
+padded rows (:class:`zen_ds.core.sparse.PaddedRows`: one per id of the batch, the unique count
+left on the device) and the sync's count message tells the host how many are live, so the row
+gradient costs no read of their own. 2 gloo ranks, one spawn.
 
 The model has one table (``padding_idx``, whose id the batches hold, and ``scale_grad_by_freq``;
 with two, the cost model joins their syncs to the step's agreement rather than send two count
-messages) and a head, ``"scheme": "balanced"``, ``"handshake": "auto"`` (plans kept between
-steps), one micro-batch per step (two would sum the gradients, which then go through the sync
-trimmed), clipping that binds. Checked against the dense-gradient path
-(``"embedding_rows": false``, the same scheme and handshake): parameters bit for bit at ZeRO-1
-and ZeRO-2 in fp32, and in bf16 (the gradient cast to the communication dtype); the late steps
-ran a kept plan with padded rows (no ``input.live_rows`` read: the table's sync reads twice); and
-a step where the ranks' distinct ids move far from the plan's counts but their union does not
-re-plans on every rank (the moved count decided on the device), still bit for bit.
+messages) and a head, ``"scheme"`` each of the three (``auto`` picks ``sparcml``'s recursive
+doubling here in fp32, ``agsparse`` in bf16), ``"handshake": "auto"`` (plans kept between steps), one micro-batch per
+step (two would sum the gradients, which then go through the sync trimmed), clipping that binds.
+Checked against the dense-gradient path (``"embedding_rows": false``, the same scheme and
+handshake): parameters bit for bit at ZeRO-1 and ZeRO-2 in fp32, and in bf16 (the gradient cast
+to the communication dtype); the late steps ran a kept plan with padded rows (no
+``input.live_rows`` read: the table's sync reads twice with ``balanced``, once with the others);
+and a step where the ranks' distinct ids move far from the plan's counts but their union does
+not re-plans on every rank (the moved count decided on the device), still bit for bit.
 """
 from __future__ import annotations
 
@@ -34,16 +35,22 @@ VOCAB, WIDTH = 512, 8
 MICRO, TOKENS, DISTINCT, WIDE, STEPS, CLIP = 8, 32, 96, 172, 8, 0.05
 NARROW_AT = 6  # this step's batch has a few distinct ids only: its count moves, the plans re-plan
 COUNTED_AT = 5  # a step with kept plans, whose reads are recorded
-CASES = {"z2_fp32": (2, "fp32"), "z1_fp32": (1, "fp32"), "z2_bf16": (2, "bf16")}
+# case -> (ZeRO stage, precision, scheme)
+CASES = {"z2_fp32": (2, "fp32", "balanced"), "z1_fp32": (1, "fp32", "balanced"), "z2_bf16": (2, "bf16", "balanced"),
+         "z2_fp32_sparcml": (2, "fp32", "sparcml"), "z2_bf16_sparcml": (2, "bf16", "sparcml"),
+         "z1_fp32_agsparse": (1, "fp32", "agsparse"), "z2_bf16_agsparse": (2, "bf16", "agsparse")}
+# a kept plan's reads per step: the count message (checks and live count in it), balanced's pull headers
+KEPT_READS = {"balanced": {"balanced.counts": 1, "balanced.pull_headers": 1}, "sparcml": {"sparcml.sizes": 1},
+              "agsparse": {"agsparse.sizes": 1}}
 
 
-def _config(zero: int, precision: str, rows: bool) -> Dict[str, Any]:
+def _config(zero: int, precision: str, rows: bool, scheme: str) -> Dict[str, Any]:
     cfg: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
         "train_batch_size": MICRO * WORLD, "gradient_clipping": CLIP, "steps_per_print": 10_000,
         "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-        "zen": {"enabled": True, "stats_interval": 0, "scheme": "balanced", "handshake": "auto",
+        "zen": {"enabled": True, "stats_interval": 0, "scheme": scheme, "handshake": "auto",
                 "embedding_rows": rows},
     }
     if precision == "bf16":
@@ -87,7 +94,7 @@ def _train(rank: int, config: Dict[str, Any]) -> Dict[str, Any]:
     g = torch.Generator().manual_seed(100 + rank)
     plans = zen_ds.state_of(engine).reducer.plans
     reads: Dict[str, int] = {}
-    kept, replanned = [], 0  # kept: per step, the plans kept from the step before
+    kept, replanned, schemes = [], 0, []  # kept: per step, the plans kept from the step before
     for step in range(STEPS):
         ids, labels = _batch(g, step, rank)
         kept.append(sorted(plans.stable))
@@ -95,11 +102,13 @@ def _train(rank: int, config: Dict[str, Any]) -> Dict[str, Any]:
         with count_host_reads() as counted:
             engine.backward(engine(ids, labels))
             engine.step()
+        schemes.append(zen_ds.state_of(engine).reducer.last_stats["table.weight"].scheme)
         if step == COUNTED_AT:
             reads = dict(counted.by_reason)
         if step == NARROW_AT:
             replanned = plans.replans - before
     return {"params": dc.params_of(engine.module), "reads": reads, "kept": kept, "replanned": replanned,
+            "schemes": schemes,
             "rows": zen_ds.state_of(engine).route.row_grads.names()}
 
 
@@ -110,9 +119,9 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     jobs: Dict[str, Any] = {}
-    for name, (zero, precision) in CASES.items():
+    for name, (zero, precision, scheme) in CASES.items():
         for path, rows in (("on", True), ("off", False)):
-            jobs[f"{name}/{path}"] = lambda z=zero, p=precision, r=rows: _train(rank, _config(z, p, r))
+            jobs[f"{name}/{path}"] = lambda z=zero, p=precision, r=rows, s=scheme: _train(rank, _config(z, p, r, s))
     return dc.run_jobs(jobs)
 
 
@@ -136,8 +145,8 @@ def test_kept_plans_take_the_padded_rows_without_a_read_of_their_own(results, ca
     for rank, got in enumerate(dc.case_results(results, f"{case}/on")):
         for step in (COUNTED_AT, NARROW_AT):
             assert got["kept"][step] == ["table.weight"], f"rank {rank}: kept plans per step {got['kept']}"
-        assert got["reads"] == {"balanced.counts": 1, "balanced.pull_headers": 1}, (
-            f"rank {rank}, {case}: {got['reads']}")
+        assert got["reads"] == KEPT_READS[CASES[case][2]], f"rank {rank}, {case}: {got['reads']}"
+        assert got["schemes"][COUNTED_AT] == CASES[case][2], got["schemes"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
