@@ -26,7 +26,7 @@ from torch import nn
 from zen_ds.core.host import bin_counts, sized
 from zen_ds.core.sparse import RowSparse, mark_ids_in_range
 from zen_ds.core.stats import SyncStats
-from zen_ds.sync.fetch import checked_ids, fetch_rows_flat
+from zen_ds.sync.fetch import checked_ids, distinct_ids, fetch_rows_flat
 
 __all__ = ["RowEmbedding", "unsupported_reason"]
 
@@ -98,11 +98,13 @@ class RowEmbedding:
         every rank before any row moves: the check rides in the fetch's count message."""
         partition = self.partition()
         flat, check = checked_ids(ids, self.num_rows, partition.device)
-        unique, inverse = sized(torch.unique(flat, sorted=True, return_inverse=True), "row_embedding.batch_rows")
+        unique, inverse, live = distinct_ids(flat)  # their count stays on the device: the fetch says it
         stats = SyncStats()
         with torch.no_grad():
             rows = self.fetch(unique, partition, self.num_rows, self.row_numel, self.group,
-                              stats=stats, log_prefix=f"zen {self.name}", check=check, name=self.name)
+                              stats=stats, log_prefix=f"zen {self.name}", check=check, name=self.name,
+                              live=live)
+        unique = unique[:rows.shape[0]]
         self.fetch_stats.append(stats)
         weight = self.weight
         if not (torch.is_grad_enabled() and weight.requires_grad):

@@ -12,7 +12,9 @@ to the same owners.
 
 A fetch can carry the caller's id check (:func:`checked_ids`) in its count message: an id outside
 the table on any rank then raises the same :class:`~zen_ds.ZenInputError` on every rank before any
-id or row moves, at no collective or read of its own.
+id or row moves, at no collective or read of its own. It can also take the batch's distinct ids
+as :func:`distinct_ids` gives them, their count left on the device (``live``): the count message
+then tells the host how many there are (one read fewer per forward).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from zen_ds.core.host import bin_counts, host_bool, host_int, host_list, sized
 from zen_ds.core.partition import shard_layout
 from zen_ds.core.stats import SyncStats
 
-__all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners", "checked_ids", "raise_bad_ids"]
+__all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners", "checked_ids", "raise_bad_ids", "distinct_ids"]
 
 ID_OUTSIDE, NOT_INTEGERS = 1, 2  # the kinds of an id check (0: fine)
 
@@ -47,6 +49,31 @@ def checked_ids(ids: Any, num_rows: int, device: torch.device) -> Tuple[torch.Te
     below, above = low < 0, high >= num_rows
     offending = torch.where(below, low, torch.where(above, high, 0))
     return flat.clamp(0, max(num_rows - 1, 0)), torch.stack([(below | above).to(torch.int64), offending])
+
+
+def distinct_ids(flat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.unique(flat, sorted=True, return_inverse=True)`` without reading the number of
+    distinct ids back (on a GPU that read drains the stream): ``(ids, inverse, live)``, ``ids`` as
+    long as ``flat``, its first ``live`` (0-dim int64, on the device) the distinct ids ascending
+    and the rest repeats of the last of them (so ``ids`` stays ascending); ``inverse`` as torch's."""
+    bound = flat.numel()
+    if not bound:
+        return flat, flat.clone(), torch.zeros((), dtype=torch.int64, device=flat.device)
+    keys, order = torch.sort(flat)
+    first = torch.ones(bound, dtype=torch.bool, device=flat.device)
+    torch.ne(keys[1:], keys[:-1], out=first[1:])
+    slot = torch.cumsum(first, 0) - 1  # the distinct id each sorted position belongs to
+    inverse = torch.empty_like(slot).scatter_(0, order, slot)
+    return keys[-1:].expand(bound).clone().scatter_(0, slot, keys), inverse, slot[-1] + 1
+
+
+def _live_first(owner: torch.Tensor, live: Optional[torch.Tensor], n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(owner, counts)``: each id's owner, the ids past ``live`` given owner ``n`` (after every
+    rank: they are not sent), and the ids per owner rank."""
+    if live is None:
+        return owner, bin_counts(owner, n)
+    owner = torch.where(torch.arange(owner.numel(), device=owner.device) < live, owner, n)
+    return owner, bin_counts(owner, n + 1)[:n]
 
 
 def raise_bad_ids(checks: Sequence[Sequence[int]], name: str, num_rows: int, after: str = "") -> None:
@@ -134,14 +161,16 @@ def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: in
 def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, row_numel: int,
                     group: Optional[dist.ProcessGroup] = None, *, stats: Optional[SyncStats] = None,
                     log_prefix: str = "zen", check: Optional[torch.Tensor] = None,
-                    name: str = "the table") -> torch.Tensor:
+                    name: str = "the table", live: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The rows ``ids`` (int64, unique, ascending: as ``torch.unique`` gives them; the owners'
     requests go out in that order) of the table whose flat partition this rank holds in
     ``partition`` (1-D, ``P`` elements, the same ``P`` on every rank), as a new
     ``[len(ids), row_numel]`` tensor of the partition's dtype. Every rank of ``group`` calls it
     (with its own ids; an empty request is fine). Values are copied bit for bit, signed zeros
     included. ``stats`` gets the bytes this rank sent and received. ``check``: this rank's id
-    check (:func:`checked_ids`, the ids of table ``name``), sent with the counts.
+    check (:func:`checked_ids`, the ids of table ``name``), sent with the counts. ``live``: only
+    the first ``live`` ids are wanted (:func:`distinct_ids`'s; ``[live, row_numel]`` rows come
+    back), their count learnt from the count message where rows sit whole in the partitions.
     """
     comm = Communicator.for_group(group, log_prefix)
     comm.scheme = "fetch_rows_flat"
@@ -150,6 +179,8 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
     if part * n < num_rows * row_numel:
         raise ValueError(f"{n} partitions of {part} elements do not cover a [{num_rows}, {row_numel}] table")
     ids = ids.to(device=partition.device, dtype=torch.int64)
+    if live is not None and (n == 1 or not row_numel or part % row_numel):  # no count message, or pieces
+        ids, live = ids[:host_int(live, "row_embedding.batch_rows")], None
     out = torch.empty((ids.numel(), row_numel), dtype=partition.dtype, device=partition.device)
     if n == 1:
         if check is not None:
@@ -159,9 +190,12 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
         return out
     dest, pick = row_owners(ids, row_numel, part) if ids.numel() else (ids, None)
     asked = ids if pick is None else ids.index_select(0, pick)
-    send_counts = bin_counts(dest, n)
+    dest, send_counts = _live_first(dest, live, n)  # live: whole rows, one piece per id
     send_splits, recv_splits = _exchange_counts(comm, send_counts, check, name, num_rows,
                                                 "fetch_rows_flat.counts")
+    if live is not None:  # the live ids lead: the count message gave their number
+        ids = asked = ids[:sum(send_splits)]
+        out = out[:ids.numel()]
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
     comm.all_to_all_single(requested, asked, recv_splits, send_splits, "fetch_rows_flat.ids")
     answer = _rows_of_partition(partition, requested, row_numel, rank * part, overlapping=True)
@@ -183,28 +217,30 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
 def fetch_rows_two_hop(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, row_numel: int,
                        group: Optional[dist.ProcessGroup] = None, *, seed: int = 0,
                        stats: Optional[SyncStats] = None, log_prefix: str = "zen",
-                       check: Optional[torch.Tensor] = None, name: str = "the table") -> torch.Tensor:
+                       check: Optional[torch.Tensor] = None, name: str = "the table",
+                       live: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`fetch_rows_flat` through balanced intermediaries, for large groups: each id goes to
     its hash owner (:class:`~zen_ds.core.partition.ShardLayout` of ``seed``, balanced parallelism's
     owner function), which fetches each distinct row it was asked for once from the partition
     owners and answers every asker. The partition owners of frequent rows (low ids, the first
     ranks under DeepSpeed's layout) then send each row once per step instead of once per asker;
     every rank's traffic stays near the mean (``python -m zen_ds sim zero3`` prices both).
-    ``check`` rides in the first hop's counts."""
+    ``check`` (and ``live``'s count) ride in the first hop's counts."""
     comm = Communicator.for_group(group, log_prefix)
     comm.scheme = "fetch_rows_two_hop"
     n = comm.world_size
     ids = ids.to(device=partition.device, dtype=torch.int64)
     if n == 1:
         return fetch_rows_flat(ids, partition, num_rows, row_numel, group, stats=stats, log_prefix=log_prefix,
-                               check=check, name=name)
+                               check=check, name=name, live=live)
     layout = shard_layout(num_rows, n, seed)
-    hash_owner = layout.owner(ids)
+    hash_owner, send_counts = _live_first(layout.owner(ids), live, n)  # ids past live sort last
     order = torch.argsort(hash_owner, stable=True)
-    asked = ids.index_select(0, order)
-    send_counts = bin_counts(hash_owner, n)
     send_splits, recv_splits = _exchange_counts(comm, send_counts, check, name, num_rows,
                                                 "fetch_rows_two_hop.counts")
+    if live is not None:  # the live ids: the count message gave their number
+        order, ids = order[:sum(send_splits)], ids[:sum(send_splits)]
+    asked = ids.index_select(0, order)
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
     comm.all_to_all_single(requested, asked, recv_splits, send_splits, "fetch_rows_two_hop.ids")
     distinct, inverse = sized(torch.unique(requested, sorted=True, return_inverse=True),

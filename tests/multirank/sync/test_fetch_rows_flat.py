@@ -152,3 +152,45 @@ def test_an_id_check_in_the_count_message_raises_on_every_rank_before_rows_move(
             assert extra == 16 * (WORLD - 1), (fetch, rank, extra)  # kind and id beside each count
             assert reads == plain_reads and reads["fetch.counts"] == (1 if fetch == "fetch_rows_flat" else 2), (
                 fetch, rank, reads, plain_reads)  # the check reads nothing of its own
+
+
+def _distinct_worker(rank: int, world: int) -> Dict[str, Any]:
+    """Both fetches given a batch's ids as :func:`zen_ds.sync.fetch.distinct_ids` finds them (their
+    count on the device, ``live``): the same rows bit for bit as from ``torch.unique``'s ids, and
+    where rows sit whole in the partitions no read of that count (the count message carries it);
+    where rows straddle, one for the direct fetch (``row_embedding.batch_rows``), none for two hops
+    (the first hop, to the hash owners, carries it). Rank 1's batch is empty."""
+    from zen_ds.core.host import count_host_reads
+    from zen_ds.sync.fetch import distinct_ids, fetch_rows_flat, fetch_rows_two_hop
+    out: Dict[str, Any] = {}
+    for case in ("aligned", "straddle", "bf16"):
+        table = _table(case)
+        rows, width = table.shape
+        part = -(-table.numel() // world)
+        flat = torch.zeros(part * world, dtype=table.dtype)
+        flat[: table.numel()] = table.reshape(-1)
+        mine = flat[rank * part:(rank + 1) * part].clone()
+        g = torch.Generator().manual_seed(rank)
+        batch = torch.randint(0, rows, (3, 5), generator=g) if rank != 1 else torch.empty(0, dtype=torch.int64)
+        if rank == 0:
+            batch[0, 0], batch[2, 4] = 0, rows - 1  # row 0 and the last row
+        want = table[torch.unique(batch)]
+        for fetch in (fetch_rows_flat, fetch_rows_two_hop):
+            ids, _, live = distinct_ids(batch.reshape(-1))
+            with count_host_reads() as reads:
+                got = fetch(ids, mine, rows, width, live=live)
+            out[f"{case}.{fetch.__name__}"] = (got.shape == want.shape and _bits(got).equal(_bits(want)),
+                                               dict(reads.by_reason))
+    return out
+
+
+def test_distinct_ids_fetch_the_same_rows_and_their_count_rides_in_the_counts():
+    results = run_ranks(WORLD, _distinct_worker)
+    for rank, result in enumerate(results):
+        for key, (exact, reads) in result.items():
+            assert exact, f"rank {rank}, {key}: rows differ from the table's"
+            case, fetch = key.split(".")
+            rows, width = SHAPES[case]
+            straddles = (-(-rows * width // WORLD)) % width != 0
+            counted = reads.get("row_embedding.batch_rows", 0)
+            assert counted == (1 if straddles and fetch == "fetch_rows_flat" else 0), (rank, key, reads)

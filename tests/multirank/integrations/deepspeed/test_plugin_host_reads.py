@@ -32,9 +32,11 @@ Why each read is there:
   read the ids' range again: the forward's lookup checked them, which the gradient's mark says
   (``zen_ds.core.sparse.mark_ids_in_range``). The dense gradient they replace was scanned for
   its non-zero rows by an op whose count read is inside :mod:`zen_ds.ops` (not counted here).
-* ZeRO-3 (embedding at batch cost): the forward's unique ids (``row_embedding.batch_rows``: the
-  fetch's size) and the fetch's count exchange (``fetch.counts``, which also carries every
-  rank's id check: an id outside the table raises on every rank before any row moves); the
+* ZeRO-3 (embedding at batch cost): the forward reads once, the fetch's count exchange
+  (``fetch.counts``), which also carries every rank's id check (an id outside the table raises on
+  every rank before any row moves) and tells the host how many distinct ids the batch has (they
+  are found on the device, ``zen_ds.sync.fetch.distinct_ids``: ``row_embedding.batch_rows``, the
+  read of their count, is gone since session 26); the
   push (DeepSpeed's gradient hook) reads twice: the handshake's records and its count exchange
   (``reduce_scatter_flat.counts``); its rows' ids carry the fetch's check, so their range is not
   read again.
@@ -78,11 +80,11 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/auto": _AGREED,
     "zero2/auto": _AGREED,  # the row gradient's count rides in sparcml's row-count exchange
     "zero0/overlap": _STABLE,
-    "zero3/rows": {"row_embedding.batch_rows": 1, "fetch.counts": 1,  # the forward
+    "zero3/rows": {"fetch.counts": 1,  # the forward (the distinct ids' count rides in it)
                    "agreement.records": 1, "reduce_scatter_flat.counts": 1},  # the hook's push
     # two hops: each with its own records and counts; the second hop's ids are the first hop's
     # sum of checked ids (marked), so no "input.row_range"
-    "zero3/two_hop": {"row_embedding.batch_rows": 1, "fetch.distinct_rows": 1, "fetch.counts": 2,
+    "zero3/two_hop": {"fetch.distinct_rows": 1, "fetch.counts": 2,
                       "agreement.records": 2, "agreement.sketch_rows": 1,
                       "reduce_scatter_flat.counts": 1},
 }
@@ -149,10 +151,10 @@ def test_a_stable_plan_steps_with_two_reads_in_all(counted, case: str) -> None:
 
 def test_the_zero3_hook_reads_twice(counted) -> None:
     """DeepSpeed's gradient hook of a batch-cost embedding (the push to the partition owners):
-    at most 2 reads, the agreement's records and the push's counts; the forward reads twice more
-    (its unique ids and the fetch's counts, which carry the id check)."""
+    at most 2 reads, the agreement's records and the push's counts; the forward reads once more
+    (the fetch's counts, which carry the id check and the number of the batch's distinct ids)."""
     for seen in counted:
         reads = seen["zero3/rows"]["reads"]
         hook = {k: v for k, v in reads.items() if not k.startswith(("row_embedding.", "fetch."))}
         assert sum(hook.values()) <= 2, seen["zero3/rows"]["described"]
-        assert sum(reads.values()) - sum(hook.values()) == 2, seen["zero3/rows"]["described"]
+        assert sum(reads.values()) - sum(hook.values()) == 1, seen["zero3/rows"]["described"]
