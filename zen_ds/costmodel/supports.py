@@ -25,9 +25,15 @@ from zen_ds.core.partition import ShardLayout
 from zen_ds.costmodel.shape import DEFAULT_LATENCY_BYTES, SyncShape
 from zen_ds.costmodel.support import estimate_support
 
-__all__ = ["Supports", "handshake_shape"]
+__all__ = ["Supports", "handshake_shape", "id_dtype"]
 
 _INT32_MAX = 2**31 - 1
+
+
+def id_dtype(num_rows: int) -> torch.dtype:
+    """The dtype :class:`Supports` stores row ids in: int32 where every id fits (half the
+    memory of n x nnz ids), else int64."""
+    return torch.int32 if num_rows <= _INT32_MAX else torch.int64
 
 
 @dataclass
@@ -46,10 +52,10 @@ class Supports:
     @classmethod
     def from_ranks(cls, per_rank: Sequence[torch.Tensor], num_rows: int, row_numel: int,
                    value_bytes: int, seed: int = 0, name: str = "") -> "Supports":
-        id_dtype = torch.int32 if num_rows <= _INT32_MAX else torch.int64
+        dtype = id_dtype(num_rows)
         sizes = torch.tensor([0] + [int(ids.numel()) for ids in per_rank], dtype=torch.int64)
-        ids = torch.cat([ids.to(id_dtype) for ids in per_rank]) if per_rank else \
-            torch.empty(0, dtype=id_dtype)
+        ids = torch.cat([ids.to(dtype) for ids in per_rank]) if per_rank else \
+            torch.empty(0, dtype=dtype)
         return cls(ids, torch.cumsum(sizes, 0), num_rows, row_numel, value_bytes, seed, name)
 
     # ------------------------------------------------------------------ plain sizes

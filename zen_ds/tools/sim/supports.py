@@ -6,25 +6,38 @@ any lossless scheme must deliver (:func:`lossless_bound`).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Dict
 
 import torch
 
-from zen_ds.costmodel.supports import Supports, handshake_shape
+from zen_ds.costmodel.supports import Supports, handshake_shape, id_dtype
 from zen_ds.tools.bench.workloads import Workload
+from zen_ds.tools.sim.packing import IdPacker
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Supports", "LosslessBound", "generate_supports", "handshake_shape", "lossless_bound",
-           "owner_floor"]
+           "owner_floor", "nodes_per_row"]
 
 
 def generate_supports(workload: Workload, world_size: int, seed: int = 0, sync_seed: int = 0
                       ) -> Supports:
-    """Every rank's ids of ``workload`` exactly as the bench generates them (no values)."""
+    """Every rank's ids of ``workload`` exactly as the bench generates them (no values).
+
+    Each rank's ids are copied into large blocks as soon as they are made
+    (:class:`~zen_ds.tools.sim.packing.IdPacker`): keeping the n small id tensors instead
+    fragmented the heap around every rank's transient dense buffers, so memory grew by up to a
+    dense gradient per rank (26 GB at 4096 ranks of top-k), more or less from run to run."""
     value_bytes = torch.empty((), dtype=workload.dtype).element_size()
-    per_rank = [workload.generate_ids(r, world_size, seed) for r in range(world_size)]
-    return Supports.from_ranks(per_rank, workload.num_rows, workload.row_numel, value_bytes,
-                               sync_seed, workload.name)
+    packer = IdPacker(id_dtype(workload.num_rows))
+    for r in range(world_size):
+        packer.add(workload.generate_ids(r, world_size, seed))
+    ids, offsets = packer.finish()
+    logger.debug("%s at %d ranks: %d ids packed", workload.name, world_size, ids.numel())
+    return Supports(ids, offsets, workload.num_rows, workload.row_numel, value_bytes, sync_seed,
+                    workload.name)
 
 
 @dataclass(frozen=True)
@@ -71,9 +84,22 @@ def owner_floor(supports: Supports, ranks_per_node: int = 1) -> float:
     g = -(-n // k)
     if g < 2:
         return 0.0
-    node = torch.repeat_interleave(torch.arange(n) // k, supports.nnz)
-    pairs = torch.unique(supports.ids.to(torch.int64) * g + node)  # (row, node), each once
-    holders = torch.bincount(torch.unique_consecutive(pairs // g, return_counts=True)[1])
+    holders = torch.bincount(nodes_per_row(supports, k))  # [h]: rows held by h nodes
     h = torch.arange(holders.numel(), dtype=torch.float64)
     received = torch.where(h >= 2, g + h - 2, torch.full_like(h, g - 1.0))
     return float((holders[1:].double() * received[1:]).sum()) / g
+
+
+def nodes_per_row(supports: Supports, ranks_per_node: int = 1) -> torch.Tensor:
+    """int64 [num_rows]: how many nodes (``ranks_per_node`` consecutive ranks each) hold each
+    row, counted one node at a time: memory of one table and one node's ids, where pairing
+    every id with its node and sorting them all took ~48 bytes per id (3 GB at 4096 ranks of
+    top-k)."""
+    n, offsets = supports.world_size, supports.offsets
+    held = torch.zeros(supports.num_rows, dtype=torch.int32)
+    for first in range(0, n, ranks_per_node):
+        ids = supports.ids[int(offsets[first]): int(offsets[min(first + ranks_per_node, n)])]
+        # A rank's ids are unique, a node's need not be.
+        rows = ids.to(torch.int64) if ranks_per_node == 1 else torch.unique(ids).to(torch.int64)
+        held[rows] += 1
+    return held.to(torch.int64)
