@@ -20,8 +20,9 @@ mode, with the Python line that made it. This script runs the same work on 2 glo
 A case passes when it has no ``uncounted`` sync. The cases: every scheme's ``sparse_allreduce``
 of a small row-sparse gradient (after 3 warm-up calls; ``balanced`` also at a stable plan through
 ``sync_step``), and one training step of the tiny model of ``test_plugin_host_reads.py`` through
-``zen_ds.initialize`` at ZeRO-0, ZeRO-2 (``"scheme": "balanced"``) and ZeRO-3 (the embedding at
-batch cost), after 4 warm-up steps.
+``zen_ds.initialize`` at ZeRO-0, ZeRO-2 (``"scheme": "balanced"``, ``"agsparse"`` and the default,
+each taking the row gradient's padded rows at a kept plan) and ZeRO-3 (the embedding at batch
+cost, its distinct ids found on the device), after 4 warm-up steps.
 
     python launch/gpu_sync_check.py [--device auto|cuda|cpu] [--out FILE]
 
@@ -48,6 +49,9 @@ WARMUP = 4
 SYNC_WARNING = "called a synchronizing CUDA operation"
 PLUGIN_CASES = {"zero0/balanced": (0, {"enabled": True, "scheme": "balanced", "stats_interval": 0}),
                 "zero2/balanced": (2, {"enabled": True, "scheme": "balanced", "stats_interval": 0}),
+                # the default (sparcml's recursive doubling here) and agsparse: padded rows at a kept plan
+                "zero2/auto": (2, {"enabled": True, "stats_interval": 0}),
+                "zero2/agsparse": (2, {"enabled": True, "scheme": "agsparse", "stats_interval": 0}),
                 "zero3/rows": (3, {"enabled": True, "stats_interval": 0})}
 
 

@@ -24,6 +24,7 @@ CASES: Dict[str, Any] = {
     "zero0/balanced": (0, BALANCED),
     "zero2/balanced": (2, BALANCED),
     "zero2/auto": (2, {"enabled": True, "stats_interval": 0}),
+    "zero2/agsparse": (2, {"enabled": True, "scheme": "agsparse", "stats_interval": 0}),
     "zero3/rows": (3, {"enabled": True, "stats_interval": 0}),
     "zero2/row_sharded": (2, {"enabled": True, "row_sharded": True, "optimizer_state": "sharded",
                               "shard_min_mb": 0, "stats_interval": 0}),
