@@ -27,7 +27,7 @@ import torch
 from zen_ds import ops
 from zen_ds.core.host import host_int, sized
 
-__all__ = ["RowSparse", "PaddedRows", "mark_ids_in_range", "ids_known_in_range", "attach_padded_rows",
+__all__ = ["RowSparse", "PaddedRows", "distinct_ids", "mark_ids_in_range", "ids_known_in_range", "attach_padded_rows",
            "padded_rows_of", "cast_sparse"]
 
 _IDS_BELOW = "_zen_ids_below"  # attribute on an ids tensor: every id lies in [0, this)
@@ -104,6 +104,22 @@ class PaddedRows:
         if ids_known_in_range(self.indices, self.num_rows):
             mark_ids_in_range(coo, self.num_rows)
         return attach_padded_rows(coo, self) if attach else coo
+
+
+def distinct_ids(flat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.unique(flat, sorted=True, return_inverse=True)`` without reading the number of
+    distinct ids back (on a GPU that read drains the stream): ``(ids, inverse, live)``, ``ids`` as
+    long as ``flat``, its first ``live`` (0-dim int64, on the device) the distinct ids ascending
+    and the rest repeats of the last of them (so ``ids`` stays ascending); ``inverse`` as torch's."""
+    bound = flat.numel()
+    if not bound:
+        return flat, flat.clone(), torch.zeros((), dtype=torch.int64, device=flat.device)
+    keys, order = torch.sort(flat)
+    first = torch.ones(bound, dtype=torch.bool, device=flat.device)
+    torch.ne(keys[1:], keys[:-1], out=first[1:])
+    slot = torch.cumsum(first, 0) - 1  # the distinct id each sorted position belongs to
+    inverse = torch.empty_like(slot).scatter_(0, order, slot)
+    return keys[-1:].expand(bound).clone().scatter_(0, slot, keys), inverse, slot[-1] + 1
 
 
 def attach_padded_rows(coo: torch.Tensor, rows: PaddedRows) -> torch.Tensor:

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zen_ds.core.host import bin_counts, sized
-from zen_ds.core.sparse import RowSparse, mark_ids_in_range
+from zen_ds.core.sparse import RowSparse, distinct_ids, mark_ids_in_range
 from zen_ds.core.stats import SyncStats
-from zen_ds.sync.fetch import checked_ids, distinct_ids, fetch_rows_flat
+from zen_ds.sync.fetch import checked_ids, fetch_rows_flat
 
 __all__ = ["RowEmbedding", "unsupported_reason"]
 

@@ -29,7 +29,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-from zen_ds.core.sparse import PaddedRows
+from zen_ds.core.sparse import PaddedRows, distinct_ids
 from zen_ds.features.row_embedding import unsupported_reason
 
 __all__ = ["RowGradEmbedding", "row_grad_blocker", "rows_gradient", "took_handed_rows"]
@@ -69,15 +69,9 @@ def rows_gradient(grad_out: torch.Tensor, ids: torch.Tensor, row_numel: int, pad
     bound = flat.numel()
     # The padding id sorts last (key num_rows): its row is computed, but not live.
     keys = flat if padding_idx is None else flat.masked_fill(flat == padding_idx, num_rows)
-    sorted_keys, order = torch.sort(keys)
-    first = torch.ones(bound, dtype=torch.bool, device=flat.device)
-    torch.ne(sorted_keys[1:], sorted_keys[:-1], out=first[1:])
-    slot = torch.cumsum(first, 0) - 1  # the distinct id each sorted position belongs to
-    inverse = torch.empty_like(slot).scatter_(0, order, slot)
-    distinct = torch.zeros(bound, dtype=torch.int64, device=flat.device).scatter_(0, slot, sorted_keys)
-    live = slot[-1:].sum() + 1 if bound else torch.zeros((), dtype=torch.int64, device=flat.device)
+    distinct, inverse, live = distinct_ids(keys)
     if padding_idx is not None:
-        live = live - (sorted_keys[-1:] == num_rows).sum()
+        live = live - (distinct[-1:] == num_rows).sum()
         distinct = distinct.masked_fill(distinct == num_rows, padding_idx)
     rows = torch.ops.aten.embedding_dense_backward(grad_out.reshape(-1, row_numel), inverse, bound, -1,
                                                    scale_grad_by_freq)

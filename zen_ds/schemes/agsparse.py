@@ -24,7 +24,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.host import host_values
-from zen_ds.core.sparse import PaddedRows, RowSparse, accum_dtype
+from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.costmodel.shape import RING, ByteEstimate, SyncShape, on_links
 from zen_ds.costmodel.supports import Supports
 from zen_ds.costmodel.traffic import Phase, Traffic, per_rank
@@ -41,12 +41,11 @@ class AllGatherSparseScheme(Scheme):
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         n = ctx.world_size
         if ctx.checks is not None:  # a stable plan, no handshake: DeepSpeed's size all-gather
-            mine = (torch.tensor([x.nnz], dtype=torch.int64, device=x.device) if ctx.live_rows is None
-                    else ctx.live_rows.reshape(1).to(torch.int64))
-            sizes, _ = ctx.exchange_counts(mine, True, "agsparse.sizes")
+            sizes, _ = ctx.exchange_counts(ctx.row_count(x), True, "agsparse.sizes")
             ctx.nnz_per_rank = host_values(sizes.flatten())
-            if ctx.live_rows is not None:  # padded rows: the live ones lead, counted in the sizes
-                x = PaddedRows(x.indices, x.values, ctx.live_rows, x.num_rows).head(ctx.nnz_per_rank[ctx.rank])
+            padded = ctx.padded(x)
+            if padded is not None:  # the live rows lead, counted in the sizes
+                x = padded.head(ctx.nnz_per_rank[ctx.rank])
                 ctx.live_rows_seen = x.nnz
         max_nnz = max(ctx.nnz_per_rank)
         row_bytes = x.row_numel * x.values.element_size()

@@ -20,7 +20,7 @@ import torch
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import CHECK_ABORT, HandshakeTable, pack_checks, unpack_checks
 from zen_ds.core.host import to_host
-from zen_ds.core.sparse import RowSparse
+from zen_ds.core.sparse import PaddedRows, RowSparse
 from zen_ds.costmodel.shape import ByteEstimate, SyncShape
 from zen_ds.costmodel.supports import Supports
 from zen_ds.costmodel.traffic import Traffic
@@ -75,6 +75,17 @@ class SyncContext:
     # sets ``live_rows_seen`` to their count once its count message told the host.
     live_rows: Optional[torch.Tensor] = None
     live_rows_seen: Optional[int] = None
+
+    def padded(self, x: RowSparse) -> Optional[PaddedRows]:
+        """``x`` as the padded rows it is (:attr:`live_rows` set), else None."""
+        return None if self.live_rows is None else PaddedRows(x.indices, x.values, self.live_rows, x.num_rows)
+
+    def row_count(self, x: RowSparse) -> torch.Tensor:
+        """This rank's row count for a count message, int64 ``[1]`` on ``x``'s device: the padded
+        rows' live count (no read), else ``x.nnz``."""
+        if self.live_rows is not None:
+            return self.live_rows.reshape(1).to(torch.int64)
+        return torch.tensor([x.nnz], dtype=torch.int64, device=x.device)
 
     def checked_counts(self, words: torch.Tensor) -> torch.Tensor:
         """The counts of a metadata message whose words carried :func:`pack_checks` flags

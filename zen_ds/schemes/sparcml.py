@@ -65,7 +65,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.host import bin_counts, host_list, host_values
-from zen_ds.core.sparse import PaddedRows, RowSparse, accum_dtype
+from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
 from zen_ds.costmodel.support import planning_ranks
@@ -231,7 +231,7 @@ class SparCMLScheme(Scheme):
 
     # ------------------------------------------------------------------ sync
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
-        padded = None if ctx.live_rows is None else PaddedRows(x.indices, x.values, ctx.live_rows, x.num_rows)
+        padded = ctx.padded(x)
         if self.variant(ctx.shape) == RECURSIVE_DOUBLING:
             x = x.coalesce() if padded is None else x
             nnz = self._nnz(x, ctx)  # padded rows: it carries their live count (no read)
@@ -251,9 +251,7 @@ class SparCMLScheme(Scheme):
         the live count of padded rows) from one all-gather."""
         if ctx.checks is None and len(ctx.nnz_per_rank) == ctx.world_size:
             return list(ctx.nnz_per_rank)
-        mine = (torch.tensor([x.nnz], dtype=torch.int64, device=x.device) if ctx.live_rows is None
-                else ctx.live_rows.reshape(1).to(torch.int64))
-        return host_values(ctx.exchange_counts(mine, True, "sparcml.sizes")[0].flatten())
+        return host_values(ctx.exchange_counts(ctx.row_count(x), True, "sparcml.sizes")[0].flatten())
 
     def _recursive_doubling(self, x: RowSparse, ctx: SyncContext, nnz: Sequence[int]
                             ) -> Tuple[torch.Tensor, torch.Tensor]:

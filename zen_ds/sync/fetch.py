@@ -13,7 +13,7 @@ to the same owners.
 A fetch can carry the caller's id check (:func:`checked_ids`) in its count message: an id outside
 the table on any rank then raises the same :class:`~zen_ds.ZenInputError` on every rank before any
 id or row moves, at no collective or read of its own. It can also take the batch's distinct ids
-as :func:`distinct_ids` gives them, their count left on the device (``live``): the count message
+as :func:`zen_ds.core.sparse.distinct_ids` gives them, their count left on the device (``live``): the count message
 then tells the host how many there are (one read fewer per forward).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from zen_ds.core.host import bin_counts, host_bool, host_int, host_list, sized
 from zen_ds.core.partition import shard_layout
 from zen_ds.core.stats import SyncStats
 
-__all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners", "checked_ids", "raise_bad_ids", "distinct_ids"]
+__all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners", "checked_ids", "raise_bad_ids"]
 
 ID_OUTSIDE, NOT_INTEGERS = 1, 2  # the kinds of an id check (0: fine)
 
@@ -49,22 +49,6 @@ def checked_ids(ids: Any, num_rows: int, device: torch.device) -> Tuple[torch.Te
     below, above = low < 0, high >= num_rows
     offending = torch.where(below, low, torch.where(above, high, 0))
     return flat.clamp(0, max(num_rows - 1, 0)), torch.stack([(below | above).to(torch.int64), offending])
-
-
-def distinct_ids(flat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch.unique(flat, sorted=True, return_inverse=True)`` without reading the number of
-    distinct ids back (on a GPU that read drains the stream): ``(ids, inverse, live)``, ``ids`` as
-    long as ``flat``, its first ``live`` (0-dim int64, on the device) the distinct ids ascending
-    and the rest repeats of the last of them (so ``ids`` stays ascending); ``inverse`` as torch's."""
-    bound = flat.numel()
-    if not bound:
-        return flat, flat.clone(), torch.zeros((), dtype=torch.int64, device=flat.device)
-    keys, order = torch.sort(flat)
-    first = torch.ones(bound, dtype=torch.bool, device=flat.device)
-    torch.ne(keys[1:], keys[:-1], out=first[1:])
-    slot = torch.cumsum(first, 0) - 1  # the distinct id each sorted position belongs to
-    inverse = torch.empty_like(slot).scatter_(0, order, slot)
-    return keys[-1:].expand(bound).clone().scatter_(0, slot, keys), inverse, slot[-1] + 1
 
 
 def _live_first(owner: torch.Tensor, live: Optional[torch.Tensor], n: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +153,7 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
     (with its own ids; an empty request is fine). Values are copied bit for bit, signed zeros
     included. ``stats`` gets the bytes this rank sent and received. ``check``: this rank's id
     check (:func:`checked_ids`, the ids of table ``name``), sent with the counts. ``live``: only
-    the first ``live`` ids are wanted (:func:`distinct_ids`'s; ``[live, row_numel]`` rows come
+    the first ``live`` ids are wanted (:func:`~zen_ds.core.sparse.distinct_ids`'s; ``[live, row_numel]`` rows come
     back), their count learnt from the count message where rows sit whole in the partitions.
     """
     comm = Communicator.for_group(group, log_prefix)
@@ -181,11 +165,10 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
     ids = ids.to(device=partition.device, dtype=torch.int64)
     if live is not None and (n == 1 or not row_numel or part % row_numel):  # no count message, or pieces
         ids, live = ids[:host_int(live, "row_embedding.batch_rows")], None
-    out = torch.empty((ids.numel(), row_numel), dtype=partition.dtype, device=partition.device)
     if n == 1:
         if check is not None:
             raise_bad_ids([host_list(check, "fetch.counts")], name, num_rows)
-        out.copy_(_rows_of_partition(partition, ids, row_numel, 0))
+        out = _rows_of_partition(partition, ids, row_numel, 0)  # a new tensor: gathered
         _record(stats, comm, ids, row_numel, partition, 0)
         return out
     dest, pick = row_owners(ids, row_numel, part) if ids.numel() else (ids, None)
@@ -195,7 +178,6 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
                                                 "fetch_rows_flat.counts")
     if live is not None:  # the live ids lead: the count message gave their number
         ids = asked = ids[:sum(send_splits)]
-        out = out[:ids.numel()]
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
     comm.all_to_all_single(requested, asked, recv_splits, send_splits, "fetch_rows_flat.ids")
     answer = _rows_of_partition(partition, requested, row_numel, rank * part, overlapping=True)
@@ -204,6 +186,7 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
     if pick is None:
         out = got  # pieces are whole rows, in the order of ids (owners ascend with the ids)
     else:
+        out = torch.empty((ids.numel(), row_numel), dtype=partition.dtype, device=partition.device)
         column = torch.arange(row_numel, device=ids.device)
         flat = asked.unsqueeze(1) * row_numel + column  # each piece's row, as table elements
         inside = (flat >= (dest * part).unsqueeze(1)) & (flat < ((dest + 1) * part).unsqueeze(1))

@@ -155,13 +155,14 @@ def test_an_id_check_in_the_count_message_raises_on_every_rank_before_rows_move(
 
 
 def _distinct_worker(rank: int, world: int) -> Dict[str, Any]:
-    """Both fetches given a batch's ids as :func:`zen_ds.sync.fetch.distinct_ids` finds them (their
+    """Both fetches given a batch's ids as :func:`zen_ds.core.sparse.distinct_ids` finds them (their
     count on the device, ``live``): the same rows bit for bit as from ``torch.unique``'s ids, and
     where rows sit whole in the partitions no read of that count (the count message carries it);
     where rows straddle, one for the direct fetch (``row_embedding.batch_rows``), none for two hops
     (the first hop, to the hash owners, carries it). Rank 1's batch is empty."""
     from zen_ds.core.host import count_host_reads
-    from zen_ds.sync.fetch import distinct_ids, fetch_rows_flat, fetch_rows_two_hop
+    from zen_ds.core.sparse import distinct_ids
+    from zen_ds.sync.fetch import fetch_rows_flat, fetch_rows_two_hop
     out: Dict[str, Any] = {}
     for case in ("aligned", "straddle", "bf16"):
         table = _table(case)

@@ -1,4 +1,4 @@
-"""``zen_ds.sync.fetch.distinct_ids``: ``torch.unique(sorted=True, return_inverse=True)`` with the
+"""``zen_ds.core.sparse.distinct_ids``: ``torch.unique(sorted=True, return_inverse=True)`` with the
 number of distinct ids left on the device; its first ``live`` ids and its inverse equal torch's,
 the rest repeat the last distinct id (the whole stays ascending)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zen_ds.core.host import count_host_reads
-from zen_ds.sync.fetch import distinct_ids
+from zen_ds.core.sparse import distinct_ids
 
 CASES = {
     "random": torch.randint(0, 50, (64,), generator=torch.Generator().manual_seed(0)),

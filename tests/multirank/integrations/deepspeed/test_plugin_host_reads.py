@@ -35,7 +35,7 @@ Why each read is there:
 * ZeRO-3 (embedding at batch cost): the forward reads once, the fetch's count exchange
   (``fetch.counts``), which also carries every rank's id check (an id outside the table raises on
   every rank before any row moves) and tells the host how many distinct ids the batch has (they
-  are found on the device, ``zen_ds.sync.fetch.distinct_ids``: ``row_embedding.batch_rows``, the
+  are found on the device, ``zen_ds.core.sparse.distinct_ids``: ``row_embedding.batch_rows``, the
   read of their count, is gone since session 26); the
   push (DeepSpeed's gradient hook) reads twice: the handshake's records and its count exchange
   (``reduce_scatter_flat.counts``); its rows' ids carry the fetch's check, so their range is not
