@@ -14,10 +14,12 @@ learning-rate schedule. Inside a PipelineModule (ZeRO-1) each stage owns its own
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zen_ds.integrations.deepspeed.faults import refuse
@@ -30,6 +32,7 @@ from zen_ds.integrations.deepspeed.norms import clip_coefficient
 from zen_ds.integrations.deepspeed.owned_params import OwnedGrads, OwnedParams
 from zen_ds.integrations.deepspeed.route import ReducerRoute
 from zen_ds.integrations.deepspeed.row_grads import RowGrads
+from zen_ds.integrations.deepspeed.sharded import gather_full
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights, tables_saved_elsewhere
 from zen_ds.integrations.deepspeed.saved_state import SavedState
 from zen_ds.integrations.reducer import ZenReducer
@@ -38,6 +41,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from zen_ds.integrations.deepspeed.routes import DeepSpeedSetup, RouteChoice
 
 __all__ = ["OwnedPlan", "plan_owned", "StepsOwnParams", "OwnedRoute"]
+
+logger = logging.getLogger(__name__)
 
 # torch optimizers zen builds for its own params from a ds_config "optimizer" block
 _TORCH_OPTIMIZERS: Dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -197,13 +202,51 @@ class StepsOwnParams:
     owned: OwnedParams
     reducer: ZenReducer
     engine: Any
+    zero_stage: int
+    tables_noted = False  # DeepSpeed's files cannot list the tables: said at the first save
 
     @property
     def tables(self) -> Sequence[RowShardTable]:
         return self.owned.tables
 
+    def owned_weights(self) -> Dict[str, ds_checkpoint.OwnedWeight]:
+        """See :meth:`.route.EngineRoute.owned_weights`: zen's params whole (ZeRO-1/2: the saving
+        rank's file holds them whole); ZeRO-3's row-sharded tables as each rank's flat partition
+        of DeepSpeed's layout (rows to the partitions' owners, each row from the rank that owns
+        it: one row push per table), as ZeRO-3 records a frozen param."""
+        if not self.zero_stage:  # no ZeRO checkpoint, no zero_to_fp32
+            return {}
+        out = {}
+        owned = self.owned
+        for p, master, shard in zip(owned.params, owned.masters, owned.sharded):
+            if shard is None:  # the whole fp32 master (in fp32 training, the param itself)
+                whole = master.detach()
+            elif not owned.half:  # the param holds the master's values
+                whole = p.param.detach()
+            else:  # every rank's fp32 rows (collective: every rank is inside save_checkpoint)
+                whole = gather_full(master.detach(), shard.layout, shard.group, f"zen.{p.name}.save")
+            out[p.name] = ds_checkpoint.OwnedWeight(p.param.shape, whole.view(p.param.shape))
+        if self.tables and self.zero_stage != 3:
+            self._note_tables_not_in_deepspeed_files()
+        elif self.tables:
+            out.update({t.name: ds_checkpoint.OwnedWeight(torch.Size((t.num_rows,) + t.row_shape),
+                                                          t.flat_partition()) for t in self.tables})
+        return out
+
     def describe(self) -> List[str]:
         return self.owned.describe()
+
+    def _note_tables_not_in_deepspeed_files(self) -> None:
+        """ZeRO-1/2 list zen's params whole in one rank's file, and no rank holds a row-sharded
+        table whole: DeepSpeed's files do not list them (said once per engine, by rank 0)."""
+        if self.tables_noted:
+            return
+        self.tables_noted = True
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning("zen: under ZeRO-1/2 the row-sharded tables %s are in zen's checkpoint files only "
+                           "(no rank holds one whole), so DeepSpeed's zero_to_fp32 lacks them; `python -m "
+                           "zen_ds.integrations.deepspeed.offline fp32 CKPT --output FILE` gives every param",
+                           [t.name for t in self.tables])
 
     def zen_norm(self, local: bool = False) -> torch.Tensor:
         """Norm of zen's synced grads in DeepSpeed's loss-scaled units (``local``: this rank's share

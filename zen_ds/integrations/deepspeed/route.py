@@ -26,7 +26,9 @@ from __future__ import annotations
 import logging
 import weakref
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple, \
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Set, \
+    Tuple, \
     Union
 
 import torch
@@ -201,12 +203,31 @@ class EngineRoute(ABC):
         tables that kept their current values."""
         return []
 
+    def owned_weights(self) -> Dict[str, ds_checkpoint.OwnedWeight]:
+        """The params zen steps itself, fp32, as DeepSpeed's model-states file records the params
+        its optimizer does not step (so that DeepSpeed's ``zero_to_fp32`` gives them). Every rank
+        calls it when ``save_checkpoint`` starts (it may gather). None on most routes."""
+        return {}
+
     def _attach_checkpointing(self, engine: Any) -> None:
-        """zen's file next to DeepSpeed's checkpoint; loading honours DeepSpeed's flags."""
+        """zen's file next to DeepSpeed's checkpoint; loading honours DeepSpeed's flags; zen's own
+        params in DeepSpeed's model-states file."""
+        saved: Dict[str, ds_checkpoint.OwnedWeight] = {}
+
+        @contextmanager
+        def saving() -> Iterator[None]:
+            with tables_saved_elsewhere(self.tables):
+                saved.update(self.owned_weights())
+                try:
+                    yield
+                finally:
+                    saved.clear()
+
         ds_checkpoint.add_zen_file(
             engine, save=lambda save_dir, tag: checkpoint.save(self, save_dir, tag, engine.global_rank),
             load=lambda load_dir, tag, flags: checkpoint.load(self, load_dir, tag, engine.global_rank, **flags),
-            saving=lambda: tables_saved_elsewhere(self.tables))
+            saving=saving)
+        ds_checkpoint.add_owned_weights(engine, lambda: dict(saved))
 
 
 class ReducerRoute(EngineRoute):

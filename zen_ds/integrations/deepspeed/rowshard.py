@@ -61,7 +61,7 @@ from zen_ds.integrations.deepspeed.norms import is_one
 from zen_ds.integrations.deepspeed.sharded import gather_full
 from zen_ds.sync.fetch import checked_ids, raise_bad_ids
 from zen_ds.sync.options import SyncOptions
-from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter
+from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter, sparse_reduce_scatter_flat
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,16 @@ class RowShardTable:
         self.shard.data.copy_(weight.to(self.rows.device)[self.rows].to(self.shard.dtype))
         if self.half and self.master is not None:
             self.master.data.copy_(weight.to(self.rows.device)[self.rows].float())
+
+    @torch.no_grad()
+    def flat_partition(self) -> torch.Tensor:
+        """This rank's flat partition of the whole fp32 table in ZeRO-3's layout (rank ``r``:
+        elements ``[r * P, (r + 1) * P)``, ``P = ceil(numel / n)``, zeros past the end), the rows
+        sent by the ranks that own them (collective; for checkpoints, never per step)."""
+        master = self.master if self.master is not None else self.shard
+        rows = RowSparse(self.rows, master.detach().float().reshape((self.shard_size,) + self.row_shape),
+                         self.num_rows)
+        return sparse_reduce_scatter_flat(rows, self.group, log_prefix=f"zen.{self.name}.save")
 
     def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, int]:
         """Bytes this rank holds for the table between steps: shard, master, optimizer state."""

@@ -129,6 +129,8 @@ class Zero3RowShardedRoute(StepsOwnParams, Zero3Route):
     pushes the tables' rows at the step, lets DeepSpeed step (its norm includes theirs), then
     steps their shards with its clip coefficient, loss scale and learning rate."""
 
+    zero_stage = 3
+
     def __init__(self, engine: Any, reducer: ZenReducer, zero3: "Zero3Sync", owned: OwnedParams) -> None:
         super().__init__(engine, reducer, zero3)
         self.owned = owned

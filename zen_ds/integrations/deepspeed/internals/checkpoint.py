@@ -10,7 +10,16 @@ Checked against DeepSpeed 0.19.8. Wraps, on one engine instance:
   its tag file is then ``latest_universal``);
 * ``save_16bit_model`` with ``module_state_dict`` during that call (:func:`add_tables_to_16bit_model`,
   ZeRO-1/2) and ``_zero3_consolidated_16bit_state_dict`` (:func:`add_tables_to_consolidated`,
-  ZeRO-3; Accelerate's ``get_state_dict`` reads it too): the whole row-sharded tables join.
+  ZeRO-3; Accelerate's ``get_state_dict`` reads it too): the whole row-sharded tables join;
+* ``_common_checkpoint_state`` (:func:`add_owned_weights`): the model-states file's
+  ``frozen_param_shapes`` / ``frozen_param_fragments`` also list the params zen steps itself. Those
+  two keys hold the params DeepSpeed's optimizer does not step; ``zero_to_fp32`` adds them to the
+  params it rebuilds from the optimizer files (ZeRO-1/2: rank 0's fragment is the whole param;
+  ZeRO-3: every rank's fragments, concatenated), and DeepSpeed's ``_load_checkpoint`` copies them
+  back only into params without ``requires_grad`` (``is_optimized_parameter``), never into zen's.
+  Where DeepSpeed wrote none (ZeRO-1), zen writes DeepSpeed's own frozen entries too, from the
+  engine's ``_get_zero_frozen_param_attributes`` with ``_get_param_shape_func`` /
+  ``_get_param_fragment_func``, as ZeRO-2 does.
 
 Reads: ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``
 (:func:`zero_checkpoint_fp32`, offline).
@@ -26,19 +35,28 @@ except ``step.pt``, the step itself (:func:`read_universal`, :func:`write_univer
 from __future__ import annotations
 
 import inspect
+import logging
 import os
+from collections import OrderedDict
 from types import SimpleNamespace
-from typing import Any, Callable, ContextManager, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional
 
 import torch
 
-__all__ = ["add_zen_file", "add_tables_to_16bit_model", "add_tables_to_consolidated", "zero_checkpoint_fp32",
+from zen_ds.core.host import to_host
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["add_zen_file", "add_tables_to_16bit_model", "add_tables_to_consolidated", "add_owned_weights",
+           "OwnedWeight", "zero_checkpoint_fp32",
            "convert_to_universal", "universal_keys", "read_universal", "write_universal", "UNIVERSAL_FP32",
            "UNIVERSAL_STEP"]
 
 UNIVERSAL_FP32 = "fp32"  # deepspeed.checkpoint.constants.FP32_WEIGHT_KEY
 UNIVERSAL_STEP = "step"  # stored as the value itself, not as {"param": ...}
 _UNIVERSAL_PARAM, _UNIVERSAL_CAT_DIM = "param", "cat_dim"  # deepspeed.checkpoint.constants.PARAM, CAT_DIM
+# deepspeed.checkpoint.constants.FROZEN_PARAM_SHAPES, FROZEN_PARAM_FRAGMENTS
+_FROZEN_SHAPES, _FROZEN_FRAGMENTS = "frozen_param_shapes", "frozen_param_fragments"
 
 WholeTables = Callable[[], Dict[str, torch.Tensor]]  # every row-sharded table whole (collective)
 
@@ -118,6 +136,57 @@ def add_tables_to_consolidated(engine: Any, whole: WholeTables) -> None:
         return sd
 
     engine._zero3_consolidated_16bit_state_dict = consolidated
+
+
+class OwnedWeight(NamedTuple):
+    """One param zen steps itself, as DeepSpeed's model-states file records a frozen one."""
+
+    shape: torch.Size  # the whole param's
+    fragment: torch.Tensor  # fp32; ZeRO-1/2: the whole param; ZeRO-3: this rank's flat partition
+
+
+def add_owned_weights(engine: Any, weights: Callable[[], Dict[str, OwnedWeight]]) -> None:
+    """ZeRO checkpoints: DeepSpeed's model-states file lists ``weights()`` (called on the ranks
+    that write one, inside ``save_checkpoint``) with its frozen params, so that DeepSpeed's own
+    ``zero_to_fp32`` (the ``zero_to_fp32.py`` it copies into every checkpoint) gives them too.
+
+    ZeRO-1 and ``save_checkpoint(exclude_frozen_parameters=True)`` write no frozen entries: zen then
+    writes DeepSpeed's frozen params there as ZeRO-2 does (its load copies the same values back);
+    excluded ones it leaves out, and then, where the model has frozen params, zen's too (a load
+    would look for the excluded ones there), with a warning naming the way to the whole weights."""
+    orig = engine._common_checkpoint_state
+
+    def common_checkpoint_state(module_state_dict: Any, zero_optimizer_state: bool, save_frozen_param: bool,
+                                *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        state = orig(module_state_dict, zero_optimizer_state, save_frozen_param, *args, **kwargs)
+        owned = weights() if zero_optimizer_state else {}
+        if owned:
+            _add_frozen_entries(engine, state, save_frozen_param, owned)
+        return state
+
+    engine._common_checkpoint_state = common_checkpoint_state
+
+
+def _add_frozen_entries(engine: Any, state: Dict[str, Any], save_frozen_param: bool,
+                        owned: Dict[str, OwnedWeight]) -> None:
+    shapes, fragments = state.get(_FROZEN_SHAPES), state.get(_FROZEN_FRAGMENTS)
+    if shapes is None or fragments is None:
+        excluded = bool(engine.zero_optimization_partition_gradients()) and not save_frozen_param
+        frozen = engine._get_zero_frozen_param_attributes(engine._get_param_shape_func)
+        if excluded and frozen:
+            if engine.global_rank == 0:
+                logger.warning("zen: save_checkpoint(exclude_frozen_parameters=True) leaves the frozen params "
+                               "out of DeepSpeed's files, so zen's own params %s are not there either and "
+                               "DeepSpeed's zero_to_fp32 lacks them; `python -m zen_ds.integrations.deepspeed."
+                               "offline fp32 CKPT --output FILE` gives every param", sorted(owned))
+            return
+        shapes = OrderedDict() if excluded else frozen
+        fragments = OrderedDict() if excluded else engine._get_zero_frozen_param_attributes(
+            engine._get_param_fragment_func)
+    for name, weight in owned.items():
+        shapes[name] = torch.Size(weight.shape)
+        fragments[name] = to_host(weight.fragment.detach().float(), "checkpoint.owned_weight")
+    state[_FROZEN_SHAPES], state[_FROZEN_FRAGMENTS] = shapes, fragments
 
 
 def zero_checkpoint_fp32(checkpoint_dir: str, tag: str) -> Dict[str, torch.Tensor]:
