@@ -29,6 +29,7 @@ from zen_ds.integrations.deepspeed.internals import engine as ds_engine
 from zen_ds.integrations.deepspeed.internals import fp16 as ds_fp16
 from zen_ds.integrations.deepspeed.internals import zero12 as ds_zero12
 from zen_ds.integrations.deepspeed.norms import clip_coefficient
+from zen_ds.integrations.deepspeed.owned_access import expose_owned_params
 from zen_ds.integrations.deepspeed.owned_params import OwnedGrads, OwnedParams
 from zen_ds.integrations.deepspeed.route import ReducerRoute
 from zen_ds.integrations.deepspeed.row_grads import RowGrads
@@ -342,6 +343,14 @@ class OwnedRoute(StepsOwnParams, ReducerRoute):
         opt = engine.optimizer  # a non-finite zen norm makes DeepSpeed's so: the step is skipped
         if not any(fold(opt, self) for fold in (ds_zero12.fold_norm, ds_bf16.fold_norm, ds_fp16.fold_norm)):
             refuse(f"zen cannot fold its gradient norm into {type(opt).__name__}; use ZeRO stage 1/2 or bf16")
+        expose_owned_params(self.owned, self.synced_for_access)
+
+    def synced_for_access(self) -> bool:
+        """This step's synced gradients are there (an overlapped sync whose backward has ended is
+        collected first): what DeepSpeed's ``safe_get_full_grad`` may read."""
+        if not self.reduced_this_step and self.sync.active and self.sync.closed:
+            self.reduce()
+        return self.reduced_this_step
 
     def another_backward(self) -> None:
         if self.zero_stage in (1, 2, 3):

@@ -16,6 +16,7 @@ each listing in its docstring what it reads or wraps; all were checked against D
 * :mod:`.bf16` / :mod:`.fp16`: the half-precision optimizer wrappers;
 * :mod:`.zero3`: the ZeRO-3 optimizer and ``zero.Init``;
 * :mod:`.checkpoint`: the engine's checkpoint and 16-bit export methods, ``zero_to_fp32``;
+* :mod:`.tensor_fragment`: ``deepspeed.utils``' whole-param accessors (``safe_get_full_fp32_param``, ...);
 * :mod:`.comm`: ``deepspeed.comm``'s timer, handed to :mod:`zen_ds.core.comm`.
 
 Porting zen to another DeepSpeed release means re-checking these modules only. Their functions
