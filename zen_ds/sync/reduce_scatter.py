@@ -11,14 +11,18 @@ Per rank the push moves ``(n-1)/n`` of its non-zero rows (each row to its owner 
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from zen_ds import ops
-from zen_ds.core.host import bin_counts, host_list, sized
+from zen_ds.core.comm import Communicator
+from zen_ds.core.handshake import (CHECK_ABORT, CHECK_MISMATCH, CHECK_PROBLEM, pack_checks, same_agreed_fields,
+                                   unpack_checks)
+from zen_ds.core.host import bin_counts, host_values, sized, to_host
+from zen_ds.core.inputs import LocalInput
 from zen_ds.core.partition import ShardLayout, shard_layout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats
@@ -26,12 +30,12 @@ from zen_ds.core.wire import as_bytes, view_as
 from zen_ds.schemes.agsparse import AllGatherSparseScheme
 from zen_ds.schemes.balanced import BalancedScheme, push
 from zen_ds.schemes.base import SyncContext
-from zen_ds.sync.agreement import agree
+from zen_ds.sync.agreement import agree, prepare
 from zen_ds.sync.allreduce import local_rows
 from zen_ds.sync.fetch import row_owners
 from zen_ds.sync.options import SyncOptions, default_options
 
-__all__ = ["sparse_reduce_scatter", "sparse_reduce_scatter_flat", "shard_rows"]
+__all__ = ["sparse_reduce_scatter", "sparse_reduce_scatter_flat", "KeptAgreement", "shard_rows"]
 
 
 def shard_rows(layout: ShardLayout, rank: int, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
@@ -100,11 +104,30 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     return shard
 
 
+@dataclass
+class KeptAgreement:
+    """What the handshake agreed for a tensor pushed again and again (a ZeRO-3 table's rows
+    gradient, every step), held by the caller and handed to every push of it.
+
+    The first push runs the handshake and keeps this rank's record of it; the next ones run none:
+    each rank's check flags (its input unusable, or its record no longer the agreed one) ride in
+    the count message every push exchanges anyway (:func:`zen_ds.core.handshake.pack_checks`),
+    which every rank reads in full, so every rank takes the same branch: where a flag is set, no
+    row has moved yet and every rank runs the handshake, which raises the same error on every
+    rank, or agrees again. One device-to-host read per push instead of two."""
+
+    record: Optional[torch.Tensor] = None
+    fields: Optional[object] = None
+    numel: int = 0  # the agreed tensor's elements and row width: the count message's size
+    width: int = 0
+
+
 def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optional[dist.ProcessGroup] = None, *,
                                partition_numel: Optional[int] = None, prescale: float = 1.0,
                                postscale: float = 1.0, out_dtype: Optional[torch.dtype] = None,
                                options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
-                               log_prefix: str = "zen", dense_fallback: bool = False) -> Optional[torch.Tensor]:
+                               log_prefix: str = "zen", dense_fallback: bool = False,
+                               kept: Optional[KeptAgreement] = None) -> Optional[torch.Tensor]:
     """This rank's contiguous flat partition of the sum over ``group``, with only the non-zero
     rows on the wire: ZeRO-3's gradient layout, where rank ``r`` owns the row-major elements
     ``[r * P, (r + 1) * P)`` of the whole tensor (``P = partition_numel``, default
@@ -123,19 +146,30 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
     when the rows would move more bytes than a ring reduce-scatter of the dense tensor; the
     caller then runs that one (``stats.scheme`` is ``"dense_reduce_scatter"``, its bytes those of
     the handshake plus that ring's, ``nnz_result`` the summed row counts: an upper bound).
+    ``kept``: the same tensor's :class:`KeptAgreement` (not with ``dense_fallback``, which needs
+    every rank's count up front).
     """
     opts = options if options is not None else default_options()
+    scaling = (prescale, postscale, out_dtype, stats)
+    if kept is not None and kept.record is not None and not dense_fallback:
+        prep = prepare(x, None, group, AllGatherSparseScheme.name, False, opts, prescale, postscale,
+                       log_prefix, fields_only=True)
+        n = prep.comm.world_size
+        flags = CHECK_PROBLEM if prep.problems else (
+            0 if same_agreed_fields(prep.record, kept.record, prep.fields, kept.fields) else CHECK_MISMATCH)
+        part = _partition(partition_numel, kept.numel, n)
+        out = _push(prep.comm, None if flags else prep.local, kept.numel, kept.width, part, *scaling,
+                    flags=flags, device=prep.device)
+        if out is not None:
+            return out
+        kept.record = None  # some rank's flag: no row moved, and the handshake decides (below)
     # a handshake without sketches (agsparse's): the counts alone decide the fallback
     comm, local, table = agree(x, None, group, AllGatherSparseScheme.name, False, opts, prescale,
                                postscale, log_prefix)
-    comm.scheme = "reduce_scatter_flat"
     n, rank = comm.world_size, comm.rank
     width = local.row_numel
     numel = local.num_rows * width
-    part = int(partition_numel) if partition_numel is not None else -(-numel // n)
-    if part * n < numel:
-        raise ValueError(f"partition_numel {part} x {n} ranks < {numel} elements: the partitions must cover "
-                         "the tensor")
+    part = _partition(partition_numel, numel, n)
     if dense_fallback and n > 1:
         # Bytes the busiest rank sends: its rows (id + values, most of them to other ranks)
         # against the (n-1)/n of the padded tensor a ring reduce-scatter sends from every rank.
@@ -151,20 +185,51 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
                 stats.num_rows, stats.row_numel, stats.world_size = local.num_rows, width, n
                 stats.dense_bytes = numel * local.dtype.itemsize
             return None
-    rs = local_rows(local, float(prescale))
-    acc = accum_dtype(rs.dtype)
-    device = rs.values.device
-    out = torch.zeros(part, dtype=acc, device=device)
+    if kept is not None and n > 1 and numel and width:  # the agreed record, for the next pushes
+        kept.record, kept.fields = table.table[rank].clone(), None
+        kept.numel, kept.width = numel, width
+    return _push(comm, local, numel, width, part, *scaling)
+
+
+def _partition(partition_numel: Optional[int], numel: int, n: int) -> int:
+    part = int(partition_numel) if partition_numel is not None else -(-numel // n)
+    if part * n < numel:
+        raise ValueError(f"partition_numel {part} x {n} ranks < {numel} elements: the partitions must cover "
+                         "the tensor")
+    return part
+
+
+def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: int, part: int, prescale: float,
+          postscale: float, out_dtype: Optional[torch.dtype], stats: Optional[SyncStats],
+          flags: Optional[int] = None, device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+    """The push of :func:`sparse_reduce_scatter_flat` (``local`` None: this rank sends no rows;
+    ``device``: where its count message lives then).
+    ``flags`` (a kept agreement): this rank's check flags ride in the count message; None is
+    returned, on every rank alike, where any rank's abort the push before any row moved."""
+    comm.scheme = "reduce_scatter_flat"
+    n, rank = comm.world_size, comm.rank
+    rs = local_rows(local, float(prescale)) if local is not None else None
+    device = rs.values.device if rs is not None else device
+    recv_rows = 0
+    out: Optional[torch.Tensor] = None
     if width and numel:
-        ids = rs.indices.to(torch.int64)
-        dest, pick = row_owners(ids, width, part)  # rows over a boundary go to each owner
-        order = torch.argsort(dest, stable=True)
-        rows = pick[order] if pick is not None else order
-        send_counts = bin_counts(dest, n)
-        recv_counts = torch.empty_like(send_counts)
-        comm.all_to_all_single(recv_counts, send_counts, [1] * n, [1] * n, "reduce_scatter_flat.counts")
-        send_splits, recv_splits = host_list(torch.stack([send_counts, recv_counts]),
-                                             "reduce_scatter_flat.counts")
+        if rs is not None:
+            ids = rs.indices.to(torch.int64)
+            dest, pick = row_owners(ids, width, part)  # rows over a boundary go to each owner
+            order = torch.argsort(dest, stable=True)
+            rows = pick[order] if pick is not None else order
+            send_counts = bin_counts(dest, n)
+        else:
+            send_counts = torch.zeros(n, dtype=torch.int64, device=device)
+        words = send_counts if flags is None else pack_checks(send_counts, flags)
+        recv_words = torch.empty_like(words)
+        comm.all_to_all_single(recv_words, words, [1] * n, [1] * n, "reduce_scatter_flat.counts")
+        both = to_host(torch.stack([send_counts, recv_words]), "reduce_scatter_flat.counts")
+        recv_counts, seen = unpack_checks(both[1]) if flags is not None else (both[1], 0)
+        if seen & CHECK_ABORT or rs is None:
+            return None  # (rs is None only with a flag of its own, so every rank returns here)
+        send_splits, recv_splits = host_values(both[0]), host_values(recv_counts)
+        out = torch.zeros(part, dtype=accum_dtype(rs.dtype), device=device)
         values = rs.values_2d().index_select(0, rows)
         send = torch.cat([as_bytes(ids.index_select(0, rows)), as_bytes(values)], dim=1)
         received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=device)
@@ -174,8 +239,10 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
         got_values = view_as(received[:, 8:], rs.dtype).reshape(-1, width)
         _add_rows_into_partition(out, got_ids, got_values, width, rank * part)
         recv_rows = int(got_ids.numel())
-    else:
-        recv_rows = 0
+    elif rs is None:
+        return None
+    if out is None:
+        out = torch.zeros(part, dtype=accum_dtype(rs.dtype), device=device)
     if postscale != 1.0:
         out.mul_(float(postscale))
     end = numel - rank * part  # elements of this partition that are real (the rest is padding)

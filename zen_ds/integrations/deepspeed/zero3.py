@@ -195,7 +195,7 @@ class Zero3Sync:
                 if rows is None:
                     raise RuntimeError(f"zen: DeepSpeed handed over {p.name}'s gradient, but no backward went "
                                        "through its embedding's forward")
-                out = self.rows.push(rows, group, partition_numel, out_dtype, prescale, postscale, st,
+                out = self.rows.push(param, rows, group, partition_numel, out_dtype, prescale, postscale, st,
                                      p.log_prefix)
                 self.rows.add_fetch_bytes(param, st)  # the forwards' fetches, after the push's own count
                 st.seconds = time.perf_counter() - started

@@ -32,7 +32,7 @@ from zen_ds.integrations.params import is_vocab_parallel_embedding
 from zen_ds.integrations.reducer import ZenParam
 from zen_ds.sync.fetch import fetch_rows_flat, fetch_rows_two_hop
 from zen_ds.sync.options import SyncOptions
-from zen_ds.sync.reduce_scatter import sparse_reduce_scatter, sparse_reduce_scatter_flat
+from zen_ds.sync.reduce_scatter import KeptAgreement, sparse_reduce_scatter, sparse_reduce_scatter_flat
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class EmbeddingRows:
         self.two_hop = two_hop
         self.options = options
         self.warned: set = set()
+        # each table's push agreement, kept from step to step (its handshake runs once)
+        self.kept: Dict[int, KeptAgreement] = {key: KeptAgreement() for key in tables}
 
     @classmethod
     def install(cls, engine: Any, model: nn.Module, params: Sequence[ZenParam], enabled: bool,
@@ -117,10 +119,11 @@ class EmbeddingRows:
                            "and its gradient is dense; zen syncs that gradient's non-zero rows (set "
                            '"embedding_rows": false to skip the batch-cost path for it)', table.name)
 
-    def push(self, rows: RowSparse, group: Optional[dist.ProcessGroup], partition_numel: int,
+    def push(self, param: torch.Tensor, rows: RowSparse, group: Optional[dist.ProcessGroup], partition_numel: int,
              out_dtype: torch.dtype, prescale: float, postscale: float, stats: SyncStats,
              log_prefix: str) -> torch.Tensor:
-        """This rank's partition of the scaled sum over ``group`` of the rows' gradients."""
+        """This rank's partition of the scaled sum over ``group`` of the rows' gradients of
+        ``param``'s table (its push's agreement kept from step to step)."""
         if self.two_hop:
             mid = sparse_reduce_scatter(rows, group, prescale=prescale, options=self.options, stats=stats,
                                         log_prefix=log_prefix, as_rows=True)
@@ -136,7 +139,7 @@ class EmbeddingRows:
             return out
         return sparse_reduce_scatter_flat(rows, group, partition_numel=partition_numel, prescale=prescale,
                                           postscale=postscale, out_dtype=out_dtype, options=self.options,
-                                          stats=stats, log_prefix=log_prefix)
+                                          stats=stats, log_prefix=log_prefix, kept=self.kept[id(param)])
 
 
 def _lookup_blocker(module: nn.Module) -> str:
