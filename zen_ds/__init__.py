@@ -39,7 +39,7 @@ from zen_ds.sync.options import (
                                  set_cost_model,
                                  set_default_options,
 )
-from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter, sparse_reduce_scatter_flat
+from zen_ds.sync.reduce_scatter import KeptAgreement, shard_rows, sparse_reduce_scatter, sparse_reduce_scatter_flat
 
 __version__ = "0.1.0"
 
@@ -55,6 +55,7 @@ def __getattr__(name: str) -> object:
 __all__ = ["RowSparse", "sparse_allreduce", "last_sync_stats", "SCHEMES", "scheme_names",
            "SyncStats", "ZenError",
            "SyncOptions", "default_options", "set_default_options", "ZenSyncError", "ZenInputError",
-           "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "sparse_reduce_scatter_flat", "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
+           "ShardLayout", "owner", "shard_rows", "sparse_reduce_scatter", "sparse_reduce_scatter_flat", "KeptAgreement",
+           "CostModel", "set_cost_model", "INDEX_ENCODINGS", "__version__",
            "initialize", "attach", "state_of", "enable", "disable", "full_state_dict", "ZenReductionError",
            "ZenConfig", "ZenConfigError", "release_result_buffers"]

@@ -205,7 +205,7 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
     """The push of :func:`sparse_reduce_scatter_flat` (``local`` None: this rank sends no rows;
     ``device``: where its count message lives then).
     ``flags`` (a kept agreement): this rank's check flags ride in the count message; None is
-    returned, on every rank alike, where any rank's abort the push before any row moved."""
+    returned, on every rank alike, where any rank's flags abort the push (before any row moved)."""
     comm.scheme = "reduce_scatter_flat"
     n, rank = comm.world_size, comm.rank
     rs = local_rows(local, float(prescale)) if local is not None else None
