@@ -54,7 +54,8 @@ class EmbeddingRows:
         self.two_hop = two_hop
         self.options = options
         self.warned: set = set()
-        # each table's push agreement, kept from step to step (its handshake runs once)
+        # each table's push agreement (two hops: the second hop's), kept from step to step (its
+        # handshake runs once)
         self.kept: Dict[int, KeptAgreement] = {key: KeptAgreement() for key in tables}
 
     @classmethod
@@ -134,7 +135,7 @@ class EmbeddingRows:
             out = sparse_reduce_scatter_flat(second, group,
                                              partition_numel=partition_numel, postscale=postscale,
                                              out_dtype=out_dtype, options=self.options, stats=hop,
-                                             log_prefix=log_prefix)
+                                             log_prefix=log_prefix, kept=self.kept[id(param)])
             _add_bytes(stats, hop)
             return out
         return sparse_reduce_scatter_flat(rows, group, partition_numel=partition_numel, prescale=prescale,

@@ -42,8 +42,9 @@ Why each read is there:
   riding in that count message since (session 27; before, the handshake's records were read too,
   every step); its rows' ids carry the fetch's check, so their range is not read again.
 * ZeRO-3 with ``"embedding_fetch": "two_hop"`` (through each row's hash owner): the fetch reads
-  both hops' counts and the hash owners' distinct rows; the push's two hops read their
-  handshakes' records (the first its sketch rows too) and the second its counts. The second hop
+  both hops' counts and the hash owners' distinct rows; the push's first hop reads its
+  handshake's records and sketch rows, the second its counts (its agreement kept from step to
+  step, as the direct push's). The second hop
   takes the first hop's sum, whose ids every rank's check passed, marked in range
   (``mark_ids_in_range``): their range is not read (``input.row_range``) again.
 """
@@ -83,11 +84,11 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/overlap": _STABLE,
     "zero3/rows": {"fetch.counts": 1,  # the forward (the distinct ids' count rides in it)
                    "reduce_scatter_flat.counts": 1},  # the hook's push (its checks ride in it)
-    # two hops: each with its own records and counts; the second hop's ids are the first hop's
-    # sum of checked ids (marked), so no "input.row_range"
+    # two hops: the first with its records, the second with its counts (kept); the second's ids
+    # are the first hop's sum of checked ids (marked), so no "input.row_range"
     "zero3/two_hop": {"fetch.distinct_rows": 1, "fetch.counts": 2,
-                      "agreement.records": 2, "agreement.sketch_rows": 1,
-                      "reduce_scatter_flat.counts": 1},
+                      "agreement.records": 1, "agreement.sketch_rows": 1,  # the first hop's
+                      "reduce_scatter_flat.counts": 1},  # the second hop's (its agreement kept)
 }
 
 
