@@ -29,7 +29,7 @@ from zen_ds.core.stats import SyncStats
 from zen_ds.integrations.config import ZenConfig
 from zen_ds.sync.allreduce import sync_tensor
 from zen_ds.sync.options import SyncOptions, ZenInputError, default_options
-from zen_ds.sync.reduce_scatter import sparse_reduce_scatter
+from zen_ds.sync.reduce_scatter import KeptAgreement, sparse_reduce_scatter
 from zen_ds.sync.step import StepCall, StepPlans, sync_step
 
 logger = logging.getLogger(__name__)
@@ -139,6 +139,8 @@ class ZenReducer:
         # --- bookkeeping: optimizer steps synced so far, and the last step's per-param cost
         self.step = 0
         self.plans = StepPlans()  # the step agreement's stable plans and scratch, step to step
+        # sharded params' reduce-scatter agreements, kept step to step (their handshake runs once)
+        self.kept_shards: Dict[str, KeptAgreement] = {}
         # (sync keys) -> (the options they were put on, the result): see _options
         self._derived_options: Dict[Tuple[Any, ...], Tuple[SyncOptions, SyncOptions]] = {}
         self.last_stats: Dict[str, ParamStats] = {}
@@ -218,14 +220,15 @@ class ZenReducer:
         if grad is None:
             x = RowSparse.empty(p.param.shape[0], tuple(p.param.shape[1:]), dtype=comm_dtype,
                                 device=p.param.device)
-        elif grad.is_sparse:
-            x = RowSparse.from_coo(cast_sparse(grad, comm_dtype))
+        elif grad.is_sparse:  # as COO: zen's padded rows stay padded (a kept push takes them whole)
+            x = cast_sparse(grad, comm_dtype)
         elif grad.dtype == comm_dtype:
             x = RowSparse.from_dense(grad)
         else:  # the wire dtype differs: scale once, in fp32, while casting
             x, before = RowSparse.from_dense(self._wire(p, grad, before)), 1.0
         return sparse_reduce_scatter(x, group, seed=p.shard.seed, prescale=before, postscale=after,
-                                     options=self._options(), stats=stats, log_prefix=p.log_prefix)
+                                     options=self._options(), stats=stats, log_prefix=p.log_prefix,
+                                     kept=self.kept_shards.setdefault(p.name, KeptAgreement()))
 
     # ---------------------------------------------------------------------- the step
     @torch.no_grad()

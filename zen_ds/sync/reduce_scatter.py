@@ -11,26 +11,27 @@ Per rank the push moves ``(n-1)/n`` of its non-zero rows (each row to its owner 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from zen_ds import ops
 from zen_ds.core.comm import Communicator
-from zen_ds.core.handshake import (CHECK_ABORT, CHECK_MISMATCH, CHECK_PROBLEM, pack_checks, same_agreed_fields,
-                                   unpack_checks)
+from zen_ds.core.handshake import (CHECK_ABORT, CHECK_MISMATCH, CHECK_PROBLEM, HandshakeTable, pack_checks,
+                                   same_agreed_fields, unpack_checks)
 from zen_ds.core.host import bin_counts, host_values, sized, to_host
-from zen_ds.core.inputs import LocalInput
+from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.partition import ShardLayout, shard_layout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats
 from zen_ds.core.wire import as_bytes, view_as
 from zen_ds.schemes.agsparse import AllGatherSparseScheme
-from zen_ds.schemes.balanced import BalancedScheme, push
-from zen_ds.schemes.base import SyncContext
-from zen_ds.sync.agreement import agree, prepare
+from zen_ds.schemes.balanced import BalancedScheme, Pushed, push
+from zen_ds.schemes.base import StalePlan, SyncContext
+from zen_ds.sync.agreement import Prepared, agree, prepare
 from zen_ds.sync.allreduce import local_rows
 from zen_ds.sync.fetch import row_owners
 from zen_ds.sync.options import SyncOptions, default_options
@@ -49,7 +50,8 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
                           seed: Optional[int] = None, prescale: float = 1.0, postscale: float = 1.0,
                           options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
                           log_prefix: str = "zen", as_rows: bool = False,
-                          positions: bool = False) -> Union[torch.Tensor, RowSparse]:
+                          positions: bool = False, kept: Optional[KeptAgreement] = None
+                          ) -> Union[torch.Tensor, RowSparse]:
     """The sum over ``group`` of this rank's shard of rows, as a dense ``[shard_size, *row_shape]``
     tensor in ``x``'s dtype (rows nobody sent are zero), or with ``as_rows`` only the rows some
     rank sent, as a :class:`RowSparse` over the whole table (global row ids, in shard order), or
@@ -64,23 +66,36 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     is cast back, as :func:`zen_ds.sparse_allreduce` does. ``options`` (default:
     :func:`zen_ds.default_options`) are the sync options every rank must agree on (the handshake
     checks them); ``seed``, when given, overrides their seed. The shard's rows are
-    ``shard_rows(ShardLayout(num_rows, world_size, seed), rank)`` for that seed.
+    ``shard_rows(ShardLayout(num_rows, world_size, seed), rank)`` for that seed. ``kept``: the
+    same tensor's :class:`KeptAgreement` (its push then takes padded rows as they are).
     """
     opts = options if options is not None else default_options()
     if seed is not None and isinstance(opts, SyncOptions):
         opts = replace(opts, seed=seed)
     seed = opts.seed if isinstance(opts, SyncOptions) else 0
-    # balanced's handshake (its owner counts are the push's splits)
-    comm, local, table = agree(x, None, group, BalancedScheme.name, False, opts, prescale,
-                               postscale, log_prefix)
-    comm.scheme = "reduce_scatter"
+    done = None
+    if kept is not None and kept.record is not None:  # no handshake: the checks ride in the push's counts
+        prep = prepare(x, None, group, BalancedScheme.name, False, opts, prescale, postscale, log_prefix,
+                       fields_only=True, keep_padding=True)
+        flags = kept.flags(prep)
+        comm, local = prep.comm, (kept.no_rows(prep.device) if flags else prep.local)
+        ctx = SyncContext(comm, seed, None, "auto", checks=flags, live_rows=local.live)
+        try:
+            done = _pushed(comm, local_rows(local, float(prescale)), ctx, seed)
+        except StalePlan:  # every rank saw a flag in the same message: no row moved
+            kept.record = None
+    if done is None:  # balanced's handshake (its owner counts are the push's splits)
+        comm, local, table = agree(x, None, group, BalancedScheme.name, False, opts, prescale,
+                                   postscale, log_prefix)
+        rows = local_rows(local, float(prescale))
+        owner_counts = table.owner_counts if comm.world_size > 1 and rows.num_rows and rows.row_numel else None
+        ctx = SyncContext(comm, seed, None, "auto",
+                          owner_counts=None if owner_counts is None else owner_counts.to(rows.device))
+        done = _pushed(comm, rows, ctx, seed)
+        if kept is not None:
+            kept.keep(table, comm.rank, local)
+    x, layout, pushed = done
     n, rank = comm.world_size, comm.rank
-    x = local_rows(local, float(prescale))
-    layout = shard_layout(x.num_rows, n, seed)
-    owner_counts = table.owner_counts if n > 1 and x.num_rows and x.row_numel else None
-    ctx = SyncContext(comm, seed, None, "auto",
-                      owner_counts=None if owner_counts is None else owner_counts.to(x.device))
-    pushed = push(x, ctx, layout, "reduce_scatter")
     recv_offsets, recv_values = pushed.recv_offsets, pushed.recv_values
     rows, sums = ops.aggregate(recv_offsets, recv_values, accum_dtype(x.dtype), n)  # n: -0.0 rule
     if postscale != 1.0:
@@ -88,7 +103,8 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
     if stats is not None:
         stats.scheme = "reduce_scatter"
         stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
-        stats.nnz_local, stats.nnz_result = int(x.indices.numel()), int(rows.numel())
+        sent = ctx.live_rows_seen if ctx.live_rows_seen is not None else int(x.indices.numel())
+        stats.nnz_local, stats.nnz_result = sent, int(rows.numel())
         stats.num_rows, stats.row_numel, stats.world_size = x.num_rows, x.row_numel, n
         stats.dense_bytes = x.num_rows * x.row_numel * x.values.element_size()
         stats.collectives = list(comm.records)
@@ -106,20 +122,53 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
 
 @dataclass
 class KeptAgreement:
-    """What the handshake agreed for a tensor pushed again and again (a ZeRO-3 table's rows
-    gradient, every step), held by the caller and handed to every push of it.
+    """What the handshake agreed for a tensor reduce-scattered again and again (a ZeRO-3 table's
+    rows gradient, a sharded param's gradient: every step), held by the caller and handed to
+    every call for it (:func:`sparse_reduce_scatter`, :func:`sparse_reduce_scatter_flat`).
 
-    The first push runs the handshake and keeps this rank's record of it; the next ones run none:
-    each rank's check flags (its input unusable, or its record no longer the agreed one) ride in
-    the count message every push exchanges anyway (:func:`zen_ds.core.handshake.pack_checks`),
-    which every rank reads in full, so every rank takes the same branch: where a flag is set, no
-    row has moved yet and every rank runs the handshake, which raises the same error on every
-    rank, or agrees again. One device-to-host read per push instead of two."""
+    The first call runs the handshake and keeps the agreed record; the next ones run none: each
+    rank's check flags (its input unusable, or its record no longer the agreed one) ride in the
+    count message the push exchanges (:func:`zen_ds.core.handshake.pack_checks`), which every
+    rank reads in full, so every rank takes the same branch: where a flag is set, no row has moved
+    yet and every rank runs the handshake, which raises the same error on every rank, or agrees
+    again. One device-to-host read per call (the counts) instead of the handshake's."""
 
     record: Optional[torch.Tensor] = None
     fields: Optional[object] = None
-    numel: int = 0  # the agreed tensor's elements and row width: the count message's size
-    width: int = 0
+    shape: Tuple[int, ...] = ()  # the agreed tensor's: a rank with a flag joins with no rows of it
+    dtype: torch.dtype = torch.float32
+
+    def keep(self, table: HandshakeTable, rank: int, local: LocalInput) -> None:
+        """Keep this rank's record of a handshake that passed (every rank's agreed fields are
+        these), where there is a count message to carry the checks later (rows, a width, peers)."""
+        if table.world_size > 1 and local.num_rows and local.row_numel:
+            self.record, self.fields = table.table[rank].clone(), None
+            self.shape, self.dtype = (local.num_rows,) + tuple(local.row_shape), local.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) if self.shape else 0
+
+    @property
+    def width(self) -> int:
+        return math.prod(self.shape[1:])
+
+    def flags(self, prep: Prepared) -> int:
+        """This rank's check flags against the kept record."""
+        if prep.problems:
+            return CHECK_PROBLEM
+        return 0 if same_agreed_fields(prep.record, self.record, prep.fields, self.fields) else CHECK_MISMATCH
+
+    def no_rows(self, device: torch.device) -> LocalInput:
+        """An input of the agreed shape without rows, for a rank whose own is not sent."""
+        return inspect_input(RowSparse.empty(self.shape[0], self.shape[1:], dtype=self.dtype, device=device),
+                             None, None)
+
+
+def _pushed(comm: Communicator, x: RowSparse, ctx: SyncContext, seed: int) -> Tuple[RowSparse, ShardLayout, Pushed]:
+    comm.scheme = "reduce_scatter"
+    layout = shard_layout(x.num_rows, comm.world_size, seed)
+    return x, layout, push(x, ctx, layout, "reduce_scatter")
 
 
 def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optional[dist.ProcessGroup] = None, *,
@@ -155,8 +204,7 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
         prep = prepare(x, None, group, AllGatherSparseScheme.name, False, opts, prescale, postscale,
                        log_prefix, fields_only=True)
         n = prep.comm.world_size
-        flags = CHECK_PROBLEM if prep.problems else (
-            0 if same_agreed_fields(prep.record, kept.record, prep.fields, kept.fields) else CHECK_MISMATCH)
+        flags = kept.flags(prep)
         part = _partition(partition_numel, kept.numel, n)
         out = _push(prep.comm, None if flags else prep.local, kept.numel, kept.width, part, *scaling,
                     flags=flags, device=prep.device)
@@ -185,9 +233,8 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
                 stats.num_rows, stats.row_numel, stats.world_size = local.num_rows, width, n
                 stats.dense_bytes = numel * local.dtype.itemsize
             return None
-    if kept is not None and n > 1 and numel and width:  # the agreed record, for the next pushes
-        kept.record, kept.fields = table.table[rank].clone(), None
-        kept.numel, kept.width = numel, width
+    if kept is not None:  # the agreed record, for the next pushes
+        kept.keep(table, rank, local)
     return _push(comm, local, numel, width, part, *scaling)
 
 

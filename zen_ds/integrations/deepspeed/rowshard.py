@@ -61,7 +61,7 @@ from zen_ds.integrations.deepspeed.norms import is_one
 from zen_ds.integrations.deepspeed.sharded import gather_full
 from zen_ds.sync.fetch import checked_ids, raise_bad_ids
 from zen_ds.sync.options import SyncOptions
-from zen_ds.sync.reduce_scatter import shard_rows, sparse_reduce_scatter, sparse_reduce_scatter_flat
+from zen_ds.sync.reduce_scatter import KeptAgreement, shard_rows, sparse_reduce_scatter, sparse_reduce_scatter_flat
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ class RowShardTable:
         self.restart = False
         self.stats = RowShardStats()
         self.last_stats = RowShardStats()
+        self.kept_push = KeptAgreement()  # the push's agreement, step to step
         # --- module state dicts without the table: > 0 inside zen's own saves (they add the whole
         # table or keep the rows in zen's file); otherwise the first one is logged (once)
         self.saved_elsewhere = 0
@@ -312,7 +313,7 @@ class RowShardTable:
         st = SyncStats()
         out = sparse_reduce_scatter(x, self.group, seed=self.layout.seed, prescale=prescale, postscale=postscale,
                                     options=options, stats=st, log_prefix=f"zen.{self.name}.push",
-                                    positions=True)
+                                    positions=True, kept=self.kept_push)
         self._note_transient(x.indices, x.values, out.indices, out.values)
         self.synced = RowSparse(out.indices, out.values.float(), out.num_rows, coalesced=True)
         self.stats.pushed_rows += int(x.indices.numel())

@@ -30,7 +30,7 @@ from torch import nn
 
 from zen_ds import ops
 from zen_ds.core.comm import Communicator
-from zen_ds.core.host import host_list, sized
+from zen_ds.core.host import host_list
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.wire import as_bytes, view_as
 from zen_ds.sync.reduce_scatter import shard_rows
@@ -115,11 +115,12 @@ class ShardedRows:
         row_numel = math.prod(param.shape[1:])  # explicit: a rank may own no rows at all
         flat_new = new.reshape(self.shard_size, row_numel)
         changed = (flat_new != param.data[self.rows].reshape(self.shard_size, row_numel)).any(dim=1)
-        changed_rows = sized(torch.nonzero(changed), "gather.changed_rows").flatten()
+        # every rank's changed-row count in one all-gather, counted on the device: one read tells
+        # the host every count, its own included (nonzero_static then needs no size read)
         counts = torch.empty(self.world_size, dtype=torch.int64, device=param.device)
-        comm.all_gather_into_tensor(counts, torch.tensor([changed_rows.numel()], dtype=torch.int64,
-                                                         device=param.device), "counts")
+        comm.all_gather_into_tensor(counts, changed.sum(dtype=torch.int64).reshape(1), "counts")
         per_rank = host_list(counts, "gather.counts")
+        changed_rows = torch.nonzero_static(changed, size=per_rank[self.rank]).flatten()
         row_bytes = flat_new.shape[1] * param.element_size()
         rows_bytes = max(per_rank) * (row_bytes + 8) * self.world_size
         dense_bytes = self.max_rows * row_bytes * self.world_size

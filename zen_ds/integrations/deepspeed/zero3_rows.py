@@ -54,9 +54,10 @@ class EmbeddingRows:
         self.two_hop = two_hop
         self.options = options
         self.warned: set = set()
-        # each table's push agreement (two hops: the second hop's), kept from step to step (its
+        # each table's push agreement (two hops: each hop's), kept from step to step (its
         # handshake runs once)
         self.kept: Dict[int, KeptAgreement] = {key: KeptAgreement() for key in tables}
+        self.kept_first_hop: Dict[int, KeptAgreement] = {key: KeptAgreement() for key in tables}
 
     @classmethod
     def install(cls, engine: Any, model: nn.Module, params: Sequence[ZenParam], enabled: bool,
@@ -127,7 +128,7 @@ class EmbeddingRows:
         ``param``'s table (its push's agreement kept from step to step)."""
         if self.two_hop:
             mid = sparse_reduce_scatter(rows, group, prescale=prescale, options=self.options, stats=stats,
-                                        log_prefix=log_prefix, as_rows=True)
+                                        log_prefix=log_prefix, as_rows=True, kept=self.kept_first_hop[id(param)])
             hop = SyncStats()
             # The first hop's sum holds ids every rank's range check passed (it raises on every
             # rank otherwise): the second hop does not read their range again.

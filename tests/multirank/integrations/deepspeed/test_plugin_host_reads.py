@@ -42,9 +42,13 @@ Why each read is there:
   riding in that count message since (session 27; before, the handshake's records were read too,
   every step); its rows' ids carry the fetch's check, so their range is not read again.
 * ZeRO-3 with ``"embedding_fetch": "two_hop"`` (through each row's hash owner): the fetch reads
-  both hops' counts and the hash owners' distinct rows; the push's first hop reads its
-  handshake's records and sketch rows, the second its counts (its agreement kept from step to
-  step, as the direct push's). The second hop
+  both hops' counts and the hash owners' distinct rows; the push's two hops read their counts
+  (their agreements kept from step to step, as the direct push's).
+* ZeRO-2 with sharded optimizer state (``"optimizer_state": "sharded"``, what ``auto`` picks for
+  a table of ``shard_min_mb`` or more): 2 reads, the reduce-scatter's counts (its agreement kept,
+  the row gradient's padded rows taken whole: ``input.live_rows``, ``agreement.records`` and
+  ``agreement.sketch_rows`` gone in session 27) and the updated rows' all-gather counts (every
+  rank's changed-row count, counted on the device; ``gather.changed_rows`` gone). The second hop
   takes the first hop's sum, whose ids every rank's check passed, marked in range
   (``mark_ids_in_range``): their range is not read (``input.row_range``) again.
 """
@@ -71,6 +75,7 @@ CASES: Dict[str, Any] = {
     "zero0/auto": (0, AUTO),
     "zero2/auto": (2, AUTO),
     "zero0/overlap": (0, dict(BALANCED, overlap=True)),
+    "zero2/sharded": (2, dict(AUTO, optimizer_state="sharded", shard_min_mb=0)),
     "zero3/rows": (3, AUTO),
     "zero3/two_hop": (3, dict(AUTO, embedding_fetch="two_hop")),
 }
@@ -84,11 +89,13 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/overlap": _STABLE,
     "zero3/rows": {"fetch.counts": 1,  # the forward (the distinct ids' count rides in it)
                    "reduce_scatter_flat.counts": 1},  # the hook's push (its checks ride in it)
-    # two hops: the first with its records, the second with its counts (kept); the second's ids
-    # are the first hop's sum of checked ids (marked), so no "input.row_range"
+    # two hops, each reading its counts (their agreements kept); the second's ids are the first
+    # hop's sum of checked ids (marked), so no "input.row_range"
     "zero3/two_hop": {"fetch.distinct_rows": 1, "fetch.counts": 2,
-                      "agreement.records": 1, "agreement.sketch_rows": 1,  # the first hop's
-                      "reduce_scatter_flat.counts": 1},  # the second hop's (its agreement kept)
+                      "reduce_scatter.counts": 1, "reduce_scatter_flat.counts": 1},  # each hop's (kept)
+    # sharded optimizer state (what "auto" picks for a large table): the reduce-scatter to the
+    # rows' owners, its agreement kept (the padded rows whole), and the updated rows' all-gather
+    "zero2/sharded": {"reduce_scatter.counts": 1, "gather.counts": 1},
 }
 
 
