@@ -55,7 +55,7 @@ from torch import nn
 from zen_ds.core.comm import Communicator
 from zen_ds.core.host import bin_counts, host_list, sized
 from zen_ds.core.partition import ShardLayout
-from zen_ds.core.sparse import RowSparse
+from zen_ds.core.sparse import RowSparse, mark_ids_in_range
 from zen_ds.core.stats import SyncStats
 from zen_ds.integrations.deepspeed.norms import is_one
 from zen_ds.integrations.deepspeed.sharded import gather_full
@@ -305,11 +305,13 @@ class RowShardTable:
         if self._ids is None:
             x = RowSparse(torch.empty(0, dtype=torch.int64, device=self.rows.device),
                           torch.empty((0,) + self.row_shape, dtype=wire, device=self.rows.device), self.num_rows)
-        elif wire == torch.float32:
-            x = RowSparse(self._ids, self._sums, self.num_rows, coalesced=True)
-        else:  # the wire dtype differs: scale once, in fp32, while casting (as the reducer does)
-            x = RowSparse(self._ids, (self._sums * prescale).to(wire), self.num_rows, coalesced=True)
-            prescale = 1.0
+        else:  # the lookups checked every id (raising on every rank otherwise): not read again
+            ids = mark_ids_in_range(self._ids, self.num_rows)
+            if wire == torch.float32:
+                x = RowSparse(ids, self._sums, self.num_rows, coalesced=True)
+            else:  # the wire dtype differs: scale once, in fp32, while casting (as the reducer does)
+                x = RowSparse(ids, (self._sums * prescale).to(wire), self.num_rows, coalesced=True)
+                prescale = 1.0
         st = SyncStats()
         out = sparse_reduce_scatter(x, self.group, seed=self.layout.seed, prescale=prescale, postscale=postscale,
                                     options=options, stats=st, log_prefix=f"zen.{self.name}.push",

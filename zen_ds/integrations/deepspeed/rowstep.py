@@ -80,7 +80,7 @@ def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Opti
             logger.info("zen: %s steps %s with the whole shard's dense gradient (row blocks are used only "
                         "for the element-wise torch optimizers %s)", type(optimizer).__name__, name,
                         ", ".join(c.__name__ for c in ELEMENTWISE))
-        _step_with(optimizer, master, _dense_rows(master, grad, 0, total))
+        _step_with(optimizer, master, _dense_rows(master, grad, 0, total, 0, grad.indices.numel()))
         return
     group, slot = _place(optimizer, master)
     full = optimizer.state.setdefault(master, {})
@@ -90,13 +90,17 @@ def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Opti
     fresh = not full
     before = dict(full)  # every block starts from the step's state (a step count advances once)
     size = block_rows(total, grad.indices.numel(), master[0].numel() if total else 1)
-    for start in range(0, total, max(size, 1)):
-        stop = min(start + size, total)
+    edges = list(range(0, total, max(size, 1))) + [total]
+    # where each block's pushed rows start and end, every block's in one read
+    cuts = host_list(torch.searchsorted(grad.indices, torch.tensor(edges, dtype=grad.indices.dtype,
+                                                                   device=grad.indices.device)),
+                     "rowstep.block_rows")
+    for block, (start, stop) in enumerate(zip(edges[:-1], edges[1:])):
         view = nn.Parameter(master.data[start:stop], requires_grad=master.requires_grad)
         optimizer.state[view] = {} if fresh else {k: _block_of(v, start, stop, total) for k, v in before.items()}
         group["params"][slot] = view
         try:
-            _step_with(optimizer, view, _dense_rows(master, grad, start, stop))
+            _step_with(optimizer, view, _dense_rows(master, grad, start, stop, cuts[block], cuts[block + 1]))
         finally:
             group["params"][slot] = master
             stepped = optimizer.state.pop(view, {})
@@ -111,11 +115,10 @@ def _place(optimizer: torch.optim.Optimizer, master: nn.Parameter) -> Tuple[Dict
     raise RuntimeError("zen: a row-sharded table's master is not in zen's optimizer")
 
 
-def _dense_rows(master: torch.Tensor, grad: RowSparse, start: int, stop: int) -> torch.Tensor:
-    """The gradient of rows ``[start, stop)``, dense: zeros and the pushed rows among them."""
+def _dense_rows(master: torch.Tensor, grad: RowSparse, start: int, stop: int, lo: int, hi: int) -> torch.Tensor:
+    """The gradient of rows ``[start, stop)``, dense: zeros and the pushed rows among them (the
+    pushed rows ``[lo, hi)``)."""
     out = torch.zeros((stop - start,) + tuple(master.shape[1:]), dtype=master.dtype, device=master.device)
-    bounds = torch.tensor([start, stop], dtype=grad.indices.dtype, device=grad.indices.device)
-    lo, hi = host_list(torch.searchsorted(grad.indices, bounds), "rowstep.block_rows")
     if hi > lo:
         out.index_copy_(0, grad.indices[lo:hi] - start, grad.values[lo:hi].to(master.dtype))
     return out

@@ -48,7 +48,12 @@ Why each read is there:
   a table of ``shard_min_mb`` or more): 2 reads, the reduce-scatter's counts (its agreement kept,
   the row gradient's padded rows taken whole: ``input.live_rows``, ``agreement.records`` and
   ``agreement.sketch_rows`` gone in session 27) and the updated rows' all-gather counts (every
-  rank's changed-row count, counted on the device; ``gather.changed_rows`` gone). The second hop
+  rank's changed-row count, counted on the device; ``gather.changed_rows`` gone).
+* ZeRO-2 with row-sharded tables (``"row_sharded"``): 4 reads (13 in session 26): the lookup's
+  distinct ids and fetch counts, the push's counts (``agreement.records``,
+  ``agreement.sketch_rows`` and ``input.row_range`` gone: its agreement kept, its ids marked
+  checked by the lookup) and the row-block step's block bounds, one read for all blocks (it was
+  one per block, 9 here). The second hop
   takes the first hop's sum, whose ids every rank's check passed, marked in range
   (``mark_ids_in_range``): their range is not read (``input.row_range``) again.
 """
@@ -76,6 +81,7 @@ CASES: Dict[str, Any] = {
     "zero2/auto": (2, AUTO),
     "zero0/overlap": (0, dict(BALANCED, overlap=True)),
     "zero2/sharded": (2, dict(AUTO, optimizer_state="sharded", shard_min_mb=0)),
+    "zero2/row_sharded": (2, dict(AUTO, row_sharded=True, shard_min_mb=0)),
     "zero3/rows": (3, AUTO),
     "zero3/two_hop": (3, dict(AUTO, embedding_fetch="two_hop")),
 }
@@ -96,6 +102,11 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     # sharded optimizer state (what "auto" picks for a large table): the reduce-scatter to the
     # rows' owners, its agreement kept (the padded rows whole), and the updated rows' all-gather
     "zero2/sharded": {"reduce_scatter.counts": 1, "gather.counts": 1},
+    # row-sharded tables: the lookup's distinct ids and its fetch counts, the push's counts (its
+    # agreement kept, its ids marked checked by the lookup), the row-block step's bounds (one read
+    # for every block)
+    "zero2/row_sharded": {"row_shard.unique_ids": 1, "row_shard.fetch_counts": 1, "reduce_scatter.counts": 1,
+                          "rowstep.block_rows": 1},
 }
 
 
