@@ -94,6 +94,25 @@ class PaddedRows:
             return self
         return PaddedRows(self.indices, self.values.to(dtype), self.live, self.num_rows)
 
+    def plus(self, other: "PaddedRows") -> "PaddedRows":
+        """The sum of two sets of padded rows (two micro-steps' row gradients) as padded rows of
+        both bounds, the distinct live ids found on the device (no read): each id's values are
+        ``self``'s plus ``other``'s, in that order, what a dense accumulation adds."""
+        n = self.num_rows
+        keys = torch.cat([self.indices.masked_fill(~self.live_mask(), n),
+                          other.indices.masked_fill(~other.live_mask(), n)])
+        distinct, inverse, live = distinct_ids(keys)  # padding sorts last, under the key n
+        live = live - (distinct[-1:] == n).sum()
+        values = torch.cat([self.values, other.values])
+        sums = torch.full_like(values, -0.0).index_add_(0, inverse, values)  # -0.0: the additive identity
+        padding = torch.arange(keys.numel(), device=keys.device) >= live
+        some_id = torch.where(live > 0, distinct[:1], self.indices[:1])  # in range either way
+        distinct = torch.where(padding, some_id, distinct)
+        sums.masked_fill_(padding.view((-1,) + (1,) * (sums.dim() - 1)), -0.0)
+        if ids_known_in_range(self.indices, n) and ids_known_in_range(other.indices, n):
+            mark_ids_in_range(distinct, n)
+        return PaddedRows(distinct, sums, live, n)
+
     def to_coo(self, attach: bool = True) -> torch.Tensor:
         """Every row, padding included, as an uncoalesced COO tensor (the same gradient as the
         live rows, see the class) with the ids' range mark, and (``attach``) carrying this

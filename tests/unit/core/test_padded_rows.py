@@ -93,3 +93,31 @@ def test_the_moved_count_on_the_device_is_the_host_decision(planned: int) -> Non
             continue
         flag = int(moved_flag(torch.tensor(count), planned))
         assert bool(flag) == count_moved(count, planned), (count, planned, low, high)
+
+
+@pytest.mark.parametrize("a_ids, b_ids", [([2, 5, 9], [5, 11]), ([0, 39], [0, 39]), ([], [3, 4]), ([6], []),
+                                          ([], []), ([1, 2, 3], [7, 8, 9])])
+def test_two_micro_steps_add_up_as_padded_rows_without_a_read(a_ids, b_ids) -> None:
+    """``plus``: the sum of both as padded rows (the live ones first, unique and ascending, then
+    -0.0 rows under an id in range), bit for bit what coalescing both COO tensors gives, the
+    count on the device; identical, disjoint, empty and row 0 / last row supports."""
+    a, b = _padded(a_ids or [4], extra=2, seed=1), _padded(b_ids or [4], extra=3, seed=2)
+    if not a_ids:  # no live row: every row is padding (-0.0 under an id in range)
+        a = PaddedRows(a.indices, torch.full_like(a.values, -0.0), torch.tensor(0), NUM_ROWS)
+    if not b_ids:
+        b = PaddedRows(b.indices, torch.full_like(b.values, -0.0), torch.tensor(0), NUM_ROWS)
+    with count_host_reads() as reads:
+        both = a.plus(b)
+    assert not reads.by_reason
+    want = (a.trimmed("test").to_coo() + b.trimmed("test").to_coo()).coalesce()
+    live = both.trimmed("test")
+    assert torch.equal(live.indices, want.indices()[0])
+    assert torch.equal(live.values.view(torch.int32), want.values().view(torch.int32))
+    assert both.indices.numel() == a.indices.numel() + b.indices.numel()
+    padding = ~both.live_mask()
+    assert ((both.indices >= 0) & (both.indices < NUM_ROWS)).all() and ids_known_in_range(both.indices, NUM_ROWS)
+    assert (both.values[padding] == 0).all() and torch.signbit(both.values[padding]).all()
+    if live.nnz:  # the padding rows sit under a live id and add -0.0: nothing
+        summed = both.to_coo().coalesce()
+        assert torch.equal(summed.indices()[0], live.indices)
+        assert torch.equal(summed.values().view(torch.int32), live.values.view(torch.int32))

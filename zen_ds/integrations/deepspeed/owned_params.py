@@ -118,8 +118,14 @@ class OwnedParams:
                         piece = grad if grad.is_coalesced() else sized(grad.coalesce(), "owned.coalesce_grad")
                         piece = torch.sparse_coo_tensor(piece.indices(), piece.values().float(), piece.shape,
                                                         is_coalesced=True)
-                    # a second micro-step's sum holds every entry of both (padding adds -0.0)
-                    self.accum[i] = piece if self.accum[i] is None else self.accum[i] + piece
+                    earlier = self.accum[i]
+                    if earlier is None:
+                        self.accum[i] = piece
+                    elif padded_rows_of(earlier) is not None and padded_rows_of(piece) is not None:
+                        # micro-steps' row gradients: summed as padded rows, their count on the device
+                        self.accum[i] = padded_rows_of(earlier).plus(padded_rows_of(piece)).to_coo()
+                    else:  # every entry of both (padding adds -0.0), coalesced for the sync (a read)
+                        self.accum[i] = earlier + piece
                 elif self.accum[i] is None:
                     self.accum[i] = grad.detach().float().clone()
                 else:

@@ -7,7 +7,9 @@ The model has one table (``padding_idx``, whose id the batches hold, and ``scale
 with two, the cost model joins their syncs to the step's agreement rather than send two count
 messages) and a head, ``"scheme"`` each of the three (``auto`` picks ``sparcml``'s recursive
 doubling here in fp32, ``agsparse`` in bf16), ``"handshake": "auto"`` (plans kept between steps), one micro-batch per
-step (two would sum the gradients, which then go through the sync trimmed), clipping that binds.
+step, and in two cases several (gradient accumulation: the micro-steps' padded rows are summed as
+padded rows, their distinct ids found on the device, ``PaddedRows.plus``; until session 27 their
+sum was coalesced with a read and its ids checked with another), clipping that binds.
 Checked against the dense-gradient path (``"embedding_rows": false``, the same scheme and
 handshake): parameters bit for bit at ZeRO-1 and ZeRO-2 in fp32, and in bf16 (the gradient cast
 to the communication dtype); the late steps ran a kept plan with padded rows (no
@@ -35,19 +37,20 @@ VOCAB, WIDTH = 512, 8
 MICRO, TOKENS, DISTINCT, WIDE, STEPS, CLIP = 8, 32, 96, 172, 8, 0.05
 NARROW_AT = 6  # this step's batch has a few distinct ids only: its count moves, the plans re-plan
 COUNTED_AT = 5  # a step with kept plans, whose reads are recorded
-# case -> (ZeRO stage, precision, scheme)
+# case -> (ZeRO stage, precision, scheme[, micro-batches per step])
 CASES = {"z2_fp32": (2, "fp32", "balanced"), "z1_fp32": (1, "fp32", "balanced"), "z2_bf16": (2, "bf16", "balanced"),
          "z2_fp32_sparcml": (2, "fp32", "sparcml"), "z2_bf16_sparcml": (2, "bf16", "sparcml"),
-         "z1_fp32_agsparse": (1, "fp32", "agsparse"), "z2_bf16_agsparse": (2, "bf16", "agsparse")}
+         "z1_fp32_agsparse": (1, "fp32", "agsparse"), "z2_bf16_agsparse": (2, "bf16", "agsparse"),
+         "z2_fp32_sparcml_gas3": (2, "fp32", "sparcml", 3), "z1_bf16_gas2": (1, "bf16", "balanced", 2)}
 # a kept plan's reads per step: the count message (checks and live count in it), balanced's pull headers
 KEPT_READS = {"balanced": {"balanced.counts": 1, "balanced.pull_headers": 1}, "sparcml": {"sparcml.sizes": 1},
               "agsparse": {"agsparse.sizes": 1}}
 
 
-def _config(zero: int, precision: str, rows: bool, scheme: str) -> Dict[str, Any]:
+def _config(zero: int, precision: str, rows: bool, scheme: str, gas: int = 1) -> Dict[str, Any]:
     cfg: Dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-        "train_batch_size": MICRO * WORLD, "gradient_clipping": CLIP, "steps_per_print": 10_000,
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+        "train_batch_size": MICRO * WORLD * gas, "gradient_clipping": CLIP, "steps_per_print": 10_000,
         "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": zero},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         "zen": {"enabled": True, "stats_interval": 0, "scheme": scheme, "handshake": "auto",
@@ -95,13 +98,15 @@ def _train(rank: int, config: Dict[str, Any]) -> Dict[str, Any]:
     plans = zen_ds.state_of(engine).reducer.plans
     reads: Dict[str, int] = {}
     kept, replanned, schemes = [], 0, []  # kept: per step, the plans kept from the step before
+    gas = int(config["gradient_accumulation_steps"])
     for step in range(STEPS):
-        ids, labels = _batch(g, step, rank)
         kept.append(sorted(plans.stable))
         before = plans.replans
         with count_host_reads() as counted:
-            engine.backward(engine(ids, labels))
-            engine.step()
+            for _ in range(gas):
+                ids, labels = _batch(g, step, rank)
+                engine.backward(engine(ids, labels))
+                engine.step()
         schemes.append(zen_ds.state_of(engine).reducer.last_stats["table.weight"].scheme)
         if step == COUNTED_AT:
             reads = dict(counted.by_reason)
@@ -119,9 +124,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     jobs: Dict[str, Any] = {}
-    for name, (zero, precision, scheme) in CASES.items():
+    for name, (zero, precision, scheme, *gas) in CASES.items():
         for path, rows in (("on", True), ("off", False)):
-            jobs[f"{name}/{path}"] = lambda z=zero, p=precision, r=rows, s=scheme: _train(rank, _config(z, p, r, s))
+            jobs[f"{name}/{path}"] = lambda z=zero, p=precision, r=rows, s=scheme, a=gas: _train(
+                rank, _config(z, p, r, s, *a))
     return dc.run_jobs(jobs)
 
 
