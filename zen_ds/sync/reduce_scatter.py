@@ -166,6 +166,8 @@ class KeptAgreement:
 
 
 def _pushed(comm: Communicator, x: RowSparse, ctx: SyncContext, seed: int) -> Tuple[RowSparse, ShardLayout, Pushed]:
+    """Balanced's push of ``x`` to its rows' owners (its splits from ``ctx``'s owner counts, or its
+    own count message carrying ``ctx``'s checks)."""
     comm.scheme = "reduce_scatter"
     layout = shard_layout(x.num_rows, comm.world_size, seed)
     return x, layout, push(x, ctx, layout, "reduce_scatter")
