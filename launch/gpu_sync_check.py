@@ -52,6 +52,9 @@ PLUGIN_CASES = {"zero0/balanced": (0, {"enabled": True, "scheme": "balanced", "s
                 # the default (sparcml's recursive doubling here) and agsparse: padded rows at a kept plan
                 "zero2/auto": (2, {"enabled": True, "stats_interval": 0}),
                 "zero2/agsparse": (2, {"enabled": True, "scheme": "agsparse", "stats_interval": 0}),
+                # sharded optimizer state: the kept reduce-scatter, the all-gather's device-side counts
+                "zero2/sharded": (2, {"enabled": True, "optimizer_state": "sharded", "shard_min_mb": 0,
+                                      "stats_interval": 0}),
                 "zero3/rows": (3, {"enabled": True, "stats_interval": 0})}
 
 

@@ -78,7 +78,8 @@ def test_the_sync_check_runs_every_case_on_cpu(tmp_path):
     import zen_ds
     cases = {f"sparse_allreduce/{s}" for s in ["auto"] + list(zen_ds.scheme_names())} | {
         "sync_step/balanced", "training_step/zero0/balanced", "training_step/zero2/balanced",
-        "training_step/zero2/auto", "training_step/zero2/agsparse", "training_step/zero3/rows"}
+        "training_step/zero2/auto", "training_step/zero2/agsparse", "training_step/zero2/sharded",
+        "training_step/zero3/rows"}
     for rank in ("0", "1"):
         got = report["ranks"][rank]
         assert set(got) == cases, set(got) ^ cases

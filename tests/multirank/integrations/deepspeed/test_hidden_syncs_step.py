@@ -2,8 +2,9 @@
 model of ``test_plugin_host_reads.py``): every op of zen's that would make a GPU's host wait
 (:class:`cuda_syncs.CudaSyncOps`, recorded on CPU on the step's main thread) is a read that
 :mod:`zen_ds.core.host` counts, or one of DeepSpeed's own. ZeRO-0/2 with ``balanced`` and the
-default block, ZeRO-3 with the embedding at batch cost, ZeRO-2 row-sharded, ZeRO-0 with top-k
-compression and with DS-Sync (``"shuffle"``). Shown failing with
+default block, ZeRO-3 with the embedding at batch cost, ZeRO-2 row-sharded, with sharded optimizer
+state and with 3 micro-batches per step, ZeRO-0 with top-k compression and with DS-Sync
+(``"shuffle"``). Shown failing with
 ``torch.bincount`` in the ZeRO-3 fetch and push (it reads its input's min and max on CUDA).
 """
 from __future__ import annotations
@@ -32,6 +33,10 @@ CASES: Dict[str, Any] = {
                        "compression": {"type": "topk", "density": 0.05, "min_numel": 16, "warmup_steps": 0}}),
     "zero0/shuffle": (0, {"enabled": True, "stats_interval": 0,
                           "shuffle": {"group_size": 2, "mode": "gradients", "full_sync_every": 0, "seed": 5}}),
+    # sharded optimizer state (its kept reduce-scatter, the updated rows' all-gather) and
+    # gradient accumulation (micro-steps' row gradients summed as padded rows): session 27
+    "zero2/sharded": (2, {"enabled": True, "optimizer_state": "sharded", "shard_min_mb": 0, "stats_interval": 0}),
+    "zero2/gas3": (2, {"enabled": True, "stats_interval": 0}, 3),
 }
 
 
@@ -48,16 +53,19 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
 
     deepspeed.init_distributed(dist_backend="gloo")
     out: Dict[str, Any] = {}
-    for case, (zero, zen) in CASES.items():
+    for case, (zero, zen, *more) in CASES.items():
+        gas = more[0] if more else 1  # micro-batches per optimizer step
         torch.manual_seed(0)
         model = dc.TinyEmbeddingModel()
+        config = dc.tiny_config(zero, world, zen)
+        config.update(gradient_accumulation_steps=gas, train_batch_size=config["train_batch_size"] * gas)
         engine, *_ = zen_ds.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-                                       config=dc.tiny_config(zero, world, zen))
+                                       config=config)
         batches = dc.tiny_batches(rank)
-        dc.tiny_steps(engine, batches, 4)
+        dc.tiny_steps(engine, batches, 4 * gas)
         mode = CudaSyncOps()
         with mode:
-            dc.tiny_steps(engine, batches, 1, 4)
+            dc.tiny_steps(engine, batches, gas, 4 * gas)
         route = zen_ds.state_of(engine).route
         out[case] = (dict(mode.kinds), dict(mode.uncounted), route.name,
                      [t.name for t in getattr(route, "tables", None) or ()])
