@@ -55,7 +55,7 @@ from torch import nn
 from zen_ds.core.comm import Communicator
 from zen_ds.core.host import bin_counts, host_list, sized
 from zen_ds.core.partition import ShardLayout
-from zen_ds.core.sparse import RowSparse, mark_ids_in_range
+from zen_ds.core.sparse import RowSparse, distinct_ids, mark_ids_in_range
 from zen_ds.core.stats import SyncStats
 from zen_ds.integrations.deepspeed.norms import is_one
 from zen_ds.integrations.deepspeed.sharded import gather_full
@@ -225,13 +225,16 @@ class RowShardTable:
         n = self.world_size
         flat, check = checked_ids(ids, self.num_rows, self.rows.device)
         device = self.rows.device
-        uniq, inverse = sized(torch.unique(flat, sorted=True, return_inverse=True), "row_shard.unique_ids")
+        # the distinct ids found on the device (their count rides in the read below); the padding
+        # after the first ``live`` of them goes to a bucket past the owners and sorts last
+        uniq, inverse, live = distinct_ids(flat)
         positions = self.layout.positions(uniq)
-        owners = self.layout.owner_of_positions(positions)
+        padding = torch.arange(uniq.numel(), device=device) >= live
+        owners = self.layout.owner_of_positions(positions).masked_fill(padding, n)
         order = torch.argsort(owners, stable=True)
-        starts = torch.tensor(self.layout.starts[:-1], dtype=torch.int64, device=device)
+        starts = torch.tensor(self.layout.starts[:-1] + [0], dtype=torch.int64, device=device)
         want = (positions - starts[owners]).index_select(0, order).to(self.layout.id_dtype)
-        counts = bin_counts(owners, n)
+        counts = bin_counts(owners, n + 1)[:n]
         # counts to each owner plus this rank's id check, to every rank: one all-to-all
         meta = torch.cat([counts.unsqueeze(1), check.expand(n, 2)], dim=1)
         peers = torch.empty_like(meta)
@@ -243,6 +246,8 @@ class RowShardTable:
         raise_bad_ids([received[3 * r + 1:3 * r + 3] for r in range(n)], self.name, self.num_rows,
                       " (every id must be in [0, num_embeddings); nothing was fetched, the group stays usable)")
         recv_counts = received[0::3]
+        distinct = sum(send_counts)
+        uniq, want, order = uniq[:distinct], want[:distinct], order[:distinct]
         asked = torch.empty(sum(recv_counts), dtype=want.dtype, device=device)
         comm.all_to_all_single(asked, want, recv_counts, send_counts, "ids")
         served = self.shard.detach().index_select(0, asked.to(torch.int64))

@@ -49,8 +49,9 @@ Why each read is there:
   the row gradient's padded rows taken whole: ``input.live_rows``, ``agreement.records`` and
   ``agreement.sketch_rows`` gone in session 27) and the updated rows' all-gather counts (every
   rank's changed-row count, counted on the device; ``gather.changed_rows`` gone).
-* ZeRO-2 with row-sharded tables (``"row_sharded"``): 4 reads (13 in session 26): the lookup's
-  distinct ids and fetch counts, the push's counts (``agreement.records``,
+* ZeRO-2 with row-sharded tables (``"row_sharded"``): 3 reads (13 in session 26): the lookup's
+  fetch counts (the distinct ids found on the device, ``distinct_ids``, their count riding in
+  them: ``row_shard.unique_ids`` gone), the push's counts (``agreement.records``,
   ``agreement.sketch_rows`` and ``input.row_range`` gone: its agreement kept, its ids marked
   checked by the lookup) and the row-block step's block bounds, one read for all blocks (it was
   one per block, 9 here). The second hop
@@ -102,11 +103,10 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     # sharded optimizer state (what "auto" picks for a large table): the reduce-scatter to the
     # rows' owners, its agreement kept (the padded rows whole), and the updated rows' all-gather
     "zero2/sharded": {"reduce_scatter.counts": 1, "gather.counts": 1},
-    # row-sharded tables: the lookup's distinct ids and its fetch counts, the push's counts (its
-    # agreement kept, its ids marked checked by the lookup), the row-block step's bounds (one read
-    # for every block)
-    "zero2/row_sharded": {"row_shard.unique_ids": 1, "row_shard.fetch_counts": 1, "reduce_scatter.counts": 1,
-                          "rowstep.block_rows": 1},
+    # row-sharded tables: the lookup's fetch counts (the distinct ids' count rides in them), the
+    # push's counts (its agreement kept, its ids marked checked by the lookup), the row-block
+    # step's bounds (one read for every block)
+    "zero2/row_sharded": {"row_shard.fetch_counts": 1, "reduce_scatter.counts": 1, "rowstep.block_rows": 1},
 }
 
 

@@ -3,9 +3,9 @@ on 3 gloo ranks, against ``F.embedding`` on the whole table: the same output and
 each owner's rows of the gradient summed over the ranks, with ``padding_idx`` (present on some
 ranks, absent on another), ``scale_grad_by_freq``, an empty batch on one rank and a repeated id.
 
-The lookup reads the device twice (:mod:`zen_ds.core.host`): the unique ids' count, and one read
-of the fetch's count message, which carries the splits both ways, every rank's id check and the
-padding row's slot. A bad id (or a float tensor) on one rank raises the same ``ZenInputError`` on
+The lookup reads the device once (:mod:`zen_ds.core.host`): the fetch's count message, which
+carries the splits both ways (their sum is the number of distinct ids, found on the device: no
+read of their own since session 27), every rank's id check and the padding row's slot. A bad id (or a float tensor) on one rank raises the same ``ZenInputError`` on
 every rank before any row moves, and the table serves the next lookup.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dist_utils import run_ranks
 
 WORLD = 3
 ROWS, WIDTH, PAD = 50, 4, 7
-LOOKUP_READS = {"row_shard.unique_ids": 1, "row_shard.fetch_counts": 1}
+LOOKUP_READS = {"row_shard.fetch_counts": 1}
 
 
 def _ids(rank: int):
