@@ -51,12 +51,16 @@ def checked_ids(ids: Any, num_rows: int, device: torch.device) -> Tuple[torch.Te
     return flat.clamp(0, max(num_rows - 1, 0)), torch.stack([(below | above).to(torch.int64), offending])
 
 
-def _live_first(owner: torch.Tensor, live: Optional[torch.Tensor], n: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(owner, counts)``: each id's owner, the ids past ``live`` given owner ``n`` (after every
-    rank: they are not sent), and the ids per owner rank."""
-    if live is None:
+def _live_first(owner: torch.Tensor, live: Optional[torch.Tensor], n: int, pick: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(owner, counts)``: each id's (``pick``: each piece's id's) owner, the ids past ``live``
+    given owner ``n`` (after every rank: they are not sent, nor are pieces :func:`row_owners`
+    gave owner ``n``), and the ids per owner rank."""
+    if live is not None:
+        where = pick if pick is not None else torch.arange(owner.numel(), device=owner.device)
+        owner = torch.where(where < live, owner, n)
+    elif pick is None:
         return owner, bin_counts(owner, n)
-    owner = torch.where(torch.arange(owner.numel(), device=owner.device) < live, owner, n)
     return owner, bin_counts(owner, n + 1)[:n]
 
 
@@ -71,30 +75,42 @@ def raise_bad_ids(checks: Sequence[Sequence[int]], name: str, num_rows: int, aft
 
 
 def _exchange_counts(comm: Communicator, send_counts: torch.Tensor, check: Optional[torch.Tensor],
-                     name: str, num_rows: int, label: str) -> Tuple[List[int], List[int]]:
+                     name: str, num_rows: int, label: str, live: Optional[torch.Tensor] = None
+                     ) -> Tuple[List[int], List[int]]:
     """The splits both ways (one all-to-all of counts, one read), raising every rank's id check
-    first when ``check`` rides along (see :func:`checked_ids`)."""
+    first when ``check`` rides along (see :func:`checked_ids`); ``live`` (a device count) is read
+    with them and appended to the first list."""
     n = comm.world_size
     message = send_counts if check is None else torch.cat([send_counts.unsqueeze(1), check.expand(n, 2)], 1)
     received = torch.empty_like(message)
     comm.all_to_all_single(received, message, [1] * n, [1] * n, label)
-    read = host_list(torch.cat([send_counts, received.reshape(-1)]), "fetch.counts")
+    mine = send_counts if live is None else torch.cat([send_counts, live.reshape(1).to(send_counts.dtype)])
+    m = mine.numel()
+    read = host_list(torch.cat([mine, received.reshape(-1)]), "fetch.counts")
     if check is None:
-        return read[:n], read[n:]
-    peers = read[n:]
+        return read[:m], read[m:]
+    peers = read[m:]
     raise_bad_ids([peers[3 * r + 1:3 * r + 3] for r in range(n)], name, num_rows)
-    return read[:n], peers[0::3]
+    return read[:m], peers[0::3]
 
 
-def row_owners(ids: torch.Tensor, row_numel: int, partition_numel: int
+def row_owners(ids: torch.Tensor, row_numel: int, partition_numel: int, world_size: Optional[int] = None
                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The owner rank of every (row, owner) piece of ``ids``'s rows and, when some row straddles a
-    boundary, the index into ``ids`` of each piece (None: one piece per row, ``dest[i]`` owns row
-    ``ids[i]`` whole). Pieces come in the order of ``ids``, owners ascending within a row."""
+    """The owner rank of every (row, owner) piece of ``ids``'s rows and, when some row may
+    straddle a boundary, the index into ``ids`` of each piece (None: one piece per row,
+    ``dest[i]`` owns row ``ids[i]`` whole). Pieces come in the order of ``ids``, owners ascending
+    within a row. Where partitions are whole rows no row straddles; where they are not but a row
+    fits in one (``row_numel <= partition_numel``) and ``world_size`` is given, every row has two
+    pieces, the second owned by ``world_size`` (past every rank: not sent) unless the row
+    straddles, and nothing is read; else the pieces' count is read."""
     first = torch.div(ids * row_numel, partition_numel, rounding_mode="floor")
     if row_numel and partition_numel % row_numel == 0:  # no row straddles: nothing to read
         return first, None
     last = torch.div((ids + 1) * row_numel - 1, partition_numel, rounding_mode="floor")
+    if world_size is not None and row_numel <= partition_numel:
+        second = torch.where(last != first, last, torch.full_like(last, world_size))
+        pick = torch.div(torch.arange(2 * ids.numel(), device=ids.device), 2, rounding_mode="floor")
+        return torch.stack([first, second], dim=1).reshape(-1), pick
     spans = last - first + 1
     if host_bool((spans == 1).all(), "row_owners.spans"):
         return first, None
@@ -122,14 +138,21 @@ def _held(ids: torch.Tensor, row_numel: int, base: int, partition_numel: int
 
 
 def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: int, base: int,
-                       overlapping: bool = False) -> torch.Tensor:
+                       overlapping: bool = False, pieces: bool = False) -> torch.Tensor:
     """``[len(ids), row_numel]``: the requested rows as far as this partition holds them (zero
     elsewhere). Rows held whole are read through a sliding-window view, with no index per element.
     ``overlapping``: every row overlaps the partition (it was asked of this rank), so where the
-    partition's bounds are whole rows every row is held whole, known without a read."""
+    partition's bounds are whole rows every row is held whole, known without a read. ``pieces``:
+    rows asked as pieces (:func:`row_owners`), -0.0 where not held (the additive identity: the
+    asker adds a row's pieces up bit for bit), with no read."""
     part = partition.numel()
     starts = ids * row_numel - base
     aligned = overlapping and part % row_numel == 0 and base % row_numel == 0
+    if pieces and not aligned:
+        positions = starts.unsqueeze(1) + torch.arange(row_numel, device=ids.device)
+        held = (positions >= 0) & (positions < part)
+        values = partition[positions.clamp(0, max(part - 1, 0))]
+        return torch.where(held, values, torch.full((), -0.0, dtype=partition.dtype, device=partition.device))
     if ids.numel() and part >= row_numel and (aligned or host_bool(
             ((starts >= 0) & (starts + row_numel <= part)).all(), "fetch.whole_rows")):
         windows = partition.as_strided((part - row_numel + 1, row_numel), (1, 1))
@@ -163,7 +186,7 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
     if part * n < num_rows * row_numel:
         raise ValueError(f"{n} partitions of {part} elements do not cover a [{num_rows}, {row_numel}] table")
     ids = ids.to(device=partition.device, dtype=torch.int64)
-    if live is not None and (n == 1 or not row_numel or part % row_numel):  # no count message, or pieces
+    if live is not None and (n == 1 or not row_numel or row_numel > part):  # no count message, or wide rows
         ids, live = ids[:host_int(live, "row_embedding.batch_rows")], None
     if n == 1:
         if check is not None:
@@ -171,20 +194,35 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
         out = _rows_of_partition(partition, ids, row_numel, 0)  # a new tensor: gathered
         _record(stats, comm, ids, row_numel, partition, 0)
         return out
-    dest, pick = row_owners(ids, row_numel, part) if ids.numel() else (ids, None)
+    # rows that may straddle but fit in a partition: two pieces each, no read (decided from the
+    # shapes: the same on every rank, which answers pieces accordingly)
+    two_pieces = bool(row_numel) and part % row_numel != 0 and row_numel <= part
+    dest, pick = row_owners(ids, row_numel, part, n) if ids.numel() else (ids, None)
+    dest, send_counts = _live_first(dest, live, n, pick)
+    if pick is not None and two_pieces:  # pieces owned by no rank (n) go last, the others in id order
+        order = torch.argsort(dest, stable=True)
+        dest, pick = dest.index_select(0, order), pick.index_select(0, order)
     asked = ids if pick is None else ids.index_select(0, pick)
-    dest, send_counts = _live_first(dest, live, n)  # live: whole rows, one piece per id
-    send_splits, recv_splits = _exchange_counts(comm, send_counts, check, name, num_rows,
-                                                "fetch_rows_flat.counts")
+    splits = _exchange_counts(comm, send_counts, check, name, num_rows, "fetch_rows_flat.counts",
+                              live=live if two_pieces else None)
+    send_splits, recv_splits = splits[0][:n], splits[1]
+    sent = sum(send_splits)
     if live is not None:  # the live ids lead: the count message gave their number
-        ids = asked = ids[:sum(send_splits)]
+        ids = ids[:splits[0][n] if two_pieces else sent]
+        asked = ids if pick is None else asked
+    if pick is not None and two_pieces:
+        asked, pick = asked[:sent], pick[:sent]
     requested = torch.empty(sum(recv_splits), dtype=torch.int64, device=ids.device)
     comm.all_to_all_single(requested, asked, recv_splits, send_splits, "fetch_rows_flat.ids")
-    answer = _rows_of_partition(partition, requested, row_numel, rank * part, overlapping=True)
+    answer = _rows_of_partition(partition, requested, row_numel, rank * part, overlapping=True,
+                                pieces=two_pieces)
     got = torch.empty((asked.numel(), row_numel), dtype=partition.dtype, device=partition.device)
     comm.all_to_all_single(got, answer, send_splits, recv_splits, "fetch_rows_flat.rows")
     if pick is None:
         out = got  # pieces are whole rows, in the order of ids (owners ascend with the ids)
+    elif two_pieces:  # each row's pieces added up: -0.0 wherever a piece's owner does not hold it
+        out = torch.full((ids.numel(), row_numel), -0.0, dtype=partition.dtype, device=partition.device)
+        out.index_add_(0, pick, got)
     else:
         out = torch.empty((ids.numel(), row_numel), dtype=partition.dtype, device=partition.device)
         column = torch.arange(row_numel, device=ids.device)

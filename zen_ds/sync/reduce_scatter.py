@@ -22,7 +22,7 @@ from zen_ds import ops
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import (CHECK_ABORT, CHECK_MISMATCH, CHECK_PROBLEM, HandshakeTable, pack_checks,
                                    same_agreed_fields, unpack_checks)
-from zen_ds.core.host import bin_counts, host_values, sized, to_host
+from zen_ds.core.host import bin_counts, host_values, to_host
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.partition import ShardLayout, shard_layout
 from zen_ds.core.sparse import RowSparse, accum_dtype
@@ -264,10 +264,11 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
     if width and numel:
         if rs is not None:
             ids = rs.indices.to(torch.int64)
-            dest, pick = row_owners(ids, width, part)  # rows over a boundary go to each owner
+            # rows over a boundary go to each owner; pieces owned by no rank (n) sort last, unsent
+            dest, pick = row_owners(ids, width, part, n)
             order = torch.argsort(dest, stable=True)
             rows = pick[order] if pick is not None else order
-            send_counts = bin_counts(dest, n)
+            send_counts = bin_counts(dest, n) if pick is None else bin_counts(dest, n + 1)[:n]
         else:
             send_counts = torch.zeros(n, dtype=torch.int64, device=device)
         words = send_counts if flags is None else pack_checks(send_counts, flags)
@@ -278,7 +279,8 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
         if seen & CHECK_ABORT or rs is None:
             return None  # (rs is None only with a flag of its own, so every rank returns here)
         send_splits, recv_splits = host_values(both[0]), host_values(recv_counts)
-        out = torch.zeros(part, dtype=accum_dtype(rs.dtype), device=device)
+        rows = rows[:sum(send_splits)]
+        out = torch.zeros(part + 1, dtype=accum_dtype(rs.dtype), device=device)  # + a trash slot
         values = rs.values_2d().index_select(0, rows)
         send = torch.cat([as_bytes(ids.index_select(0, rows)), as_bytes(values)], dim=1)
         received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=device)
@@ -287,6 +289,7 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
         got_ids = view_as(received[:, :8], torch.int64).flatten()
         got_values = view_as(received[:, 8:], rs.dtype).reshape(-1, width)
         _add_rows_into_partition(out, got_ids, got_values, width, rank * part)
+        out = out[:part]
         recv_rows = int(got_ids.numel())
     elif rs is None:
         return None
@@ -311,17 +314,17 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
 def _add_rows_into_partition(out: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, width: int,
                              base: int) -> None:
     """Add whole rows (flat start ``id * width``), each overlapping the partition that starts at
-    flat ``base``, into it; the parts of straddling rows outside it are dropped. Where the
-    partition's bounds are whole rows, no row straddles: known without a read."""
+    flat ``base``, into ``out``: the partition plus one last element, a trash slot that takes the
+    parts of straddling rows outside the partition (so nothing is cut out by a mask whose size
+    would be read). Where the partition's bounds are whole rows, no row straddles."""
     if not ids.numel():
         return
-    part = out.numel()
+    part = out.numel() - 1
     starts = ids * width - base
     if part % width == 0 and base % width == 0:
-        out.view(-1, width).index_add_(0, torch.div(starts, width, rounding_mode="floor"),
-                                       values.to(out.dtype))
+        out[:part].view(-1, width).index_add_(0, torch.div(starts, width, rounding_mode="floor"),
+                                              values.to(out.dtype))
         return
     positions = starts.unsqueeze(1) + torch.arange(width, device=ids.device)
-    keep = (positions >= 0) & (positions < part)
-    out.index_add_(0, sized(positions[keep], "reduce_scatter_flat.kept_elements"),
-                   sized(values.to(out.dtype)[keep], "reduce_scatter_flat.kept_values"))
+    positions = positions.masked_fill((positions < 0) | (positions >= part), part)
+    out.index_add_(0, positions.reshape(-1), values.to(out.dtype).reshape(-1))

@@ -35,7 +35,7 @@ def test_each_sync_is_sorted_by_its_line() -> None:
     zen = REPO / "zen_ds"
     fetch = zen / "sync" / "fetch.py"
     sized_line = _line_with(fetch, "sized(torch.unique(")
-    plain_line = _line_with(fetch, "row_owners(ids, row_numel, part)")  # no read of its own
+    plain_line = _line_with(fetch, "row_owners(ids, row_numel, part, n)")  # no read of its own
     records = [
         _warning(zen / "core" / "host.py", 107),
         _warning(fetch, sized_line),
