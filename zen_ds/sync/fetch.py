@@ -148,11 +148,18 @@ def _rows_of_partition(partition: torch.Tensor, ids: torch.Tensor, row_numel: in
     part = partition.numel()
     starts = ids * row_numel - base
     aligned = overlapping and part % row_numel == 0 and base % row_numel == 0
-    if pieces and not aligned:
-        positions = starts.unsqueeze(1) + torch.arange(row_numel, device=ids.device)
-        held = (positions >= 0) & (positions < part)
-        values = partition[positions.clamp(0, max(part - 1, 0))]
-        return torch.where(held, values, torch.full((), -0.0, dtype=partition.dtype, device=partition.device))
+    if pieces and not aligned:  # rows fit in the partition: all are whole but its first and last
+        windows = partition.as_strided((part - row_numel + 1, row_numel), (1, 1))
+        rows = windows.index_select(0, starts.clamp(0, part - row_numel))
+        for row in {base // row_numel, (base + part - 1) // row_numel}:  # the partial ones, by shape
+            start = row * row_numel - base
+            if 0 <= start and start + row_numel <= part:
+                continue
+            held = torch.full((row_numel,), -0.0, dtype=partition.dtype, device=partition.device)
+            low, high = max(0, -start), min(row_numel, part - start)
+            held[low:high] = partition[start + low:start + high]
+            rows = torch.where((ids == row).unsqueeze(1), held, rows)
+        return rows
     if ids.numel() and part >= row_numel and (aligned or host_bool(
             ((starts >= 0) & (starts + row_numel <= part)).all(), "fetch.whole_rows")):
         windows = partition.as_strided((part - row_numel + 1, row_numel), (1, 1))
