@@ -280,7 +280,7 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
             return None  # (rs is None only with a flag of its own, so every rank returns here)
         send_splits, recv_splits = host_values(both[0]), host_values(recv_counts)
         rows = rows[:sum(send_splits)]
-        out = torch.zeros(part + 1, dtype=accum_dtype(rs.dtype), device=device)  # + a trash slot
+        out = torch.zeros(part, dtype=accum_dtype(rs.dtype), device=device)
         values = rs.values_2d().index_select(0, rows)
         send = torch.cat([as_bytes(ids.index_select(0, rows)), as_bytes(values)], dim=1)
         received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=device)
@@ -289,7 +289,6 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
         got_ids = view_as(received[:, :8], torch.int64).flatten()
         got_values = view_as(received[:, 8:], rs.dtype).reshape(-1, width)
         _add_rows_into_partition(out, got_ids, got_values, width, rank * part)
-        out = out[:part]
         recv_rows = int(got_ids.numel())
     elif rs is None:
         return None
@@ -313,18 +312,34 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
 
 def _add_rows_into_partition(out: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, width: int,
                              base: int) -> None:
-    """Add whole rows (flat start ``id * width``), each overlapping the partition that starts at
-    flat ``base``, into ``out``: the partition plus one last element, a trash slot that takes the
-    parts of straddling rows outside the partition (so nothing is cut out by a mask whose size
-    would be read). Where the partition's bounds are whole rows, no row straddles."""
+    """Add whole rows (flat start ``id * width``), each overlapping the partition ``out`` that
+    starts at flat ``base``, into it. Where the partition's bounds are not whole rows, the rows
+    inside it are added through a row view of it, and the parts of its first and last rows that
+    it holds (known from the shapes) separately; a row that is not in a sum adds -0.0, which
+    changes nothing, so nothing is cut out by a mask whose size would be read, and no index per
+    element is built."""
     if not ids.numel():
         return
-    part = out.numel() - 1
+    part = out.numel()
     starts = ids * width - base
     if part % width == 0 and base % width == 0:
-        out[:part].view(-1, width).index_add_(0, torch.div(starts, width, rounding_mode="floor"),
-                                              values.to(out.dtype))
+        out.view(-1, width).index_add_(0, torch.div(starts, width, rounding_mode="floor"), values.to(out.dtype))
         return
-    positions = starts.unsqueeze(1) + torch.arange(width, device=ids.device)
-    positions = positions.masked_fill((positions < 0) | (positions >= part), part)
-    out.index_add_(0, positions.reshape(-1), values.to(out.dtype).reshape(-1))
+    values = values.to(out.dtype)
+    nothing = torch.full((), -0.0, dtype=out.dtype, device=out.device)
+    offset = (-base) % width  # where the first row the partition holds whole starts
+    inside = (part - offset) // width
+    if inside:
+        slot = torch.div(starts - offset, width, rounding_mode="floor")
+        whole = (slot >= 0) & (slot < inside)
+        grid = out[offset:offset + inside * width].view(inside, width)
+        grid.index_add_(0, slot.clamp(0, inside - 1), torch.where(whole.unsqueeze(1), values, nothing))
+    for row in {base // width, (base + part - 1) // width}:  # the rows it holds in part
+        start = row * width - base
+        if 0 <= start and start + width <= part:
+            continue
+        low, high = max(0, -start), min(width, part - start)
+        mine = torch.where((ids == row).unsqueeze(1), values[:, low:high], nothing)
+        piece = torch.full((1, high - low), -0.0, dtype=out.dtype, device=out.device)
+        piece.index_add_(0, torch.zeros(ids.numel(), dtype=torch.int64, device=ids.device), mine)
+        out[start + low:start + high] += piece[0]
