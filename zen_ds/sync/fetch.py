@@ -29,7 +29,8 @@ from zen_ds.core.host import bin_counts, host_bool, host_int, host_list, sized
 from zen_ds.core.partition import shard_layout
 from zen_ds.core.stats import SyncStats
 
-__all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners", "checked_ids", "raise_bad_ids"]
+__all__ = ["fetch_rows_flat", "fetch_rows_two_hop", "row_owners", "owners_live_first", "checked_ids",
+           "raise_bad_ids"]
 
 ID_OUTSIDE, NOT_INTEGERS = 1, 2  # the kinds of an id check (0: fine)
 
@@ -51,8 +52,8 @@ def checked_ids(ids: Any, num_rows: int, device: torch.device) -> Tuple[torch.Te
     return flat.clamp(0, max(num_rows - 1, 0)), torch.stack([(below | above).to(torch.int64), offending])
 
 
-def _live_first(owner: torch.Tensor, live: Optional[torch.Tensor], n: int, pick: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+def owners_live_first(owner: torch.Tensor, live: Optional[torch.Tensor], n: int,
+                      pick: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(owner, counts)``: each id's (``pick``: each piece's id's) owner, the ids past ``live``
     given owner ``n`` (after every rank: they are not sent, nor are pieces :func:`row_owners`
     gave owner ``n``), and the ids per owner rank."""
@@ -205,7 +206,7 @@ def fetch_rows_flat(ids: torch.Tensor, partition: torch.Tensor, num_rows: int, r
     # shapes: the same on every rank, which answers pieces accordingly)
     two_pieces = bool(row_numel) and part % row_numel != 0 and row_numel <= part
     dest, pick = row_owners(ids, row_numel, part, n) if ids.numel() else (ids, None)
-    dest, send_counts = _live_first(dest, live, n, pick)
+    dest, send_counts = owners_live_first(dest, live, n, pick)
     if pick is not None and two_pieces:  # pieces owned by no rank (n) go last, the others in id order
         order = torch.argsort(dest, stable=True)
         dest, pick = dest.index_select(0, order), pick.index_select(0, order)
@@ -262,7 +263,7 @@ def fetch_rows_two_hop(ids: torch.Tensor, partition: torch.Tensor, num_rows: int
         return fetch_rows_flat(ids, partition, num_rows, row_numel, group, stats=stats, log_prefix=log_prefix,
                                check=check, name=name, live=live)
     layout = shard_layout(num_rows, n, seed)
-    hash_owner, send_counts = _live_first(layout.owner(ids), live, n)  # ids past live sort last
+    hash_owner, send_counts = owners_live_first(layout.owner(ids), live, n)  # ids past live sort last
     order = torch.argsort(hash_owner, stable=True)
     send_splits, recv_splits = _exchange_counts(comm, send_counts, check, name, num_rows,
                                                 "fetch_rows_two_hop.counts")

@@ -134,7 +134,6 @@ class KeptAgreement:
     again. One device-to-host read per call (the counts) instead of the handshake's."""
 
     record: Optional[torch.Tensor] = None
-    fields: Optional[object] = None
     shape: Tuple[int, ...] = ()  # the agreed tensor's: a rank with a flag joins with no rows of it
     dtype: torch.dtype = torch.float32
 
@@ -142,7 +141,7 @@ class KeptAgreement:
         """Keep this rank's record of a handshake that passed (every rank's agreed fields are
         these), where there is a count message to carry the checks later (rows, a width, peers)."""
         if table.world_size > 1 and local.num_rows and local.row_numel:
-            self.record, self.fields = table.table[rank].clone(), None
+            self.record = table.table[rank].clone()
             self.shape, self.dtype = (local.num_rows,) + tuple(local.row_shape), local.dtype
 
     @property
@@ -157,7 +156,7 @@ class KeptAgreement:
         """This rank's check flags against the kept record."""
         if prep.problems:
             return CHECK_PROBLEM
-        return 0 if same_agreed_fields(prep.record, self.record, prep.fields, self.fields) else CHECK_MISMATCH
+        return 0 if same_agreed_fields(prep.record, self.record) else CHECK_MISMATCH
 
     def no_rows(self, device: torch.device) -> LocalInput:
         """An input of the agreed shape without rows, for a rank whose own is not sent."""

@@ -53,13 +53,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from zen_ds.core.comm import Communicator
-from zen_ds.core.host import bin_counts, host_list, sized
+from zen_ds.core.host import host_list, sized
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, distinct_ids, mark_ids_in_range
 from zen_ds.core.stats import SyncStats
 from zen_ds.integrations.deepspeed.norms import is_one
 from zen_ds.integrations.deepspeed.sharded import gather_full
-from zen_ds.sync.fetch import checked_ids, raise_bad_ids
+from zen_ds.sync.fetch import checked_ids, owners_live_first, raise_bad_ids
 from zen_ds.sync.options import SyncOptions
 from zen_ds.sync.reduce_scatter import KeptAgreement, shard_rows, sparse_reduce_scatter, sparse_reduce_scatter_flat
 
@@ -229,12 +229,10 @@ class RowShardTable:
         # after the first ``live`` of them goes to a bucket past the owners and sorts last
         uniq, inverse, live = distinct_ids(flat)
         positions = self.layout.positions(uniq)
-        padding = torch.arange(uniq.numel(), device=device) >= live
-        owners = self.layout.owner_of_positions(positions).masked_fill(padding, n)
+        owners, counts = owners_live_first(self.layout.owner_of_positions(positions), live, n)
         order = torch.argsort(owners, stable=True)
         starts = torch.tensor(self.layout.starts[:-1] + [0], dtype=torch.int64, device=device)
         want = (positions - starts[owners]).index_select(0, order).to(self.layout.id_dtype)
-        counts = bin_counts(owners, n + 1)[:n]
         # counts to each owner plus this rank's id check, to every rank: one all-to-all
         meta = torch.cat([counts.unsqueeze(1), check.expand(n, 2)], dim=1)
         peers = torch.empty_like(meta)

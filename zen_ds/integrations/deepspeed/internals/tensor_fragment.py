@@ -14,6 +14,7 @@ accessors return None for zen's params, and the setters do nothing, silently.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Optional
 
 import torch
@@ -21,22 +22,26 @@ import torch
 __all__ = ["FullState", "expose_full_state"]
 
 
-class FullState:
+class FullState(ABC):
     """One param's whole fp32 weight, optimizer state (``key``) and gradient, as DeepSpeed's
     accessors return them; collective where the state is sharded (every rank calls them, as
     DeepSpeed's own all-reduce requires)."""
 
+    @abstractmethod
     def get(self, key: Optional[str] = None) -> torch.Tensor:
-        raise NotImplementedError
+        """See the class."""
 
+    @abstractmethod
     def set(self, value: torch.Tensor, key: Optional[str] = None) -> None:
-        raise NotImplementedError
+        """See the class."""
 
+    @abstractmethod
     def get_grad(self) -> torch.Tensor:
-        raise NotImplementedError
+        """See the class."""
 
+    @abstractmethod
     def set_grad(self, value: torch.Tensor) -> None:
-        raise NotImplementedError
+        """See the class."""
 
     def __reduce__(self) -> tuple:
         # torch.save(model) pickles a param's attributes: what travels is a placeholder
