@@ -3,6 +3,7 @@ with ``--zero`` (measured): zen's default (the embedding at batch cost), zen's g
 path, row-sharded, stock.
 
     deepspeed --num_gpus 4 examples/rowshard_memory.py --mode zen   --json bench_out/rowmem_zen.json
+    deepspeed --num_gpus 4 examples/rowshard_memory.py --mode ds_step --json bench_out/rowmem_ds_step.json
     deepspeed --num_gpus 4 examples/rowshard_memory.py --mode scan  --json bench_out/rowmem_scan.json
     deepspeed --num_gpus 4 examples/rowshard_memory.py --mode rows  --json bench_out/rowmem_rows.json
     deepspeed --num_gpus 4 examples/rowshard_memory.py --mode stock --json bench_out/rowmem_stock.json
@@ -10,7 +11,9 @@ path, row-sharded, stock.
 The model is the embedding and little else (``Embedding(vocab, hidden)`` -> mean over the
 sequence -> ``Linear(hidden, 16)``), trained with fp32 AdamW under ZeRO-3, so what a rank
 allocates is the embedding's cost. ``--mode zen`` is zen's default under ZeRO-3 (the forward
-fetches the batch's rows, the backward pushes their gradient: the table is never gathered),
+fetches the batch's rows, the backward pushes their gradient: the table is never gathered, and
+zen steps its partition: ``"embedding_step": "zen"``), ``--mode ds_step`` the same with DeepSpeed's
+optimizer stepping the partition (``"embedding_step": "deepspeed"``),
 ``--mode scan`` zen with ``"embedding_rows": false`` (DeepSpeed gathers the table, zen sends the
 non-zero rows of its dense gradient), ``--mode rows`` row-shards it (``"zen": {"row_sharded":
 true}``), ``--mode stock`` is DeepSpeed alone. For the zen modes the embedding's wire bytes of the
@@ -148,7 +151,7 @@ def ds_config(args: argparse.Namespace) -> Dict[str, Any]:
     }
     if args.mode != "stock":
         config["zen"] = {"enabled": True, "row_sharded": args.mode == "rows", "stats_interval": 0,
-                         "embedding_rows": args.mode != "scan"}
+                         "embedding_rows": args.mode != "scan", "embedding_step": "deepspeed" if args.mode == "ds_step" else "zen"}
     return config
 
 
@@ -161,7 +164,7 @@ def zipf_batch(vocab: int, batch: int, seq: int, gen: torch.Generator):
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("zen", "scan", "rows", "stock"), default="zen")
+    p.add_argument("--mode", choices=("zen", "ds_step", "scan", "rows", "stock"), default="zen")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage")
     p.add_argument("--vocab", type=int, default=262144)
     p.add_argument("--hidden", type=int, default=64)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Tuple
 
 import torch
 
 from zen_ds import ops
 from zen_ds.core.host import bin_counts
 
-__all__ = ["ShardLayout", "shard_layout", "owner"]
+__all__ = ["ShardLayout", "shard_layout", "owner", "partition_rows"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -79,3 +79,17 @@ def shard_layout(num_rows: int, world_size: int, seed: int = 0) -> ShardLayout:
 def owner(rows: torch.Tensor, num_rows: int, world_size: int, seed: int = 0) -> torch.Tensor:
     """The owner function every phase uses: rank that aggregates each row id."""
     return shard_layout(num_rows, world_size, seed).owner(rows)
+
+
+def partition_rows(num_rows: int, width: int, world_size: int, rank: int) -> Tuple[int, int, int, int]:
+    """``(first row, rows, offset, valid)`` of rank ``rank``'s ZeRO-3 partition of a ``[num_rows,
+    width]`` table: the whole rows it overlaps, where its first element lies in the first of them,
+    and how many of its ``P = ceil(num_rows * width / world_size)`` elements are real."""
+    numel = num_rows * width
+    part = -(-numel // world_size)
+    start = rank * part
+    valid = max(min(start + part, numel) - start, 0)
+    if not valid:
+        return min(start // max(width, 1), num_rows), 0, 0, 0
+    first, last = start // width, (start + valid - 1) // width
+    return first, last - first + 1, start - first * width, valid

@@ -85,6 +85,9 @@ class RowEmbedding:
         self.fetch = fetch_rows_flat  # or any function of fetch_rows_flat's signature (two hops)
         self._ids: List[torch.Tensor] = []
         self._grads: List[torch.Tensor] = []
+        # Whether the next backward replaces the rows kept so far (read at each forward; set where
+        # the rows wait for the step across micro-steps, as ZeRO-3 restarts its gradients)
+        self.restarts: Optional[Callable[[], bool]] = None
         
     def install(self) -> None:
         self.embedding.forward = self.forward  # an instance attribute: nn.Embedding is untouched
@@ -96,6 +99,8 @@ class RowEmbedding:
         """Collective over the group (every rank's forward fetches). An id outside the table, or
         ids that are not integers, on any rank raise the same :class:`~zen_ds.ZenInputError` on
         every rank before any row moves: the check rides in the fetch's count message."""
+        if self.restarts is not None and self._ids and self.restarts():
+            self._ids, self._grads = [], []
         partition = self.partition()
         flat, check = checked_ids(ids, self.num_rows, partition.device)
         unique, inverse, live = distinct_ids(flat)  # their count stays on the device: the fetch says it

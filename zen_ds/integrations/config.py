@@ -191,6 +191,22 @@ class ZenConfig(_sync_option_keys("")):
     non-zero rows. Tied tables and pipeline stages keep the dense gradient. ZeRO-0 with DeepSpeed's
     optimizer ignores it."""
 
+    embedding_step: Literal["deepspeed", "zen"] = "zen"
+    """ZeRO stage 3, with ``embedding_rows``: who steps a batch-cost table's partition. ``zen`` (the
+    default): the table leaves DeepSpeed's optimizer (it stays a ZeRO-3 parameter in DeepSpeed's
+    partitions, so ``GatheredParameters``, ``save_16bit_model`` and the consolidated state dict are
+    DeepSpeed's) and zen steps its partition in row blocks with DeepSpeed's optimizer type,
+    hyper-parameters, clip coefficient, loss scale and learning rate. Its gradient is never a
+    partition-sized tensor, so DeepSpeed's gradient partition, its float64 norm copy and its
+    flattened step gradient (3 ``P`` per rank, ``P`` = the partition) do not exist for it
+    (docs/zero.md, "zen steps the partition"). zen's checkpoint file holds the table's fp32 master
+    and optimizer state; DeepSpeed's ``zero_to_fp32`` finds the weights. It applies to engines
+    built by ``zen_ds.initialize`` (or ``deepspeed.initialize`` after ``zen_ds.enable()``), to
+    untied plain ``nn.Embedding`` tables above ``stage3_param_persistence_threshold`` without
+    ``offload_param``; the others stay with DeepSpeed's optimizer (said at attach).
+    ``deepspeed``: DeepSpeed's optimizer steps the partition; zen hands it the partition's
+    gradient."""
+
     embedding_fetch: Literal["auto", "direct", "two_hop"] = "auto"
     """How ``embedding_rows`` reaches the partitions: ``direct`` asks each row of the ranks whose
     partitions hold it (one hop; DeepSpeed's layout keeps rows in id order, so the first ranks hold

@@ -25,7 +25,7 @@ from zen_ds.core.handshake import (CHECK_ABORT, CHECK_MISMATCH, CHECK_PROBLEM, H
 from zen_ds.core.host import bin_counts, host_values, to_host
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.partition import ShardLayout, shard_layout
-from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.sparse import PaddedRows, RowSparse, accum_dtype, distinct_ids
 from zen_ds.core.stats import SyncStats
 from zen_ds.core.wire import as_bytes, view_as
 from zen_ds.schemes.agsparse import AllGatherSparseScheme
@@ -177,7 +177,8 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
                                postscale: float = 1.0, out_dtype: Optional[torch.dtype] = None,
                                options: Optional[SyncOptions] = None, stats: Optional[SyncStats] = None,
                                log_prefix: str = "zen", dense_fallback: bool = False,
-                               kept: Optional[KeptAgreement] = None) -> Optional[torch.Tensor]:
+                               kept: Optional[KeptAgreement] = None, as_rows: bool = False
+                               ) -> Union[None, torch.Tensor, PaddedRows]:
     """This rank's contiguous flat partition of the sum over ``group``, with only the non-zero
     rows on the wire: ZeRO-3's gradient layout, where rank ``r`` owns the row-major elements
     ``[r * P, (r + 1) * P)`` of the whole tensor (``P = partition_numel``, default
@@ -197,10 +198,15 @@ def sparse_reduce_scatter_flat(x: Union[RowSparse, torch.Tensor], group: Optiona
     caller then runs that one (``stats.scheme`` is ``"dense_reduce_scatter"``, its bytes those of
     the handshake plus that ring's, ``nnz_result`` the summed row counts: an upper bound).
     ``kept``: the same tensor's :class:`KeptAgreement` (not with ``dense_fallback``, which needs
-    every rank's count up front).
+    every rank's count up front). ``as_rows``: the partition's summed rows instead, whole, as
+    :class:`~zen_ds.core.sparse.PaddedRows` (global ids; their count stays on the device), for
+    an owner that steps its partition row by row and holds no partition-sized gradient (a row
+    straddling two partitions reaches both owners whole, with the same sum).
     """
+    if as_rows and dense_fallback:
+        raise ValueError("as_rows and dense_fallback do not combine: the dense fallback gives a partition")
     opts = options if options is not None else default_options()
-    scaling = (prescale, postscale, out_dtype, stats)
+    scaling = (prescale, postscale, out_dtype, stats, as_rows)
     if kept is not None and kept.record is not None and not dense_fallback:
         prep = prepare(x, None, group, AllGatherSparseScheme.name, False, opts, prescale, postscale,
                        log_prefix, fields_only=True)
@@ -248,12 +254,13 @@ def _partition(partition_numel: Optional[int], numel: int, n: int) -> int:
 
 
 def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: int, part: int, prescale: float,
-          postscale: float, out_dtype: Optional[torch.dtype], stats: Optional[SyncStats],
-          flags: Optional[int] = None, device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+          postscale: float, out_dtype: Optional[torch.dtype], stats: Optional[SyncStats], as_rows: bool = False,
+          flags: Optional[int] = None, device: Optional[torch.device] = None) -> Union[None, torch.Tensor, PaddedRows]:
     """The push of :func:`sparse_reduce_scatter_flat` (``local`` None: this rank sends no rows;
     ``device``: where its count message lives then).
     ``flags`` (a kept agreement): this rank's check flags ride in the count message; None is
-    returned, on every rank alike, where any rank's flags abort the push (before any row moved)."""
+    returned, on every rank alike, where any rank's flags abort the push (before any row moved).
+    ``as_rows``: the received rows summed per row (:func:`_summed_rows`), not the partition."""
     comm.scheme = "reduce_scatter_flat"
     n, rank = comm.world_size, comm.rank
     rs = local_rows(local, float(prescale)) if local is not None else None
@@ -279,7 +286,7 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
             return None  # (rs is None only with a flag of its own, so every rank returns here)
         send_splits, recv_splits = host_values(both[0]), host_values(recv_counts)
         rows = rows[:sum(send_splits)]
-        out = torch.zeros(part, dtype=accum_dtype(rs.dtype), device=device)
+        out = None if as_rows else torch.zeros(part, dtype=accum_dtype(rs.dtype), device=device)
         values = rs.values_2d().index_select(0, rows)
         send = torch.cat([as_bytes(ids.index_select(0, rows)), as_bytes(values)], dim=1)
         received = torch.empty((sum(recv_splits), send.shape[1]), dtype=torch.uint8, device=device)
@@ -287,10 +294,19 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
         del send, values
         got_ids = view_as(received[:, :8], torch.int64).flatten()
         got_values = view_as(received[:, 8:], rs.dtype).reshape(-1, width)
-        _add_rows_into_partition(out, got_ids, got_values, width, rank * part)
         recv_rows = int(got_ids.numel())
+        if as_rows:
+            summed = _summed_rows(got_ids, got_values, rs.num_rows, float(postscale), out_dtype or rs.dtype)
+            _record_push(stats, comm, rs, numel, width, recv_rows)
+            return summed
+        _add_rows_into_partition(out, got_ids, got_values, width, rank * part)
     elif rs is None:
         return None
+    if as_rows:  # nothing to sum (no elements)
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        summed = _summed_rows(empty, rs.values_2d()[:0], rs.num_rows, 1.0, out_dtype or rs.dtype)
+        _record_push(stats, comm, rs, numel, width, 0)
+        return summed
     if out is None:
         out = torch.zeros(part, dtype=accum_dtype(rs.dtype), device=device)
     if postscale != 1.0:
@@ -299,14 +315,33 @@ def _push(comm: Communicator, local: Optional[LocalInput], numel: int, width: in
     if end < part:
         out[max(end, 0):].zero_()
     result = out.to(out_dtype if out_dtype is not None else rs.dtype)
+    _record_push(stats, comm, rs, numel, width, recv_rows)
+    return result
+
+
+def _record_push(stats: Optional[SyncStats], comm: Communicator, rs: RowSparse, numel: int, width: int,
+                 recv_rows: int) -> None:
     if stats is not None:
         stats.scheme = "reduce_scatter_flat"
         stats.bytes_sent, stats.bytes_received = comm.bytes_sent, comm.bytes_received
         stats.nnz_local, stats.nnz_result = int(rs.indices.numel()), recv_rows
-        stats.num_rows, stats.row_numel, stats.world_size = rs.num_rows, width, n
+        stats.num_rows, stats.row_numel, stats.world_size = rs.num_rows, width, comm.world_size
         stats.dense_bytes = numel * rs.values.element_size()
         stats.collectives = list(comm.records)
-    return result
+
+
+def _summed_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int, postscale: float,
+                 out_dtype: torch.dtype) -> PaddedRows:
+    """Received rows (``ids`` may repeat: one per sender) summed per row in the accumulation
+    dtype, in the order received (as :func:`_add_rows_into_partition` adds them), times
+    ``postscale``, as padded rows: the distinct count stays on the device, the padding is -0.0."""
+    unique, inverse, live = distinct_ids(ids)
+    sums = torch.full((unique.numel(), values.shape[1]), -0.0, dtype=accum_dtype(values.dtype),
+                      device=values.device)
+    sums.index_add_(0, inverse, values.to(sums.dtype))
+    if postscale != 1.0:
+        sums.mul_(postscale)
+    return PaddedRows(unique, sums.to(out_dtype), live, num_rows)
 
 
 def _add_rows_into_partition(out: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, width: int,

@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zen_ds import ops
@@ -25,7 +26,8 @@ from zen_ds.integrations.deepspeed.internals import initialize as ds_initialize
 from zen_ds.integrations.deepspeed.owned import OwnedPlan
 from zen_ds.integrations.deepspeed.route import EngineRoute
 from zen_ds.integrations.deepspeed.routes import DeepSpeedSetup, RouteChoice, ds_config_dict, resolve_route
-from zen_ds.integrations.deepspeed.rowshard_model import shard_model_embeddings
+from zen_ds.integrations.deepspeed.rowshard_model import data_parallel_group_now, shard_model_embeddings
+from zen_ds.integrations.deepspeed.zero3_step import partition_tables
 from zen_ds.integrations.reducer import ZenParam, ZenReducer
 from zen_ds.planner import PlanMemo
 from zen_ds.sync.calibrate import agree_ranks_per_node, network_options
@@ -170,6 +172,13 @@ def initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: A
     tables = []
     if zcfg.row_sharded:
         tables = shard_model_embeddings(model, route, zcfg, mpu, args, dist_init_required)
+    if route.setup.zero_stage == 3 and zcfg.embedding_rows and zcfg.embedding_step == "zen":
+        group = data_parallel_group_now(mpu, args, dist_init_required, "\"zen.embedding_step\": \"zen\"")
+        stepped, left = partition_tables(model, route, ds_dict, group)
+        if dist.get_rank() == 0 and (stepped or left):
+            logger.info("zen: ZeRO-3 partitions stepped by zen: %s%s", [t.name for _, t in stepped],
+                        f"; stepped by DeepSpeed: {left}" if left else "")
+        tables += stepped
     plan, kwargs["model_parameters"] = route.route_class.prepare(route, model, optimizer, model_parameters,
                                                                  ds_dict, tables)
     out = deepspeed_initialize(**kwargs)

@@ -21,7 +21,6 @@ from zen_ds.core.sparse import RowSparse, mark_ids_in_range, padded_rows_of
 from zen_ds.features.row_grad import took_handed_rows
 from zen_ds.integrations.deepspeed.grads import GradReader, GradStorage
 from zen_ds.integrations.deepspeed.norms import is_one, local_sum_of_squares, model_parallel_sum
-from zen_ds.integrations.deepspeed.rowshard import RowShardTable
 from zen_ds.integrations.deepspeed.rowstep import step_rows
 from zen_ds.integrations.deepspeed.saved_state import FP32, SavedState
 from zen_ds.integrations.deepspeed.sharded import ShardedRows, should_shard, state_bytes_per_element
@@ -304,7 +303,7 @@ class OwnedParams:
                     p.param.data.copy_(whole.to(device=p.param.device, dtype=p.param.dtype))
             self._set_master(p, master, shard, whole[to_host(shard.rows, "checkpoint.load_rows")] if shard is not None else whole)
         for t in self.tables:
-            _load_table_rows(t, saved.rows(t.name, FP32, t.rows))
+            t.load_rows(saved.rows(t.name, FP32, t.rows))
         if not optimizer_states:
             return
         slots = self.slots()
@@ -329,7 +328,7 @@ class OwnedParams:
         kept = []
         for t in self.tables:
             if t.name in saved.names():
-                _load_table_rows(t, saved.rows(t.name, FP32, t.rows))
+                t.load_rows(saved.rows(t.name, FP32, t.rows))
             else:
                 kept.append(t.name)
         return kept
@@ -361,18 +360,6 @@ def _for_sync(accum: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if accum is None or not accum.is_sparse or padded_rows_of(accum) is not None or accum.is_coalesced():
         return accum
     return sized(accum.coalesce(), "owned.summed_rows")  # micro-steps' rows: their unique count read
-
-
-@torch.no_grad()
-def _load_table_rows(table: RowShardTable, values: torch.Tensor) -> None:
-    """A row-sharded table's rows on this rank (fp32, in the order of ``table.rows``), saved under
-    any layout: the master takes them, the shard their cast (what it holds after every step)."""
-    if tuple(values.shape) != (table.shard_size,) + table.row_shape:
-        raise ValueError(f"zen: {table.name} needs {table.shard_size} rows here, got {tuple(values.shape)}")
-    values = values.to(table.rows.device)
-    if table.half and table.master is not None:
-        table.master.data.copy_(values)
-    table.shard.data.copy_(values.to(table.shard.dtype))
 
 
 def _add_grads(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -183,11 +183,17 @@ class EngineRoute(ABC):
                 logger.info(table.line(self.reducer.step))
 
     def push_tables(self) -> None:
-        """Row-sharded embeddings: this step's gradient rows to their owners (collective)."""
+        """Tables zen steps: this step's gradient rows to their owners (collective)."""
         before, after = self.reducer.scale.factors(self.reducer.world_size)
         for table in self.tables:
-            during_sync(lambda: table.push(before, after, self.reducer.scale.comm_dtype, self.options),
+            scale = self.table_scaling(table) or (before, after)
+            during_sync(lambda: table.push(*scale, self.reducer.scale.comm_dtype, self.options),
                         self.reducer.step, self.reducer.group)
+
+    def table_scaling(self, table: Any) -> Optional[Tuple[float, float]]:
+        """(before, after) the sum for ``table``'s push where it differs from the reducer's (a
+        DeepSpeed param: DeepSpeed's own scaling of it); None: the reducer's."""
+        return None
 
     # ------------------------------------------------------------------ zen's checkpoint file
     def state_dict(self) -> Dict[str, Any]:

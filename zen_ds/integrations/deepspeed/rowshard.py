@@ -177,14 +177,22 @@ class RowShardTable:
                     self.master.data.copy_(self.shard.data.float())
 
     @torch.no_grad()
+    def load_rows(self, values: torch.Tensor) -> None:
+        """This rank's rows (fp32, in the order of :attr:`rows`), saved under any layout: the
+        master takes them, the shard their cast (what it holds after every step)."""
+        if tuple(values.shape) != (self.shard_size,) + self.row_shape:
+            raise ValueError(f"zen: {self.name} needs {self.shard_size} rows here, got {tuple(values.shape)}")
+        values = values.to(self.rows.device)
+        if self.half and self.master is not None:
+            self.master.data.copy_(values)
+        self.shard.data.copy_(values.to(self.shard.dtype))
+
     def load_full(self, weight: torch.Tensor) -> None:
         """Take this rank's rows of a whole table (a consolidated state dict), masters included."""
         if tuple(weight.shape) != (self.num_rows,) + self.row_shape:
             raise ValueError(f"zen: {self.name} is {(self.num_rows,) + self.row_shape}, the state dict's "
                              f"weight {tuple(weight.shape)}; resizing a row-sharded embedding is not supported")
-        self.shard.data.copy_(weight.to(self.rows.device)[self.rows].to(self.shard.dtype))
-        if self.half and self.master is not None:
-            self.master.data.copy_(weight.to(self.rows.device)[self.rows].float())
+        self.load_rows(weight.to(self.rows.device)[self.rows].float())
 
     @torch.no_grad()
     def flat_partition(self) -> torch.Tensor:
@@ -376,7 +384,7 @@ def full_weights(tables: Sequence[RowShardTable]) -> Dict[str, torch.Tensor]:
     """Every table whole, on every rank, in the model's dtype (collective): for consolidated state
     dicts and ``save_16bit_model``."""
     return {t.name: gather_full(t.shard.detach(), t.layout, t.group, f"zen.{t.name}.consolidate")
-            for t in tables}
+            for t in tables if isinstance(t, RowShardTable)}  # (the others are DeepSpeed's params)
 
 
 @contextmanager

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RowShardedEmbedding", "shard_embeddings", "shard_model_embeddings"]
+__all__ = ["RowShardedEmbedding", "shard_embeddings", "shard_model_embeddings", "data_parallel_group_now"]
 
 
 class RowShardedEmbedding(nn.Module):
@@ -155,21 +155,28 @@ def shard_embeddings(model: nn.Module, route: "RouteChoice", seed: int, group: O
     return tables, left
 
 
+def data_parallel_group_now(mpu: Any, args: Any, dist_init_required: Optional[bool], what: str
+                            ) -> Optional[dist.ProcessGroup]:
+    """The data-parallel group before ``deepspeed.initialize`` (DeepSpeed's own ``init_distributed``
+    is called first when it would be called anyway); ``what`` needs it."""
+    if not dist.is_initialized():
+        import deepspeed  # zen_ds itself imports without DeepSpeed; initialize needs it anyway
+
+        if dist_init_required is False:
+            refuse(f"{what} needs torch.distributed initialized before zen_ds.initialize "
+                   "(dist_init_required=False was passed); call deepspeed.init_distributed() first")
+        deepspeed.init_distributed(dist_backend=getattr(args, "dist_backend", None) or None)
+    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
+        return data_parallel_group(mpu)
+    return None
+
+
 def shard_model_embeddings(model: nn.Module, route: "RouteChoice", zcfg: ZenConfig, mpu: Any, args: Any,
                            dist_init_required: Optional[bool]) -> List[Any]:
     """``"row_sharded"``: replace the row-shardable embeddings before DeepSpeed sees the model
     (collective over the data-parallel group, which must exist now: DeepSpeed's own
     ``init_distributed`` is called first when it would be called anyway)."""
-    if not dist.is_initialized():
-        import deepspeed  # zen_ds itself imports without DeepSpeed; initialize needs it anyway
-
-        if dist_init_required is False:
-            refuse("\"zen.row_sharded\" needs torch.distributed initialized before zen_ds.initialize "
-                   "(dist_init_required=False was passed); call deepspeed.init_distributed() first")
-        deepspeed.init_distributed(dist_backend=getattr(args, "dist_backend", None) or None)
-    group = None
-    if mpu is not None and hasattr(mpu, "get_data_parallel_group"):
-        group = data_parallel_group(mpu)
+    group = data_parallel_group_now(mpu, args, dist_init_required, "\"zen.row_sharded\"")
     tables, left = shard_embeddings(model, route, zcfg.seed, group, zcfg.optimizer_state, zcfg.shard_min_mb)
     if dist.get_rank() == 0:
         logger.info("zen: row-sharded embeddings %s%s", [t.name for _, t in tables],

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from zen_ds.core.host import host_list
-from zen_ds.core.sparse import RowSparse
+from zen_ds.core.sparse import PaddedRows, RowSparse
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +62,18 @@ def _step_with(optimizer: torch.optim.Optimizer, param: nn.Parameter, grad: torc
         param.grad = None
 
 
-def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Optional[RowSparse],
+def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Union[None, RowSparse, PaddedRows],
               name: str = "table") -> None:
     """Step ``master`` (a shard, ``[rows, *row_shape]``) with ``grad``: the shard's summed, scaled
-    gradient rows (``indices``: positions in the shard, sorted, unique), or None when no push
-    happened (then the master is not stepped, as a param without ``.grad``). Every other param
-    of ``optimizer`` must have no ``.grad`` now (they were stepped already)."""
+    gradient rows (``indices``: positions in the shard, sorted, unique; padded rows: their live
+    count is read with the blocks' bounds), or None when no push happened (then the master is
+    not stepped, as a param without ``.grad``). Every other param of ``optimizer`` must have no
+    ``.grad`` now (they were stepped already)."""
     if grad is None:
         return
+    padded = grad if isinstance(grad, PaddedRows) else None
+    if padded is not None and (isinstance(optimizer, torch.optim.SparseAdam) or type(optimizer) not in ELEMENTWISE):
+        grad = padded.trimmed("rowstep.live_rows")
     if isinstance(optimizer, torch.optim.SparseAdam):  # it steps the rows it is given, no more
         _step_with(optimizer, master, grad.to_coo())
         return
@@ -91,10 +95,15 @@ def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Opti
     before = dict(full)  # every block starts from the step's state (a step count advances once)
     size = block_rows(total, grad.indices.numel(), master[0].numel() if total else 1)
     edges = list(range(0, total, max(size, 1))) + [total]
-    # where each block's pushed rows start and end, every block's in one read
-    cuts = host_list(torch.searchsorted(grad.indices, torch.tensor(edges, dtype=grad.indices.dtype,
-                                                                   device=grad.indices.device)),
-                     "rowstep.block_rows")
+    # where each block's pushed rows start and end, every block's in one read (with the live
+    # count of padded rows: the padding repeats the last live id, so the cuts stop at it)
+    bounds = torch.searchsorted(grad.indices, torch.tensor(edges, dtype=grad.indices.dtype,
+                                                           device=grad.indices.device))
+    if padded is not None:
+        bounds = torch.cat([bounds, padded.live.reshape(1).to(bounds.dtype)])
+    cuts = host_list(bounds, "rowstep.block_rows")
+    if padded is not None:
+        cuts = [min(c, cuts[-1]) for c in cuts[:-1]]
     for block, (start, stop) in enumerate(zip(edges[:-1], edges[1:])):
         view = nn.Parameter(master.data[start:stop], requires_grad=master.requires_grad)
         optimizer.state[view] = {} if fresh else {k: _block_of(v, start, stop, total) for k, v in before.items()}

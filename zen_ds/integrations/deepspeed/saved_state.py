@@ -26,7 +26,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from zen_ds.core.host import host_bool, host_int, to_host
-from zen_ds.core.partition import ShardLayout
+from zen_ds.core.partition import ShardLayout, partition_rows
 from zen_ds.integrations.deepspeed.internals import checkpoint as ds_checkpoint
 from zen_ds.sync.reduce_scatter import shard_rows
 
@@ -192,7 +192,12 @@ class ZenFiles(SavedState):
 
 
 def _rows_of(layout: Dict[str, Any]) -> torch.Tensor:
-    """The global row ids, in shard order, of the rank and layout a file records."""
+    """The global row ids, in shard order, of the rank and layout a file records (a ZeRO-3
+    partition's master: the whole rows it overlaps, each boundary row in two files alike)."""
+    if layout.get("layout") == "zero3_partition":
+        first, count, _, _ = partition_rows(int(layout["num_rows"]), int(layout["row_numel"]),
+                                            int(layout["world_size"]), int(layout["rank"]))
+        return torch.arange(first, first + count)
     return shard_rows(ShardLayout(int(layout["num_rows"]), int(layout["world_size"]), int(layout["seed"])),
                       int(layout["rank"]))
 

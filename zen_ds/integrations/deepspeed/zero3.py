@@ -42,6 +42,7 @@ from zen_ds.integrations.deepspeed.route import EngineRoute
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights
 from zen_ds.integrations.deepspeed.zero3_compressed import CompressedPartitions
 from zen_ds.integrations.deepspeed.zero3_rows import EmbeddingRows
+from zen_ds.integrations.deepspeed.zero3_step import PartitionFullState, PartitionTable, bind_tables
 from zen_ds.integrations.params import is_vocab_parallel_embedding
 from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
 from zen_ds.sync.options import SyncOptions, ZenInputError
@@ -89,6 +90,11 @@ class Zero3Route(EngineRoute):
         owned = OwnedParams([], plan, reducer.group, "sharded", cfg.shard_min_mb, cfg.seed, choice.setup.half)
         for table in owned.tables:
             table.next_backward_replaces = ds_zero3.next_backward_replaces(engine.optimizer)
+        # "embedding_step": "zen": the partitions zen steps read DeepSpeed's and serve the batch-cost forward
+        bind_tables(owned.tables, rows, lambda w: ds_zero3.partition_of(engine.optimizer, w))
+        for table in owned.tables:  # DeepSpeed's safe_get_full_* reach zen's state for them
+            if isinstance(table, PartitionTable):
+                ds_zero3.answer_full_state(table.weight, PartitionFullState(table, owned.optimizer))
         return Zero3RowShardedRoute(engine, reducer, zero3, owned)
 
     @classmethod
@@ -138,10 +144,22 @@ class Zero3RowShardedRoute(StepsOwnParams, Zero3Route):
     def attach(self, engine: Any) -> None:
         super().attach(engine)
         ds_zero3.fold_norm_groups(engine.optimizer, self.zen_norm)
-        ds_checkpoint.add_tables_to_consolidated(engine, lambda: full_weights(self.tables))
+        if any(isinstance(t, RowShardTable) for t in self.tables):  # the others are DeepSpeed's params
+            ds_checkpoint.add_tables_to_consolidated(engine, lambda: full_weights(self.tables))
+
+    def table_scaling(self, table: Any) -> Optional[Tuple[float, float]]:
+        """A partition zen steps is scaled as DeepSpeed's reduce-scatter would scale it (Ulysses
+        sequence parallelism included)."""
+        if not isinstance(table, PartitionTable):
+            return None
+        return ds_zero3.gradient_scaling(self.engine.optimizer, table.weight, table.world_size)
 
     def step(self, deepspeed_step: Callable[[], Any]) -> Any:
         self.push_tables()
+        for table in self.tables:  # partitions zen steps: their push in the reducer's stats, as DeepSpeed's were
+            push = getattr(table, "push_stats", None)
+            if push is not None:
+                self.zero3.record(table.name, push)
         opt = self.engine.optimizer
         loss_scale = ds_engine.loss_scale(opt)
         base_lr = opt.param_groups[0]["lr"] if opt.param_groups else None
@@ -220,6 +238,10 @@ class Zero3Sync:
         st.seconds = time.perf_counter() - started
         self._add(p.name, st)
         return out
+
+    def record(self, name: str, st: SyncStats) -> None:
+        """A push zen ran outside DeepSpeed's hooks (a partition zen steps) joins the step's stats."""
+        self._add(name, st)
 
     def _add(self, name: str, st: SyncStats, compressed: bool = False) -> None:
         """Micro-steps add up: bytes and seconds summed, densities of the last one."""

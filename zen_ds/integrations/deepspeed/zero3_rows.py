@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zen_ds.core.sparse import RowSparse, mark_ids_in_range
+from zen_ds.core.sparse import PaddedRows, RowSparse, mark_ids_in_range
 from zen_ds.core.stats import SyncStats
 from zen_ds.features.row_embedding import RowEmbedding, unsupported_reason
 from zen_ds.integrations.deepspeed.internals import zero3 as ds_zero3
@@ -123,9 +123,10 @@ class EmbeddingRows:
 
     def push(self, param: torch.Tensor, rows: RowSparse, group: Optional[dist.ProcessGroup], partition_numel: int,
              out_dtype: torch.dtype, prescale: float, postscale: float, stats: SyncStats,
-             log_prefix: str) -> torch.Tensor:
+             log_prefix: str, as_rows: bool = False) -> Union[torch.Tensor, PaddedRows]:
         """This rank's partition of the scaled sum over ``group`` of the rows' gradients of
-        ``param``'s table (its push's agreement kept from step to step)."""
+        ``param``'s table (its push's agreement kept from step to step); ``as_rows``: the
+        partition's summed rows instead (:func:`~zen_ds.sync.reduce_scatter.sparse_reduce_scatter_flat`'s)."""
         if self.two_hop:
             mid = sparse_reduce_scatter(rows, group, prescale=prescale, options=self.options, stats=stats,
                                         log_prefix=log_prefix, as_rows=True, kept=self.kept_first_hop[id(param)])
@@ -136,12 +137,13 @@ class EmbeddingRows:
             out = sparse_reduce_scatter_flat(second, group,
                                              partition_numel=partition_numel, postscale=postscale,
                                              out_dtype=out_dtype, options=self.options, stats=hop,
-                                             log_prefix=log_prefix, kept=self.kept[id(param)])
+                                             log_prefix=log_prefix, kept=self.kept[id(param)], as_rows=as_rows)
             _add_bytes(stats, hop)
             return out
         return sparse_reduce_scatter_flat(rows, group, partition_numel=partition_numel, prescale=prescale,
                                           postscale=postscale, out_dtype=out_dtype, options=self.options,
-                                          stats=stats, log_prefix=log_prefix, kept=self.kept[id(param)])
+                                          stats=stats, log_prefix=log_prefix, kept=self.kept[id(param)],
+                                          as_rows=as_rows)
 
 
 def _lookup_blocker(module: nn.Module) -> str:

@@ -84,6 +84,7 @@ CASES: Dict[str, Any] = {
     "zero2/sharded": (2, dict(AUTO, optimizer_state="sharded", shard_min_mb=0)),
     "zero2/row_sharded": (2, dict(AUTO, row_sharded=True, shard_min_mb=0)),
     "zero3/rows": (3, AUTO),
+    "zero3/ds_step": (3, dict(AUTO, embedding_step="deepspeed")),
     "zero3/two_hop": (3, dict(AUTO, embedding_fetch="two_hop")),
 }
 _STABLE = {"balanced.counts": 1, "balanced.pull_headers": 1}
@@ -94,12 +95,18 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/auto": _AGREED,
     "zero2/auto": _AGREED,  # the row gradient's count rides in sparcml's row-count exchange
     "zero0/overlap": _STABLE,
+    # zen steps the partition (the default): the step pushes the rows and reads the row blocks'
+    # bounds once (with the received rows' distinct count)
     "zero3/rows": {"fetch.counts": 1,  # the forward (the distinct ids' count rides in it)
-                   "reduce_scatter_flat.counts": 1},  # the hook's push (its checks ride in it)
+                   "reduce_scatter_flat.counts": 1,  # the step's push (its checks ride in it)
+                   "rowstep.block_rows": 1},
+    # DeepSpeed steps the partition: DeepSpeed's gradient hook pushes the rows
+    "zero3/ds_step": {"fetch.counts": 1, "reduce_scatter_flat.counts": 1},
     # two hops, each reading its counts (their agreements kept); the second's ids are the first
     # hop's sum of checked ids (marked), so no "input.row_range"
     "zero3/two_hop": {"fetch.distinct_rows": 1, "fetch.counts": 2,
-                      "reduce_scatter.counts": 1, "reduce_scatter_flat.counts": 1},  # each hop's (kept)
+                      "reduce_scatter.counts": 1, "reduce_scatter_flat.counts": 1,  # each hop's (kept)
+                      "rowstep.block_rows": 1},
     # sharded optimizer state (what "auto" picks for a large table): the reduce-scatter to the
     # rows' owners, its agreement kept (the padded rows whole), and the updated rows' all-gather
     "zero2/sharded": {"reduce_scatter.counts": 1, "gather.counts": 1},
@@ -170,12 +177,15 @@ def test_a_stable_plan_steps_with_two_reads_in_all(counted, case: str) -> None:
 
 
 def test_the_zero3_hook_reads_once(counted) -> None:
-    """DeepSpeed's gradient hook of a batch-cost embedding (the push to the partition owners):
-    1 read at a kept agreement, the push's counts (the issue's bound: 2); the forward reads once
-    more (the fetch's counts, which carry the id check and the number of the batch's distinct
-    ids)."""
+    """DeepSpeed's gradient hook of a batch-cost embedding (``"embedding_step": "deepspeed"``: the
+    push to the partition owners): 1 read at a kept agreement, the push's counts (the issue's
+    bound: 2); the forward reads once more (the fetch's counts, which carry the id check and the
+    number of the batch's distinct ids). Where zen steps the partition (the default) the push runs
+    in the step, with one more read: the row blocks' bounds."""
     for seen in counted:
-        reads = seen["zero3/rows"]["reads"]
+        reads = seen["zero3/ds_step"]["reads"]
         hook = {k: v for k, v in reads.items() if not k.startswith(("row_embedding.", "fetch."))}
-        assert sum(hook.values()) == 1, seen["zero3/rows"]["described"]
-        assert sum(reads.values()) - sum(hook.values()) == 1, seen["zero3/rows"]["described"]
+        assert sum(hook.values()) == 1, seen["zero3/ds_step"]["described"]
+        assert sum(reads.values()) - sum(hook.values()) == 1, seen["zero3/ds_step"]["described"]
+        step = {k: v for k, v in seen["zero3/rows"]["reads"].items() if not k.startswith("fetch.")}
+        assert sum(step.values()) == 2, seen["zero3/rows"]["described"]

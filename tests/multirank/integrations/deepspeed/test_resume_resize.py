@@ -7,7 +7,8 @@ checkpoint, an engine with ``"checkpoint": {"load_universal": true}`` loads it. 
 same, with zen's converter (:func:`zen_ds.integrations.deepspeed.offline.to_universal`: DeepSpeed's
 plus zen's params and row-sharded tables in DeepSpeed's format). For every route (ZeRO-2 zen-owned
 params with replicated optimizer state, ZeRO-1 with sharded state, row-sharded tables at ZeRO-2 in
-fp32 and bf16, ZeRO-3 with zen's default batch-cost embeddings, ZeRO-3 with row-sharded tables),
+fp32 and bf16, ZeRO-3 with zen's default batch-cost embeddings, whose partitions zen steps, and with
+``"embedding_step": "deepspeed"``, ZeRO-3 with row-sharded tables),
 tiny models (vocab 64/48, hidden 8), AdamW, 2 steps before the save and 2 after, "equal" means:
 
 * **state kept exactly**: the engine that loaded the universal checkpoint at the new size, saved
@@ -25,7 +26,8 @@ tiny models (vocab 64/48, hidden 8), AdamW, 2 steps before the save and 2 after,
   tables their saved rows (from every rank's zen file); and the offline consolidation gives every
   param, tables whole, from either size.
 
-A rank's zen file may be absent where zen owned nothing on it (ZeRO-3's default embeddings): a
+A rank's zen file may be absent where zen owned nothing on it (ZeRO-3's batch-cost embeddings
+stepped by DeepSpeed): a
 copy of the checkpoint without rank 1's file loads; where zen owned state (row-sharded tables), the
 load names the missing file and what to do.
 
@@ -57,12 +59,13 @@ CASES: Dict[str, Dict[str, Any]] = {
     "z1_sharded": dict(zero=1, zen_extra={"optimizer_state": "sharded"}, both_ways=True),
     "z2_rows": dict(zero=2, zen_extra=ROWS, both_ways=True, rows=True, stock_checkpoint=True),
     "z2_rows_bf16": dict(zero=2, dtype="bf16", zen_extra=ROWS, rows=True),
-    "z3": dict(zero=3, zen_extra={}, both_ways=True, ds_converter="loads"),
+    "z3": dict(zero=3, zen_extra={}, both_ways=True, ds_converter="refused"),
+    "z3_ds_step": dict(zero=3, zen_extra={"embedding_step": "deepspeed"}, both_ways=True, ds_converter="loads"),
     "z3_rows": dict(zero=3, zen_extra=ROWS, rows=True),
 }
 # a copy of a 2-rank checkpoint without rank 1's zen file: accepted where zen owned nothing (ZeRO-3's
-# batch-cost embeddings keep no state of zen's), an error naming the file where it did
-GAP_TAG, GAP_CASES = "gap", ("z3", "z2_rows")
+# batch-cost embeddings stepped by DeepSpeed keep no state of zen's), an error naming the file where it did
+GAP_TAG, GAP_CASES = "gap", ("z3_ds_step", "z2_rows")
 
 
 def _config(case: Dict[str, Any], world: int, zen: bool, universal: bool = False) -> Dict[str, Any]:
@@ -357,12 +360,12 @@ def test_offline_consolidation_gives_every_param(results, frm, to, name):
 
 
 def test_absent_rank_file_where_zen_owned_nothing_is_accepted(results):
-    """ZeRO-3 with zen's batch-cost embeddings keeps nothing of zen's beyond the step: rank 1's file
-    may be missing; every rank loads the saved weights and the step."""
+    """ZeRO-3 with zen's batch-cost embeddings stepped by DeepSpeed keeps nothing of zen's beyond the
+    step: rank 1's file may be missing; every rank loads the saved weights and the step."""
     for rank_result in results[(BIG, SMALL)]:
-        got = rank_result["gap"]["z3"]
+        got = rank_result["gap"]["z3_ds_step"]
         assert "error" not in got, got
-        _assert_equal(got["weights"], results["saved"][SMALL]["z3/zen"], exact=True, precision="fp32")
+        _assert_equal(got["weights"], results["saved"][SMALL]["z3_ds_step/zen"], exact=True, precision="fp32")
         assert got["step"] == got["engine_step"] == STEPS
 
 

@@ -288,14 +288,15 @@ def test_zero3_matches_stock(results, case: str, rtol: float) -> None:
 def test_second_backward_before_step_as_stock_zero3(results, case: str, engine: str) -> None:
     """Two backwards before step(), as test_ds_behaviour.py checks at ZeRO-0/1/2: stock ZeRO-3
     applies the sum of both averaged gradients (the last one after the optimizer's zero_grad), and
-    so does zen, through DeepSpeed's partitions or with row-sharded tables."""
+    so does zen, stepping the tables' partitions (their rows wait at the sender) or row-sharded."""
     _no_job_failed(results, case)
     want = dc.summed_reference(False, SECOND_BACKWARD[case], WORLD, WORLD)
     for res in results:
         _close(res[f"{case}_stock"], want, 1e-5)
         _close(res[f"{case}_{engine}"], res[f"{case}_stock"], 1e-5)
         tables = res[f"{case}_{engine}_tables"]
-        assert tables == (["emb_s.weight", "emb_d.weight"] if engine == "rows" else []), tables
+        # zen steps the tables either way: row-sharded, or their ZeRO-3 partitions (the default)
+        assert tables == ["emb_s.weight", "emb_d.weight"], tables
 
 
 def test_fp16_overflow_skips_the_same_steps(results) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+import numpy as np
 import pytest
 
 from dist_utils import run_ranks
@@ -29,6 +30,7 @@ VOCAB_A, VOCAB_B, WIDTH = 2048, 1031, 8  # 1031 x 8 elements do not split evenly
 STEPS, GAS = 3, 2
 MODES = {"stock": None, "zen": {"enabled": True, "stats_interval": 0},
          "two_hop": {"enabled": True, "stats_interval": 0, "embedding_fetch": "two_hop"},
+         "ds_step": {"enabled": True, "stats_interval": 0, "embedding_step": "deepspeed"},
          "off": {"enabled": True, "stats_interval": 0, "embedding_rows": False}}
 
 
@@ -73,7 +75,28 @@ def _run(rank: int, mode: str) -> Dict[str, Any]:
                 engine.step()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         params = dc.params_of(engine.module)
-    return {"params": params, "largest": probe.largest, "largest_op": probe.op, **seen}
+    # DeepSpeed's whole-param accessors (collective), then a write through them, read back gathered
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+    weight_b = engine.module.b.weight
+    full = safe_get_full_fp32_param(weight_b)
+    accessors = {"fp32": full.numpy().copy(), "exp_avg": safe_get_full_optimizer_state(weight_b, "exp_avg").numpy().copy()}
+    safe_set_full_fp32_param(weight_b, full + 1.0)
+    with deepspeed.zero.GatheredParameters([weight_b]):
+        accessors["after_set"] = weight_b.detach().numpy().copy()
+    accessors["set_then_get"] = safe_get_full_fp32_param(weight_b).numpy().copy()
+    state = zen_ds.state_of(engine)
+    from zen_ds.integrations.deepspeed.internals.engine import params_in_ds_optimizer
+    in_ds = params_in_ds_optimizer(engine)
+    module = engine.module
+    partitions = {name: int(w.ds_tensor.numel()) for name, w in (("a", module.a.weight), ("b", module.b.weight))}
+    held = {}
+    if state is not None:
+        for t in state.route.tables:
+            held[t.name] = (t.shard_size, int(t.rows[0]), t.memory_bytes(state.route.owned.optimizer))
+    return {"params": params, "largest": probe.largest, "largest_op": probe.op, **seen, "accessors": accessors,
+            "stepped_by_zen": sorted(held), "partitions": partitions, "held": held,
+            "in_ds_optimizer": sorted(n for n, w in (("a", module.a.weight), ("b", module.b.weight))
+                                      if id(w) in in_ds)}
 
 
 def _worker(rank: int, world: int) -> Dict[str, Any]:
@@ -92,7 +115,7 @@ def results():
     return run_ranks(WORLD, _worker)
 
 
-@pytest.mark.parametrize("mode", ["zen", "two_hop", "off"])
+@pytest.mark.parametrize("mode", ["zen", "two_hop", "ds_step", "off"])
 def test_parameters_equal_stock_zero3(results, mode: str) -> None:
     for rank in range(WORLD):
         errors = dc.max_rel_err(results[rank][mode]["params"], results[rank]["stock"]["params"])
@@ -115,3 +138,37 @@ def test_the_table_is_never_gathered(results) -> None:
             assert (results[rank][mode]["status"], results[rank][mode]["numel"]) == ("NOT_AVAILABLE", 0)
         assert results[rank]["off"]["status"] == "AVAILABLE"
         assert results[rank]["off"]["numel"] == VOCAB_A * WIDTH
+
+
+def test_zen_steps_the_partitions(results) -> None:
+    """By default zen steps the tables' partitions: they are out of DeepSpeed's optimizer, and no
+    tensor of a partition's size is made during a step (DeepSpeed's optimizer makes its flattened
+    gradient when it steps them: the check can fail); zen holds, per table, fp32 master and two
+    AdamW moments of the partition's whole rows (a row across the boundary on both ranks)."""
+    for rank in range(WORLD):
+        zen, ds = results[rank]["zen"], results[rank]["ds_step"]
+        assert zen["stepped_by_zen"] == ["a.weight", "b.weight"] and zen["in_ds_optimizer"] == []
+        assert ds["stepped_by_zen"] == [] and ds["in_ds_optimizer"] == ["a", "b"]
+        partition = min(zen["partitions"].values())
+        assert zen["largest"] < partition, zen["largest_op"]
+        assert ds["largest"] >= partition
+        rows_a, first_a, held_a = zen["held"]["a.weight"]
+        assert (rows_a, first_a) == (VOCAB_A // WORLD, rank * VOCAB_A // WORLD)
+        # 1031 x 8 over 2 ranks: 4124 elements each, row 515 is split (4 + 4 elements)
+        rows_b, first_b, held_b = zen["held"]["b.weight"]
+        assert (rows_b, first_b) == (516, 515 * rank)
+        for rows, held in ((rows_a, held_a), (rows_b, held_b)):
+            assert held["master"] == rows * WIDTH * 4 and held["optimizer"] == 2 * rows * WIDTH * 4
+
+
+@pytest.mark.parametrize("mode", ["zen", "ds_step"])
+def test_deepspeeds_whole_param_accessors(results, mode: str) -> None:
+    """``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` give stock's values for a
+    table zen steps (from zen's master and state, all-gathered) and ``safe_set_full_fp32_param``
+    reaches the partitions (1031 rows: one split across the ranks)."""
+    for rank in range(WORLD):
+        got, want = results[rank][mode]["accessors"], results[rank]["stock"]["accessors"]
+        for key in ("fp32", "exp_avg", "after_set", "set_then_get"):
+            errors = dc.max_rel_err({key: got[key]}, {key: want[key]})
+            assert errors[key] <= 2e-4, (key, errors)
+        assert np.array_equal(got["set_then_get"], got["fp32"] + np.float32(1.0))

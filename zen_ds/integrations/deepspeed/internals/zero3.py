@@ -20,6 +20,14 @@ Checked against DeepSpeed 0.19.8. Wraps:
   parameter coordinator never gathers (nor prefetches) that module's params; zen's batch-cost
   embedding reads their partitions instead.
 
+* a param's ``_z3_optimizer`` (set by ``_link_all_hp_params`` on every param of the module), which
+  ``safe_get_full_fp32_param`` / ``safe_set_full_fp32_param``, ``safe_get_full_optimizer_state`` /
+  ``safe_set_full_optimizer_state`` and ``safe_get_full_grad`` / ``safe_set_full_grad`` call as
+  ``get_full_hp_param(param, key)``, ``set_full_hp_param(value, param, key)``,
+  ``get_fp32_grad_for_param(param)`` and ``set_fp32_grad_for_param(value, param)``: for a table
+  zen steps (not in the optimizer's groups, where those would fail) :func:`answer_full_state`
+  puts a stand-in that answers from zen's state and hands every other call to the optimizer.
+
 Reads: ``_global_grad_norm`` (:func:`global_grad_norm`), ``micro_step_id``
 (:func:`next_backward_replaces`); a param's ``ds_tensor`` (its flat partition), ``ds_persist``,
 ``ds_z3_leaf_module``, ``ds_numel`` and ``_get_param_partition_group`` (:func:`partition_of`,
@@ -29,7 +37,7 @@ replacing ``torch.Tensor.__new__``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Protocol, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -38,7 +46,7 @@ from zen_ds.integrations.deepspeed.faults import refuse
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PartitionReducer", "take_over_reduce_scatter", "fold_norm_groups", "global_grad_norm",
+__all__ = ["PartitionReducer", "answer_full_state", "gradient_scaling", "take_over_reduce_scatter", "fold_norm_groups", "global_grad_norm",
            "next_backward_replaces", "preload_for_zero_init", "rows_blocker", "partition_of",
            "stop_gathering"]
 
@@ -55,7 +63,7 @@ class PartitionReducer(Protocol):
 
 def take_over_reduce_scatter(opt: Any, sync: PartitionReducer) -> None:
     """zen's params' gradients reach their partitions through ``sync``, scaled as DeepSpeed would
-    scale them (:func:`_scaling`). Where ``sync`` gives no partition (dense this step, agreed by
+    scale them (:func:`gradient_scaling`). Where ``sync`` gives no partition (dense this step, agreed by
     every rank) DeepSpeed's own path runs."""
     needed = ("reduce_independent_p_g_buckets_and_remove_grads", "partition_grads",
               "_get_param_partition_group", "get_param_comm_dtype", "gradient_accumulation_dtype")
@@ -69,7 +77,7 @@ def take_over_reduce_scatter(opt: Any, sync: PartitionReducer) -> None:
         if not sync.owns(param) or not getattr(param, "ds_grad_is_ready", True) or param.grad is None:
             return orig_reduce(param)
         group = opt._get_param_partition_group(param)
-        prescale, postscale = _scaling(opt, param, dist.get_world_size(group) if dist.is_initialized() else 1)
+        prescale, postscale = gradient_scaling(opt, param, dist.get_world_size(group) if dist.is_initialized() else 1)
         partition = sync.reduce(param, param.grad, group, int(param.partition_numel()),
                                 opt.get_param_comm_dtype(param), opt.gradient_accumulation_dtype,
                                 prescale, postscale)
@@ -81,7 +89,7 @@ def take_over_reduce_scatter(opt: Any, sync: PartitionReducer) -> None:
     opt.reduce_independent_p_g_buckets_and_remove_grads = reduce_independent_p_g_buckets_and_remove_grads
 
 
-def _scaling(opt: Any, param: Any, n: int) -> Tuple[float, float]:
+def gradient_scaling(opt: Any, param: Any, n: int) -> Tuple[float, float]:
     """(before, after) the sum over the ``n`` ranks of ``param``'s partition group, as DeepSpeed
     scales the bucket the param would be in. ``__avg_scatter_grads``: ``/ f`` (postscale with a
     predivide factor ``f != 1``), ``/ n`` before the sum, ``* f`` after it unless ``f == n``, then
@@ -111,9 +119,11 @@ def fold_norm_groups(opt: Any, zen_norm: Callable[[], torch.Tensor]) -> None:
     opt._get_norm_groups = _get_norm_groups
 
 
-def global_grad_norm(opt: Any) -> float:
-    """The global gradient norm of the step the optimizer just took (unscaled)."""
-    return float(opt._global_grad_norm)
+def global_grad_norm(opt: Any) -> Union[float, torch.Tensor]:
+    """The global gradient norm of the step the optimizer just took (unscaled); a device tensor
+    stays one (no read: the clip coefficient is computed on the device)."""
+    norm = opt._global_grad_norm
+    return norm if torch.is_tensor(norm) else float(norm)
 
 
 def next_backward_replaces(optimizer: Any) -> Callable[[], bool]:
@@ -185,3 +195,35 @@ def stop_gathering(engine: Any, module: torch.nn.Module) -> int:
         refuse(f"zen found none of DeepSpeed's ZeRO-3 hooks on {type(module).__name__}; this DeepSpeed "
                "release registers them differently: set \"embedding_rows\": false in the \"zen\" block")
     return removed
+
+
+class _ZenAnswers:
+    """The optimizer as one param's ``_z3_optimizer``: DeepSpeed's whole-param accessors reach
+    zen's :class:`~.tensor_fragment.FullState` for it; anything else goes to the optimizer."""
+
+    def __init__(self, optimizer: Any, state: Any) -> None:
+        self._optimizer, self._state = optimizer, state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+    def get_full_hp_param(self, param: Any, optim_state_key: Optional[str] = None) -> torch.Tensor:
+        return self._state.get(optim_state_key)
+
+    def set_full_hp_param(self, value: torch.Tensor, param: Any, optim_state_key: Optional[str] = None) -> None:
+        self._state.set(value, optim_state_key)
+
+    def get_fp32_grad_for_param(self, param: Any) -> torch.Tensor:
+        return self._state.get_grad()
+
+    def set_fp32_grad_for_param(self, value: torch.Tensor, param: Any) -> None:
+        self._state.set_grad(value)
+
+
+def answer_full_state(param: Any, state: Any) -> None:
+    """DeepSpeed's ``safe_get_full_*`` / ``safe_set_full_*`` for ZeRO-3 ``param`` reach ``state``
+    (a :class:`~.tensor_fragment.FullState`) instead of the optimizer, which does not step it."""
+    optimizer = getattr(param, "_z3_optimizer", None)
+    if isinstance(optimizer, _ZenAnswers):
+        optimizer = optimizer._optimizer
+    param._z3_optimizer = _ZenAnswers(optimizer, state)
