@@ -279,7 +279,8 @@ def train(args: argparse.Namespace, data_collator: Optional[Callable[..., Any]] 
                                "world": world, "steps": args.steps, "mean_loss": float(result.training_loss),
                                "final_loss": float(losses[-1]) if losses else float("nan"), "losses": losses,
                                "route": state.route.name if state else None,
-                               "row_sharded": [t.name for t in state.route.tables] if state else [],
+                               "row_sharded": [t.name for t in state.route.row_sharded_tables] if state else [],
+                               "stepped_by_zen": [t.name for t in state.route.tables] if state else [],
                                "compressed": [p.name for p in state.reducer.params if p.compressed] if state else [],
                                "params": {}}
     params = dict(engine.module.named_parameters())

@@ -584,7 +584,7 @@ def _row_shard_record(engine: Any) -> Dict[str, Any]:
     """This step's traffic of the row-sharded embeddings (``--row-sharded``), per phase."""
     import zen_ds
     state = zen_ds.state_of(engine)
-    tables = state.route.tables if state is not None else []
+    tables = state.route.row_sharded_tables if state is not None else []
     return {"row_sharded": {t.name: dict(vars(t.last_stats), held=t.memory_bytes(state.route.owned.optimizer),
                                          table_bytes=t.num_rows * t.row_shape[0] * t.shard.element_size())
                             for t in tables}} if tables else {}

@@ -123,6 +123,12 @@ class EngineRoute(ABC):
         """Row-sharded embeddings (``"row_sharded"``) this route steps; none on most routes."""
         return ()
 
+    @property
+    def row_sharded_tables(self) -> List[RowShardTable]:
+        """The row-sharded tables among :attr:`tables` (the others are ZeRO-3 partitions zen steps,
+        :mod:`.zero3_step`)."""
+        return [t for t in self.tables if isinstance(t, RowShardTable)]
+
     def describe(self) -> List[str]:
         """What zen holds on this rank beyond the reducer, one phrase each (logged at attach)."""
         return []

@@ -95,7 +95,7 @@ class PartitionTable:
         self.partition: Callable[[], torch.Tensor] = lambda: weight.ds_tensor
         self.synced: Optional[PaddedRows] = None  # the pushed rows (positions in the master)
         self.next_backward_replaces: Optional[Callable[[], bool]] = None
-        self.push_rows: Callable[..., Any] = lambda *args, **kwargs: None  # set by bind
+        self.push_rows: Optional[Callable[..., Any]] = None  # the table's push (set by bind)
         self.stats, self.last_stats = RowShardStats(), RowShardStats()
         self.push_stats: Optional[SyncStats] = None  # the last push's, fetches included (the reducer's stats)
         self.saved_elsewhere = 0  # (zen's saves count here; the table is DeepSpeed's param: nothing to warn)
@@ -206,7 +206,9 @@ class PartitionTable:
              options: SyncOptions) -> None:
         """The step's rows to the partitions' owners (collective): :attr:`synced` is the scaled sum
         over the group of the rows this rank's master holds, fp32, positions in the master."""
-        assert self.source is not None and self.master is not None
+        if self.source is None or self.push_rows is None or self.master is None:
+            raise RuntimeError(f"zen: {self.name}'s partition table was never bound to its embedding "
+                               "(zen_ds.initialize builds and binds it; do not use it outside an engine)")
         wire = comm_dtype or torch.float32
         rows = self.source.take_rows(torch.float32)
         device = self.master.device
