@@ -275,7 +275,8 @@ class StepsOwnParams:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         if "owned" not in sd:
             raise ValueError("zen checkpoint has no zen-owned optimizer state; it was saved with a "
-                             "different ZeRO stage / precision. Resume with the same ds_config, through a "
+                             "different ZeRO stage / precision (or, under ZeRO-3, \"embedding_step\": "
+                             "\"deepspeed\"). Resume with the same ds_config, through a "
                              "universal checkpoint (docs/zero.md, \"Resuming on another number of GPUs\"), or "
                              "pass load_optimizer_states=False to load the weights only")
         self.owned.load_state_dict(sd["owned"])
