@@ -157,9 +157,8 @@ class Zero3RowShardedRoute(StepsOwnParams, Zero3Route):
     def step(self, deepspeed_step: Callable[[], Any]) -> Any:
         self.push_tables()
         for table in self.tables:  # partitions zen steps: their push in the reducer's stats, as DeepSpeed's were
-            push = getattr(table, "push_stats", None)
-            if push is not None:
-                self.zero3.record(table.name, push)
+            if isinstance(table, PartitionTable) and table.push_stats is not None:
+                self.zero3.record(table.name, table.push_stats)
         opt = self.engine.optimizer
         loss_scale = ds_engine.loss_scale(opt)
         base_lr = opt.param_groups[0]["lr"] if opt.param_groups else None

@@ -48,6 +48,7 @@ from zen_ds.core.sparse import PaddedRows, RowSparse
 from zen_ds.core.stats import SyncStats
 from zen_ds.features.row_embedding import RowEmbedding, unsupported_reason
 from zen_ds.integrations.deepspeed.faults import refuse
+from zen_ds.integrations.deepspeed.internals import zero3 as ds_zero3
 from zen_ds.integrations.deepspeed.internals.tensor_fragment import FullState
 from zen_ds.integrations.deepspeed.norms import is_one
 from zen_ds.integrations.deepspeed.rowshard import RowShardStats
@@ -285,10 +286,16 @@ def partition_tables(model: nn.Module, route: "RouteChoice", ds_config: Mapping[
                                                                   Dict[str, str]]:
     """``"embedding_step": "zen"`` under ZeRO-3: a :class:`PartitionTable` for each zen embedding that
     will run at batch cost (an untied plain ``nn.Embedding`` above DeepSpeed's persistence
-    threshold, not offloaded); ``[(weight, table)]`` and ``{name: why DeepSpeed steps it}``."""
+    threshold, not offloaded, outside ZeRO-3 leaf modules, partitioned over the data-parallel
+    group: no hpZ); ``[(weight, table)]`` and ``{name: why DeepSpeed steps it}``.
+    Decided from the ds_config and the model before DeepSpeed builds the engine, as
+    :func:`.internals.zero3.rows_blocker` decides after it (a table it refuses then is refused
+    at build, with the setting to use)."""
     zero = ds_config.get("zero_optimization") or {}
     threshold = int(zero.get("stage3_param_persistence_threshold", _PERSISTENCE_DEFAULT))
     offloaded = (zero.get("offload_param") or {}).get("device", "none") not in (None, "none")
+    subgroups = int(zero.get("zero_hpz_partition_size", 1) or 1) > 1
+    in_leaf = ds_zero3.params_in_leaf_modules(model)
     tied = tied_params(model)
     owner = {id(m.weight): m for m in model.modules() if isinstance(getattr(m, "weight", None), nn.Parameter)}
     tables: List[Tuple[nn.Parameter, PartitionTable]] = []
@@ -296,11 +303,13 @@ def partition_tables(model: nn.Module, route: "RouteChoice", ds_config: Mapping[
     for name, param, _ in route.selected:
         module = owner.get(id(param))
         numel = int(getattr(param, "ds_numel", param.numel()))
-        why = ("not the weight of a module" if module is None else unsupported_reason(module)
-               or ("tied: another module uses its weight" if id(param) in tied else "")
+        why = ("tied: another module uses its weight" if id(param) in tied
+               else "not the weight of a module" if module is None else unsupported_reason(module)
                or (f"persistent ({numel} elements < stage3_param_persistence_threshold {threshold}): "
                    "DeepSpeed keeps it whole" if numel < threshold else "")
-               or ("offload_param: DeepSpeed moves its partition" if offloaded else ""))
+               or ("offload_param: DeepSpeed moves its partition" if offloaded else "")
+               or ("inside a ZeRO-3 leaf module, whose hook gathers all its params" if id(param) in in_leaf else "")
+               or ("zero_hpz_partition_size > 1: hpZ's secondary partitions" if subgroups else ""))
         if why:
             left[name] = why
             continue

@@ -28,7 +28,7 @@ Checked against DeepSpeed 0.19.8. Wraps:
   zen steps (not in the optimizer's groups, where those would fail) :func:`answer_full_state`
   puts a stand-in that answers from zen's state and hands every other call to the optimizer.
 
-Reads: ``_global_grad_norm`` (:func:`global_grad_norm`), ``micro_step_id``
+Reads: ``deepspeed.utils.z3_leaf_module`` (:func:`params_in_leaf_modules`), ``_global_grad_norm`` (:func:`global_grad_norm`), ``micro_step_id``
 (:func:`next_backward_replaces`); a param's ``ds_tensor`` (its flat partition), ``ds_persist``,
 ``ds_z3_leaf_module``, ``ds_numel`` and ``_get_param_partition_group`` (:func:`partition_of`,
 :func:`rows_blocker`); a module's ``_forward_pre_hooks`` / ``_forward_hooks`` (torch's). :func:`preload_for_zero_init` works around ``zero.Init``
@@ -46,7 +46,7 @@ from zen_ds.integrations.deepspeed.faults import refuse
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PartitionReducer", "answer_full_state", "gradient_scaling", "take_over_reduce_scatter", "fold_norm_groups", "global_grad_norm",
+__all__ = ["PartitionReducer", "answer_full_state", "params_in_leaf_modules", "gradient_scaling", "take_over_reduce_scatter", "fold_norm_groups", "global_grad_norm",
            "next_backward_replaces", "preload_for_zero_init", "rows_blocker", "partition_of",
            "stop_gathering"]
 
@@ -170,6 +170,13 @@ def rows_blocker(engine: Any, param: Any) -> str:
     if param.ds_tensor.device != param.device:
         return f"offloaded (partition on {param.ds_tensor.device}, compute on {param.device})"
     return ""
+
+
+def params_in_leaf_modules(model: torch.nn.Module) -> "set[int]":
+    """ids of the params inside ZeRO-3 leaf modules (``deepspeed.utils.set_z3_leaf_modules``), known
+    before the engine exists (after it, a param's ``ds_z3_leaf_module``: :func:`rows_blocker`)."""
+    from deepspeed.utils.z3_leaf_module import z3_leaf_module
+    return {id(p) for m in model.modules() if z3_leaf_module(m) for p in m.parameters()}
 
 
 def partition_of(opt: Any, param: Any) -> "tuple[Callable[[], torch.Tensor], Optional[dist.ProcessGroup]]":
