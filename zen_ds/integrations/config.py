@@ -202,8 +202,9 @@ class ZenConfig(_sync_option_keys("")):
     (docs/zero.md, "zen steps the partition"). zen's checkpoint file holds the table's fp32 master
     and optimizer state; DeepSpeed's ``zero_to_fp32`` finds the weights. It applies to engines
     built by ``zen_ds.initialize`` (or ``deepspeed.initialize`` after ``zen_ds.enable()``), to
-    untied plain ``nn.Embedding`` tables above ``stage3_param_persistence_threshold`` without
-    ``offload_param``; the others stay with DeepSpeed's optimizer (said at attach).
+    untied plain ``nn.Embedding`` tables above ``stage3_param_persistence_threshold``, outside
+    ZeRO-3 leaf modules, without ``offload_param`` or hpZ (``zero_hpz_partition_size``); the
+    others stay with DeepSpeed's optimizer (said at attach).
     ``deepspeed``: DeepSpeed's optimizer steps the partition; zen hands it the partition's
     gradient."""
 
