@@ -21,21 +21,22 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Dict, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from zen_ds.integrations.deepspeed.rowshard import full_weights, tables_saved_elsewhere
-from zen_ds.integrations.deepspeed.saved_state import (COMMON_KEYS, STATE_FILE, SavedState, UniversalState,
-                                                     ZenFiles, absent_files, holds_state, zen_files_in)
+from zen_ds.integrations.deepspeed.saved_state import (COMMON_KEYS, STATE_FILE, ZERO3_PARTITION, SavedState,
+                                                     UniversalState, ZenFiles, absent_files, holds_state,
+                                                     partitions_stepped_by_zen, zen_files_in)
 
 if TYPE_CHECKING:  # pragma: no cover
     from zen_ds.integrations.deepspeed.route import EngineRoute
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STATE_FILE", "state_dict", "load_state_dict", "save", "load", "full_state_dict"]
+__all__ = ["STATE_FILE", "state_dict", "load_state_dict", "save", "check_loadable", "load", "full_state_dict"]
 
 def state_dict(route: "EngineRoute") -> Dict[str, Any]:
     sd: Dict[str, Any] = {"version": 1, "params": [p.name for p in route.reducer.params],
@@ -112,16 +113,48 @@ def save(route: "EngineRoute", save_dir: str, tag: str, rank: int) -> None:
         dist.barrier()
 
 
+def check_loadable(route: "EngineRoute", load_dir: str, tag: Optional[Any], strict: bool = True,
+                   optimizer_states: bool = True, module_only: bool = False, universal: bool = False) -> None:
+    """Before DeepSpeed loads (every rank alike): under ZeRO-3 its optimizer files hold the params
+    its optimizer stepped when the checkpoint was saved. Where zen now steps other tables' partitions
+    (another ``"embedding_step"``, a checkpoint saved without zen or by a zen_ds that left them to
+    DeepSpeed), DeepSpeed's own load would stop at a size mismatch: say what to do instead. Weights-only
+    and universal loads map params by name and take either."""
+    if universal or module_only or not optimizer_states:
+        return
+    mine = sorted(t.name for t in route.tables if t.layout_key().get("layout") == ZERO3_PARTITION)
+    folder = os.path.join(load_dir, str(tag if tag is not None else _latest_tag(load_dir, False)))
+    files = zen_files_in(folder)
+    if not files and not mine:
+        return
+    saved = partitions_stepped_by_zen(torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)) \
+        if files else []
+    if saved == mine:
+        return
+    def mode(tables: List[str]) -> str:
+        return (f"zen stepped the partitions of {tables} (\"embedding_step\": \"zen\")" if tables else
+                "DeepSpeed's optimizer stepped every table (\"embedding_step\": \"deepspeed\", or saved without zen)")
+    raise ValueError(
+        f"zen: in the checkpoint {folder} {mode(saved)}; in this run {mode(mine)}. DeepSpeed's ZeRO-3 optimizer "
+        "files hold the params its optimizer stepped, so its load cannot take this checkpoint. Resume with the "
+        "\"embedding_step\" it was saved with, or switch through a universal checkpoint: python -m "
+        "zen_ds.integrations.deepspeed.offline universal --input_folder <dir>/<tag> --output_folder "
+        "<dir>/<tag>_universal, then load it with \"checkpoint\": {\"load_universal\": true} (docs/zero.md), "
+        "or pass load_optimizer_states=False to load the weights only")
+
+
+def _latest_tag(load_dir: str, universal: bool) -> str:
+    with open(os.path.join(load_dir, "latest_universal" if universal else "latest")) as fh:
+        return fh.read().strip()
+
+
 def load(route: "EngineRoute", load_dir: str, tag: Optional[Any], rank: int, strict: bool = True,
          optimizer_states: bool = True, module_only: bool = False, universal: bool = False) -> None:
     """Read this rank's state; ``tag=None`` follows DeepSpeed's ``latest`` file (``latest_universal``
     for a ``universal`` load). The flags are ``load_checkpoint``'s (see :func:`load_state_dict`); a
     checkpoint saved without zen loads when zen's state is not wanted (weights only, or not strict)
     or when zen holds none on this route."""
-    if tag is None:
-        with open(os.path.join(load_dir, "latest_universal" if universal else "latest")) as fh:
-            tag = fh.read().strip()
-    folder = os.path.join(load_dir, str(tag))
+    folder = os.path.join(load_dir, str(tag if tag is not None else _latest_tag(load_dir, universal)))
     if universal:
         _load_universal(route, folder, optimizer_states and not module_only)
         return
@@ -232,7 +265,7 @@ def _load_universal(route: "EngineRoute", folder: str, optimizer_states: bool) -
     owned = getattr(route, "owned", None)
     if owned is None or not (owned.params or owned.tables):
         return
-    saved = UniversalState(folder)
+    saved = UniversalState(folder, shapes=owned.whole_shapes())
     names = [name for name, _, _ in owned.slots()]
     missing = saved.missing(names) if optimizer_states else \
         {name: "no zero/<name>/fp32.pt" for name in names if name not in saved.names()}

@@ -290,7 +290,7 @@ class StepsOwnParams:
         for table in self.owned.tables:
             if table.name in saved and saved[table.name]["layout"] == table.layout_key():
                 table.load_state_dict(saved[table.name], masters=False)
-            else:
+            elif not table.weights_from_module():
                 kept.append(table.name)
         return kept
 

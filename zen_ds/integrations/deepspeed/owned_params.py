@@ -323,15 +323,22 @@ class OwnedParams:
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def tables_from(self, saved: SavedState) -> List[str]:
-        """Row-sharded tables take their rows from ``saved`` where it has them (a weights-only load
-        at another layout); returns the tables it lacks."""
+        """Tables take their rows from ``saved`` where it has them (a weights-only load at another
+        layout), else from what DeepSpeed loaded where it holds them (a ZeRO-3 partition); returns
+        the tables that keep their values."""
         kept = []
         for t in self.tables:
             if t.name in saved.names():
                 t.load_rows(saved.rows(t.name, FP32, t.rows))
-            else:
+            elif not t.weights_from_module():
                 kept.append(t.name)
         return kept
+
+    def whole_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Each param's and table's whole shape, by name (a ZeRO-3 param's is its ``ds_shape``)."""
+        shapes = {p.name: tuple(getattr(p.param, "ds_shape", p.param.shape)) for p in self.params}
+        shapes.update({t.name: (t.num_rows,) + tuple(t.row_shape) for t in self.tables})
+        return shapes
 
 
 class OwnedGrads(GradStorage):

@@ -238,7 +238,7 @@ class EngineRoute(ABC):
         ds_checkpoint.add_zen_file(
             engine, save=lambda save_dir, tag: checkpoint.save(self, save_dir, tag, engine.global_rank),
             load=lambda load_dir, tag, flags: checkpoint.load(self, load_dir, tag, engine.global_rank, **flags),
-            saving=saving)
+            saving=saving, check=lambda load_dir, tag, flags: checkpoint.check_loadable(self, load_dir, tag, **flags))
         ds_checkpoint.add_owned_weights(engine, lambda: dict(saved))
 
 

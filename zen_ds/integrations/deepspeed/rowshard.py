@@ -36,8 +36,7 @@ that are not embeddings stay on the usual route, each with its reason in the log
 
 The whole table exists only when asked for, collectively: :func:`full_weights` (the consolidated
 state dict, ``save_16bit_model``, Accelerate's ``get_state_dict`` hence the Trainer's
-``save_model()``) and, offline, ``zen_ds.integrations.deepspeed.checkpoint.
-fp32_state_dict`` (:mod:`.offline`) from the per-rank checkpoint files.
+``save_model()``) and, offline, :func:`~.offline.fp32_state_dict` from the per-rank checkpoint files.
 """
 from __future__ import annotations
 
@@ -171,10 +170,11 @@ class RowShardTable:
         with torch.no_grad():
             self.shard.data.copy_(sd["shard"])
             if self.half and self.master is not None:
-                if masters and sd.get("master") is not None:
-                    self.master.data.copy_(sd["master"])
-                else:
-                    self.master.data.copy_(self.shard.data.float())
+                self.master.data.copy_(sd["master"] if masters and sd.get("master") is not None
+                                       else self.shard.data.float())
+
+    def weights_from_module(self) -> bool:  # DeepSpeed's checkpoint holds no rows of it: it keeps its values
+        return False
 
     @torch.no_grad()
     def load_rows(self, values: torch.Tensor) -> None:

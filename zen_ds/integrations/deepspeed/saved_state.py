@@ -18,7 +18,9 @@ follows the rows; anything else (the step) is one value per param.
 """
 from __future__ import annotations
 
+import functools
 import glob
+import math
 import os
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -30,8 +32,8 @@ from zen_ds.core.partition import ShardLayout, partition_rows
 from zen_ds.integrations.deepspeed.internals import checkpoint as ds_checkpoint
 from zen_ds.sync.reduce_scatter import shard_rows
 
-__all__ = ["FP32", "STATE_FILE", "ZEN_UNIVERSAL_FILE", "COMMON_KEYS", "holds_state", "zen_files_in", "absent_files",
-           "SavedState", "ZenFiles", "UniversalState"]
+__all__ = ["FP32", "STATE_FILE", "ZEN_UNIVERSAL_FILE", "COMMON_KEYS", "ZERO3_PARTITION", "holds_state",
+           "partitions_stepped_by_zen", "zen_files_in", "absent_files", "SavedState", "ZenFiles", "UniversalState"]
 
 FP32 = ds_checkpoint.UNIVERSAL_FP32  # a param's fp32 value (zen's master; the param itself in fp32)
 STATE_FILE = "zen_ds_rank{rank:05d}.pt"
@@ -42,6 +44,7 @@ Groups = List[Tuple[List[str], Dict[str, Any]]]  # optimizer param groups: (slot
 # what every zen file holds besides the route's own entries: the synced params' names, the reducer's
 # step (and compression's residuals), how many data-parallel ranks and how many files saved it
 COMMON_KEYS = {"version", "params", "reducer", "world_size", "files"}
+ZERO3_PARTITION = "zero3_partition"  # the layout of a ZeRO-3 table's master that zen steps
 
 
 def holds_state(sd: Dict[str, Any]) -> bool:
@@ -51,6 +54,12 @@ def holds_state(sd: Dict[str, Any]) -> bool:
     owned = sd.get("owned") or {}
     return (bool(owned.get("names") or owned.get("tables") or owned.get("masters"))
             or "compressor" in sd.get("reducer", {}) or bool(set(sd) - COMMON_KEYS - {"owned"}))
+
+
+def partitions_stepped_by_zen(sd: Dict[str, Any]) -> List[str]:
+    """The ZeRO-3 tables whose partitions zen stepped, by a zen file (:func:`~.checkpoint.state_dict`)."""
+    return sorted(t["layout"]["name"] for t in (sd.get("owned") or {}).get("tables", [])
+                  if t.get("layout", {}).get("layout") == ZERO3_PARTITION)
 
 
 def zen_files_in(folder: str) -> List[str]:
@@ -194,7 +203,7 @@ class ZenFiles(SavedState):
 def _rows_of(layout: Dict[str, Any]) -> torch.Tensor:
     """The global row ids, in shard order, of the rank and layout a file records (a ZeRO-3
     partition's master: the whole rows it overlaps, each boundary row in two files alike)."""
-    if layout.get("layout") == "zero3_partition":
+    if layout.get("layout") == ZERO3_PARTITION:
         first, count, _, _ = partition_rows(int(layout["num_rows"]), int(layout["row_numel"]),
                                             int(layout["world_size"]), int(layout["rank"]))
         return torch.arange(first, first + count)
@@ -210,8 +219,11 @@ def _pick(whole: torch.Tensor, rows: Optional[torch.Tensor], want: torch.Tensor)
 class UniversalState(SavedState):
     """A DeepSpeed universal checkpoint folder: whole tensors per param (``zero/<name>/<state>.pt``)."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, shapes: Optional[Dict[str, Tuple[int, ...]]] = None) -> None:
         self.folder = folder
+        # DeepSpeed's converter writes a ZeRO-3 param flat (its optimizer's partitions joined, padding
+        # at the end); ``shapes`` (name -> whole shape) gives those tensors their rows back
+        self.shapes = dict(shapes or {})
         meta_path = os.path.join(folder, ZEN_UNIVERSAL_FILE)
         self.meta: Optional[Dict[str, Any]] = (torch.load(meta_path, map_location="cpu", weights_only=False)
                                                if os.path.exists(meta_path) else None)
@@ -224,19 +236,41 @@ class UniversalState(SavedState):
         return list(self._names)
 
     def keys(self, name: str) -> List[str]:
-        return [k for k in ds_checkpoint.universal_keys(self.folder, name) or [] if k != FP32]
+        keys = [k for k in ds_checkpoint.universal_keys(self.folder, name) or [] if k != FP32]
+        if keys and ds_checkpoint.UNIVERSAL_STEP not in keys and self._zero3_step is not None:
+            keys.append(ds_checkpoint.UNIVERSAL_STEP)  # a ZeRO-3 param: the step is the optimizer's
+        return keys
 
     def per_row(self, name: str, key: str) -> bool:
         return key != ds_checkpoint.UNIVERSAL_STEP
 
     def value(self, name: str, key: str) -> Any:
+        if key == ds_checkpoint.UNIVERSAL_STEP and key not in (ds_checkpoint.universal_keys(self.folder, name) or []):
+            return self._zero3_step
         return ds_checkpoint.read_universal(self.folder, name, key)
+
+    @functools.cached_property
+    def _zero3_step(self) -> Any:
+        """The step DeepSpeed's converter keeps, for ZeRO-3, once for every param (None: none kept)."""
+        return ds_checkpoint.read_universal_zero3_step(self.folder)
+
+    def _read(self, name: str, key: str) -> torch.Tensor:
+        whole = ds_checkpoint.read_universal(self.folder, name, key)
+        shape = self.shapes.get(name)
+        if shape is None or whole.dim() != 1 or len(shape) == 1:
+            return whole
+        numel = math.prod(shape)
+        if whole.numel() < numel:
+            raise ValueError(f"zen: {name}'s {key} in the universal checkpoint {self.folder} has {whole.numel()} "
+                             f"elements; this run's {name} is {tuple(shape)} ({numel}): convert the checkpoint "
+                             "of this model")
+        return whole[:numel].view(shape)
 
     def param_groups(self) -> Optional[Groups]:
         return self.meta.get("param_groups") if self.meta else None
 
     def rows(self, name: str, key: str, rows: Optional[torch.Tensor]) -> torch.Tensor:
-        whole = ds_checkpoint.read_universal(self.folder, name, key)
+        whole = self._read(name, key)
         return _pick(whole, rows, to_host(rows, "checkpoint.load_rows") if rows is not None else rows)
 
     def missing(self, names: List[str]) -> Dict[str, str]:

@@ -52,6 +52,7 @@ from zen_ds.integrations.deepspeed.internals import zero3 as ds_zero3
 from zen_ds.integrations.deepspeed.internals.tensor_fragment import FullState
 from zen_ds.integrations.deepspeed.norms import is_one
 from zen_ds.integrations.deepspeed.rowshard import RowShardStats
+from zen_ds.integrations.deepspeed.saved_state import ZERO3_PARTITION
 from zen_ds.integrations.params import tied_params
 from zen_ds.sync.fetch import fetch_rows_flat
 from zen_ds.sync.options import SyncOptions
@@ -163,7 +164,7 @@ class PartitionTable:
 
     def layout_key(self) -> Dict[str, Any]:
         return dict(name=self.name, num_rows=self.num_rows, row_numel=self.width, world_size=self.world_size,
-                    rank=self.rank, layout="zero3_partition")
+                    rank=self.rank, layout=ZERO3_PARTITION)
 
     def state_dict(self) -> Dict[str, Any]:
         assert self.master is not None
@@ -175,6 +176,13 @@ class PartitionTable:
             raise ValueError(f"zen checkpoint's ZeRO-3 table {sd.get('layout')} does not match this run's "
                              f"{self.layout_key()}; resume with the same number of data-parallel ranks")
         self.load_rows(sd["master"])
+
+    def weights_from_module(self) -> bool:
+        """After DeepSpeed loaded weights that zen's files do not hold for this table (a checkpoint
+        saved with ``"embedding_step": "deepspeed"`` or without zen): the master takes them from
+        the partition (collective)."""
+        self.masters_from_partition()
+        return True
 
     @torch.no_grad()
     def load_rows(self, values: torch.Tensor) -> None:

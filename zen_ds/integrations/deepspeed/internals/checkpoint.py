@@ -30,7 +30,9 @@ which DeepSpeed's ``load_universal_checkpoint`` reads (``deepspeed.checkpoint.un
 a folder ``zero/<param name>/`` per param holding one file per state, ``fp32.pt`` (the fp32 weight)
 and one per optimizer state (``exp_avg.pt``, ...), each ``{"param": <whole tensor>, "cat_dim": 0}``,
 except ``step.pt``, the step itself (:func:`read_universal`, :func:`write_universal`,
-:func:`universal_keys`).
+:func:`universal_keys`). For a ZeRO-3 checkpoint the converter writes each param flat (a bare
+tensor, its partitions joined) and no ``step.pt``: the step is in ``zero/optimizer_state.pt``
+(:func:`read_universal_zero3_step`).
 """
 from __future__ import annotations
 
@@ -49,12 +51,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["add_zen_file", "add_tables_to_16bit_model", "add_tables_to_consolidated", "add_owned_weights",
            "OwnedWeight", "zero_checkpoint_fp32",
-           "convert_to_universal", "universal_keys", "read_universal", "write_universal", "UNIVERSAL_FP32",
-           "UNIVERSAL_STEP"]
+           "convert_to_universal", "universal_keys", "read_universal", "read_universal_zero3_step",
+           "write_universal", "UNIVERSAL_FP32", "UNIVERSAL_STEP"]
 
 UNIVERSAL_FP32 = "fp32"  # deepspeed.checkpoint.constants.FP32_WEIGHT_KEY
 UNIVERSAL_STEP = "step"  # stored as the value itself, not as {"param": ...}
 _UNIVERSAL_PARAM, _UNIVERSAL_CAT_DIM = "param", "cat_dim"  # deepspeed.checkpoint.constants.PARAM, CAT_DIM
+# deepspeed.checkpoint.constants.OPTIMIZER_STATE_DICT, and the file stage3's universal load reads
+_OPTIMIZER_STATE_DICT, _ZERO3_OPTIMIZER_STATE = "optimizer_state_dict", "optimizer_state.pt"
 # deepspeed.checkpoint.constants.FROZEN_PARAM_SHAPES, FROZEN_PARAM_FRAGMENTS
 _FROZEN_SHAPES, _FROZEN_FRAGMENTS = "frozen_param_shapes", "frozen_param_fragments"
 
@@ -62,10 +66,11 @@ WholeTables = Callable[[], Dict[str, torch.Tensor]]  # every row-sharded table w
 
 
 def add_zen_file(engine: Any, save: Callable[[str, str], None], load: Callable[[str, Any, Dict[str, bool]], None],
-                 saving: Callable[[], ContextManager[Any]]) -> None:
+                 saving: Callable[[], ContextManager[Any]],
+                 check: Optional[Callable[[str, Any, Dict[str, bool]], None]] = None) -> None:
     """``save(dir, tag)`` after DeepSpeed saved (``saving()`` is entered around DeepSpeed's save);
-    ``load(dir, tag, flags)`` after DeepSpeed loaded a checkpoint (``flags``: ``strict``,
-    ``optimizer_states``, ``module_only``, ``universal``)."""
+    ``check(dir, tag, flags)`` before and ``load(dir, tag, flags)`` after DeepSpeed loads a
+    checkpoint (``flags``: ``strict``, ``optimizer_states``, ``module_only``, ``universal``)."""
     orig_save, orig_load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
@@ -79,6 +84,8 @@ def add_zen_file(engine: Any, save: Callable[[str, str], None], load: Callable[[
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         flags = _load_flags(orig_load, load_dir, tag, *args, **kwargs)
         flags["universal"] = bool(engine.load_universal_checkpoint())
+        if check is not None:
+            check(load_dir, tag, flags)
         out = orig_load(load_dir, tag, *args, **kwargs)
         if out is not None and out[0] is not None:
             load(load_dir, tag, flags)
@@ -228,6 +235,18 @@ def read_universal(folder: str, name: str, key: str) -> Any:
     saved = torch.load(os.path.join(_universal_dir(folder, name), f"{key}.pt"), map_location="cpu",
                        weights_only=False, mmap=True)
     return saved[_UNIVERSAL_PARAM] if isinstance(saved, dict) else saved
+
+
+def read_universal_zero3_step(folder: str) -> Any:
+    """The optimizer step of a ZeRO-3 universal checkpoint written by DeepSpeed's converter: its
+    params have no ``step.pt``; ``zero/optimizer_state.pt`` (the global optimizer state, as
+    DeepSpeed's ZeRO-3 universal load reads it) holds one. None where there is no such file."""
+    path = os.path.join(folder, "zero", _ZERO3_OPTIMIZER_STATE)
+    if not os.path.exists(path):
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    steps = [s.get(UNIVERSAL_STEP) for s in (state.get(_OPTIMIZER_STATE_DICT) or {}).get("state", {}).values()]
+    return next((s for s in steps if s is not None), None)
 
 
 def write_universal(folder: str, name: str, key: str, value: Any) -> None:
