@@ -9,12 +9,14 @@ optimizer's shard-sized temporaries (AdamW's ``denom``), on every step.
 :func:`step_rows` instead steps the master in row blocks with the same optimizer object: for each
 block it points the optimizer's param group at a view of the master's rows, gives that view a
 dense gradient of the block (zeros + the block's pushed rows) and views of the master's state,
-and calls ``optimizer.step()``. The optimizer's own code runs on every element exactly as on the
+and calls ``optimizer.step()`` (the block's rows are found on the device: rows outside it go to a
+spare row that is cut off, so no bounds are read to the host). The optimizer's own code runs on every element exactly as on the
 whole shard (the update is element-wise, and blocks start at multiples of 64 elements so that
 vectorised loops split them alike), so nothing but the transient memory changes: one block's
-gradient and temporaries instead of the shard's. A block is ``max(rows received, shard / 64)``
-rows, so the extra memory is a few copies of the batch's rows or 1/64 of the shard, whichever
-is larger, and a step makes at most ~64 optimizer calls per table.
+gradient and temporaries instead of the shard's. A block is ``max(rows received, shard / 64,
+4096 elements)`` rows, so the extra memory is a few copies of the batch's rows or 1/64 of the
+shard, whichever is larger (16 KiB at least), and a step makes at most ~64 optimizer calls per
+table (one for a shard of 4096 elements or fewer).
 
 Only optimizers whose update is element-wise and whose state is per element or a scalar step
 count are stepped in blocks (:data:`ELEMENTWISE`); any other gets the whole shard's gradient, as
@@ -29,7 +31,6 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from zen_ds.core.host import host_list
 from zen_ds.core.sparse import PaddedRows, RowSparse
 
 logger = logging.getLogger(__name__)
@@ -41,14 +42,16 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                torch.optim.Adadelta)
 MAX_BLOCKS = 64  # optimizer calls per table and step, at most (~ when few rows got a gradient)
+MIN_BLOCK_ELEMENTS = 4096  # a smaller shard is one block: its memory is nothing, its ops per block are not
 _ALIGN = 64  # elements: blocks start where the whole shard's vectorised loop would split too
 _warned: set = set()
 
 
 def block_rows(shard_rows: int, received_rows: int, row_numel: int) -> int:
-    """Rows per block: the rows that got a gradient or 1/:data:`MAX_BLOCKS` of the shard, whichever
-    is more, rounded up so that every block starts at a multiple of 64 elements."""
-    rows = max(received_rows, -(-shard_rows // MAX_BLOCKS), 1)
+    """Rows per block: the rows that got a gradient, 1/:data:`MAX_BLOCKS` of the shard or
+    :data:`MIN_BLOCK_ELEMENTS`, whichever is more, rounded up so that every block starts at a
+    multiple of 64 elements."""
+    rows = max(received_rows, -(-shard_rows // MAX_BLOCKS), -(-MIN_BLOCK_ELEMENTS // max(row_numel, 1)), 1)
     step = _ALIGN // math.gcd(_ALIGN, max(row_numel, 1))
     return min(shard_rows, -(-rows // step) * step) if shard_rows else 0
 
@@ -65,8 +68,8 @@ def _step_with(optimizer: torch.optim.Optimizer, param: nn.Parameter, grad: torc
 def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Union[None, RowSparse, PaddedRows],
               name: str = "table") -> None:
     """Step ``master`` (a shard, ``[rows, *row_shape]``) with ``grad``: the shard's summed, scaled
-    gradient rows (``indices``: positions in the shard, sorted, unique; padded rows: their live
-    count is read with the blocks' bounds), or None when no push happened (then the master is
+    gradient rows (``indices``: positions in the shard, sorted, unique; padded rows: the padding
+    past their live count is masked on the device), or None when no push happened (then the master is
     not stepped, as a param without ``.grad``). Every other param of ``optimizer`` must have no
     ``.grad`` now (they were stepped already)."""
     if grad is None:
@@ -84,7 +87,7 @@ def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Unio
             logger.info("zen: %s steps %s with the whole shard's dense gradient (row blocks are used only "
                         "for the element-wise torch optimizers %s)", type(optimizer).__name__, name,
                         ", ".join(c.__name__ for c in ELEMENTWISE))
-        _step_with(optimizer, master, _dense_rows(master, grad, 0, total, 0, grad.indices.numel()))
+        _step_with(optimizer, master, _dense_rows(master, grad, total))
         return
     group, slot = _place(optimizer, master)
     full = optimizer.state.setdefault(master, {})
@@ -93,23 +96,22 @@ def step_rows(optimizer: torch.optim.Optimizer, master: nn.Parameter, grad: Unio
     # yet would be read as state). Later steps hand each block views of those.
     fresh = not full
     before = dict(full)  # every block starts from the step's state (a step count advances once)
-    size = block_rows(total, grad.indices.numel(), master[0].numel() if total else 1)
-    edges = list(range(0, total, max(size, 1))) + [total]
-    # where each block's pushed rows start and end, every block's in one read (with the live
-    # count of padded rows: the padding repeats the last live id, so the cuts stop at it)
-    bounds = torch.searchsorted(grad.indices, torch.tensor(edges, dtype=grad.indices.dtype,
-                                                           device=grad.indices.device))
+    size = max(block_rows(total, grad.indices.numel(), master[0].numel() if total else 1), 1)
+    edges = list(range(0, total, size)) + [total]
+    # each block finds its pushed rows on the device (no read of their bounds): every row's block
+    # (padding past the live count, which repeats the last live id, in none) and place in it
+    block_of = grad.indices // size
     if padded is not None:
-        bounds = torch.cat([bounds, padded.live.reshape(1).to(bounds.dtype)])
-    cuts = host_list(bounds, "rowstep.block_rows")
-    if padded is not None:
-        cuts = [min(c, cuts[-1]) for c in cuts[:-1]]
+        block_of = block_of.masked_fill(~padded.live_mask(), -1)
+    place = grad.indices - block_of * size
+    whole = len(edges) == 2 and padded is None  # one block, every row in it
     for block, (start, stop) in enumerate(zip(edges[:-1], edges[1:])):
         view = nn.Parameter(master.data[start:stop], requires_grad=master.requires_grad)
         optimizer.state[view] = {} if fresh else {k: _block_of(v, start, stop, total) for k, v in before.items()}
         group["params"][slot] = view
         try:
-            _step_with(optimizer, view, _dense_rows(master, grad, start, stop, cuts[block], cuts[block + 1]))
+            here = None if whole else block_of == block
+            _step_with(optimizer, view, _dense_rows(master, grad, stop - start, here, place))
         finally:
             group["params"][slot] = master
             stepped = optimizer.state.pop(view, {})
@@ -124,13 +126,15 @@ def _place(optimizer: torch.optim.Optimizer, master: nn.Parameter) -> Tuple[Dict
     raise RuntimeError("zen: a row-sharded table's master is not in zen's optimizer")
 
 
-def _dense_rows(master: torch.Tensor, grad: RowSparse, start: int, stop: int, lo: int, hi: int) -> torch.Tensor:
-    """The gradient of rows ``[start, stop)``, dense: zeros and the pushed rows among them (the
-    pushed rows ``[lo, hi)``)."""
-    out = torch.zeros((stop - start,) + tuple(master.shape[1:]), dtype=master.dtype, device=master.device)
-    if hi > lo:
-        out.index_copy_(0, grad.indices[lo:hi] - start, grad.values[lo:hi].to(master.dtype))
-    return out
+def _dense_rows(master: torch.Tensor, grad: Union[RowSparse, PaddedRows], count: int,
+                here: Optional[torch.Tensor] = None, place: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A block's gradient, dense: ``count`` rows of zeros and the pushed rows ``here`` marks at
+    their ``place`` (None: every row, at its index). The others land in one spare row past the
+    block, which is cut off, so the block needs no host read of where its rows are."""
+    out = torch.zeros((count + 1,) + tuple(master.shape[1:]), dtype=master.dtype, device=master.device)
+    at = grad.indices if here is None else torch.where(here, place, count)
+    out.index_copy_(0, at, grad.values.to(master.dtype))
+    return out[:count]
 
 
 def _block_of(value: Any, start: int, stop: int, total: int) -> Any:

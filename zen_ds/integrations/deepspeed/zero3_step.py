@@ -29,7 +29,7 @@ state dict stay DeepSpeed's) and steps it as zen steps its row-sharded tables:
 
 Memory per rank for the table: param ``P`` (model dtype) + master and optimizer state (``P`` each,
 fp32, AdamW: 3) + the step's rows; nothing of size ``P`` is allocated during a step but zen's
-row blocks (at most ``P / 64`` or the received rows).
+row blocks (at most ``P / 64``, the received rows or 4096 elements).
 """
 from __future__ import annotations
 

@@ -49,12 +49,12 @@ Why each read is there:
   the row gradient's padded rows taken whole: ``input.live_rows``, ``agreement.records`` and
   ``agreement.sketch_rows`` gone in session 27) and the updated rows' all-gather counts (every
   rank's changed-row count, counted on the device; ``gather.changed_rows`` gone).
-* ZeRO-2 with row-sharded tables (``"row_sharded"``): 3 reads (13 in session 26): the lookup's
+* ZeRO-2 with row-sharded tables (``"row_sharded"``): 2 reads (13 in session 26): the lookup's
   fetch counts (the distinct ids found on the device, ``distinct_ids``, their count riding in
   them: ``row_shard.unique_ids`` gone), the push's counts (``agreement.records``,
   ``agreement.sketch_rows`` and ``input.row_range`` gone: its agreement kept, its ids marked
-  checked by the lookup) and the row-block step's block bounds, one read for all blocks (it was
-  one per block, 9 here). The second hop
+  checked by the lookup); the row-block step reads nothing since session 29 (each block finds its
+  rows on the device; it read their bounds once, and once per block before session 27). The second hop
   takes the first hop's sum, whose ids every rank's check passed, marked in range
   (``mark_ids_in_range``): their range is not read (``input.row_range``) again.
 """
@@ -95,25 +95,23 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     "zero0/auto": _AGREED,
     "zero2/auto": _AGREED,  # the row gradient's count rides in sparcml's row-count exchange
     "zero0/overlap": _STABLE,
-    # zen steps the partition (the default): the step pushes the rows and reads the row blocks'
-    # bounds once (with the received rows' distinct count)
+    # zen steps the partition (the default): the step pushes the rows; the row blocks find their
+    # rows on the device (no read of their bounds)
     "zero3/rows": {"fetch.counts": 1,  # the forward (the distinct ids' count rides in it)
-                   "reduce_scatter_flat.counts": 1,  # the step's push (its checks ride in it)
-                   "rowstep.block_rows": 1},
+                   "reduce_scatter_flat.counts": 1},  # the step's push (its checks ride in it)
     # DeepSpeed steps the partition: DeepSpeed's gradient hook pushes the rows
     "zero3/ds_step": {"fetch.counts": 1, "reduce_scatter_flat.counts": 1},
     # two hops, each reading its counts (their agreements kept); the second's ids are the first
     # hop's sum of checked ids (marked), so no "input.row_range"
     "zero3/two_hop": {"fetch.distinct_rows": 1, "fetch.counts": 2,
-                      "reduce_scatter.counts": 1, "reduce_scatter_flat.counts": 1,  # each hop's (kept)
-                      "rowstep.block_rows": 1},
+                      "reduce_scatter.counts": 1, "reduce_scatter_flat.counts": 1},  # each hop's (kept)
     # sharded optimizer state (what "auto" picks for a large table): the reduce-scatter to the
     # rows' owners, its agreement kept (the padded rows whole), and the updated rows' all-gather
     "zero2/sharded": {"reduce_scatter.counts": 1, "gather.counts": 1},
     # row-sharded tables: the lookup's fetch counts (the distinct ids' count rides in them), the
-    # push's counts (its agreement kept, its ids marked checked by the lookup), the row-block
-    # step's bounds (one read for every block)
-    "zero2/row_sharded": {"row_shard.fetch_counts": 1, "reduce_scatter.counts": 1, "rowstep.block_rows": 1},
+    # push's counts (its agreement kept, its ids marked checked by the lookup); the row-block step
+    # reads nothing
+    "zero2/row_sharded": {"row_shard.fetch_counts": 1, "reduce_scatter.counts": 1},
 }
 
 
@@ -181,11 +179,11 @@ def test_the_zero3_hook_reads_once(counted) -> None:
     push to the partition owners): 1 read at a kept agreement, the push's counts (the issue's
     bound: 2); the forward reads once more (the fetch's counts, which carry the id check and the
     number of the batch's distinct ids). Where zen steps the partition (the default) the push runs
-    in the step, with one more read: the row blocks' bounds."""
+    in the step, with the same one read (the row blocks find their rows on the device)."""
     for seen in counted:
         reads = seen["zero3/ds_step"]["reads"]
         hook = {k: v for k, v in reads.items() if not k.startswith(("row_embedding.", "fetch."))}
         assert sum(hook.values()) == 1, seen["zero3/ds_step"]["described"]
         assert sum(reads.values()) - sum(hook.values()) == 1, seen["zero3/ds_step"]["described"]
         step = {k: v for k, v in seen["zero3/rows"]["reads"].items() if not k.startswith("fetch.")}
-        assert sum(step.values()) == 2, seen["zero3/rows"]["described"]
+        assert sum(step.values()) == 1, seen["zero3/rows"]["described"]

@@ -16,10 +16,11 @@ from torch.utils._pytree import tree_flatten
 
 pytest.importorskip("deepspeed")
 
-from zen_ds.core.sparse import RowSparse  # noqa: E402
+from zen_ds.core.host import count_host_reads  # noqa: E402
+from zen_ds.core.sparse import PaddedRows, RowSparse  # noqa: E402
 from zen_ds.integrations.deepspeed.rowstep import ELEMENTWISE, MAX_BLOCKS, block_rows, step_rows  # noqa: E402
 
-ROWS, WIDTH = 1000, 8  # 1000 rows: not a multiple of the block, so the last block is short
+ROWS, WIDTH = 3000, 8  # 6 blocks of 512 rows (MIN_BLOCK_ELEMENTS), the last one short
 
 OPTIMIZERS = [
     (torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.01}), (torch.optim.Adam, {"lr": 0.1, "amsgrad": True}),
@@ -35,10 +36,11 @@ class _Lamb(torch.optim.SGD):
 
 
 def _rows(step: int, gen: torch.Generator):
-    """Gradient rows of one step: the first and last row, random ones, none at step 2."""
+    """Gradient rows of one step: the first and last row, the rows either side of the first
+    block's end, random ones, none at step 2."""
     if step == 2:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, WIDTH)
-    ids = torch.unique(torch.cat([torch.tensor([0, ROWS - 1]), torch.randint(0, ROWS, (40,), generator=gen)]))
+    ids = torch.unique(torch.cat([torch.tensor([0, 511, 512, ROWS - 1]), torch.randint(0, ROWS, (40,), generator=gen)]))
     return ids, torch.randn(ids.numel(), WIDTH, generator=gen)
 
 
@@ -84,6 +86,27 @@ def test_blocks_equal_one_step_of_the_whole_shard(cls, hyper, device, impl):
     assert torch.equal(other, torch.ones(3, device=device))  # no gradient: never stepped
 
 
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD], ids=lambda c: c.__name__)
+def test_padded_rows_step_as_their_live_rows_without_a_read(cls):
+    """Padded rows (the ZeRO-3 partition's push): the padding repeats the last live id with
+    values that must land nowhere; the step equals the live rows' and reads nothing to the host."""
+    gen = torch.Generator().manual_seed(5)
+    start = torch.randn(ROWS, WIDTH, generator=gen)
+    live_step, padded_step = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    live_opt, padded_opt = cls([live_step], lr=0.1), cls([padded_step], lr=0.1)
+    for step in range(3):
+        ids, values = _rows(step, gen)
+        pad = 7
+        last = ids[-1:] if ids.numel() else torch.tensor([0])
+        padded = PaddedRows(torch.cat([ids, last.repeat(pad)]), torch.cat([values, torch.full((pad, WIDTH), 1e6)]),
+                            torch.tensor(ids.numel()), ROWS)
+        step_rows(live_opt, live_step, RowSparse(ids, values, ROWS, coalesced=True))
+        with count_host_reads() as reads:
+            step_rows(padded_opt, padded_step, padded)
+        assert reads.total == 0, dict(reads.by_reason)
+        assert torch.equal(live_step, padded_step), step
+
+
 def test_no_step_without_a_push():
     p = nn.Parameter(torch.ones(10, 2))
     opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.5)
@@ -112,7 +135,8 @@ class _Allocations(TorchDispatchMode):
 @pytest.mark.parametrize("cls", ELEMENTWISE, ids=lambda c: c.__name__)
 def test_no_tensor_as_large_as_a_block_beyond_the_rows(cls, device):
     """After the first step (whose state the optimizer creates), a step makes no tensor larger
-    than one block: neither the shard's gradient nor the optimizer's shard-sized temporaries."""
+    than one block (and the spare row its gradient is built with): neither the shard's gradient
+    nor the optimizer's shard-sized temporaries."""
     rows, width = 6400, 16
     master = nn.Parameter(torch.randn(rows, width, device=device))
     opt = cls([master], lr=0.01)
@@ -124,13 +148,14 @@ def test_no_tensor_as_large_as_a_block_beyond_the_rows(cls, device):
                                          coalesced=True))
     block = block_rows(rows, ids.numel(), width)
     assert block * MAX_BLOCKS >= rows and block < rows // 16
-    assert max(seen.numels) <= block * width, (max(seen.numels), block * width)
+    assert max(seen.numels) <= (block + 1) * width, (max(seen.numels), block * width)
 
 
 def test_block_sizes():
     # the rows that got a gradient, or 1/64 of the shard, whichever is more; starts aligned to 64 elements
     assert block_rows(64000, 10, 8) == 1000
     assert block_rows(64000, 5000, 8) == 5000
-    assert block_rows(64000, 10, 3) == 1024  # 3 x 1024 elements: a multiple of 64
-    assert block_rows(10, 1, 8) == 8 and block_rows(0, 0, 8) == 0
+    assert block_rows(640000, 10, 3) == 10048  # 3 x 10048 elements: a multiple of 64
+    assert block_rows(3000, 10, 8) == 512  # MIN_BLOCK_ELEMENTS: small shards take few blocks
+    assert block_rows(10, 1, 8) == 10 and block_rows(0, 0, 8) == 0  # a small shard is one block
     assert block_rows(100, 1000, 8) == 100  # never past the shard
