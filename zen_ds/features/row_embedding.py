@@ -131,10 +131,15 @@ class RowEmbedding:
     def take_rows(self, dtype: torch.dtype) -> Optional[RowSparse]:
         """Every row gradient since the last take, summed per row (fp32), as ``dtype``; None when
         no backward ran."""
+        rows = self.peek_rows(dtype)
+        self._ids, self._grads = [], []
+        return rows
+
+    def peek_rows(self, dtype: torch.dtype) -> Optional[RowSparse]:
+        """What :meth:`take_rows` would give, leaving the rows where they are (a gradient read)."""
         if not self._ids:
             return None
         ids, grads = self._ids, self._grads
-        self._ids, self._grads = [], []
         if len(ids) == 1:  # checked by the forward's fetch (its count message)
             return RowSparse(mark_ids_in_range(ids[0], self.num_rows), grads[0].to(dtype), self.num_rows,
                              coalesced=True)

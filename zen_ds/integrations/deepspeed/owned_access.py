@@ -1,4 +1,5 @@
-"""DeepSpeed's whole-param accessors for the params zen steps itself (ZeRO-1/2's owned route).
+"""DeepSpeed's whole-param accessors for the params zen steps itself (ZeRO-1/2's owned route, and
+the ZeRO-3 partitions zen steps: :class:`PartitionFullState`).
 
 ``deepspeed.utils.safe_get_full_fp32_param(p)`` and friends read a param's fp32 master, optimizer
 state and reduced gradient from DeepSpeed's optimizer; zen's params are not in it, so for them
@@ -16,14 +17,18 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
+from zen_ds.core.sparse import RowSparse
 from zen_ds.integrations.deepspeed.internals.tensor_fragment import FullState, expose_full_state
 from zen_ds.integrations.deepspeed.sharded import ShardedRows, gather_full
+from zen_ds.sync.allreduce import sparse_allreduce
 
 if TYPE_CHECKING:  # pragma: no cover
     from zen_ds.integrations.deepspeed.owned_params import OwnedParams
+    from zen_ds.integrations.deepspeed.zero3_step import PartitionTable
 
-__all__ = ["OwnedFullState", "expose_owned_params"]
+__all__ = ["OwnedFullState", "PartitionFullState", "expose_owned_params"]
 
 # DeepSpeed's words (tensor_fragment.get_lp_grad_fragment)
 _NO_GRAD = "Gradients are only available immediately after backward and before engine step"
@@ -111,3 +116,67 @@ def expose_owned_params(owned: "OwnedParams", synced: Callable[[], bool]) -> Non
     """DeepSpeed's ``safe_get_full_*`` / ``safe_set_full_*`` reach zen's state for its params."""
     for i, p in enumerate(owned.params):
         expose_full_state(p.param, OwnedFullState(owned, i, synced))
+
+
+class PartitionFullState(FullState):
+    """A ZeRO-3 table whose partition zen steps, as DeepSpeed's whole-param accessors see it
+    (collective, as DeepSpeed's: every rank's partition of the fp32 master or of an optimizer
+    state is all-gathered). The gradient is the rows' gradient since the last step, summed over
+    the data-parallel ranks and scaled as DeepSpeed scales the partition's (``scaling()``: its
+    factors before and after the sum), whole: what DeepSpeed's partitions would hold, in the same
+    loss-scaled units; the rows stay pending for the step's push."""
+
+    def __init__(self, table: "PartitionTable", optimizer: torch.optim.Optimizer,
+                 scaling: Callable[[], Tuple[float, float]]) -> None:
+        self.table, self.optimizer, self.scaling = table, optimizer, scaling
+
+    def _local(self, key: Optional[str]) -> torch.Tensor:
+        t = self.table
+        assert t.master is not None
+        if key is None:
+            return t.master.detach()
+        value = self.optimizer.state.get(t.master, {}).get(key)
+        if not torch.is_tensor(value) or tuple(value.shape) != tuple(t.master.shape):
+            raise KeyError(f"zen: {t.name} has no per-element optimizer state {key!r} "
+                           f"(it has {sorted(self.optimizer.state.get(t.master, {}))})")
+        return value
+
+    def get(self, key: Optional[str] = None) -> torch.Tensor:
+        t = self.table
+        mine = torch.zeros(t.part, dtype=torch.float32, device=t.master.device if t.master is not None else "cpu")
+        mine[:t.valid] = self._local(key).reshape(-1)[t.offset:t.offset + t.valid]
+        if t.world_size == 1:
+            whole = mine
+        else:
+            whole = torch.empty(t.part * t.world_size, dtype=mine.dtype, device=mine.device)
+            dist.all_gather_into_tensor(whole, mine, group=t.group)
+        return whole[:t.num_rows * t.width].view((t.num_rows,) + t.row_shape)
+
+    @torch.no_grad()
+    def set(self, value: torch.Tensor, key: Optional[str] = None) -> None:
+        t = self.table
+        if value.numel() != t.num_rows * t.width:
+            raise ValueError(f"zen: {t.name} has {t.num_rows * t.width} elements, the value {value.numel()}")
+        local = self._local(key)
+        rows = value.detach().reshape(t.num_rows, -1)[t.first:t.first + t.shard_size]
+        # the master (or state) only, as DeepSpeed's setter writes its fp32 partition: the param's
+        # partition takes it at the next step
+        local.view(t.shard_size, -1).copy_(rows.to(device=local.device, dtype=local.dtype))
+
+    @torch.no_grad()
+    def get_grad(self) -> torch.Tensor:
+        t = self.table
+        device = t.master.device if t.master is not None else torch.device("cpu")
+        rows = t.source.peek_rows(torch.float32) if t.source is not None else None
+        if rows is None:  # no backward since the step on this rank: it adds nothing
+            rows = RowSparse(torch.empty(0, dtype=torch.int64, device=device),
+                             torch.empty((0,) + t.row_shape, device=device), t.num_rows)
+        before, after = self.scaling()
+        summed = sparse_allreduce(rows, t.group, prescale=before, postscale=after)
+        whole = torch.zeros((t.num_rows,) + t.row_shape, dtype=torch.float32, device=device)
+        return whole.index_copy_(0, summed.indices, summed.values.reshape((-1,) + t.row_shape))
+
+    def set_grad(self, value: torch.Tensor) -> None:
+        raise RuntimeError(f"zen steps {self.table.name}'s ZeRO-3 partition itself from the rows its backward "
+                           "produced; setting its whole gradient is not supported. Set \"embedding_step\": "
+                           "\"deepspeed\" in the \"zen\" block to write DeepSpeed's gradient partition")

@@ -22,6 +22,7 @@ side; the DeepSpeed internals it plugs into are in :mod:`.internals.zero3`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -36,13 +37,14 @@ from zen_ds.integrations.deepspeed.internals import checkpoint as ds_checkpoint
 from zen_ds.integrations.deepspeed.internals import engine as ds_engine
 from zen_ds.integrations.deepspeed.internals import zero3 as ds_zero3
 from zen_ds.integrations.deepspeed.overlap import overlap_is_off
+from zen_ds.integrations.deepspeed.owned_access import PartitionFullState
 from zen_ds.integrations.deepspeed.owned import StepsOwnParams, plan_owned
 from zen_ds.integrations.deepspeed.owned_params import OwnedParams
 from zen_ds.integrations.deepspeed.route import EngineRoute
 from zen_ds.integrations.deepspeed.rowshard import RowShardTable, full_weights
 from zen_ds.integrations.deepspeed.zero3_compressed import CompressedPartitions
 from zen_ds.integrations.deepspeed.zero3_rows import EmbeddingRows
-from zen_ds.integrations.deepspeed.zero3_step import PartitionFullState, PartitionTable, bind_tables
+from zen_ds.integrations.deepspeed.zero3_step import PartitionTable, bind_tables
 from zen_ds.integrations.params import is_vocab_parallel_embedding
 from zen_ds.integrations.reducer import ParamStats, ZenParam, ZenReducer
 from zen_ds.sync.options import SyncOptions, ZenInputError
@@ -94,7 +96,8 @@ class Zero3Route(EngineRoute):
         bind_tables(owned.tables, rows, lambda w: ds_zero3.partition_of(engine.optimizer, w))
         for table in owned.tables:  # DeepSpeed's safe_get_full_* reach zen's state for them
             if isinstance(table, PartitionTable):
-                ds_zero3.answer_full_state(table.weight, PartitionFullState(table, owned.optimizer))
+                scaling = functools.partial(ds_zero3.gradient_scaling, engine.optimizer, table.weight, table.world_size)
+                ds_zero3.answer_full_state(table.weight, PartitionFullState(table, owned.optimizer, scaling))
         return Zero3RowShardedRoute(engine, reducer, zero3, owned)
 
     @classmethod

@@ -49,7 +49,6 @@ from zen_ds.core.stats import SyncStats
 from zen_ds.features.row_embedding import RowEmbedding, unsupported_reason
 from zen_ds.integrations.deepspeed.faults import refuse
 from zen_ds.integrations.deepspeed.internals import zero3 as ds_zero3
-from zen_ds.integrations.deepspeed.internals.tensor_fragment import FullState
 from zen_ds.integrations.deepspeed.norms import is_one
 from zen_ds.integrations.deepspeed.rowshard import RowShardStats
 from zen_ds.integrations.deepspeed.saved_state import ZERO3_PARTITION
@@ -63,7 +62,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PartitionTable", "PartitionFullState", "partition_tables", "bind_tables"]
+__all__ = ["PartitionTable", "partition_tables", "bind_tables"]
 
 # DeepSpeed's default ``stage3_param_persistence_threshold``: smaller params stay whole on every rank
 _PERSISTENCE_DEFAULT = 100_000
@@ -71,6 +70,10 @@ _PERSISTENCE_DEFAULT = 100_000
 
 def _nbytes(*tensors: Optional[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
 
 
 class PartitionTable:
@@ -135,6 +138,9 @@ class PartitionTable:
                    f"zen expected {self.world_size} ranks and {self.part}; set \"embedding_step\": \"deepspeed\"")
         self.source, self.partition, self.group, self.push_rows = source, partition, group, push
         self.source.restarts = lambda: bool(self.next_backward_replaces and self.next_backward_replaces())
+        # the placeholder's empty gradient goes, as DeepSpeed drops its params' after reducing them
+        # (its accessors read ``param.grad`` first)
+        self.weight.register_post_accumulate_grad_hook(_drop_grad)
         self.masters_from_partition()
 
     @torch.no_grad()
@@ -337,54 +343,3 @@ def bind_tables(tables: Sequence[Any], rows: "EmbeddingRows",
                        functools.partial(rows.push, table.weight))
             names.append(table.name)
     return names
-
-
-class PartitionFullState(FullState):
-    """A zen-stepped table as DeepSpeed's whole-param accessors see it (collective, as
-    DeepSpeed's: every rank's partition of the fp32 master or of an optimizer state is
-    all-gathered). Its gradient exists only inside ``step()`` (the rows are pushed there), so
-    the gradient accessors refuse with what to do instead."""
-
-    def __init__(self, table: PartitionTable, optimizer: torch.optim.Optimizer) -> None:
-        self.table, self.optimizer = table, optimizer
-
-    def _local(self, key: Optional[str]) -> torch.Tensor:
-        t = self.table
-        assert t.master is not None
-        if key is None:
-            return t.master.detach()
-        value = self.optimizer.state.get(t.master, {}).get(key)
-        if not torch.is_tensor(value) or tuple(value.shape) != tuple(t.master.shape):
-            raise KeyError(f"zen: {t.name} has no per-element optimizer state {key!r} "
-                           f"(it has {sorted(self.optimizer.state.get(t.master, {}))})")
-        return value
-
-    def get(self, key: Optional[str] = None) -> torch.Tensor:
-        t = self.table
-        mine = torch.zeros(t.part, dtype=torch.float32, device=t.master.device if t.master is not None else "cpu")
-        mine[:t.valid] = self._local(key).reshape(-1)[t.offset:t.offset + t.valid]
-        if t.world_size == 1:
-            whole = mine
-        else:
-            whole = torch.empty(t.part * t.world_size, dtype=mine.dtype, device=mine.device)
-            dist.all_gather_into_tensor(whole, mine, group=t.group)
-        return whole[:t.num_rows * t.width].view((t.num_rows,) + t.row_shape)
-
-    @torch.no_grad()
-    def set(self, value: torch.Tensor, key: Optional[str] = None) -> None:
-        t = self.table
-        if value.numel() != t.num_rows * t.width:
-            raise ValueError(f"zen: {t.name} has {t.num_rows * t.width} elements, the value {value.numel()}")
-        local = self._local(key)
-        rows = value.detach().reshape(t.num_rows, -1)[t.first:t.first + t.shard_size]
-        # the master (or state) only, as DeepSpeed's setter writes its fp32 partition: the param's
-        # partition takes it at the next step
-        local.view(t.shard_size, -1).copy_(rows.to(device=local.device, dtype=local.dtype))
-
-    def get_grad(self) -> torch.Tensor:
-        raise RuntimeError(f"zen steps {self.table.name}'s ZeRO-3 partition itself and pushes its gradient inside "
-                           "step(), so there is no whole gradient to read between backward and step; set "
-                           "\"embedding_step\": \"deepspeed\" in the \"zen\" block to read it")
-
-    def set_grad(self, value: torch.Tensor) -> None:
-        self.get_grad()

@@ -10,7 +10,8 @@ micro-batches, clipping. Checked: parameters after 3 steps equal stock's; during
 makes a tensor of a table's ``[V, d]`` size (the off path does: the check can fail); the weight is
 still a partitioned placeholder when the embedding's forward runs (the off path gathers it); the
 forward's fetch and the backward's push are the only embedding traffic, their bytes a small share
-of the table's.
+of the table's; DeepSpeed's whole-param accessors (``safe_get_full_grad`` included) give stock's
+values.
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def _run(rank: int, mode: str) -> Dict[str, Any]:
     engine.module.a.register_forward_pre_hook(at_forward)
     g = torch.Generator().manual_seed(100 + rank)
     probe = dc.LargestTensor()
+    from deepspeed.utils import safe_get_full_grad
+    grads = []  # DeepSpeed's whole gradient after each backward of step 1 (collective)
     for step in range(STEPS):
         for _ in range(GAS):
             ids = (torch.rand(4, 6, generator=g).pow(3) * VOCAB_A).long()
@@ -72,6 +75,9 @@ def _run(rank: int, mode: str) -> Dict[str, Any]:
             else:
                 loss = engine(ids, labels)
                 engine.backward(loss)
+                if step == 1:
+                    grads.append({name: safe_get_full_grad(getattr(engine.module, name).weight).numpy().copy()
+                                  for name in ("a", "b")})
                 engine.step()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         params = dc.params_of(engine.module)
@@ -93,7 +99,7 @@ def _run(rank: int, mode: str) -> Dict[str, Any]:
     if state is not None:
         for t in state.route.tables:
             held[t.name] = (t.shard_size, int(t.rows[0]), t.memory_bytes(state.route.owned.optimizer))
-    return {"params": params, "largest": probe.largest, "largest_op": probe.op, **seen, "accessors": accessors,
+    return {"params": params, "grads": grads, "largest": probe.largest, "largest_op": probe.op, **seen, "accessors": accessors,
             "stepped_by_zen": sorted(held), "partitions": partitions, "held": held,
             "in_ds_optimizer": sorted(n for n, w in (("a", module.a.weight), ("b", module.b.weight))
                                       if id(w) in in_ds)}
@@ -159,6 +165,21 @@ def test_zen_steps_the_partitions(results) -> None:
         assert (rows_b, first_b) == (516, 515 * rank)
         for rows, held in ((rows_a, held_a), (rows_b, held_b)):
             assert held["master"] == rows * WIDTH * 4 and held["optimizer"] == 2 * rows * WIDTH * 4
+
+
+@pytest.mark.parametrize("mode", ["zen", "two_hop", "ds_step", "off"])
+def test_deepspeeds_whole_gradient(results, mode: str) -> None:
+    """``safe_get_full_grad`` after each micro-step's backward (mid-accumulation and at the
+    boundary) gives stock's gradient: where zen steps the partition, the rows pending since the
+    step, summed over the ranks and scaled as DeepSpeed scales its partitions; reading it changes
+    nothing (the parameters equal stock's, test_parameters_equal_stock_zero3)."""
+    for rank in range(WORLD):
+        got, want = results[rank][mode]["grads"], results[rank]["stock"]["grads"]
+        assert len(got) == len(want) == GAS
+        for micro, (g, w) in enumerate(zip(got, want)):
+            errors = dc.max_rel_err(g, w)
+            assert all(e <= 2e-4 for e in errors.values()), (micro, errors)
+            assert all(np.abs(w[name]).sum() > 0 for name in w)  # a real gradient, not zeros alike
 
 
 @pytest.mark.parametrize("mode", ["zen", "ds_step"])
