@@ -113,7 +113,7 @@ def save(route: "EngineRoute", save_dir: str, tag: str, rank: int) -> None:
         dist.barrier()
 
 
-def check_loadable(route: "EngineRoute", load_dir: str, tag: Optional[Any], strict: bool = True,
+def check_loadable(route: "EngineRoute", load_dir: str, tag: Optional[Any], rank: int, strict: bool = True,
                    optimizer_states: bool = True, module_only: bool = False, universal: bool = False) -> None:
     """Before DeepSpeed loads (every rank alike): under ZeRO-3 its optimizer files hold the params
     its optimizer stepped when the checkpoint was saved. Where zen now steps other tables' partitions
@@ -124,7 +124,8 @@ def check_loadable(route: "EngineRoute", load_dir: str, tag: Optional[Any], stri
         return
     mine = sorted(t.name for t in route.tables if t.layout_key().get("layout") == ZERO3_PARTITION)
     folder = os.path.join(load_dir, str(tag if tag is not None else _latest_tag(load_dir, False)))
-    files = zen_files_in(folder)
+    own = os.path.join(folder, STATE_FILE.format(rank=rank))
+    files = [own] if os.path.exists(own) else zen_files_in(folder)
     if not files and not mine:
         return
     saved = partitions_stepped_by_zen(torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)) \

@@ -235,10 +235,11 @@ class EngineRoute(ABC):
                 finally:
                     saved.clear()
 
+        rank = engine.global_rank
         ds_checkpoint.add_zen_file(
-            engine, save=lambda save_dir, tag: checkpoint.save(self, save_dir, tag, engine.global_rank),
-            load=lambda load_dir, tag, flags: checkpoint.load(self, load_dir, tag, engine.global_rank, **flags),
-            saving=saving, check=lambda load_dir, tag, flags: checkpoint.check_loadable(self, load_dir, tag, **flags))
+            engine, save=lambda save_dir, tag: checkpoint.save(self, save_dir, tag, rank),
+            load=lambda load_dir, tag, flags: checkpoint.load(self, load_dir, tag, rank, **flags),
+            saving=saving, check=lambda load_dir, tag, flags: checkpoint.check_loadable(self, load_dir, tag, rank, **flags))
         ds_checkpoint.add_owned_weights(engine, lambda: dict(saved))
 
 
