@@ -132,16 +132,19 @@ def check_loadable(route: "EngineRoute", load_dir: str, tag: Optional[Any], rank
         if files else []
     if saved == mine:
         return
-    def mode(tables: List[str]) -> str:
-        return (f"zen stepped the partitions of {tables} (\"embedding_step\": \"zen\")" if tables else
-                "DeepSpeed's optimizer stepped every table (\"embedding_step\": \"deepspeed\", or saved without zen)")
     raise ValueError(
-        f"zen: in the checkpoint {folder} {mode(saved)}; in this run {mode(mine)}. DeepSpeed's ZeRO-3 optimizer "
-        "files hold the params its optimizer stepped, so its load cannot take this checkpoint. Resume with the "
+        f"zen: in the checkpoint {folder} {_stepped_by(saved)}; in this run {_stepped_by(mine)}. DeepSpeed's "
+        "ZeRO-3 optimizer files hold the params its optimizer stepped, so its load cannot take this checkpoint. "
+        "Resume with the "
         "\"embedding_step\" it was saved with, or switch through a universal checkpoint: python -m "
         "zen_ds.integrations.deepspeed.offline universal --input_folder <dir>/<tag> --output_folder "
         "<dir>/<tag>_universal, then load it with \"checkpoint\": {\"load_universal\": true} (docs/zero.md), "
         "or pass load_optimizer_states=False to load the weights only")
+
+
+def _stepped_by(tables: List[str]) -> str:
+    return (f"zen stepped the partitions of {tables} (\"embedding_step\": \"zen\")" if tables else
+            "DeepSpeed's optimizer stepped every table (\"embedding_step\": \"deepspeed\", or saved without zen)")
 
 
 def _latest_tag(load_dir: str, universal: bool) -> str:

@@ -10,9 +10,10 @@ optimizer's shard-sized temporaries (AdamW's ``denom``), on every step.
 block it points the optimizer's param group at a view of the master's rows, gives that view a
 dense gradient of the block (zeros + the block's pushed rows) and views of the master's state,
 and calls ``optimizer.step()`` (the block's rows are found on the device: rows outside it go to a
-spare row that is cut off, so no bounds are read to the host). The optimizer's own code runs on every element exactly as on the
-whole shard (the update is element-wise, and blocks start at multiples of 64 elements so that
-vectorised loops split them alike), so nothing but the transient memory changes: one block's
+spare row that is cut off, so no bounds are read to the host). The optimizer's own code runs on
+every element exactly as on the whole shard (the update is element-wise, and blocks start at
+multiples of 64 elements so that vectorised loops split them alike), so nothing but the
+transient memory changes: one block's
 gradient and temporaries instead of the shard's. A block is ``max(rows received, shard / 64,
 4096 elements)`` rows, so the extra memory is a few copies of the batch's rows or 1/64 of the
 shard, whichever is larger (16 KiB at least), and a step makes at most ~64 optimizer calls per
