@@ -9,8 +9,7 @@ when the model trains in half precision). :class:`OwnedRoute` then syncs their f
 (:class:`~.owned_params.OwnedParams`) at the boundary, folds their norm into DeepSpeed's (clipping
 stays global) and steps them after DeepSpeed's step with its clip coefficient, loss scale and
 learning-rate schedule. Inside a PipelineModule (ZeRO-1) each stage owns its own params.
-:class:`StepsOwnParams` is what it shares with ZeRO-3's row-sharded tables
-(:class:`~.zero3.Zero3RowShardedRoute`).
+:class:`StepsOwnParams` is what it shares with ZeRO-3's tables (:class:`~.zero3.Zero3RowShardedRoute`).
 """
 from __future__ import annotations
 
@@ -63,6 +62,16 @@ class OwnedPlan:
     lr_from_engine: bool = False  # optimizer came from a callable: ratios are fixed after the build
     # row-sharded embeddings ("row_sharded"): their masters are in ``optimizer`` too
     tables: List["RowShardTable"] = field(default_factory=list)
+
+    def place_masters(self, params: Sequence[nn.Parameter]) -> None:
+        """fp32 masters copied where the model was built (often the CPU) follow DeepSpeed's move."""
+        for i, (param, master) in enumerate(zip(params, self.masters)):
+            if master is param or master.device == param.device:
+                continue  # the param itself (fp32), or already there
+            moved = nn.Parameter(master.detach().to(param.device), requires_grad=master.requires_grad)
+            for group in self.optimizer.param_groups:  # fresh: no state refers to the old one yet
+                group["params"] = [moved if q is master else q for q in group["params"]]
+            self.masters[i] = moved
 
     def fix_lr_ratio(self, ds_param_groups: Optional[Sequence[Mapping[str, Any]]]) -> None:
         """Learning rates of a callable-built optimizer are known only once DeepSpeed built its own."""

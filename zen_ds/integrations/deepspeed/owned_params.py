@@ -47,6 +47,7 @@ class OwnedParams:
         if plan.names != [p.name for p in params]:
             raise RuntimeError(f"zen: planned params {plan.names} != selected {[p.name for p in params]}")
         self.params = list(params)
+        plan.place_masters([p.param for p in self.params])
         self.masters = list(plan.masters)
         self.optimizer = plan.optimizer
         self.lr_ratio = plan.lr_ratio
