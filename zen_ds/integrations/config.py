@@ -203,7 +203,8 @@ class ZenConfig(_sync_option_keys("")):
     and optimizer state; DeepSpeed's ``zero_to_fp32`` finds the weights. It applies to engines
     built by ``zen_ds.initialize`` (or ``deepspeed.initialize`` after ``zen_ds.enable()``), to
     untied plain ``nn.Embedding`` tables above ``stage3_param_persistence_threshold``, outside
-    ZeRO-3 leaf modules, without ``offload_param`` or hpZ (``zero_hpz_partition_size``); the
+    ZeRO-3 leaf modules, without ``offload_param`` or hpZ (``zero_hpz_partition_size``), where
+    ``offload_optimizer`` is off (offloaded, the optimizer state stays where the user put it); the
     others stay with DeepSpeed's optimizer (said at attach).
     ``deepspeed``: DeepSpeed's optimizer steps the partition; zen hands it the partition's
     gradient."""

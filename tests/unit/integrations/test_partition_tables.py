@@ -1,7 +1,8 @@
 """Which ZeRO-3 embeddings zen steps itself (``"embedding_step": "zen"``), decided before DeepSpeed
 builds the engine: untied plain ``nn.Embedding`` tables above the persistence threshold; tables
-DeepSpeed keeps whole, offloads, gathers whole (leaf modules) or partitions over hpZ's sub-groups
-stay with DeepSpeed's optimizer, each with its reason. One process, no collective."""
+DeepSpeed keeps whole, offloads, gathers whole (leaf modules) or partitions over hpZ's sub-groups,
+and every table when the optimizer state is offloaded, stay with DeepSpeed's optimizer, each with
+its reason. One process, no collective."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -38,6 +39,8 @@ def test_untied_embeddings_are_stepped_by_zen() -> None:
 @pytest.mark.parametrize("zero,reason", [
     ({"stage3_param_persistence_threshold": 1000}, "persistent"),
     ({"offload_param": {"device": "cpu"}}, "offload_param"),
+    ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer: DeepSpeed keeps its optimizer state on the cpu"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "on the nvme"),
     ({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size"),
 ])
 def test_tables_deepspeed_handles_differently_stay_with_it(zero, reason) -> None:

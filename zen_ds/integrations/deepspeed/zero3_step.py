@@ -301,13 +301,15 @@ def partition_tables(model: nn.Module, route: "RouteChoice", ds_config: Mapping[
     """``"embedding_step": "zen"`` under ZeRO-3: a :class:`PartitionTable` for each zen embedding that
     will run at batch cost (an untied plain ``nn.Embedding`` above DeepSpeed's persistence
     threshold, not offloaded, outside ZeRO-3 leaf modules, partitioned over the data-parallel
-    group: no hpZ); ``[(weight, table)]`` and ``{name: why DeepSpeed steps it}``.
+    group: no hpZ), unless the optimizer state is offloaded (zen would keep the table's on the
+    device); ``[(weight, table)]`` and ``{name: why DeepSpeed steps it}``.
     Decided from the ds_config and the model before DeepSpeed builds the engine, as
     :func:`.internals.zero3.rows_blocker` decides after it (a table it refuses then is refused
     at build, with the setting to use)."""
     zero = ds_config.get("zero_optimization") or {}
     threshold = int(zero.get("stage3_param_persistence_threshold", _PERSISTENCE_DEFAULT))
     offloaded = (zero.get("offload_param") or {}).get("device", "none") not in (None, "none")
+    state_on = (zero.get("offload_optimizer") or {}).get("device", "none")
     subgroups = int(zero.get("zero_hpz_partition_size", 1) or 1) > 1
     in_leaf = ds_zero3.params_in_leaf_modules(model)
     tied = tied_params(model)
@@ -322,6 +324,8 @@ def partition_tables(model: nn.Module, route: "RouteChoice", ds_config: Mapping[
                or (f"persistent ({numel} elements < stage3_param_persistence_threshold {threshold}): "
                    "DeepSpeed keeps it whole" if numel < threshold else "")
                or ("offload_param: DeepSpeed moves its partition" if offloaded else "")
+               or (f"offload_optimizer: DeepSpeed keeps its optimizer state on the {state_on}"
+                   if state_on not in (None, "none") else "")
                or ("inside a ZeRO-3 leaf module, whose hook gathers all its params" if id(param) in in_leaf else "")
                or ("zero_hpz_partition_size > 1: hpZ's secondary partitions" if subgroups else ""))
         if why:
