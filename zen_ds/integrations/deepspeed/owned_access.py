@@ -143,8 +143,7 @@ class PartitionFullState(FullState):
 
     def get(self, key: Optional[str] = None) -> torch.Tensor:
         t = self.table
-        mine = torch.zeros(t.part, dtype=torch.float32, device=t.master.device if t.master is not None else "cpu")
-        mine[:t.valid] = self._local(key).reshape(-1)[t.offset:t.offset + t.valid]
+        mine = t.flat_partition(self._local(key))
         if t.world_size == 1:
             whole = mine
         else:
@@ -169,8 +168,7 @@ class PartitionFullState(FullState):
         device = t.master.device if t.master is not None else torch.device("cpu")
         rows = t.source.peek_rows(torch.float32) if t.source is not None else None
         if rows is None:  # no backward since the step on this rank: it adds nothing
-            rows = RowSparse(torch.empty(0, dtype=torch.int64, device=device),
-                             torch.empty((0,) + t.row_shape, device=device), t.num_rows)
+            rows = RowSparse.empty(t.num_rows, t.row_shape, device=device)
         before, after = self.scaling()
         summed = sparse_allreduce(rows, t.group, prescale=before, postscale=after)
         whole = torch.zeros((t.num_rows,) + t.row_shape, dtype=torch.float32, device=device)

@@ -200,11 +200,13 @@ class PartitionTable:
         self.to_partition()
 
     @torch.no_grad()
-    def flat_partition(self) -> torch.Tensor:
-        """This rank's flat fp32 partition in DeepSpeed's layout (zeros past the table's end)."""
+    def flat_partition(self, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's flat fp32 partition in DeepSpeed's layout (zeros past the table's end) of the
+        master, or of ``rows`` shaped like it (an optimizer state)."""
         assert self.master is not None
-        out = torch.zeros(self.part, dtype=torch.float32, device=self.master.device)
-        out[:self.valid] = self.master.detach().view(-1)[self.offset:self.offset + self.valid]
+        rows = self.master if rows is None else rows
+        out = torch.zeros(self.part, dtype=torch.float32, device=rows.device)
+        out[:self.valid] = rows.detach().reshape(-1)[self.offset:self.offset + self.valid]
         return out
 
     def memory_bytes(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, int]:
@@ -228,8 +230,7 @@ class PartitionTable:
         rows = self.source.take_rows(torch.float32)
         device = self.master.device
         if rows is None:
-            rows = RowSparse(torch.empty(0, dtype=torch.int64, device=device),
-                             torch.empty((0,) + self.row_shape, dtype=wire, device=device), self.num_rows)
+            rows = RowSparse.empty(self.num_rows, self.row_shape, dtype=wire, device=device)
         elif wire != torch.float32:  # scale once in fp32 while casting, as the reducer does
             rows = RowSparse(rows.indices, (rows.values * prescale).to(wire), self.num_rows, coalesced=True)
             prescale = 1.0
