@@ -340,7 +340,9 @@ def pack_checks(counts: torch.Tensor, flags: int, device_flags: Optional[torch.T
                 ) -> torch.Tensor:
     """int64 counts (each below 2**60) with this rank's check ``flags`` in their top bits, and
     ``device_flags`` (0-dim int64 where the counts are: flags the host does not know) too."""
-    words = counts.to(torch.int64) | (int(flags) << _CHECK_SHIFT)
+    words = counts.to(torch.int64)
+    if flags:
+        words = words | (int(flags) << _CHECK_SHIFT)
     return words if device_flags is None else words | (device_flags << _CHECK_SHIFT)
 
 

@@ -21,11 +21,12 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def view_as(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret uint8 bytes (last dim) as ``dtype``; copies only if misaligned or strided."""
-    shape = tuple(buffer.shape[:-1]) + (buffer.shape[-1] // dtype.itemsize,)
-    flat = buffer.reshape(-1)  # a 1-D view when the bytes are dense, else a copy
+    flat = buffer if buffer.dim() == 1 else buffer.reshape(-1)  # a 1-D view when dense, else a copy
     if flat.storage_offset() % dtype.itemsize:
         flat = flat.clone()
-    return flat.view(dtype).reshape(shape)
+    if buffer.dim() == 1:  # already its shape
+        return flat.view(dtype)
+    return flat.view(dtype).reshape(tuple(buffer.shape[:-1]) + (buffer.shape[-1] // dtype.itemsize,))
 
 
 def round8(nbytes: int) -> int:

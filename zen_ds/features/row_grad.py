@@ -75,12 +75,10 @@ def rows_gradient(grad_out: torch.Tensor, ids: torch.Tensor, row_numel: int, pad
         distinct = distinct.masked_fill(distinct == num_rows, padding_idx)
     rows = torch.ops.aten.embedding_dense_backward(grad_out.reshape(-1, row_numel), inverse, bound, -1,
                                                    scale_grad_by_freq)
-    padded = PaddedRows(distinct, rows, live, num_rows)
-    padding = ~padded.live_mask()
+    padding = torch.arange(bound, device=distinct.device) >= live  # PaddedRows.live_mask's complement
     # A padding row repeats the first row's id with -0.0 values (the additive identity).
-    distinct.copy_(torch.where(padding, distinct[:1], distinct))
     rows.masked_fill_(padding.unsqueeze(1), -0.0)
-    return padded
+    return PaddedRows(torch.where(padding, distinct[:1], distinct), rows, live, num_rows)
 
 
 class _RowGradLookup(torch.autograd.Function):

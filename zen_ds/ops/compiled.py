@@ -52,7 +52,8 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _ids(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).to(torch.int64).contiguous()
+    flat = t.reshape(-1) if t.dim() != 1 else t
+    return (flat if flat.dtype == torch.int64 else flat.to(torch.int64)).contiguous()
 
 
 def _self_checked(method: Callable) -> Callable:

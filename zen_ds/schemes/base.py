@@ -84,7 +84,8 @@ class SyncContext:
         """This rank's row count for a count message, int64 ``[1]`` on ``x``'s device: the padded
         rows' live count (no read), else ``x.nnz``."""
         if self.live_rows is not None:
-            return self.live_rows.reshape(1).to(torch.int64)
+            live = self.live_rows.reshape(1)
+            return live if live.dtype == torch.int64 else live.to(torch.int64)
         return torch.tensor([x.nnz], dtype=torch.int64, device=x.device)
 
     def checked_counts(self, words: torch.Tensor) -> torch.Tensor:

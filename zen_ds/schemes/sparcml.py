@@ -105,7 +105,7 @@ def _finish(stream: Stream, x: RowSparse, ctx: SyncContext) -> Tuple[torch.Tenso
     rows, values = stream.sparse_parts()
     if ctx.scale is not None:
         values = values * ctx.scale
-    return rows, values.to(x.dtype)
+    return rows, (values if values.dtype == x.dtype else values.to(x.dtype))
 
 
 def _pairs_on_links(shape: SyncShape,

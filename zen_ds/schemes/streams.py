@@ -82,25 +82,26 @@ def exchange_pairwise(comm: Communicator, sends: Mapping[int, torch.Tensor],
 def pack(areas: Sequence[torch.Tensor], sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Concatenate tensors as raw bytes, each area padded with zeros to 8 bytes (or to
     ``sizes[i]`` bytes, for payloads padded to a bound every receiver knows)."""
-    raw = [a.contiguous().reshape(-1).view(torch.uint8) if a.numel() else
-           torch.empty(0, dtype=torch.uint8, device=a.device) for a in areas]
-    widths = [round8(r.numel()) for r in raw] if sizes is None else list(sizes)
-    out = torch.zeros(sum(widths), dtype=torch.uint8, device=areas[0].device if areas else "cpu")
-    cursor = 0
-    for r, width in zip(raw, widths):
-        out[cursor: cursor + r.numel()].copy_(r)
-        cursor += width
-    return out
+    device = areas[0].device if areas else torch.device("cpu")
+    parts: List[torch.Tensor] = []  # one concatenation: fewer ops than filling a zeroed buffer
+    for i, area in enumerate(areas):
+        nbytes = area.numel() * area.element_size()
+        if nbytes:
+            parts.append(area.contiguous().reshape(-1).view(torch.uint8))
+        width = round8(nbytes) if sizes is None else int(sizes[i])
+        if width > nbytes:
+            parts.append(torch.zeros(width - nbytes, dtype=torch.uint8, device=device))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
 
 def unpack(buffer: torch.Tensor, layout: Sequence[Tuple[torch.dtype, int, int]]
            ) -> List[torch.Tensor]:
     """Read areas back: ``layout`` = (dtype, element count, area bytes) per area."""
+    flat = buffer.reshape(-1) if buffer.dim() != 1 else buffer
     out, cursor = [], 0
     for dtype, count, width in layout:
         nbytes = count * dtype.itemsize
-        area = buffer[cursor: cursor + nbytes].reshape(1, -1)
-        out.append(view_as(area, dtype).reshape(-1) if nbytes else
+        out.append(view_as(flat[cursor: cursor + nbytes], dtype) if nbytes else
                    torch.empty(0, dtype=dtype, device=buffer.device))
         cursor += width
     return out

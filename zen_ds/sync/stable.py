@@ -105,11 +105,21 @@ def unmoved_counts(planned: int) -> Tuple[int, int]:
     return (0 if not count_moved(0, planned) else edge(planned, 0)), edge(planned, above)
 
 
+@functools.lru_cache(maxsize=256)
+def _moved_lookup(planned: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the edges of :func:`unmoved_counts`'s window, the flag of each side of them) on
+    ``device``: a count's bucket among the edges indexes its flag (two ops a step, not five)."""
+    low, high = unmoved_counts(planned)
+    edges = torch.tensor([low, high + 1], dtype=torch.int64, device=device)
+    flags = torch.tensor([CHECK_CHANGED, 0, CHECK_CHANGED], dtype=torch.int64, device=device)
+    return edges, flags
+
+
 def moved_flag(live: torch.Tensor, planned: int) -> torch.Tensor:
     """:data:`CHECK_CHANGED` where a device row count ``live`` moved from ``planned``
-    (:func:`count_moved`, decided where the count is: no read), else 0; 0-dim int64."""
-    low, high = unmoved_counts(planned)
-    return ((live < low) | (live > high)).to(torch.int64) * CHECK_CHANGED
+    (:func:`count_moved`, decided where the count is: no read), else 0; int64, ``live``'s shape."""
+    edges, flags = _moved_lookup(int(planned), live.device)
+    return torch.take(flags, torch.bucketize(live, edges, right=True))  # no read (a 0-dim index would)
 
 
 @dataclass

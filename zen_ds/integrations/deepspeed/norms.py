@@ -77,11 +77,15 @@ def combined_norm(ds_norm: Any, zen: torch.Tensor) -> torch.Tensor:
     """DeepSpeed's norm and zen's together (fp32, where DeepSpeed's is, or zen's for a number;
     not read); a non-finite or negative (DeepSpeed's overflow mark) DeepSpeed norm passes
     through as it is."""
-    on = None if torch.is_tensor(ds_norm) else zen.device
-    ds_t = torch.as_tensor(ds_norm, dtype=torch.float32, device=on).detach()
+    if torch.is_tensor(ds_norm) and ds_norm.dtype == torch.float32 and not ds_norm.requires_grad:
+        ds_t = ds_norm
+    else:
+        on = None if torch.is_tensor(ds_norm) else zen.device
+        ds_t = torch.as_tensor(ds_norm, dtype=torch.float32, device=on).detach()
     combined = (ds_t.pow(2) + zen.to(ds_t.device).pow(2)).sqrt()
-    overflow = ((~torch.isfinite(ds_t)) | (ds_t < 0)).any()
-    return torch.where(overflow, ds_t, combined)
+    # DeepSpeed's norm is usable where finite and >= 0 (NaN compares false), every element of it
+    usable = torch.isfinite(ds_t) & (ds_t >= 0)
+    return torch.where(usable if usable.dim() == 0 else usable.all(), combined, ds_t)
 
 
 def clip_coefficient(max_norm: float, norm: Union[None, float, torch.Tensor]) -> Union[float, torch.Tensor]:
@@ -92,8 +96,7 @@ def clip_coefficient(max_norm: float, norm: Union[None, float, torch.Tensor]) ->
         return 1.0
     if torch.is_tensor(norm):
         norm = norm.double()
-        return torch.where(torch.isfinite(norm), torch.clamp(max_norm / (norm + 1e-6), max=1.0),
-                           torch.ones_like(norm))
+        return torch.where(torch.isfinite(norm), torch.clamp(max_norm / (norm + 1e-6), max=1.0), 1.0)
     if not math.isfinite(float(norm)):
         return 1.0
     return min(1.0, max_norm / (float(norm) + 1e-6))

@@ -189,7 +189,7 @@ class OwnedParams:
              stats: Optional[Dict[str, Any]] = None) -> None:
         """Step zen's params with DeepSpeed's loss scale, clip coefficient and learning rate;
         sharded params' all-gathers are recorded in ``stats`` (the reducer's per-param stats)."""
-        factor = clip_coef / loss_scale
+        factor = clip_coef if loss_scale == 1.0 else clip_coef / loss_scale  # x / 1.0 is x
         sparse_only = isinstance(self.optimizer, torch.optim.SparseAdam)
         for p, master, g, shard in zip(self.params, self.masters, self.synced, self.sharded):
             if shard is not None and not self.half:  # this step's fp32 master: the param's rows
@@ -197,7 +197,7 @@ class OwnedParams:
             if g is None:
                 master.grad = None
                 continue
-            g = g.float()
+            g = g if g.dtype == torch.float32 else g.float()
             g = g if is_one(factor) else g * factor
             if shard is not None and sparse_only:  # SparseAdam takes COO grads only
                 g = RowSparse.from_dense(g).to_coo()

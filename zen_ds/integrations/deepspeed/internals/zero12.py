@@ -32,7 +32,8 @@ def fold_norm(opt: Any, zen: ZenNorm) -> bool:
             zen.last_norm = value / loss_scale(opt)
             return value
         # in float64, as the host number was: zen's clip coefficient follows on the device
-        zen.last_norm = total.double() / loss_scale(opt)
+        scale = loss_scale(opt)
+        zen.last_norm = total.double() if scale == 1.0 else total.double() / scale
         return total.to(ds_norm.device)
 
     opt.scaled_global_norm = scaled_global_norm
