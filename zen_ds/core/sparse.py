@@ -76,6 +76,14 @@ class PaddedRows:
         """``[bound]`` bool: which rows are live (no read)."""
         return torch.arange(self.indices.numel(), device=self.indices.device) < self.live
 
+    def values_for_copy(self) -> torch.Tensor:
+        """The values with each padding row replaced by the live row of its id (+0.0 when none
+        is live), so that an ``index_copy_`` of every row writes each id's live values bit for
+        bit (-0.0 and NaN included) whichever copy of an id lands last; no read."""
+        keys = torch.where(self.live_mask(), self.indices, torch.iinfo(torch.int64).max)  # ascending
+        values = self.values.index_select(0, torch.searchsorted(keys, self.indices))
+        return torch.where(self.live > 0, values, 0.0)
+
     def trimmed(self, reason: str) -> RowSparse:
         """The live rows alone, coalesced (one read: their count). The range mark carries over."""
         return self.head(host_int(self.live, reason))

@@ -1,7 +1,8 @@
 """``dense``: the library all-reduce over the full tensor; the reference every scheme must equal.
 
 Host synchronisations on CUDA: none in the all-reduce; :meth:`RowSparse.from_dense` (a RowSparse
-caller) finds the non-zero rows, which reads their count."""
+caller) finds the non-zero rows, which reads their count. A stable plan reads its checks once
+(with padded rows' live count: :mod:`zen_ds.sync.stable`)."""
 from __future__ import annotations
 
 import torch

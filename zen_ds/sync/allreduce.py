@@ -37,7 +37,7 @@ from zen_ds.core.buffers import result_buffer, zeroed_in_background
 from zen_ds.core.comm import Communicator, group_facts
 from zen_ds.core.handshake import HandshakeSummary, HandshakeTable, handshake_bytes, summary_width
 from zen_ds.core.inputs import LocalInput
-from zen_ds.core.sparse import RowSparse, accum_dtype
+from zen_ds.core.sparse import PaddedRows, RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.costmodel.support import estimate_support
@@ -66,8 +66,10 @@ def dense_work(local: LocalInput, prescale: float, out: Optional[torch.Tensor] =
         if local.kind != "dense":
             rows = local_rows(local, prescale)
             work.zero_()
-            if rows.nnz:
-                work.index_copy_(0, rows.indices, rows.values.to(accum))
+            if rows.nnz:  # padded rows (a kept plan's, whole): each id's copies carry the same bits
+                values = rows.values if local.live is None else PaddedRows(
+                    rows.indices, rows.values, local.live, rows.num_rows).values_for_copy()
+                work.index_copy_(0, rows.indices, values.to(accum))
             return work
         work.copy_(local.dense)
     elif out is not None and out.dtype == accum:

@@ -13,6 +13,9 @@ rows (the exact union, identical on every rank); where it, or a rank's count, mo
 drops the plan, and the next step re-plans. The sum is the library all-reduce of the tensor and
 three more elements: on more than two ranks the library may chunk it, and so add, in another
 order than the tensor's own all-reduce (last-bit differences; every rank gets the same bits).
+Padded rows (the ZeRO-1/2 row gradient) are scattered whole, each padding row carrying its live
+row's values (:meth:`~zen_ds.core.sparse.PaddedRows.values_for_copy`), whether their count moved
+is decided on the device, and the count itself comes back with the checks: no read of its own.
 
 **agsparse, balanced, sparcml** (``checks_in_counts``): such a plan needs every rank's current
 counts, and the scheme's first collective exchanges them (agsparse's size all-gather, as
@@ -311,12 +314,20 @@ def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
     else:
         dense_work(local, float(call.prescale), scratch=buffer)
     data = buffer[:numel].view(plan.shape)
-    changed = count_moved(local.nnz, plan.nnz)
+    padded = local.live is not None  # rows kept whole: their count is known where they are
+    changed = False if padded else count_moved(local.nnz, plan.nnz)
     buffer[numel:] = torch.tensor([float(problem), float(mismatch), float(changed)],
                                   dtype=buffer.dtype)
+    if padded:  # whether it moved, decided on the device (no read)
+        buffer[numel + 2] = moved_flag(local.live, plan.nnz)
     comm.scheme = plan.scheme
     comm.all_reduce(buffer, plan.scheme)
-    flags = host_list(buffer[numel:], "stable.dense_checks")
+    if padded:  # the live count comes back with the flags, in one read
+        *flags, live = host_list(torch.cat([buffer[numel:].double(), local.live.reshape(1).double()]),
+                                 "stable.dense_checks")
+        local.live_count = int(live)
+    else:
+        flags = host_list(buffer[numel:], "stable.dense_checks")
     if flags[0] > 0 or flags[1] > 0:
         _drop(plans, call.name)
         return None

@@ -1,7 +1,8 @@
 """No read of the host that :mod:`zen_ds.core.host` does not count, in any scheme's sync, both
 reduce-scatters and both fetches, padded rows (the row gradient's: trimmed, or at a kept
-``balanced`` plan sent as they are), on 3 gloo ranks (:class:`cuda_syncs.CudaSyncOps`: the ops that
-would make a GPU's host wait, recorded on CPU with the zen line that ran them).
+``balanced`` plan sent as they are, at a kept ``dense`` plan scattered whole), on 3 gloo ranks
+(:class:`cuda_syncs.CudaSyncOps`: the ops that would make a GPU's host wait, recorded on CPU with
+the zen line that ran them).
 
 Reads inside :mod:`zen_ds.ops` are its CUDA ops' own (listed in each scheme's docstring) and are
 not checked here; everything else in zen_ds that synchronises must be a counted read. Shown
@@ -62,9 +63,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                 lambda x=x, s=scheme: zen_ds.sparse_allreduce(x.to_dense(), scheme=s))
             calls[f"sparse_allreduce/{scheme}/{label}/padded"] = (  # trimmed: one counted read
                 lambda x=x, s=scheme: zen_ds.sparse_allreduce(_padded(x), scheme=s))
-        kept.append(StepPlans())  # the first call agrees; the second runs the kept plan on the padded rows
-        calls[f"sync_step/balanced/{label}/padded"] = lambda x=x, plans=kept[-1]: sync_step(
-            [StepCall(_padded(x), scheme="balanced", key="padded")], plans=plans)
+        for kept_scheme in ("balanced", "dense"):  # the first call agrees; the second runs the kept plan
+            kept.append(StepPlans())
+            calls[f"sync_step/{kept_scheme}/{label}/padded"] = lambda x=x, s=kept_scheme, plans=kept[-1]: sync_step(
+                [StepCall(_padded(x), scheme=s, key="padded")], plans=plans)
         calls[f"sparse_reduce_scatter/{label}"] = lambda x=x: zen_ds.sparse_reduce_scatter(x)
         part = -(-ROWS * WIDTH // world)
         calls[f"sparse_reduce_scatter_flat/{label}"] = (
@@ -94,12 +96,12 @@ def test_every_sync_reads_the_host_only_through_counted_reads(seen) -> None:
     for rank, got in enumerate(seen):
         hidden = {name: sites for name, sites in got["uncounted"].items() if sites}
         assert not hidden, f"rank {rank}: reads of the host that zen_ds.core.host does not count: {hidden}"
-        assert got["kept"] == [["padded"], ["padded"]], got["kept"]
+        assert got["kept"] == [["padded"]] * 4, got["kept"]
         for name, reads in got["counted"].items():  # kept plans took the padded rows as they are
             assert "input.live_rows" not in reads and set(reads) <= {
-                "balanced.counts", "balanced.pull_headers", "balanced.pull_meta"}, (name, reads)
+                "balanced.counts", "balanced.pull_headers", "balanced.pull_meta", "stable.dense_checks"}, (name, reads)
     # every registered scheme of the ranks' registry (a pooled rank may hold a test's toy one too)
     calls = seen[0]["uncounted"]
     schemes = {name.split("/")[1] for name in calls if name.startswith("sparse_allreduce/")}
     assert {"auto", "dense", "agsparse", "balanced", "sparcml", "omnireduce", "hierarchical"} <= schemes
-    assert len(calls) == 2 * (3 * len(schemes) + 5)
+    assert len(calls) == 2 * (3 * len(schemes) + 6)

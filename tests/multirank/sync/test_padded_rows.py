@@ -6,7 +6,8 @@ the sum of the same rows unpadded bit for bit, as a COO tensor like its input. A
 ``balanced`` plan (:func:`zen_ds.sync.step.sync_step`, averaged, a pull that pads and one that
 exchanges its sizes), a kept ``sparcml`` plan of recursive doubling (3 ranks: the fold too) and
 a kept ``agsparse`` plan take them as they are: no read of their own, the same bits as the unpadded rows' kept plan,
-each step; ``sparcml``'s split-allgather takes the live rows with one read. A rank whose live
+each step; so does a kept ``dense`` plan, which scatters them whole (each padding row carrying its
+live row's values) and reads their count with its checks; ``sparcml``'s split-allgather takes the live rows with one read. A rank whose live
 count moved (decided on the device) makes every rank re-plan, as the unpadded rows' host count
 does; ``stats.nnz_local`` is the live count.
 """
@@ -24,7 +25,7 @@ WIDTH = {"own": 16, "shared": 256}  # narrow rows of its own: a padded pull; wid
 # per step, rows per rank (the 4th step: rank 0's count leaves the plan's window)
 COUNTS = [200, 210, 190, 60, 200]
 SPLIT = "sparcml/split_allgather"  # sparcml with its split-allgather variant pinned
-KEPT = ("balanced", "sparcml", SPLIT, "agsparse")
+KEPT = ("balanced", "sparcml", SPLIT, "agsparse", "dense")
 
 
 def _rows(rank: int, step: int, count: int, shared: bool, width: int):
@@ -137,6 +138,8 @@ def test_a_kept_plan_takes_the_padded_rows_as_they_are(results, scheme: str, pul
                 if scheme == "balanced":
                     pulled = "balanced.pull_meta" if pull == "shared" else "balanced.pull_headers"
                     assert padded["reads"] == {"balanced.counts": 1, pulled: 1}, (rank, step, padded["reads"])
+                elif scheme == "dense":  # the all-reduce's checks, read with the live count
+                    assert padded["reads"] == {"stable.dense_checks": 1}, (rank, step, padded["reads"])
                 else:  # the size all-gather that carries the checks and the live count
                     assert padded["reads"].get(f"{scheme}.sizes") == 1, (rank, step, padded["reads"])
         kept = [forms["padded"]["kept"] for forms in got[f"steps/{scheme}/{pull}"]]

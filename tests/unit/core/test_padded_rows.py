@@ -2,7 +2,7 @@
 device. As a COO tensor they are the live rows' gradient exactly; trimming reads the count once;
 a sync input that may not keep them gets the live rows; balanced's partition of them counts and
 groups the live rows as the partition of those rows alone does; a kept plan's moved-count check
-on the device is the host's decision."""
+on the device is the host's decision; copied whole, each padding row carries its live row's values."""
 from __future__ import annotations
 
 import pytest
@@ -121,3 +121,25 @@ def test_two_micro_steps_add_up_as_padded_rows_without_a_read(a_ids, b_ids) -> N
         summed = both.to_coo().coalesce()
         assert torch.equal(summed.indices()[0], live.indices)
         assert torch.equal(summed.values().view(torch.int32), live.values.view(torch.int32))
+
+
+@pytest.mark.parametrize("live_ids, pad_with", [([2, 5, 9, 30], 2), ([2, 5, 9, 30], 0), ([7], 0), ([], None)])
+def test_copied_whole_they_write_each_live_rows_bits(live_ids, pad_with) -> None:
+    """A kept dense plan scatters padded rows whole with index_copy_: a padding row (here under
+    any live id, as the contract allows, or an id in range when none is live) carries its live
+    row's values, so every copy of an id writes the same bits (-0.0 and NaN kept), with no read;
+    the result is the live rows' scatter bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    live = torch.tensor(live_ids, dtype=torch.int64)
+    values = torch.randn(live.numel(), 4, generator=g)
+    if live.numel():
+        values[0, :2] = -0.0
+        values[-1, 3] = float("nan")
+    pad_id = live[pad_with] if pad_with is not None else torch.tensor(11)
+    ids = torch.cat([live, pad_id.reshape(1).expand(5)])
+    rows = PaddedRows(ids, torch.cat([values, torch.full((5, 4), -0.0)]), torch.tensor(live.numel()), NUM_ROWS)
+    with count_host_reads() as reads:
+        whole = torch.zeros(NUM_ROWS, 4).index_copy_(0, rows.indices, rows.values_for_copy())
+    assert reads.total == 0
+    want = torch.zeros(NUM_ROWS, 4).index_copy_(0, live, values)
+    assert torch.equal(whole.view(torch.int32), want.view(torch.int32))

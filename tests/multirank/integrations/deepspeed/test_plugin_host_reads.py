@@ -41,6 +41,10 @@ Why each read is there:
   its handshake ran at the first step and is kept (``KeptAgreement``), every rank's check flags
   riding in that count message since (session 27; before, the handshake's records were read too,
   every step); its rows' ids carry the fetch's check, so their range is not read again.
+* ZeRO-2 with ``"scheme": "dense"`` (what ``auto`` picks where the batches' rows cover most of a
+  table): 1 read at a stable plan, the all-reduce's checks, which bring the row gradient's live
+  count back with them (``input.live_rows`` gone in session 30: the padded rows are scattered
+  whole, each padding row carrying its live row's values).
 * ZeRO-3 with ``"embedding_fetch": "two_hop"`` (through each row's hash owner): the fetch reads
   both hops' counts and the hash owners' distinct rows; the push's two hops read their counts
   (their agreements kept from step to step, as the direct push's).
@@ -80,6 +84,7 @@ CASES: Dict[str, Any] = {
     "zero2/balanced": (2, BALANCED),
     "zero0/auto": (0, AUTO),
     "zero2/auto": (2, AUTO),
+    "zero2/dense": (2, dict(AUTO, scheme="dense", handshake="auto")),
     "zero0/overlap": (0, dict(BALANCED, overlap=True)),
     "zero2/sharded": (2, dict(AUTO, optimizer_state="sharded", shard_min_mb=0)),
     "zero2/row_sharded": (2, dict(AUTO, row_sharded=True, shard_min_mb=0)),
@@ -94,6 +99,9 @@ STEP_READS: Dict[str, Dict[str, int]] = {
     "zero2/balanced": _STABLE,  # the row gradient's count rides in balanced's count message
     "zero0/auto": _AGREED,
     "zero2/auto": _AGREED,  # the row gradient's count rides in sparcml's row-count exchange
+    # a kept dense plan scatters the row gradient's padded rows whole; their live count is read
+    # with the all-reduce's checks (session 30: "input.live_rows" gone)
+    "zero2/dense": {"stable.dense_checks": 1},
     "zero0/overlap": _STABLE,
     # zen steps the partition (the default): the step pushes the rows; the row blocks find their
     # rows on the device (no read of their bounds)
@@ -163,13 +171,14 @@ def test_reads_per_training_step_are_pinned(counted, case: str) -> None:
             f"{got['described']}; pinned: {STEP_READS[case]}")
 
 
-@pytest.mark.parametrize("case", ["zero0/balanced", "zero2/balanced", "zero0/overlap"])
+@pytest.mark.parametrize("case", ["zero0/balanced", "zero2/balanced", "zero0/overlap", "zero2/dense"])
 def test_a_stable_plan_steps_with_two_reads_in_all(counted, case: str) -> None:
-    """The embedding's step at a stable ``balanced`` plan: at most 2 reads in all, the row
-    gradient's (ZeRO-1/2) included: its unique count rides in the sync's count message."""
+    """The embedding's step at a stable ``balanced`` (or ``dense``) plan: at most 2 reads in all,
+    the row gradient's (ZeRO-1/2) included: its unique count rides in the sync's count message
+    (the dense all-reduce's checks)."""
     for seen in counted:
         got = seen[case]
-        assert got["stable"] == "balanced", f"{case}: no stable plan after {WARMUP} steps"
+        assert got["stable"] == CASES[case][1]["scheme"], f"{case}: no stable plan after {WARMUP} steps"
         assert sum(got["reads"].values()) <= 2, got["described"]
         assert not any(k.startswith(("row_grad.", "input.")) for k in got["reads"]), got["described"]
 
