@@ -86,7 +86,7 @@ class SyncContext:
         if self.live_rows is not None:
             live = self.live_rows.reshape(1)
             return live if live.dtype == torch.int64 else live.to(torch.int64)
-        return torch.tensor([x.nnz], dtype=torch.int64, device=x.device)
+        return torch.full((1,), x.nnz, dtype=torch.int64, device=x.device)  # a fill: no copy to the device
 
     def checked_counts(self, words: torch.Tensor) -> torch.Tensor:
         """The counts of a metadata message whose words carried :func:`pack_checks` flags

@@ -186,7 +186,8 @@ class HierarchicalScheme(Scheme):
         smallest = torch.topk(positions, min(SKETCH_SIZE, positions.numel()), largest=False).values
         sketch[: smallest.numel()] = smallest
         owners = bin_counts(layout.owner_of_positions(positions), g)
-        record = torch.cat([torch.tensor([rows.numel()], device=rows.device), sketch, owners])
+        record = torch.cat([torch.full((1,), rows.numel(), dtype=torch.int64, device=rows.device), sketch,
+                            owners])
         table = torch.empty(g * record.numel(), dtype=torch.int64, device=rows.device)
         comm.all_gather_into_tensor(table, record, "hierarchical.handshake")
         table = to_host(table.view(g, -1), "hierarchical.handshake")

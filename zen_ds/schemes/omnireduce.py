@@ -163,7 +163,7 @@ class OmniReduceScheme(Scheme):
 
         # Every aggregator's blocks to every rank: sizes first.
         held = torch.empty(n, dtype=torch.int64, device=x.device)
-        ctx.comm.all_gather_into_tensor(held, torch.tensor([mine.numel()], device=x.device),
+        ctx.comm.all_gather_into_tensor(held, torch.full((1,), mine.numel(), device=x.device),
                                         "omnireduce.sizes")
         held = host_list(held, "omnireduce.sizes")
         payload = pack([mine.to(id_dtype), sums])

@@ -378,8 +378,8 @@ class SparCMLScheme(Scheme):
 
         # All-gather of the reduced ranges: sizes first.
         reduced_counts = torch.empty(n, dtype=torch.int64, device=x.device)
-        ctx.comm.all_gather_into_tensor(reduced_counts, torch.tensor([rows.numel()],
-                                                                      device=x.device),
+        ctx.comm.all_gather_into_tensor(reduced_counts, torch.full((1,), rows.numel(),
+                                                                    device=x.device),
                                         "sparcml.range_sizes")
         reduced_counts = host_list(reduced_counts, "sparcml.range_sizes")
         payload = encode(Stream(rows, final), mine)

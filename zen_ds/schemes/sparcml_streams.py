@@ -83,7 +83,7 @@ def encode_stream(stream: Stream, bound: Optional[int], wire: Wire) -> torch.Ten
     when given, so the receiver knows the size)."""
     if stream.dense is not None:
         return stream.dense.contiguous().view(torch.uint8).reshape(-1)
-    count = torch.tensor([stream.rows.numel()], dtype=torch.int64, device=stream.rows.device)
+    count = torch.full((1,), stream.rows.numel(), dtype=torch.int64, device=stream.rows.device)
     ids = stream.rows.to(wire.id_dtype)
     if bound is None:
         return pack([ids, stream.values])

@@ -118,6 +118,14 @@ def _moved_lookup(planned: int, device: torch.device) -> Tuple[torch.Tensor, tor
     return edges, flags
 
 
+@functools.lru_cache(maxsize=64)
+def _check_slots(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Every value of a dense plan's check slots (problem, mismatch, changed: row ``4p + 2m +
+    c``) on ``device``, made once: a copy of host numbers to a GPU waits for its stream."""
+    return torch.tensor([[p, m, c] for p in (0.0, 1.0) for m in (0.0, 1.0) for c in (0.0, 1.0)],
+                        dtype=dtype, device=device)
+
+
 def moved_flag(live: torch.Tensor, planned: int) -> torch.Tensor:
     """:data:`CHECK_CHANGED` where a device row count ``live`` moved from ``planned``
     (:func:`count_moved`, decided where the count is: no read), else 0; int64, ``live``'s shape."""
@@ -316,8 +324,7 @@ def _stable_dense(call: StepCall, prep: Prepared, plans: StepPlans, s: SyncStats
     data = buffer[:numel].view(plan.shape)
     padded = local.live is not None  # rows kept whole: their count is known where they are
     changed = False if padded else count_moved(local.nnz, plan.nnz)
-    buffer[numel:] = torch.tensor([float(problem), float(mismatch), float(changed)],
-                                  dtype=buffer.dtype)
+    buffer[numel:] = _check_slots(buffer.device, buffer.dtype)[4 * problem + 2 * mismatch + changed]
     if padded:  # whether it moved, decided on the device (no read)
         buffer[numel + 2] = moved_flag(local.live, plan.nnz)
     comm.scheme = plan.scheme

@@ -220,7 +220,7 @@ class RowShardTable:
         """``[padding_idx's slot in the sorted unique ids]`` or ``[-1]``, read with the counts."""
         if padding_idx is None or not uniq.numel():
             return torch.full((1,), -1, dtype=torch.int64, device=uniq.device)
-        slot = torch.searchsorted(uniq, torch.tensor([padding_idx], dtype=uniq.dtype, device=uniq.device))
+        slot = torch.searchsorted(uniq, torch.full((1,), padding_idx, dtype=uniq.dtype, device=uniq.device))
         hit = uniq.index_select(0, slot.clamp(max=uniq.numel() - 1)) == padding_idx
         return torch.where(hit, slot, torch.full_like(slot, -1))
 
@@ -239,7 +239,7 @@ class RowShardTable:
         positions = self.layout.positions(uniq)
         owners, counts = owners_live_first(self.layout.owner_of_positions(positions), live, n)
         order = torch.argsort(owners, stable=True)
-        starts = torch.tensor(self.layout.starts[:-1] + [0], dtype=torch.int64, device=device)
+        starts = self.layout.owner_starts(device)
         want = (positions - starts[owners]).index_select(0, order).to(self.layout.id_dtype)
         # counts to each owner plus this rank's id check, to every rank: one all-to-all
         meta = torch.cat([counts.unsqueeze(1), check.expand(n, 2)], dim=1)

@@ -282,8 +282,8 @@ class IdCheck:
         ids = args[0] if args else None
         integers = isinstance(ids, torch.Tensor) and not ids.is_floating_point()
         # On the ids' device: the range is read on the host only with the agreed flag (one read)
-        flag = torch.tensor([0 if integers else 1], dtype=torch.int32,
-                            device=ids.device if isinstance(ids, torch.Tensor) else "cpu")
+        flag = torch.full((1,), 0 if integers else 1, dtype=torch.int32,  # a fill: no copy to the device
+                          device=ids.device if isinstance(ids, torch.Tensor) else "cpu")
         if integers and ids.numel():
             flag = torch.maximum(flag, ((ids < 0) | (ids >= self.num_rows)).any().to(torch.int32))
         several = dist.is_initialized() and dist.get_world_size(self.group) > 1
