@@ -9,6 +9,12 @@ reads go through :mod:`zen_ds.core.host`, which counts them; :class:`CudaSyncOps
 that do not, on a CPU run, so that a test fails where a new hidden read appears (the GPU check's
 ``host_syncs`` step confirms the same on a GPU).
 
+Not recorded: a tensor built from host numbers on the device (``torch.tensor(..., device=)``, a
+host tensor assigned into or moved to a device tensor), which on CUDA is a copy that synchronises
+the stream (PyTorch's ``non_blocking=False`` copy). On CPU it is no op at all; finding it would
+mean tracking host-built tensors through ``__torch_function__``. zen_ds keeps such copies off its
+hot paths by hand (fills, device arithmetic, device tables made once; BENCHMARKS.md, session 30).
+
 Each op is attributed to the innermost frame outside torch: in :mod:`zen_ds.core.host` or on a
 line wrapped in ``sized(...)`` / ``host_values(...)`` it is ``counted``; in :mod:`zen_ds.ops` it
 is ``ops`` (its CUDA ops' reads, listed in each scheme's docstring); in a function of
