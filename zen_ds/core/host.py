@@ -35,11 +35,11 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, TypeVar
+from typing import Iterator, List, Optional, TypeVar, Union
 
 import torch
 
-__all__ = ["HostReads", "count_host_reads", "to_host", "host_list", "host_int", "host_float",
+__all__ = ["HostReads", "count_host_reads", "to_host", "to_device", "host_list", "host_int", "host_float",
            "host_bool", "host_equal", "sized", "host_values", "bin_counts", "UNEXPECTED"]
 
 #: The reason of a read through :func:`host_values` of a tensor that was not on the host.
@@ -108,6 +108,18 @@ def to_host(tensor: torch.Tensor, reason: str) -> torch.Tensor:
     """``tensor`` on the CPU (itself when it is there): one read."""
     _count(reason)
     return tensor.cpu()
+
+
+def to_device(tensor: torch.Tensor, device: Union[torch.device, str]) -> torch.Tensor:
+    """Host numbers (a record, counts) on ``device`` without the host waiting: on CUDA a plain
+    copy (``non_blocking=False``) synchronises the stream, so they go through pinned memory and
+    the copy is queued on it. ``tensor`` itself where it is already."""
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def host_list(tensor: torch.Tensor, reason: str) -> list:

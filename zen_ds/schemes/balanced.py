@@ -43,7 +43,7 @@ import torch
 
 from zen_ds import ops
 from zen_ds.core.buffers import scratch
-from zen_ds.core.host import bin_counts, host_bool, host_list, host_values, sized
+from zen_ds.core.host import bin_counts, host_bool, host_list, host_values, sized, to_device
 from zen_ds.core.partition import ShardLayout, shard_layout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import as_bytes, round8, view_as
@@ -242,7 +242,7 @@ class _Pull:
         else:
             running = torch.zeros(sole[1].numel() + 1, dtype=torch.int64, device=device)
             torch.cumsum(sole[1], 0, out=running[1:])
-            at = torch.tensor(recv_at, dtype=torch.int64).to(device)
+            at = to_device(torch.tensor(recv_at, dtype=torch.int64), device)
             rows = total - (running[at[1:]] - running[at[:-1]])
         encoding, area = encodings(rows, self.universe, self.id_bytes, self.ctx.index_encoding)
         meta = torch.stack([rows, encoding, area], dim=1)

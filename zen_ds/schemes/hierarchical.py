@@ -51,7 +51,7 @@ import torch
 from zen_ds import ops
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import SKETCH_SIZE
-from zen_ds.core.host import bin_counts, host_list, host_values, to_host
+from zen_ds.core.host import bin_counts, host_list, host_values, to_device, to_host
 from zen_ds.core.partition import ShardLayout, shard_layout
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8
@@ -199,7 +199,7 @@ class HierarchicalScheme(Scheme):
                           comm.rank, latency, singletons)
         inner = _inner_scheme(shape)
         sub = SyncContext(comm, ctx.seed, None, ctx.index_encoding, nnz,
-                          table[:, 1 + SKETCH_SIZE:].to(rows.device), sorted_output=False,
+                          to_device(table[:, 1 + SKETCH_SIZE:], rows.device), sorted_output=False,
                           shape=shape)
         y = inner.sync(RowSparse(rows, sums, slice_size, coalesced=True), sub)
         return y.indices, y.values_2d()

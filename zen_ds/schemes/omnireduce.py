@@ -47,7 +47,7 @@ from typing import List, Tuple
 import torch
 
 from zen_ds import ops
-from zen_ds.core.host import bin_counts, host_list, host_values, sized, to_host
+from zen_ds.core.host import bin_counts, host_list, host_values, sized, to_device, to_host
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, on_links
@@ -128,7 +128,7 @@ class OmniReduceScheme(Scheme):
 
         # Everyone's counts per aggregator (and block size, which must agree).
         table = torch.empty(n * (n + 1), dtype=torch.int64, device=x.device)
-        ctx.comm.all_gather_into_tensor(table, torch.tensor([size] + counts, device=x.device),
+        ctx.comm.all_gather_into_tensor(table, to_device(torch.tensor([size] + counts), x.device),
                                         "omnireduce.counts")
         table = to_host(table.view(n, n + 1), "omnireduce.counts")
         sizes = host_values(table[:, 0])

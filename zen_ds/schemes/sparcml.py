@@ -64,7 +64,7 @@ from typing import Callable, ClassVar, Dict, Hashable, List, Optional, Sequence,
 import torch
 
 from zen_ds import ops
-from zen_ds.core.host import bin_counts, host_list, host_values
+from zen_ds.core.host import bin_counts, host_list, host_values, to_device
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.wire import round8, view_as
 from zen_ds.costmodel.shape import SPREAD, ByteEstimate, SyncShape, nodes_of, on_links, with_rank
@@ -320,7 +320,7 @@ class SparCMLScheme(Scheme):
         wires = [Wire(starts[j + 1] - starts[j], row_numel * x.values.element_size())
                  for j in range(n)]
         id_dtype = row_id_dtype(max(w.num_rows for w in wires))
-        cuts = host_list(torch.searchsorted(x.indices, torch.tensor(starts, device=x.device)),
+        cuts = host_list(torch.searchsorted(x.indices, to_device(torch.tensor(starts), x.device)),
                          "sparcml.range_cuts")
         counts = [cuts[j + 1] - cuts[j] for j in range(n)]
         values = x.values_2d()
@@ -346,7 +346,7 @@ class SparCMLScheme(Scheme):
 
         # Reduce-scatter by range: counts first (carrying a stable plan's checks), then each
         # part sparse or dense.
-        received, _ = ctx.exchange_counts(torch.tensor(counts, device=x.device), False,
+        received, _ = ctx.exchange_counts(to_device(torch.tensor(counts), x.device), False,
                                           "sparcml.counts")
         recv_counts = host_values(received)
         mine = wires[rank]

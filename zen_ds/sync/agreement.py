@@ -29,7 +29,7 @@ from zen_ds.core.handshake import (
     row_dims_slots,
     summary_width,
 )
-from zen_ds.core.host import to_host
+from zen_ds.core.host import to_device, to_host
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.option_fields import OPTION_SLOTS, record_slots
 from zen_ds.core.partition import shard_layout
@@ -232,7 +232,7 @@ def _handshake(comm: Communicator, local: LocalInput, scheme: str, average: bool
     """All-gather every rank's record (:mod:`zen_ds.core.handshake`)."""
     n = comm.world_size
     record_ = _record(comm, local, scheme, average, opts, prescale, postscale, problems)[0]
-    record_ = record_.to(device)
+    record_ = to_device(record_, device)
     gathered = torch.empty(n * record_.numel(), dtype=torch.int64, device=device)
     gather_records(comm, gathered, record_, opts)
     return HandshakeTable(to_host(gathered.view(n, -1), "agreement.records"))
@@ -389,7 +389,7 @@ def agree_reduced(x: object, out: object, group: object, scheme: object, average
     record_, positions, _ = _record(comm, local, scheme, average, opts, prescale, postscale,
                                     problems, with_layout=False)
     minima = bucket_minima(positions, local.num_rows) if positions is not None else None
-    summary_ = encode_summary(record_, minima).to(device)
+    summary_ = to_device(encode_summary(record_, minima), device)
     comm.all_reduce(summary_, "handshake.reduce", op="max")
     summary = HandshakeSummary(summary_, comm.world_size)
     if summary.problem:

@@ -22,7 +22,7 @@ from zen_ds import ops
 from zen_ds.core.comm import Communicator
 from zen_ds.core.handshake import (CHECK_ABORT, CHECK_MISMATCH, CHECK_PROBLEM, HandshakeTable, pack_checks,
                                    same_agreed_fields, unpack_checks)
-from zen_ds.core.host import bin_counts, host_values, to_host
+from zen_ds.core.host import bin_counts, host_values, to_device, to_host
 from zen_ds.core.inputs import LocalInput, inspect_input
 from zen_ds.core.partition import ShardLayout, shard_layout
 from zen_ds.core.sparse import PaddedRows, RowSparse, accum_dtype, distinct_ids
@@ -90,7 +90,7 @@ def sparse_reduce_scatter(x: Union[RowSparse, torch.Tensor], group: Optional[dis
         rows = local_rows(local, float(prescale))
         owner_counts = table.owner_counts if comm.world_size > 1 and rows.num_rows and rows.row_numel else None
         ctx = SyncContext(comm, seed, None, "auto",
-                          owner_counts=None if owner_counts is None else owner_counts.to(rows.device))
+                          owner_counts=None if owner_counts is None else to_device(owner_counts, rows.device))
         done = _pushed(comm, rows, ctx, seed)
         if kept is not None:
             kept.keep(table, comm.rank, local)

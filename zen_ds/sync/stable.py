@@ -61,7 +61,7 @@ from zen_ds.core.handshake import (
     CHECK_PROBLEM,
     same_agreed_fields,
 )
-from zen_ds.core.host import host_list
+from zen_ds.core.host import host_list, to_device
 from zen_ds.core.inputs import inspect_input
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
@@ -113,8 +113,8 @@ def _moved_lookup(planned: int, device: torch.device) -> Tuple[torch.Tensor, tor
     """(the edges of :func:`unmoved_counts`'s window, the flag of each side of them) on
     ``device``: a count's bucket among the edges indexes its flag (two ops a step, not five)."""
     low, high = unmoved_counts(planned)
-    edges = torch.tensor([low, high + 1], dtype=torch.int64, device=device)
-    flags = torch.tensor([CHECK_CHANGED, 0, CHECK_CHANGED], dtype=torch.int64, device=device)
+    edges = to_device(torch.tensor([low, high + 1], dtype=torch.int64), device)
+    flags = to_device(torch.tensor([CHECK_CHANGED, 0, CHECK_CHANGED], dtype=torch.int64), device)
     return edges, flags
 
 
@@ -122,8 +122,8 @@ def _moved_lookup(planned: int, device: torch.device) -> Tuple[torch.Tensor, tor
 def _check_slots(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Every value of a dense plan's check slots (problem, mismatch, changed: row ``4p + 2m +
     c``) on ``device``, made once: a copy of host numbers to a GPU waits for its stream."""
-    return torch.tensor([[p, m, c] for p in (0.0, 1.0) for m in (0.0, 1.0) for c in (0.0, 1.0)],
-                        dtype=dtype, device=device)
+    return to_device(torch.tensor([[p, m, c] for p in (0.0, 1.0) for m in (0.0, 1.0)
+                                   for c in (0.0, 1.0)], dtype=dtype), device)
 
 
 def moved_flag(live: torch.Tensor, planned: int) -> torch.Tensor:

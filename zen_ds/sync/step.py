@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from zen_ds.core.comm import Communicator, group_facts
 from zen_ds.core.handshake import HandshakeSummary, HandshakeTable
-from zen_ds.core.host import to_host
+from zen_ds.core.host import to_device, to_host
 from zen_ds.core.stats import SyncStats
 from zen_ds.costmodel.shape import SyncShape
 from zen_ds.sync.agreement import Agreement, Prepared, choose_handshake, gather_records, prepare
@@ -176,7 +176,7 @@ def _agree(calls: Sequence[StepCall], prepared: List[Prepared], todo: List[int],
     planned: Dict[int, Tuple[str, SyncShape, Tuple[float, float, float]]] = {}
     need = list(todo)
     if mode == "reduce":
-        vector = torch.cat([prepared[i].summary for i in todo]).to(prepared[todo[0]].device)
+        vector = to_device(torch.cat([prepared[i].summary for i in todo]), prepared[todo[0]].device)
         comm.all_reduce(vector, "handshake.reduce", op="max")
         shares.append(list(todo))
         width = prepared[todo[0]].summary.numel()
@@ -216,7 +216,7 @@ def _gather(prepared: List[Prepared], need: List[int], comm: Communicator, opts:
     """One all-gather of the records of the calls in ``need`` (by the step options' cheaper
     algorithm, :func:`~zen_ds.sync.agreement.gather_records`): each call's table."""
     n = comm.world_size
-    mine = torch.cat([prepared[i].record for i in need]).to(prepared[need[0]].device)
+    mine = to_device(torch.cat([prepared[i].record for i in need]), prepared[need[0]].device)
     gathered = torch.empty(n * mine.numel(), dtype=torch.int64, device=mine.device)
     gather_records(comm, gathered, mine, opts, len(need))
     table = to_host(gathered, "agreement.records").view(n, len(need), -1)

@@ -90,3 +90,16 @@ def test_concurrent_reads_are_all_counted() -> None:
         for thread in threads:
             thread.join()
     assert reads.by_reason["r"] == 2000
+
+
+def test_to_device_is_no_read_and_keeps_a_tensor_where_it_is() -> None:
+    """Host numbers sent to a device (a record, counts): not a read, the tensor itself where it
+    already is, its values elsewhere (``meta`` here; on CUDA a queued copy from pinned memory,
+    which the GPU check's sync step sees)."""
+    t = torch.tensor([4, 5, 6])
+    with host.count_host_reads() as reads:
+        assert host.to_device(t, t.device) is t
+        assert host.to_device(t, "cpu") is t
+        moved = host.to_device(t, "meta")
+    assert reads.total == 0
+    assert moved.device.type == "meta" and moved.shape == t.shape and moved.dtype == t.dtype
