@@ -13,7 +13,8 @@ Not recorded: a tensor built from host numbers on the device (``torch.tensor(...
 host tensor assigned into or moved to a device tensor), which on CUDA is a copy that synchronises
 the stream (PyTorch's ``non_blocking=False`` copy). On CPU it is no op at all; finding it would
 mean tracking host-built tensors through ``__torch_function__``. zen_ds keeps such copies off its
-hot paths by hand (fills, device arithmetic, device tables made once; BENCHMARKS.md, session 30).
+hot paths by hand (fills, device arithmetic) and sends the host numbers it must through
+:func:`zen_ds.core.host.to_device` (pinned, queued; BENCHMARKS.md, session 30).
 
 Each op is attributed to the innermost frame outside torch: in :mod:`zen_ds.core.host` or on a
 line wrapped in ``sized(...)`` / ``host_values(...)`` it is ``counted``; in :mod:`zen_ds.ops` it
