@@ -50,13 +50,6 @@ class ShardLayout:
     def shard_size(self, rank: int) -> int:
         return self.starts[rank + 1] - self.starts[rank]
 
-    def owner_starts(self, device: torch.device) -> torch.Tensor:
-        """Each owner's first position (:attr:`starts`), then 0 for the bucket past the owners:
-        int64 ``[n + 1]``, computed on ``device`` (on CUDA a tensor built from host numbers is a
-        copy that waits for the stream)."""
-        owner = torch.arange(self.world_size + 1, dtype=torch.int64, device=device)
-        return torch.where(owner < self.world_size, owner * self.num_rows // self.world_size, 0)
-
     def positions(self, rows: torch.Tensor) -> torch.Tensor:
         return ops.permute(rows, self.num_rows, self.seed)
 

@@ -158,9 +158,10 @@ class Scheme(ABC):
     #: through :meth:`SyncContext.exchange_counts`, so a plan of it is kept between steps with
     #: the checks in those counts (:mod:`zen_ds.sync.stable`; see :meth:`checks_message_bytes`).
     checks_in_counts: ClassVar[bool] = False
-    #: True when ``sync`` takes padded rows at a stable plan (:attr:`SyncContext.live_rows`): its
-    #: count message, read anyway, tells the host how many are live, so a padded input (the row
-    #: gradient's) costs no read of its own. Other schemes get the live rows (one read).
+    #: True when a stable plan takes padded rows whole (:attr:`SyncContext.live_rows`): the
+    #: scheme's count message (the dense all-reduce's checks), read anyway, tells the host how
+    #: many are live, so a padded input (the row gradient's) costs no read of its own. Other
+    #: schemes get the live rows (one read).
     takes_padded_rows: ClassVar[bool] = False
     #: True when the scheme's push alone is :func:`zen_ds.sparse_reduce_scatter` (rows to their
     #: hashed owners): the routes that reduce-scatter gradients (ZeRO-3) accept it pinned.

@@ -33,6 +33,7 @@ def dense_allreduce(tensor: torch.Tensor, ctx: SyncContext, name: str = "dense")
 class DenseScheme(Scheme):
     name = "dense"
     whole_tensor = True
+    takes_padded_rows = True  # a stable plan scatters them whole (zen_ds.sync.stable._stable_dense)
 
     def sync(self, x: RowSparse, ctx: SyncContext) -> RowSparse:
         return RowSparse.from_dense(dense_allreduce(x.to_dense(), ctx))

@@ -61,7 +61,7 @@ from zen_ds.core.handshake import (
     CHECK_PROBLEM,
     same_agreed_fields,
 )
-from zen_ds.core.host import host_list, to_device
+from zen_ds.core.host import host_list
 from zen_ds.core.inputs import inspect_input
 from zen_ds.core.sparse import RowSparse, accum_dtype
 from zen_ds.core.stats import SyncStats, record
@@ -111,19 +111,21 @@ def unmoved_counts(planned: int) -> Tuple[int, int]:
 @functools.lru_cache(maxsize=256)
 def _moved_lookup(planned: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the edges of :func:`unmoved_counts`'s window, the flag of each side of them) on
-    ``device``: a count's bucket among the edges indexes its flag (two ops a step, not five)."""
+    ``device``: a count's bucket among the edges indexes its flag (two ops a step, not five).
+    Made once with a waiting copy, not a queued one: the cache serves every thread's stream."""
     low, high = unmoved_counts(planned)
-    edges = to_device(torch.tensor([low, high + 1], dtype=torch.int64), device)
-    flags = to_device(torch.tensor([CHECK_CHANGED, 0, CHECK_CHANGED], dtype=torch.int64), device)
+    edges = torch.tensor([low, high + 1], dtype=torch.int64, device=device)
+    flags = torch.tensor([CHECK_CHANGED, 0, CHECK_CHANGED], dtype=torch.int64, device=device)
     return edges, flags
 
 
 @functools.lru_cache(maxsize=64)
 def _check_slots(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Every value of a dense plan's check slots (problem, mismatch, changed: row ``4p + 2m +
-    c``) on ``device``, made once: a copy of host numbers to a GPU waits for its stream."""
-    return to_device(torch.tensor([[p, m, c] for p in (0.0, 1.0) for m in (0.0, 1.0)
-                                   for c in (0.0, 1.0)], dtype=dtype), device)
+    c``) on ``device``, made once (a copy of host numbers to a GPU waits for its stream; a queued
+    one would race with another thread's stream reading the cache)."""
+    return torch.tensor([[p, m, c] for p in (0.0, 1.0) for m in (0.0, 1.0) for c in (0.0, 1.0)],
+                        dtype=dtype, device=device)
 
 
 def moved_flag(live: torch.Tensor, planned: int) -> torch.Tensor:

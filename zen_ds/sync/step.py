@@ -100,8 +100,8 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
                              sum(1 for name in others if name in plans.gathered)):
         for i in sparse:  # cheaper in the step's agreement than alone (zen_ds.sync.stable)
             stable[i] = False
-    prepared = [_prepare_call(c, o, group, fields_only=s, keep_padding=s and _takes_padded_rows(
-                    plans.stable[c.name].scheme))
+    prepared = [_prepare_call(c, o, group, fields_only=s, keep_padding=s and get_scheme(
+                    plans.stable[c.name].scheme).takes_padded_rows)
                 for c, o, s in zip(calls, each, stable)]
     step_comm = Communicator.for_group(prepared[0].comm.group, "zen.step")
     shares: List[List[int]] = []  # per step collective: the calls that took part
@@ -125,14 +125,6 @@ def sync_step(calls: Sequence[StepCall], group: Optional[dist.ProcessGroup] = No
         results.append(result)
     _share(step_comm, shares, stats)
     return results
-
-
-def _takes_padded_rows(scheme: str) -> bool:
-    """Whether a kept plan of ``scheme`` takes padded rows whole: a sparse scheme whose count
-    message carries their live count, or the dense all-reduce, which scatters them whole and
-    reads their count with its checks (:mod:`zen_ds.sync.stable`)."""
-    chosen = get_scheme(scheme)
-    return chosen.takes_padded_rows or chosen.whole_tensor
 
 
 def _prepare_call(call: StepCall, opts: object, group: Optional[dist.ProcessGroup],

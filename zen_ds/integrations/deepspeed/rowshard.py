@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zen_ds.core.comm import Communicator
-from zen_ds.core.host import host_list, sized
+from zen_ds.core.host import host_list, sized, to_device
 from zen_ds.core.partition import ShardLayout
 from zen_ds.core.sparse import RowSparse, distinct_ids, mark_ids_in_range
 from zen_ds.core.stats import SyncStats
@@ -239,7 +239,7 @@ class RowShardTable:
         positions = self.layout.positions(uniq)
         owners, counts = owners_live_first(self.layout.owner_of_positions(positions), live, n)
         order = torch.argsort(owners, stable=True)
-        starts = self.layout.owner_starts(device)
+        starts = to_device(torch.tensor(self.layout.starts[:-1] + [0], dtype=torch.int64), device)
         want = (positions - starts[owners]).index_select(0, order).to(self.layout.id_dtype)
         # counts to each owner plus this rank's id check, to every rank: one all-to-all
         meta = torch.cat([counts.unsqueeze(1), check.expand(n, 2)], dim=1)
